@@ -1,0 +1,16 @@
+"""AdaDSF depth-sparse routing as an llm-compressor modifier.
+
+``import adadsf_modifier`` registers :class:`AdaDSFModifier` with llm-compressor's
+``ModifierFactory`` so YAML recipes (including the ``recipe.yaml`` saved next to a checkpoint) can
+name it.
+"""
+
+from llmcompressor.modifiers.factory import ModifierFactory
+
+from adadsf_modifier.modifier import AdaDSFModifier
+from adadsf_modifier.routing import RoutedLayer, TokenRouter, routed_layers
+
+__all__ = ["AdaDSFModifier", "RoutedLayer", "TokenRouter", "routed_layers"]
+__version__ = "0.1.0"
+
+ModifierFactory.register("AdaDSFModifier", AdaDSFModifier)

@@ -1,0 +1,217 @@
+"""Per-layer token retention ratios under a global budget.
+
+Pure functions, no torch modules: every allocation strategy the modifier offers maps a list of
+per-layer input/output cosine similarities (from dense calibration) to a list of retention ratios.
+Keeping them pure makes the comparison the method's reviewers asked for (similarity vs uniform vs
+reversed vs random vs layer removal, at the same budget) a matter of changing one string.
+"""
+
+from __future__ import annotations
+
+import math
+import random as _random
+from collections.abc import Sequence
+
+__all__ = [
+    "ALLOCATIONS",
+    "similarity_ratios",
+    "rescale_to_budget",
+    "clip_to_budget",
+    "uniform_ratios",
+    "reversed_ratios",
+    "random_ratios",
+    "layer_drop_ratios",
+    "explicit_ratios",
+    "allocate",
+    "tokens_to_keep",
+]
+
+#: Names accepted by the modifier's ``allocation`` field (besides an explicit list of floats).
+ALLOCATIONS = ("similarity", "uniform", "reversed", "random", "layer_drop")
+
+
+def _sigmoid(x: float) -> float:
+    # numerically safe for large |x| (beta * (mean - w) can reach +-beta)
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
+
+
+def _check_budget(retention: float, min_retention: float) -> None:
+    if not 0.0 < retention <= 1.0:
+        raise ValueError(f"retention must be in (0, 1], got {retention}")
+    if not 0.0 < min_retention <= retention:
+        raise ValueError(
+            f"min_retention must be in (0, retention={retention}], got {min_retention}"
+        )
+
+
+def similarity_ratios(
+    similarities: Sequence[float], retention: float, temperature: float, beta: float
+) -> list[float]:
+    """The paper's formula, before any clipping (ratios may exceed 1).
+
+    ``w = softmax((s - max s) / tau)``, ``z = beta * (mean w - w)``,
+    ``r' = 0.05 + 0.9 * sigmoid(z)``, ``r = t * L / sum(r') * r'``. A layer that changes its input
+    little (high similarity, large ``w``) gets a small ``z`` and therefore few tokens.
+    """
+    if len(similarities) == 0:
+        raise ValueError("similarities is empty: no decoder layer was calibrated")
+    if temperature <= 0:
+        raise ValueError(f"temperature (tau) must be > 0, got {temperature}")
+    s_max = max(similarities)
+    logits = [(s - s_max) / temperature for s in similarities]
+    exps = [math.exp(v) for v in logits]  # all <= 1 after subtracting the max
+    total = sum(exps)
+    w = [e / total for e in exps]
+    w_mean = sum(w) / len(w)
+    raw = [0.05 + 0.9 * _sigmoid(beta * (w_mean - wi)) for wi in w]
+    return rescale_to_budget(raw, retention)
+
+
+def rescale_to_budget(raw: Sequence[float], retention: float) -> list[float]:
+    """Multiply ``raw`` by one factor so that its mean equals ``retention``."""
+    scale = retention * len(raw) / sum(raw)
+    return [scale * r for r in raw]
+
+
+def clip_to_budget(
+    ratios: Sequence[float], retention: float, min_retention: float, tol: float = 1e-12
+) -> list[float]:
+    """Clip ratios to ``[min_retention, 1]`` and redistribute so the mean stays ``retention``.
+
+    Redistribution keeps the paper's multiplicative form: we look for the single factor ``c`` with
+    ``mean(clip(c * r, min_retention, 1)) == retention``. That mean is continuous and
+    non-decreasing in ``c`` (from ``min_retention`` at c=0 to 1 for large c), so bisection finds it
+    whenever ``min_retention <= retention <= 1``; the ranking of layers is preserved and the
+    excess of a clipped layer flows to the others in proportion to their own ratio.
+    """
+    _check_budget(retention, min_retention)
+    if any(r <= 0 for r in ratios):
+        raise ValueError("ratios to clip must be positive")
+
+    def mean_at(c: float) -> float:
+        return sum(min(1.0, max(min_retention, c * r)) for r in ratios) / len(ratios)
+
+    lo, hi = 0.0, 1.0
+    while mean_at(hi) < retention:
+        hi *= 2.0
+        if hi > 1e12:  # cannot happen for positive ratios; guard against an endless loop
+            raise RuntimeError("could not reach the retention budget")
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mean_at(mid) < retention:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < tol:
+            break
+    out = [min(1.0, max(min_retention, hi * r)) for r in ratios]
+    # Remove the last bisection residue from the unclipped layers so the mean is exact.
+    free = [i for i, v in enumerate(out) if min_retention < v < 1.0]
+    residue = retention * len(out) - sum(out)
+    if free and abs(residue) > 0:
+        share = residue / len(free)
+        for i in free:
+            out[i] = min(1.0, max(min_retention, out[i] + share))
+    return out
+
+
+def uniform_ratios(num_layers: int, retention: float) -> list[float]:
+    """Mixture-of-Depths: every routed layer keeps the same fraction."""
+    return [float(retention)] * num_layers
+
+
+def reversed_ratios(ratios: Sequence[float], similarities: Sequence[float]) -> list[float]:
+    """Same multiset of ratios as ``ratios``, assigned in the opposite similarity order.
+
+    The layer with the highest similarity gets the largest ratio. It answers "does the ranking
+    matter?" with the budget and the spread of ratios held fixed.
+    """
+    order = sorted(range(len(similarities)), key=lambda i: similarities[i])  # low -> high s
+    ranked = sorted(ratios, reverse=True)  # similarity allocation: low s -> large ratio
+    out = [0.0] * len(ratios)
+    for rank, layer in enumerate(order):
+        out[layer] = ranked[len(ranked) - 1 - rank]
+    return out
+
+
+def random_ratios(ratios: Sequence[float], seed: int) -> list[float]:
+    """A seeded random permutation of ``ratios``: same budget and spread, random assignment."""
+    out = list(ratios)
+    _random.Random(seed).shuffle(out)
+    return out
+
+
+def layer_drop_ratios(similarities: Sequence[float], retention: float) -> list[float]:
+    """ShortGPT: remove whole layers with the lowest Block Influence ``1 - s_i``.
+
+    Keeps at most ``retention * L`` layers (ratio 1) and removes the rest (ratio 0), so the budget
+    is met (the mean can be below ``retention`` when ``retention * L`` is not an integer).
+    """
+    n = len(similarities)
+    keep = int(math.floor(retention * n + 1e-9))
+    keep = max(keep, 1)
+    influence_order = sorted(range(n), key=lambda i: 1.0 - similarities[i])  # lowest BI first
+    dropped = set(influence_order[: n - keep])
+    return [0.0 if i in dropped else 1.0 for i in range(n)]
+
+
+def explicit_ratios(values: Sequence[float], num_layers: int) -> list[float]:
+    """A user-given ratio per routed layer, validated but used as given."""
+    if len(values) != num_layers:
+        raise ValueError(
+            f"allocation: an explicit list needs one ratio per routed decoder layer "
+            f"({num_layers}), got {len(values)}"
+        )
+    for i, v in enumerate(values):
+        if not 0.0 < float(v) <= 1.0:
+            raise ValueError(f"allocation: ratio {v} for routed layer {i} is outside (0, 1]")
+    return [float(v) for v in values]
+
+
+def allocate(
+    allocation: str | Sequence[float],
+    similarities: Sequence[float],
+    retention: float,
+    temperature: float,
+    beta: float,
+    min_retention: float,
+    seed: int = 0,
+) -> list[float]:
+    """Dispatch on the modifier's ``allocation`` field; returns one ratio per similarity."""
+    n = len(similarities)
+    if not isinstance(allocation, str):
+        return explicit_ratios(allocation, n)
+    if allocation not in ALLOCATIONS:
+        raise ValueError(
+            f"allocation must be one of {list(ALLOCATIONS)} or a list of ratios, "
+            f"got {allocation!r}"
+        )
+    _check_budget(retention, min_retention)
+    if n == 0:
+        raise ValueError("no routed decoder layers to allocate tokens to")
+    if allocation == "uniform":
+        return uniform_ratios(n, retention)
+    if allocation == "layer_drop":
+        return layer_drop_ratios(similarities, retention)
+    ratios = clip_to_budget(
+        similarity_ratios(similarities, retention, temperature, beta), retention, min_retention
+    )
+    if allocation == "similarity":
+        return ratios
+    if allocation == "reversed":
+        return reversed_ratios(ratios, similarities)
+    return random_ratios(ratios, seed)
+
+
+def tokens_to_keep(ratio: float, real_length: int) -> int:
+    """``K = max(1, floor(r * n))`` real tokens of a sequence with ``n`` real tokens.
+
+    A tiny epsilon absorbs float error (0.29 * 100 = 28.999999999999996 must give 29). A sequence
+    with no real token keeps none; a ratio of 0 (a dropped layer) keeps none.
+    """
+    if real_length <= 0 or ratio <= 0:
+        return 0
+    return max(1, int(math.floor(ratio * real_length + 1e-6)))

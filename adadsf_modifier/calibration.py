@@ -1,0 +1,92 @@
+"""Dense calibration: how much does each decoder layer change its input?
+
+``s_i = mean over real tokens of cos(x_in, x_out)`` for every decoder layer, accumulated by forward
+hooks while the dense model runs over the calibration batches. Padding is excluded with the same
+rule the routed layers use to find real tokens, so statistics and routing agree on what a token is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+from tqdm.auto import tqdm
+
+from adadsf_modifier.routing.selection import real_token_mask
+
+__all__ = ["SimilarityAccumulator", "token_cosine_similarity", "run_calibration_batches"]
+
+
+def token_cosine_similarity(x_in: torch.Tensor, x_out: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` cosine similarity per token, computed in float32."""
+    return torch.nn.functional.cosine_similarity(x_in.float(), x_out.float(), dim=-1, eps=1e-8)
+
+
+class SimilarityAccumulator:
+    """Running sum and count of per-token cosine similarity for each decoder layer."""
+
+    def __init__(self, num_layers: int):
+        self.sums = [0.0] * num_layers
+        self.counts = [0] * num_layers
+
+    def hook_for(self, index: int):
+        """A ``register_forward_hook(..., with_kwargs=True)`` hook for decoder layer ``index``."""
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            x_in = args[0] if args else kwargs["hidden_states"]
+            x_out = output[0] if isinstance(output, tuple) else output
+            batch, seq_len = x_in.shape[:2]
+            real = real_token_mask(kwargs.get("attention_mask"), batch, seq_len, x_in.device)
+            cos = token_cosine_similarity(x_in, x_out)
+            self.sums[index] += float(cos[real].double().sum())
+            self.counts[index] += int(real.sum())
+
+        return hook
+
+    @property
+    def num_tokens(self) -> int:
+        return self.counts[0] if self.counts else 0
+
+    def similarities(self) -> list[float]:
+        if any(c == 0 for c in self.counts):
+            raise ValueError(
+                "calibration saw no real tokens: the calibration set is empty or all padding"
+            )
+        return [s / c for s, c in zip(self.sums, self.counts)]
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def run_calibration_batches(
+    model: nn.Module, batches: Iterable[Mapping[str, Any]], desc: str = "AdaDSF calibration"
+) -> int:
+    """Forward every batch through ``model`` (no grad, no KV cache); returns the batch count.
+
+    Only the keys a causal LM takes are passed, so a dataloader that also yields ``labels`` does
+    not make the model compute a loss over logits it does not need.
+    """
+    device = next(model.parameters()).device
+    n = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in tqdm(batches, desc=desc, leave=False):
+                inputs = {
+                    k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")
+                }
+                if "input_ids" not in inputs:
+                    raise ValueError(
+                        f"calibration batches need an `input_ids` column, got {sorted(batch)}"
+                    )
+                model(**_to_device(inputs, device), use_cache=False)
+                n += 1
+    finally:
+        model.train(was_training)
+    logger.debug(f"{desc}: {n} batches")
+    return n

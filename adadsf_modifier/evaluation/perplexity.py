@@ -1,0 +1,202 @@
+"""Sliding-window perplexity for any causal language model.
+
+Why a hand-written loop instead of ``model(..., labels=...).loss``: the models evaluated here may be
+routed models whose decoder layers are wrapped, and the loss a model returns is a per-window *mean*
+that makes exact token accounting across windows awkward (and silently wrong when windows score
+different numbers of tokens). We only ask the model for logits and sum the negative log-likelihood
+ourselves, so ``tokens`` is exact and ``nll`` is the true mean over every scored token.
+
+The windowing follows the Hugging Face recipe (https://huggingface.co/docs/transformers/perplexity):
+the text is tokenized once, windows of ``max_length`` tokens start every ``stride`` tokens, and only
+the tokens not scored by an earlier window are scored, each with at least
+``max_length - stride`` tokens of context. Every token except the first is scored exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from tqdm.auto import tqdm
+
+__all__ = ["PerplexityResult", "perplexity", "sliding_windows"]
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """Outcome of :func:`perplexity`.
+
+    ``ppl`` = ``exp(nll)``; ``nll`` is the mean negative log-likelihood per scored token (nats);
+    ``tokens`` is how many tokens were scored (the stream length minus one).
+    """
+
+    ppl: float
+    nll: float
+    tokens: int
+
+
+def sliding_windows(num_tokens: int, max_length: int, stride: int) -> Iterator[tuple[int, int, int]]:
+    """Yield ``(begin, end, trg_len)``: window ``[begin, end)`` scores its last ``trg_len`` tokens.
+
+    Matches the Hugging Face recipe, except that a ``stride`` equal to ``max_length`` is treated
+    as ``max_length - 1``: a window must overlap the previous one by at least one token, otherwise
+    its first token has no context and could never be scored. In the first window ``trg_len`` is
+    the whole window, but its first token has nothing to condition on, so it is not scored: the
+    total scored over all windows is ``num_tokens - 1``.
+    """
+    step = min(stride, max_length - 1)
+    prev_end = 0
+    for begin in range(0, num_tokens, step):
+        end = min(begin + max_length, num_tokens)
+        yield begin, end, end - prev_end
+        prev_end = end
+        if end == num_tokens:
+            break
+
+
+def _validate(max_length: int, stride: int, batch_size: int, max_tokens: int | None) -> None:
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2 (one context + one scored token), got {max_length}")
+    if stride <= 0:
+        raise ValueError(f"stride must be positive, got {stride}")
+    if stride > max_length:
+        raise ValueError(
+            f"stride ({stride}) must not exceed max_length ({max_length}): tokens between windows "
+            "would never be scored"
+        )
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (or None), got {max_tokens}")
+
+
+def _token_stream(tokenizer, texts: Sequence[str] | str | None, input_ids) -> torch.Tensor:
+    """Return the 1-D token stream: given ids, or ``"\\n\\n".join(texts)`` tokenized once."""
+    if input_ids is not None:
+        if texts is not None:
+            raise ValueError("pass either texts or input_ids, not both")
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise ValueError(f"input_ids must be a 1-D token stream, got shape {tuple(ids.shape)}")
+        return ids
+    if texts is None:
+        raise ValueError("texts is required when input_ids is not given")
+    if tokenizer is None:
+        raise ValueError("a tokenizer is required to score texts")
+    if isinstance(texts, str):
+        texts = [texts]
+    text = "\n\n".join(texts)
+    if not text.strip():
+        raise ValueError("no text to score: texts are empty or whitespace only")
+    # verbose=False: a long stream exceeding model_max_length is expected here, windows handle it.
+    encoded = tokenizer(text, return_tensors="pt", verbose=False)
+    return encoded["input_ids"][0]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def perplexity(
+    model: torch.nn.Module,
+    tokenizer,
+    texts: Sequence[str] | str | None,
+    max_length: int = 512,
+    stride: int = 256,
+    max_tokens: int | None = None,
+    batch_size: int = 1,
+    *,
+    input_ids: Sequence[int] | torch.Tensor | None = None,
+    show_progress: bool = True,
+) -> PerplexityResult:
+    """Sliding-window perplexity of ``model`` on ``texts`` (joined with ``"\\n\\n"``).
+
+    Args:
+        model: any causal LM callable as ``model(input_ids=..., attention_mask=..., use_cache=False)``
+            returning ``.logits`` (or a tuple whose first item is the logits).
+        tokenizer: tokenizes the joined text once (default special tokens, as in the HF recipe).
+            May be ``None`` when ``input_ids`` is given.
+        texts: documents to score; a single string is accepted.
+        max_length: window length in tokens (the model's attention span during scoring).
+        stride: distance between window starts; scored tokens get at least
+            ``max_length - stride`` tokens of context. ``stride == max_length`` means
+            non-overlapping windows (one token of overlap is kept so no token goes unscored).
+        max_tokens: keep only the first ``max_tokens`` tokens of the stream (quick runs).
+        batch_size: windows per forward pass. The last, shorter window is right-padded and masked,
+            which cannot change earlier positions' logits in a causal model.
+        input_ids: pre-tokenized 1-D stream to score instead of ``texts``.
+        show_progress: show a tqdm bar over windows.
+
+    Returns:
+        :class:`PerplexityResult` with ``tokens == min(len(stream), max_tokens) - 1``.
+
+    Raises:
+        ValueError: ``stride <= 0``, ``stride > max_length``, ``max_length < 2``, empty text, or a
+            stream of fewer than two tokens.
+    """
+    _validate(max_length, stride, batch_size, max_tokens)
+    ids = _token_stream(tokenizer, texts, input_ids)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    n = int(ids.numel())
+    if n < 2:
+        raise ValueError(f"need at least 2 tokens to score, the stream has {n}")
+
+    windows = list(sliding_windows(n, max_length, stride))
+    device = _model_device(model)
+    pad_id = 0
+    was_training = model.training
+    model.eval()
+    nll_sum = 0.0
+    scored = 0
+    try:
+        with torch.inference_mode():
+            bar = tqdm(total=len(windows), desc="perplexity", unit="win", disable=not show_progress)
+            for first in range(0, len(windows), batch_size):
+                group = windows[first : first + batch_size]
+                width = max(end - begin for begin, end, _ in group)
+                batch = torch.full((len(group), width), pad_id, dtype=torch.long)
+                mask = torch.zeros((len(group), width), dtype=torch.long)
+                # target[b, j] is the token at position j + 1, or -100 if not scored here.
+                target = torch.full((len(group), width - 1), -100, dtype=torch.long)
+                for row, (begin, end, trg_len) in enumerate(group):
+                    length = end - begin
+                    batch[row, :length] = ids[begin:end]
+                    mask[row, :length] = 1
+                    first_scored = max(length - trg_len, 1)  # position 0 has no context
+                    target[row, first_scored - 1 : length - 1] = ids[begin + first_scored : end]
+                out = model(input_ids=batch.to(device), attention_mask=mask.to(device), use_cache=False)
+                logits = out.logits if hasattr(out, "logits") else out[0]
+                logits = logits[:, :-1, :].float()
+                target = target.to(logits.device)
+                nll_sum += float(
+                    F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+                    )
+                )
+                scored += int((target != -100).sum())
+                bar.update(len(group))
+                if scored:
+                    bar.set_postfix(ppl=f"{math.exp(nll_sum / scored):.3f}")
+            bar.close()
+    finally:
+        model.train(was_training)
+
+    if scored != n - 1:  # invariant of sliding_windows; cheap insurance against future edits
+        raise RuntimeError(f"scored {scored} tokens, expected {n - 1}")
+    nll = nll_sum / scored
+    result = PerplexityResult(ppl=math.exp(nll), nll=nll, tokens=scored)
+    logger.info(
+        f"perplexity={result.ppl:.4f} nll={result.nll:.4f} tokens={result.tokens} "
+        f"(max_length={max_length}, stride={stride}, windows={len(windows)})"
+    )
+    return result

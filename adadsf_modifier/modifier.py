@@ -1,0 +1,271 @@
+"""``AdaDSFModifier``: wires calibration, allocation and routing into llm-compressor's lifecycle.
+
+All of the modifier's work happens in ``on_initialize``. llm-compressor initialises every modifier
+of a recipe, in order, before any calibration pipeline runs, so by the time a later GPTQ or
+SmoothQuant modifier initialises (and resolves its target modules) the layers are already routed,
+and GPTQ's sequential pipeline then calibrates on exactly the tokens the sparse model feeds each
+layer. The pipeline's own passes run without gradients and without the lm_head, so the dense
+calibration loops over ``state.data.calib`` itself (as AutoRound does for its gradient work).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from compressed_tensors.utils import is_match
+from loguru import logger
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from llmcompressor.core import Event, State
+from llmcompressor.modifiers import Modifier
+
+from adadsf_modifier.allocation import ALLOCATIONS, allocate, explicit_ratios
+from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
+from adadsf_modifier.routing import TokenRouter, decoder_layers, route_layer, unroute_layer
+
+__all__ = ["AdaDSFModifier"]
+
+
+class AdaDSFModifier(Modifier):
+    """
+    Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the tokens a
+    small router ranks highest; layers that change their input little get fewer tokens.
+
+    Sample yaml:
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        AdaDSFModifier:
+          retention: 0.8
+          temperature: 0.05
+          beta: 10.0
+          allocation: similarity
+          ignore: ["re:.*layers\\.0$"]
+    ```
+
+    Lifecycle:
+
+    - on_initialize
+        - validate the recipe against the model (before touching it)
+        - dense calibration: cosine similarity of each decoder layer's input and output
+        - allocation: per-layer retention ratios with mean ``retention``
+        - routing: each targeted decoder layer becomes a ``RoutedLayer`` with its own router
+    - on_finalize: nothing left to do; the routed model stays routed
+
+    :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens that run
+        each routed layer
+    :param temperature: softmax temperature ``tau`` (> 0) of the similarity allocation
+    :param beta: steepness of the similarity -> ratio sigmoid (paper: 10)
+    :param min_retention: lower clip for any routed layer's ratio; defaults to
+        ``min(0.1, retention)``; must not exceed ``retention``
+    :param allocation: ``similarity`` (AdaDSF), ``uniform`` (MoD), ``reversed`` (similarity ranking
+        inverted), ``random`` (a seeded permutation of the similarity ratios), ``layer_drop``
+        (ShortGPT: remove whole layers with the lowest Block Influence), or an explicit list with
+        one ratio in (0, 1] per routed layer
+    :param targets: which decoder layers to route, as module names, ``re:`` regexes or class
+        names; ``None`` routes every decoder layer
+    :param ignore: decoder layers to leave dense (names, ``re:`` regexes or class names)
+    :param router_hidden_size: width of each router's hidden layer
+    :param seed: seeds router initialisation and the ``random`` allocation
+    """
+
+    retention: float = 0.8
+    temperature: float = 0.05
+    beta: float = 10.0
+    min_retention: float | None = None
+    allocation: str | list[float] = "similarity"
+    targets: str | list[str] | None = None
+    ignore: list[str] = Field(default_factory=list)
+    router_hidden_size: int = 64
+    seed: int = 0
+
+    _similarities: list[float] | None = PrivateAttr(default=None)
+    _retention_ratios: list[float] | None = PrivateAttr(default=None)
+    _routed_names: list[str] = PrivateAttr(default_factory=list)
+
+    # ------------------------------------------------------------------ validation
+    @field_validator("retention")
+    @classmethod
+    def _check_retention(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0.0 < v <= 1.0):
+            raise ValueError(f"retention must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0.0):
+            raise ValueError(f"temperature (tau) must be > 0, got {v}")
+        return v
+
+    @field_validator("beta")
+    @classmethod
+    def _check_beta(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"beta must be a finite number, got {v}")
+        return v
+
+    @field_validator("router_hidden_size")
+    @classmethod
+    def _check_router_size(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"router_hidden_size must be a positive integer, got {v}")
+        return v
+
+    @field_validator("allocation")
+    @classmethod
+    def _check_allocation(cls, v: str | list[float]) -> str | list[float]:
+        if isinstance(v, str):
+            if v not in ALLOCATIONS:
+                raise ValueError(
+                    f"allocation must be one of {list(ALLOCATIONS)} or a list of per-layer "
+                    f"ratios in (0, 1], got {v!r}"
+                )
+            return v
+        if len(v) == 0:
+            raise ValueError("allocation: an explicit list of ratios must not be empty")
+        for r in v:
+            if not (math.isfinite(r) and 0.0 < r <= 1.0):
+                raise ValueError(f"allocation: every explicit ratio must be in (0, 1], got {r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_min_retention(self) -> "AdaDSFModifier":
+        if self.min_retention is not None:
+            m = self.min_retention
+            if not (math.isfinite(m) and 0.0 < m <= self.retention):
+                raise ValueError(
+                    f"min_retention must be in (0, retention={self.retention}], got {m}"
+                )
+        return self
+
+    # ------------------------------------------------------------------ results
+    @property
+    def similarities(self) -> list[float]:
+        """Dense input/output cosine similarity of every decoder layer, in layer order."""
+        if self._similarities is None:
+            raise RuntimeError("similarities are available after the modifier has initialized")
+        return list(self._similarities)
+
+    @property
+    def retention_ratios(self) -> list[float]:
+        """Retention ratio of every decoder layer in layer order (1.0 for layers not routed)."""
+        if self._retention_ratios is None:
+            raise RuntimeError("retention_ratios are available after the modifier has initialized")
+        return list(self._retention_ratios)
+
+    @property
+    def resolved_min_retention(self) -> float:
+        return self.min_retention if self.min_retention is not None else min(0.1, self.retention)
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_initialize(self, state: State, **kwargs: Any) -> bool:
+        model = state.model
+        spec, layers = decoder_layers(model)
+        targeted = self._targeted_layers(layers)
+        if isinstance(self.allocation, list):
+            explicit_ratios(self.allocation, len(targeted))  # wrong length fails before calibration
+
+        calib = getattr(state.data, "calib", None) if state.data is not None else None
+        if calib is None:
+            raise ValueError(
+                "AdaDSFModifier needs calibration data: pass `dataset=` (and a tokenizer) to "
+                "oneshot"
+            )
+        try:
+            n_batches = len(calib)
+        except TypeError:
+            n_batches = None
+        if n_batches == 0:
+            raise ValueError("AdaDSFModifier: the calibration set is empty (0 batches)")
+
+        self._similarities = self._calibrate(model, layers, calib)
+        routed_sims = [self._similarities[i] for i, _, _ in targeted]
+        ratios = allocate(
+            self.allocation,
+            routed_sims,
+            retention=self.retention,
+            temperature=self.temperature,
+            beta=self.beta,
+            min_retention=self.resolved_min_retention,
+            seed=self.seed,
+        )
+        full = [1.0] * len(layers)
+        for (i, _, _), r in zip(targeted, ratios):
+            full[i] = r
+        self._retention_ratios = full
+
+        self._route(model, spec.cache_kwarg, targeted, ratios)
+        logger.info(
+            f"AdaDSF: routed {len(targeted)}/{len(layers)} decoder layers, allocation="
+            f"{self.allocation if isinstance(self.allocation, str) else 'explicit'}, mean ratio "
+            f"{sum(ratios) / len(ratios):.4f}, ratios "
+            f"[{', '.join(f'{r:.3f}' for r in full)}]"
+        )
+        return True
+
+    def on_start(self, state: State, event: Event, **kwargs: Any) -> None:
+        pass
+
+    def on_end(self, state: State, event: Event, **kwargs: Any) -> None:
+        pass
+
+    def on_finalize(self, state: State, **kwargs: Any) -> bool:
+        self.remove_hooks()
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def _targeted_layers(self, layers: list[tuple[str, torch.nn.Module]]):
+        targets = self.targets
+        if targets is None:
+            chosen = [
+                (i, n, m) for i, (n, m) in enumerate(layers) if not is_match(n, m, self.ignore)
+            ]
+        else:
+            targets = [targets] if isinstance(targets, str) else targets
+            chosen = [
+                (i, n, m)
+                for i, (n, m) in enumerate(layers)
+                if is_match(n, m, targets, ignore=self.ignore)
+            ]
+        if not chosen:
+            raise ValueError(
+                f"AdaDSFModifier: targets={self.targets!r} / ignore={self.ignore!r} match no "
+                f"decoder layer (first layer is `{layers[0][0]}`)"
+            )
+        return chosen
+
+    def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
+        acc = SimilarityAccumulator(len(layers))
+        for i, (_, layer) in enumerate(layers):
+            self.register_hook(layer, acc.hook_for(i), "forward", with_kwargs=True)
+        try:
+            # The base model skips the lm_head: calibration needs hidden states only.
+            run_calibration_batches(model.base_model, calib)
+        finally:
+            self.remove_hooks()
+        sims = acc.similarities()
+        logger.info(
+            f"AdaDSF calibration: {acc.num_tokens} real tokens, similarities "
+            f"[{', '.join(f'{s:.3f}' for s in sims)}]"
+        )
+        return sims
+
+    def _route(self, model, cache_kwarg: str, targeted, ratios: list[float]) -> None:
+        hidden = model.config.hidden_size
+        done: list[torch.nn.Module] = []
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                for (i, name, layer), r in zip(targeted, ratios):
+                    router = TokenRouter(hidden, self.router_hidden_size)
+                    route_layer(layer, router, r, i, cache_kwarg, model.config)
+                    done.append(layer)
+        except Exception:
+            for layer in done:
+                unroute_layer(layer)
+            raise
+        self._routed_names = [name for _, name, _ in targeted]

@@ -1,0 +1,185 @@
+"""A decoder layer that runs only on the tokens its router selects.
+
+The routed layer is the *same module object* with its class swapped for a subclass of the
+original decoder-layer class (``RoutedLlamaDecoderLayer(RoutedLayer, LlamaDecoderLayer)``):
+parameter names, hooks, ``isinstance`` checks, GPTQ ``targets``/``ignore`` and the sequential
+pipeline's ``sequential_targets`` (which match by class name along the MRO) all keep working,
+and a reference anyone took to the layer before routing still points at the routed layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from adadsf_modifier.routing.router import TokenRouter
+from adadsf_modifier.routing.selection import (
+    compact_attention_mask,
+    gather_position_embeddings,
+    gather_tokens,
+    real_token_mask,
+    scatter_tokens,
+    select_topk,
+    tokens_to_keep_per_row,
+)
+
+__all__ = ["RoutedLayer", "route_layer", "unroute_layer", "routed_class_for"]
+
+_UNSUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+_ROUTED_CLASSES: dict[type, type] = {}
+
+
+class RoutedLayer(nn.Module):
+    """Mixin for routed decoder layers; ``isinstance(layer, RoutedLayer)`` finds them.
+
+    Per sequence the top ``K = max(1, floor(r * real_length))`` real tokens by router score run the
+    original layer (attending only among themselves, at their original positions); the others
+    leave it bit-identical. The update of a selected token is multiplied by a straight-through
+    gate ``1 + sigmoid(s) - sigmoid(s).detach()``: exactly 1 in value (so an untrained router at
+    r = 1 reproduces the dense layer exactly), with the router receiving
+    ``d loss / d out * (out - in) * sigmoid'(s)`` as gradient.
+    """
+
+    router: TokenRouter
+    retention_ratio: float
+    layer_index: int
+    cache_kwarg: str
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401 - see class docstring
+        if len(args) > 1:  # bind extra positional args to their names once
+            bound = inspect.signature(super().forward).bind(*args, **kwargs)
+            args, kwargs = (bound.arguments.pop("hidden_states"),), dict(bound.arguments)
+            kwargs.update(kwargs.pop("kwargs", {}))
+        if args:
+            x = args[0]
+        else:
+            x = kwargs.pop("hidden_states")
+        ratio = float(self.retention_ratio)
+        if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
+            return x
+
+        impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
+        if impl in _UNSUPPORTED_ATTENTION:
+            raise NotImplementedError(
+                f"AdaDSF routing supports attn_implementation 'sdpa' and 'eager', got {impl!r}"
+            )
+        batch, seq_len, _ = x.shape
+        attention_mask = kwargs.get("attention_mask")
+        real = real_token_mask(attention_mask, batch, seq_len, x.device)
+        scores = self.router(x)
+
+        if ratio >= 1.0:
+            # Every real token runs the layer: call it unchanged (cache included), keep padding.
+            y = super().forward(x, **kwargs)
+            y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
+            gate = _straight_through_gate(scores).unsqueeze(-1).to(y.dtype)
+            out = torch.where(real.unsqueeze(-1), y * gate + x * (1 - gate), x)
+            return (out, *rest) if rest is not None else out
+
+        cache = kwargs.get(self.cache_kwarg)
+        _refuse_incremental_topk(cache, self.layer_index)
+        keep = tokens_to_keep_per_row(real, ratio)
+        k_max = int(keep.max())
+        if k_max == 0:
+            return x
+        index, valid = select_topk(scores, real, keep, k_max)
+
+        inner = dict(kwargs)
+        inner[self.cache_kwarg] = None
+        inner["use_cache"] = False
+        inner["position_embeddings"] = gather_position_embeddings(
+            kwargs.get("position_embeddings"), index
+        )
+        if kwargs.get("position_ids") is not None:
+            inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
+        as_bool = attention_mask.dtype == torch.bool if attention_mask is not None else impl != "eager"
+        inner["attention_mask"] = compact_attention_mask(
+            attention_mask, index, valid, dtype=x.dtype, as_bool=as_bool
+        )
+        x_sel = gather_tokens(x, index)
+        y = super().forward(x_sel, **inner)
+        y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
+        gate = _straight_through_gate(scores.gather(1, index.clamp(max=seq_len - 1)))
+        gate = gate.unsqueeze(-1).to(y.dtype)
+        out = scatter_tokens(x, index, y * gate + x_sel * (1 - gate))
+        return (out, *rest) if rest is not None else out
+
+    def extra_repr(self) -> str:
+        return f"layer_index={self.layer_index}, retention_ratio={self.retention_ratio:.4f}"
+
+
+def _straight_through_gate(scores: torch.Tensor) -> torch.Tensor:
+    p = torch.sigmoid(scores)
+    return 1.0 + (p - p.detach())
+
+
+def _refuse_incremental_topk(cache: Any, layer_index: int) -> None:
+    """Top-K over a sequence is not causal; continuing from a cache would be silently wrong.
+
+    A routed layer writes nothing into the cache in top-k mode, so it marks the cache instead and
+    refuses a second forward on it (incremental decoding), or a cache that another model filled.
+    """
+    if cache is None:
+        return
+    seen = cache.__dict__.setdefault("_adadsf_topk_layers", set())
+    if layer_index in seen or cache.get_seq_length(layer_index) > 0:
+        raise RuntimeError(
+            "AdaDSF top-k routing chooses tokens over the whole sequence and cannot continue "
+            "from a KV cache; run without a cache (use_cache=False)"
+        )
+    seen.add(layer_index)
+
+
+def routed_class_for(layer_class: type) -> type:
+    """``Routed<Name>(RoutedLayer, <Name>)``, created once per original class."""
+    if issubclass(layer_class, RoutedLayer):
+        return layer_class
+    cls = _ROUTED_CLASSES.get(layer_class)
+    if cls is None:
+        cls = type(
+            f"Routed{layer_class.__name__}",
+            (RoutedLayer, layer_class),
+            {"__module__": __name__, "__doc__": RoutedLayer.__doc__},
+        )
+        _ROUTED_CLASSES[layer_class] = cls
+    return cls
+
+
+def route_layer(
+    layer: nn.Module,
+    router: TokenRouter,
+    retention_ratio: float,
+    layer_index: int,
+    cache_kwarg: str,
+    config: Any,
+) -> nn.Module:
+    """Turn ``layer`` into a routed layer in place (same object, new class, router added)."""
+    if not 0.0 <= retention_ratio <= 1.0:
+        raise ValueError(f"retention ratio must be in [0, 1], got {retention_ratio}")
+    if isinstance(layer, RoutedLayer):
+        raise ValueError(f"layer {layer_index} is already routed")
+    param = next(layer.parameters(), None)
+    if param is not None:
+        router.to(device=param.device, dtype=param.dtype if param.is_floating_point() else None)
+    layer.__class__ = routed_class_for(type(layer))
+    layer.add_module("router", router)
+    layer.retention_ratio = float(retention_ratio)
+    layer.layer_index = int(layer_index)
+    layer.cache_kwarg = cache_kwarg
+    layer._adadsf_config = config
+    return layer
+
+
+def unroute_layer(layer: nn.Module) -> nn.Module:
+    """Undo :func:`route_layer` (used to leave a model untouched when a later step fails)."""
+    if not isinstance(layer, RoutedLayer):
+        return layer
+    original = next(c for c in type(layer).__mro__[1:] if not issubclass(c, RoutedLayer))
+    del layer._modules["router"]
+    for attr in ("retention_ratio", "layer_index", "cache_kwarg", "_adadsf_config"):
+        layer.__dict__.pop(attr, None)
+    layer.__class__ = original
+    return layer

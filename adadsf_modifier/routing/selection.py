@@ -1,0 +1,149 @@
+"""Tensor helpers that turn router scores into a compacted batch of selected tokens and back.
+
+All of them work on the whole batch at once (no Python loop over rows): a routed layer gathers the
+selected tokens of every row into a dense ``[batch, K_max, hidden]`` tensor, runs the original
+layer on it with a matching attention mask, and scatters the results back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "real_token_mask",
+    "tokens_to_keep_per_row",
+    "select_topk",
+    "gather_tokens",
+    "gather_position_embeddings",
+    "compact_attention_mask",
+    "scatter_tokens",
+]
+
+
+def real_token_mask(
+    attention_mask: torch.Tensor | None, batch: int, seq_len: int, device: torch.device
+) -> torch.Tensor:
+    """``[batch, seq]`` bool, True for real (non-padding) query tokens.
+
+    Read off the 4D mask a decoder layer receives: a padded key is masked for every query, so a
+    query token is real iff it may attend to itself (the diagonal, shifted by any cached length).
+    This works the same under the model's own forward and llm-compressor's traced sequential
+    pipeline, which calls decoder layers directly. ``None`` (SDPA's causal fast path) means no
+    padding. A 2D ``[batch, kv_len]`` padding mask is accepted as well.
+    """
+    if attention_mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -seq_len:].bool()
+    if attention_mask.dim() != 4:
+        raise ValueError(
+            f"AdaDSF routing expects a 2D or 4D attention mask, got shape {tuple(attention_mask.shape)}"
+        )
+    kv_len = attention_mask.shape[-1]
+    offset = kv_len - seq_len
+    diag = torch.diagonal(attention_mask[:, 0, -seq_len:, :], offset=offset, dim1=-2, dim2=-1)
+    if attention_mask.dtype == torch.bool:
+        real = diag
+    else:  # additive float mask: 0 where attending, a large negative number where masked
+        real = diag > torch.finfo(attention_mask.dtype).min / 2
+    return real.expand(batch, seq_len)
+
+
+def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``K_b = max(1, floor(ratio * n_b))`` per row (0 for an all-padding row or ratio 0).
+
+    Same rule as :func:`adadsf_modifier.allocation.tokens_to_keep`, vectorised in float64.
+    """
+    n = real.sum(dim=1)
+    if ratio <= 0:
+        return torch.zeros_like(n)
+    k = torch.floor(n.to(torch.float64) * ratio + 1e-6).to(n.dtype)
+    return torch.where(n > 0, k.clamp(min=1), torch.zeros_like(n))
+
+
+def select_topk(
+    scores: torch.Tensor, real: torch.Tensor, keep: torch.Tensor, k_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``keep[b]`` real tokens of each row by score, returned in position order.
+
+    Returns ``index [batch, k_max]`` (positions ascending; unused slots hold ``seq_len``, one past
+    the end, so they sort last and scatter into a discarded slot) and ``valid [batch, k_max]``.
+    Padding gets ``-inf`` and is never chosen while a real token remains (``keep <= n_real``).
+    """
+    batch, seq_len = scores.shape
+    masked = scores.masked_fill(~real, float("-inf"))
+    top = masked.topk(k_max, dim=1, sorted=True).indices  # rank order, best first
+    slot = torch.arange(k_max, device=scores.device).expand(batch, k_max)
+    valid_rank = slot < keep.unsqueeze(1)
+    top = torch.where(valid_rank, top, torch.full_like(top, seq_len))
+    index = top.sort(dim=1).values
+    valid = index < seq_len
+    return index, valid
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[b, index[b, k]]`` along dim 1; out-of-range (unused) slots read the last token."""
+    idx = index.clamp(max=x.shape[1] - 1)
+    shape = list(idx.shape) + list(x.shape[2:])
+    idx = idx.reshape(*idx.shape, *([1] * (x.dim() - 2))).expand(shape)
+    return x.expand(index.shape[0], *x.shape[1:]).gather(1, idx)
+
+
+def gather_position_embeddings(
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rotary ``(cos, sin)`` of the selected tokens, so each keeps its original position."""
+    if position_embeddings is None:
+        return None
+    cos, sin = position_embeddings
+    return gather_tokens(cos, index), gather_tokens(sin, index)
+
+
+def compact_attention_mask(
+    attention_mask: torch.Tensor | None,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    dtype: torch.dtype,
+    as_bool: bool,
+) -> torch.Tensor:
+    """The ``[batch, 1, K, K]`` mask among selected tokens.
+
+    Taken from the layer's own 4D mask at the selected (query, key) positions, so causality,
+    padding and any sliding window carry over unchanged; ``None`` means plain causal. Unused slots
+    are masked as keys, and every slot may attend to itself so no row is fully masked (SDPA would
+    return NaN there; those rows are discarded anyway).
+    """
+    batch, k = index.shape
+    device = index.device
+    if attention_mask is None:
+        allowed = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
+    else:
+        seq_len = attention_mask.shape[-1]
+        idx = index.clamp(max=seq_len - 1)
+        rows = torch.arange(batch, device=device).view(batch, 1, 1)
+        full = attention_mask[:, 0]
+        if full.shape[0] == 1 and batch > 1:
+            full = full.expand(batch, *full.shape[1:])
+        picked = full[rows, idx.unsqueeze(2), idx.unsqueeze(1)]
+        if picked.dtype == torch.bool:
+            allowed = picked
+        else:
+            allowed = picked > torch.finfo(picked.dtype).min / 2
+    allowed = allowed & valid.unsqueeze(1)
+    allowed = allowed | torch.eye(k, dtype=torch.bool, device=device)
+    allowed = allowed.unsqueeze(1)
+    if as_bool:
+        return allowed
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``values`` written at ``index`` (unused slots land in a dropped extra slot).
+
+    Tokens that were not selected come back bit-identical to ``x``.
+    """
+    batch, seq_len, hidden = x.shape
+    padded = torch.cat([x, x.new_zeros(batch, 1, hidden)], dim=1)
+    idx = index.unsqueeze(-1).expand(-1, -1, hidden)
+    return padded.scatter(1, idx, values)[:, :seq_len]
