@@ -78,17 +78,18 @@ def decoder_layers(model: nn.Module) -> tuple[ArchitectureSpec, list[tuple[str, 
         )
     layers = []
     for i, layer in enumerate(obj):
-        if spec.layer_class not in {c.__name__ for c in type(layer).__mro__}:
+        original = next((c for c in type(layer).__mro__ if c.__name__ == spec.layer_class), None)
+        if original is None:
             raise UnsupportedArchitectureError(
                 f"AdaDSF expected {spec.layer_class} at `{spec.layers_path}.{i}`, "
                 f"found {type(layer).__name__}"
             )
-        params = inspect.signature(type(layer).forward).parameters
+        params = inspect.signature(original.forward).parameters
         missing = [a for a in (*_REQUIRED_LAYER_ARGS, spec.cache_kwarg) if a not in params]
         if missing:
             raise UnsupportedArchitectureError(
                 f"AdaDSF could not find argument(s) {missing} in "
-                f"{type(layer).__name__}.forward; this transformers version is not supported"
+                f"{original.__name__}.forward; this transformers version is not supported"
             )
         layers.append((f"{spec.layers_path}.{i}", layer))
     return spec, layers
