@@ -15,9 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from adadsf_modifier.routing.cache import routed_cache_layer
 from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.selection import (
     compact_attention_mask,
+    select_by_mask,
+    to_attention_dtype,
     gather_position_embeddings,
     gather_tokens,
     real_token_mask,
@@ -35,40 +38,49 @@ _ROUTED_CLASSES: dict[type, type] = {}
 class RoutedLayer(nn.Module):
     """Mixin for routed decoder layers; ``isinstance(layer, RoutedLayer)`` finds them.
 
-    Per sequence the top ``K = max(1, floor(r * real_length))`` real tokens by router score run the
-    original layer (attending only among themselves, at their original positions); the others
-    leave it bit-identical. The update of a selected token is multiplied by a straight-through
-    gate ``1 + sigmoid(s) - sigmoid(s).detach()``: exactly 1 in value (so an untrained router at
-    r = 1 reproduces the dense layer exactly), with the router receiving
-    ``d loss / d out * (out - in) * sigmoid'(s)`` as gradient.
+    The selected tokens (see :mod:`adadsf_modifier.routing.modes`) run the original layer,
+    attending only among themselves (and, with a KV cache, to the earlier tokens that ran this
+    layer) at their original positions; the others leave it bit-identical. The update of a
+    selected token is multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``:
+    exactly 1 in value (so an untrained router at r = 1 reproduces the dense layer exactly), while
+    the router receives ``d loss / d out * (out - in) * sigmoid'(s)`` as gradient.
     """
 
     router: TokenRouter
     retention_ratio: float
     layer_index: int
     cache_kwarg: str
+    routing_mode: str = "auto"
+    causal_threshold: float | None = None
+
+    def resolved_routing_mode(self) -> str:
+        mode = self.routing_mode
+        if mode == "auto":
+            return "causal" if (not self.training and self.causal_threshold is not None) else "topk"
+        return mode
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401 - see class docstring
         if len(args) > 1:  # bind extra positional args to their names once
             bound = inspect.signature(super().forward).bind(*args, **kwargs)
             args, kwargs = (bound.arguments.pop("hidden_states"),), dict(bound.arguments)
             kwargs.update(kwargs.pop("kwargs", {}))
-        if args:
-            x = args[0]
-        else:
-            x = kwargs.pop("hidden_states")
+        x = args[0] if args else kwargs.pop("hidden_states")
         ratio = float(self.retention_ratio)
-        if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
-            return x
+        batch, q_len, _ = x.shape
+        cache = kwargs.get(self.cache_kwarg)
+        cache_layer = routed_cache_layer(cache, self.layer_index) if cache is not None and ratio < 1.0 else None
 
+        if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
+            if cache_layer is not None:
+                cache_layer.record_step(None, q_len)
+            return x
         impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
         if impl in _UNSUPPORTED_ATTENTION:
             raise NotImplementedError(
                 f"AdaDSF routing supports attn_implementation 'sdpa' and 'eager', got {impl!r}"
             )
-        batch, seq_len, _ = x.shape
         attention_mask = kwargs.get("attention_mask")
-        real = real_token_mask(attention_mask, batch, seq_len, x.device)
+        real = real_token_mask(attention_mask, batch, q_len, x.device)
         scores = self.router(x)
 
         if ratio >= 1.0:
@@ -79,58 +91,86 @@ class RoutedLayer(nn.Module):
             out = torch.where(real.unsqueeze(-1), y * gate + x * (1 - gate), x)
             return (out, *rest) if rest is not None else out
 
-        cache = kwargs.get(self.cache_kwarg)
-        _refuse_incremental_topk(cache, self.layer_index)
-        keep = tokens_to_keep_per_row(real, ratio)
-        k_max = int(keep.max())
+        mode = self.resolved_routing_mode()
+        if mode == "topk":
+            if cache_layer is not None and cache_layer.seen_tokens > 0:
+                raise RuntimeError(
+                    "AdaDSF top-k routing chooses tokens over the whole sequence and cannot "
+                    "continue from a KV cache: use causal routing for incremental decoding "
+                    "(model.eval() after threshold calibration, or set_routing_mode(model, "
+                    "'causal'))"
+                )
+            keep = tokens_to_keep_per_row(real, ratio)
+            k_max = int(keep.max())
+            if k_max > 0:
+                index, valid = select_topk(scores, real, keep, k_max)
+        elif mode == "causal":
+            if self.causal_threshold is None:
+                raise RuntimeError(
+                    f"layer {self.layer_index} has no causal threshold; calibrate thresholds "
+                    "first (adadsf_modifier.routing.calibrate_thresholds)"
+                )
+            selected = real & (scores > self.causal_threshold)
+            k_max = int(selected.sum(dim=1).max())
+            if k_max > 0:
+                index, valid = select_by_mask(selected, k_max)
+        else:
+            raise ValueError(f"unknown routing mode {mode!r}")
         if k_max == 0:
+            if cache_layer is not None:
+                cache_layer.record_step(None, q_len)
             return x
-        index, valid = select_topk(scores, real, keep, k_max)
 
         inner = dict(kwargs)
-        inner[self.cache_kwarg] = None
-        inner["use_cache"] = False
         inner["position_embeddings"] = gather_position_embeddings(
             kwargs.get("position_embeddings"), index
         )
         if kwargs.get("position_ids") is not None:
             inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
-        as_bool = attention_mask.dtype == torch.bool if attention_mask is not None else impl != "eager"
-        inner["attention_mask"] = compact_attention_mask(
-            attention_mask, index, valid, dtype=x.dtype, as_bool=as_bool
+        past_valid = cache_layer.slot_valid if cache_layer is not None else None
+        inner["attention_mask"] = self._selected_mask(
+            attention_mask, index, valid, past_valid, cache_layer, batch, x.dtype, impl
         )
+        if cache_layer is None:
+            inner[self.cache_kwarg] = None
+            inner["use_cache"] = False
         x_sel = gather_tokens(x, index)
         y = super().forward(x_sel, **inner)
         y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
-        gate = _straight_through_gate(scores.gather(1, index.clamp(max=seq_len - 1)))
+        if cache_layer is not None:
+            cache_layer.record_step(valid, q_len)
+        gate = _straight_through_gate(scores.gather(1, index.clamp(max=q_len - 1)))
         gate = gate.unsqueeze(-1).to(y.dtype)
         out = scatter_tokens(x, index, y * gate + x_sel * (1 - gate))
         return (out, *rest) if rest is not None else out
 
+    @staticmethod
+    def _selected_mask(attention_mask, index, valid, past_valid, cache_layer, batch, dtype, impl):
+        """``None`` when SDPA's own causal path is exact (the fast path), else an explicit mask."""
+        k = index.shape[1]
+        no_padding = attention_mask is None
+        past_ok = cache_layer is None or cache_layer.all_slots_valid
+        if no_padding and (batch == 1 or bool(valid.all())) and past_ok:
+            no_past = past_valid is None or past_valid.shape[1] == 0
+            if no_past or k == 1:
+                # no past: SDPA's top-left causal mask; one query: everything before is visible
+                if impl != "eager" or k == 1:
+                    return None
+        mask = compact_attention_mask(attention_mask, index, valid, past_valid)
+        as_bool = attention_mask.dtype == torch.bool if attention_mask is not None else impl != "eager"
+        return to_attention_dtype(mask, dtype, as_bool)
+
     def extra_repr(self) -> str:
-        return f"layer_index={self.layer_index}, retention_ratio={self.retention_ratio:.4f}"
+        thr = "None" if self.causal_threshold is None else f"{self.causal_threshold:.4f}"
+        return (
+            f"layer_index={self.layer_index}, retention_ratio={self.retention_ratio:.4f}, "
+            f"routing_mode={self.routing_mode}, causal_threshold={thr}"
+        )
 
 
 def _straight_through_gate(scores: torch.Tensor) -> torch.Tensor:
     p = torch.sigmoid(scores)
     return 1.0 + (p - p.detach())
-
-
-def _refuse_incremental_topk(cache: Any, layer_index: int) -> None:
-    """Top-K over a sequence is not causal; continuing from a cache would be silently wrong.
-
-    A routed layer writes nothing into the cache in top-k mode, so it marks the cache instead and
-    refuses a second forward on it (incremental decoding), or a cache that another model filled.
-    """
-    if cache is None:
-        return
-    seen = cache.__dict__.setdefault("_adadsf_topk_layers", set())
-    if layer_index in seen or cache.get_seq_length(layer_index) > 0:
-        raise RuntimeError(
-            "AdaDSF top-k routing chooses tokens over the whole sequence and cannot continue "
-            "from a KV cache; run without a cache (use_cache=False)"
-        )
-    seen.add(layer_index)
 
 
 def routed_class_for(layer_class: type) -> type:
@@ -179,7 +219,8 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
         return layer
     original = next(c for c in type(layer).__mro__[1:] if not issubclass(c, RoutedLayer))
     del layer._modules["router"]
-    for attr in ("retention_ratio", "layer_index", "cache_kwarg", "_adadsf_config"):
+    for attr in ("retention_ratio", "layer_index", "cache_kwarg", "_adadsf_config",
+                 "routing_mode", "causal_threshold"):
         layer.__dict__.pop(attr, None)
     layer.__class__ = original
     return layer

@@ -13,9 +13,11 @@ __all__ = [
     "real_token_mask",
     "tokens_to_keep_per_row",
     "select_topk",
+    "select_by_mask",
     "gather_tokens",
     "gather_position_embeddings",
     "compact_attention_mask",
+    "to_attention_dtype",
     "scatter_tokens",
 ]
 
@@ -81,6 +83,18 @@ def select_topk(
     return index, valid
 
 
+def select_by_mask(selected: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the ``selected`` tokens of each row, ascending, padded to ``k_max`` slots.
+
+    Same output convention as :func:`select_topk` (unused slots hold ``seq_len``).
+    """
+    batch, seq_len = selected.shape
+    pos = torch.arange(seq_len, device=selected.device).expand(batch, seq_len)
+    key = torch.where(selected, pos, torch.full_like(pos, seq_len))
+    index = key.sort(dim=1).values[:, :k_max]
+    return index, index < seq_len
+
+
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[b, index[b, k]]`` along dim 1; out-of-range (unused) slots read the last token."""
     idx = index.clamp(max=x.shape[1] - 1)
@@ -103,39 +117,42 @@ def compact_attention_mask(
     attention_mask: torch.Tensor | None,
     index: torch.Tensor,
     valid: torch.Tensor,
-    dtype: torch.dtype,
-    as_bool: bool,
+    past_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``[batch, 1, K, K]`` mask among selected tokens.
+    """The boolean ``[batch, 1, K, past_slots + K]`` mask of the selected queries.
 
-    Taken from the layer's own 4D mask at the selected (query, key) positions, so causality,
-    padding and any sliding window carry over unchanged; ``None`` means plain causal. Unused slots
-    are masked as keys, and every slot may attend to itself so no row is fully masked (SDPA would
-    return NaN there; those rows are discarded anyway).
+    Among the new tokens it is read off the layer's own 4D mask at the selected (query, key)
+    positions, so causality, padding and any sliding window carry over; ``None`` means plain
+    causal. Cached slots (``past_valid [batch, past_slots]``, all earlier positions) are visible
+    where valid. Unused slots are masked as keys, and each slot may attend to itself so no row
+    is fully masked (SDPA would return NaN; those rows are discarded anyway).
     """
     batch, k = index.shape
     device = index.device
     if attention_mask is None:
         allowed = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
     else:
-        seq_len = attention_mask.shape[-1]
-        idx = index.clamp(max=seq_len - 1)
-        rows = torch.arange(batch, device=device).view(batch, 1, 1)
         full = attention_mask[:, 0]
+        kv_len = full.shape[-1]
+        offset = kv_len - full.shape[-2]  # keys of the current tokens start here
+        idx = index.clamp(max=full.shape[-2] - 1)
         if full.shape[0] == 1 and batch > 1:
             full = full.expand(batch, *full.shape[1:])
-        picked = full[rows, idx.unsqueeze(2), idx.unsqueeze(1)]
-        if picked.dtype == torch.bool:
-            allowed = picked
-        else:
-            allowed = picked > torch.finfo(picked.dtype).min / 2
-    allowed = allowed & valid.unsqueeze(1)
-    allowed = allowed | torch.eye(k, dtype=torch.bool, device=device)
-    allowed = allowed.unsqueeze(1)
+        rows = torch.arange(batch, device=device).view(batch, 1, 1)
+        picked = full[rows, idx.unsqueeze(2), offset + idx.unsqueeze(1)]
+        allowed = picked if picked.dtype == torch.bool else picked > torch.finfo(picked.dtype).min / 2
+    allowed = (allowed & valid.unsqueeze(1)) | torch.eye(k, dtype=torch.bool, device=device)
+    if past_valid is not None and past_valid.shape[1] > 0:
+        past = past_valid.unsqueeze(1).expand(batch, k, past_valid.shape[1])
+        allowed = torch.cat([past, allowed], dim=-1)
+    return allowed.unsqueeze(1)
+
+
+def to_attention_dtype(mask: torch.Tensor, dtype: torch.dtype, as_bool: bool) -> torch.Tensor:
+    """Boolean mask for SDPA, additive float mask for eager attention."""
     if as_bool:
-        return allowed
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
 
 def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""KV cache of a routed layer: only the tokens that ran the layer leave keys and values.
+
+A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` of a routed decoder layer inside any
+transformers ``DynamicCache`` (so ``generate()`` works with its default cache). It stores the keys
+and values of the *selected* tokens, compacted per step into ``[batch, slots, ...]`` with a
+``slot_valid`` mask (rows of a batch select different numbers of tokens), and it reports the true
+number of positions seen, because transformers derives positions and mask sizes from
+``cache.get_seq_length()`` and ``get_mask_sizes()`` of layer 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+__all__ = ["RoutedCacheLayer", "routed_cache_layer"]
+
+
+class RoutedCacheLayer(DynamicLayer):
+    """Compacted keys/values of selected tokens plus their validity and the true length."""
+
+    is_croppable = False
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.seen_tokens = 0  # positions processed by this layer, selected or not
+        self.slot_valid: torch.Tensor | None = None  # [batch, slots] bool
+        self.all_slots_valid = True  # lets batch-1 decoding skip building a mask
+
+    # what transformers reads to build positions and masks: the true sequence length
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.slot_valid is None else self.slot_valid.shape[1]
+
+    def record_step(self, valid: torch.Tensor | None, query_length: int) -> None:
+        """After a forward: ``valid`` marks the slots just appended (None if none were)."""
+        self.seen_tokens += query_length
+        if valid is None:
+            return
+        if valid.shape[0] > 1:
+            self.all_slots_valid = self.all_slots_valid and bool(valid.all())
+        self.slot_valid = valid if self.slot_valid is None else torch.cat([self.slot_valid, valid], 1)
+
+    # batch manipulations used by generate() (beam search, num_return_sequences)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.num_slots:
+            super().reorder_cache(beam_idx)
+            self.slot_valid = self.slot_valid.index_select(0, beam_idx.to(self.slot_valid.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.num_slots:
+            super().batch_repeat_interleave(repeats)
+            self.slot_valid = self.slot_valid.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.num_slots:
+            super().batch_select_indices(indices)
+            self.slot_valid = self.slot_valid[indices, ...]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "AdaDSF routed caches cannot be cropped (assisted/speculative decoding is not supported)"
+        )
+
+
+def routed_cache_layer(cache: Any, layer_idx: int) -> RoutedCacheLayer:
+    """The routed cache layer for ``layer_idx`` inside ``cache``, installing it on first use."""
+    if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
+        raise TypeError(
+            f"AdaDSF routing supports transformers' DynamicCache, got {type(cache).__name__}"
+        )
+    layers = cache.layers
+    replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
+    while len(layers) <= layer_idx:
+        layers.append(replicate())
+    current = layers[layer_idx]
+    if isinstance(current, RoutedCacheLayer):
+        return current
+    if type(current) is not DynamicLayer:
+        raise TypeError(
+            f"AdaDSF routing needs a plain DynamicLayer at cache layer {layer_idx}, found "
+            f"{type(current).__name__} (sliding-window, static and offloaded caches are not "
+            "supported by routed layers)"
+        )
+    if current.is_initialized and current.get_seq_length() > 0:
+        raise RuntimeError(
+            f"cache layer {layer_idx} already holds {current.get_seq_length()} dense tokens: "
+            "a routed model cannot continue from a cache filled by another model"
+        )
+    layers[layer_idx] = routed = RoutedCacheLayer()
+    return routed
