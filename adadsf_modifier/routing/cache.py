@@ -26,8 +26,8 @@ class RoutedCacheLayer(DynamicLayer):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.seen_tokens = 0  # positions processed by this layer, selected or not
-        self.slot_valid: torch.Tensor | None = None  # [batch, slots] bool
-        self.all_slots_valid = True  # lets batch-1 decoding skip building a mask
+        self.num_slots = 0  # cached (compacted) key/value slots
+        self._slot_valid: torch.Tensor | None = None  # [batch, slots]; None while all are valid
 
     # what transformers reads to build positions and masks: the true sequence length
     def get_seq_length(self) -> int:
@@ -37,33 +37,55 @@ class RoutedCacheLayer(DynamicLayer):
         return self.seen_tokens + query_length, 0
 
     @property
-    def num_slots(self) -> int:
-        return 0 if self.slot_valid is None else self.slot_valid.shape[1]
+    def all_slots_valid(self) -> bool:
+        """True while every cached slot holds a real token (always so at batch size 1)."""
+        return self._slot_valid is None
 
-    def record_step(self, valid: torch.Tensor | None, query_length: int) -> None:
-        """After a forward: ``valid`` marks the slots just appended (None if none were)."""
+    def slot_valid(self, batch: int, device: torch.device) -> torch.Tensor:
+        """``[batch, num_slots]`` bool: which cached slots hold a token (the rest are filler)."""
+        if self._slot_valid is None:
+            return torch.ones(batch, self.num_slots, dtype=torch.bool, device=device)
+        return self._slot_valid
+
+    def record_step(self, query_length: int, valid: torch.Tensor | None = None,
+                    appended: int = 0) -> None:
+        """After a forward over ``query_length`` tokens that appended ``appended`` slots.
+
+        ``valid [batch, appended]`` marks which appended slots are real; ``None`` means all.
+        """
         self.seen_tokens += query_length
-        if valid is None:
+        if appended == 0:
             return
-        if valid.shape[0] > 1:
-            self.all_slots_valid = self.all_slots_valid and bool(valid.all())
-        self.slot_valid = valid if self.slot_valid is None else torch.cat([self.slot_valid, valid], 1)
+        if valid is not None and self._slot_valid is None and not bool(valid.all()):
+            self._slot_valid = torch.ones(valid.shape[0], self.num_slots, dtype=torch.bool,
+                                          device=valid.device)
+        if self._slot_valid is not None:
+            if valid is None:
+                valid = torch.ones(self._slot_valid.shape[0], appended, dtype=torch.bool,
+                                   device=self._slot_valid.device)
+            self._slot_valid = torch.cat([self._slot_valid, valid], dim=1)
+        self.num_slots += appended
 
     # batch manipulations used by generate() (beam search, num_return_sequences)
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.num_slots:
             super().reorder_cache(beam_idx)
-            self.slot_valid = self.slot_valid.index_select(0, beam_idx.to(self.slot_valid.device))
+            if self._slot_valid is not None:
+                self._slot_valid = self._slot_valid.index_select(
+                    0, beam_idx.to(self._slot_valid.device)
+                )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.num_slots:
             super().batch_repeat_interleave(repeats)
-            self.slot_valid = self.slot_valid.repeat_interleave(repeats, dim=0)
+            if self._slot_valid is not None:
+                self._slot_valid = self._slot_valid.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.num_slots:
             super().batch_select_indices(indices)
-            self.slot_valid = self.slot_valid[indices, ...]
+            if self._slot_valid is not None:
+                self._slot_valid = self._slot_valid[indices, ...]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(

@@ -72,7 +72,7 @@ class RoutedLayer(nn.Module):
 
         if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
             if cache_layer is not None:
-                cache_layer.record_step(None, q_len)
+                cache_layer.record_step(q_len)
             return x
         impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
         if impl in _UNSUPPORTED_ATTENTION:
@@ -92,6 +92,8 @@ class RoutedLayer(nn.Module):
             return (out, *rest) if rest is not None else out
 
         mode = self.resolved_routing_mode()
+        if mode == "causal" and batch == 1 and q_len == 1 and self.causal_threshold is not None:
+            return self._decode_one_token(x, scores, real, kwargs, cache_layer)
         if mode == "topk":
             if cache_layer is not None and cache_layer.seen_tokens > 0:
                 raise RuntimeError(
@@ -118,7 +120,7 @@ class RoutedLayer(nn.Module):
             raise ValueError(f"unknown routing mode {mode!r}")
         if k_max == 0:
             if cache_layer is not None:
-                cache_layer.record_step(None, q_len)
+                cache_layer.record_step(q_len)
             return x
 
         inner = dict(kwargs)
@@ -127,9 +129,8 @@ class RoutedLayer(nn.Module):
         )
         if kwargs.get("position_ids") is not None:
             inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
-        past_valid = cache_layer.slot_valid if cache_layer is not None else None
         inner["attention_mask"] = self._selected_mask(
-            attention_mask, index, valid, past_valid, cache_layer, batch, x.dtype, impl
+            attention_mask, index, valid, cache_layer, x.dtype, impl
         )
         if cache_layer is None:
             inner[self.cache_kwarg] = None
@@ -138,24 +139,52 @@ class RoutedLayer(nn.Module):
         y = super().forward(x_sel, **inner)
         y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
         if cache_layer is not None:
-            cache_layer.record_step(valid, q_len)
-        gate = _straight_through_gate(scores.gather(1, index.clamp(max=q_len - 1)))
-        gate = gate.unsqueeze(-1).to(y.dtype)
-        out = scatter_tokens(x, index, y * gate + x_sel * (1 - gate))
+            cache_layer.record_step(q_len, valid, appended=k_max)
+        if torch.is_grad_enabled():
+            gate = _straight_through_gate(scores.gather(1, index.clamp(max=q_len - 1)))
+            gate = gate.unsqueeze(-1).to(y.dtype)
+            y = y * gate + x_sel * (1 - gate)
+        out = scatter_tokens(x, index, y)
         return (out, *rest) if rest is not None else out
 
+    def _decode_one_token(self, x, scores, real, kwargs, cache_layer):
+        """Batch 1, one new token: skip or run the layer as is, with no gather/scatter/mask.
+
+        At batch size 1 every cached slot is a real earlier token that ran this layer, so the
+        single query may attend to all of them and the mask can be dropped.
+        """
+        if not bool((scores[0, 0] > self.causal_threshold) & real[0, 0]):  # the one host sync
+            if cache_layer is not None:
+                cache_layer.record_step(1)
+            return x
+        inner = dict(kwargs)
+        inner["attention_mask"] = None
+        if cache_layer is None:
+            inner[self.cache_kwarg] = None
+            inner["use_cache"] = False
+        y = super().forward(x, **inner)
+        y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
+        if cache_layer is not None:
+            cache_layer.record_step(1, None, appended=1)
+        if torch.is_grad_enabled():
+            gate = _straight_through_gate(scores).unsqueeze(-1).to(y.dtype)
+            y = y * gate + x * (1 - gate)
+        return (y, *rest) if rest is not None else y
+
     @staticmethod
-    def _selected_mask(attention_mask, index, valid, past_valid, cache_layer, batch, dtype, impl):
-        """``None`` when SDPA's own causal path is exact (the fast path), else an explicit mask."""
-        k = index.shape[1]
-        no_padding = attention_mask is None
-        past_ok = cache_layer is None or cache_layer.all_slots_valid
-        if no_padding and (batch == 1 or bool(valid.all())) and past_ok:
-            no_past = past_valid is None or past_valid.shape[1] == 0
-            if no_past or k == 1:
-                # no past: SDPA's top-left causal mask; one query: everything before is visible
-                if impl != "eager" or k == 1:
-                    return None
+    def _selected_mask(attention_mask, index, valid, cache_layer, dtype, impl):
+        """``None`` when the attention kernel's own behaviour is exact, else an explicit mask.
+
+        No padding, every selected slot used and every cached slot valid: one query may see
+        everything before it, and several queries without a past get SDPA's causal path.
+        """
+        batch, k = index.shape
+        num_past = cache_layer.num_slots if cache_layer is not None else 0
+        past_clean = cache_layer is None or cache_layer.all_slots_valid
+        if attention_mask is None and past_clean and (batch == 1 or bool(valid.all())):
+            if k == 1 or (num_past == 0 and impl != "eager"):
+                return None
+        past_valid = cache_layer.slot_valid(batch, index.device) if num_past else None
         mask = compact_attention_mask(attention_mask, index, valid, past_valid)
         as_bool = attention_mask.dtype == torch.bool if attention_mask is not None else impl != "eager"
         return to_attention_dtype(mask, dtype, as_bool)
