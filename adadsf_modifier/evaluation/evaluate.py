@@ -1,0 +1,109 @@
+"""One evaluation record for one model: perplexity, lm-eval accuracies and normalized FLOPs.
+
+Shared by the CLI (``adadsf eval`` / ``adadsf run``) so dense and sparse models are measured by
+exactly the same code on exactly the same text.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from adadsf_modifier.checkpoint import SIDECAR_NAME, from_pretrained
+from adadsf_modifier.evaluation.assets import load_text_splits, resolve_model
+from adadsf_modifier.evaluation.perplexity import perplexity
+from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.routing import routed_layers, set_routing_mode
+
+__all__ = ["EvalRecord", "load_for_eval", "evaluate_model"]
+
+
+@dataclass
+class EvalRecord:
+    label: str
+    model: str
+    routed: bool
+    routing_mode: str | None
+    ppl: float | None = None
+    ppl_tokens: int | None = None
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    normalized_flops: float = 1.0
+    normalized_flops_with_lm_head: float = 1.0
+    flops_tokens: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_for_eval(name_or_path: str | None, dtype: torch.dtype = torch.float32
+                  ) -> tuple[nn.Module, Any, bool]:
+    """``(model, tokenizer, routed)``: AdaDSF checkpoints reload routed, anything else dense."""
+    path = resolve_model(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if os.path.isfile(os.path.join(path, SIDECAR_NAME)):
+        model = from_pretrained(path, dtype=dtype)
+        routed = True
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        routed = False
+    return model.eval(), tokenizer, routed
+
+
+def evaluate_model(
+    model: nn.Module,
+    tokenizer: Any,
+    label: str,
+    model_name: str = "",
+    ppl: bool = True,
+    ppl_max_tokens: int | None = 16384,
+    ppl_max_length: int = 512,
+    ppl_stride: int = 256,
+    tasks: tuple[str, ...] | list[str] = (),
+    limit: int | None = None,
+    routing_mode: str = "causal",
+    flops_seq_len: int = 512,
+) -> EvalRecord:
+    """Evaluate on the held-out *test* split (perplexity), lm-eval tasks and a FLOPs probe.
+
+    Routed models are evaluated in ``routing_mode`` (``causal`` is what ``generate()`` uses).
+    Normalized FLOPs are counted on the first ``flops_seq_len`` test tokens as the model routes
+    them (1.0 for a dense model).
+    """
+    t0 = time.perf_counter()
+    routed = bool(routed_layers(model))
+    if routed:
+        set_routing_mode(model, routing_mode)
+    model.eval()
+    record = EvalRecord(label=label, model=model_name, routed=routed,
+                        routing_mode=routing_mode if routed else None)
+    test_text = "\n\n".join(load_text_splits()["test"]["text"])
+    if ppl:
+        res = perplexity(model, tokenizer, test_text, max_length=ppl_max_length, stride=ppl_stride,
+                         max_tokens=ppl_max_tokens)
+        record.ppl, record.ppl_tokens = float(res.ppl), int(res.tokens)
+        logger.info(f"{label}: perplexity {record.ppl:.3f} over {record.ppl_tokens} test tokens")
+    if tasks:
+        from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
+
+        record.tasks = evaluate_tasks(model, tokenizer, list(tasks), limit=limit)
+    ids = torch.tensor(tokenizer(test_text[: flops_seq_len * 16])["input_ids"][:flops_seq_len])
+    with torch.no_grad():
+        report = normalized_flops(model, {"input_ids": ids[None]})
+    record.normalized_flops = float(report.normalized)
+    record.normalized_flops_with_lm_head = float(report.normalized_with_lm_head)
+    record.flops_tokens = int(ids.numel())
+    record.seconds = time.perf_counter() - t0
+    return record
+
+
+def is_adadsf_checkpoint(path: str | Path) -> bool:
+    return Path(path, SIDECAR_NAME).is_file()

@@ -1,0 +1,231 @@
+"""Wall-clock speed of a routed model against its dense twin, measured side by side.
+
+Both models live in one process with the same weights; every measurement alternates dense and
+routed runs and reports medians, so machine noise hits both alike. Next to each measured speedup
+we print the FLOPs ideal ``1 / normalized FLOPs`` counted from the kept tokens the routed model
+actually produced on the same inputs (:mod:`adadsf_modifier.flops`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+from tqdm.auto import tqdm
+
+from adadsf_modifier.flops import normalized_flops
+
+__all__ = ["SpeedResult", "measure_prefill", "measure_decode", "run_speed_benchmark", "format_table"]
+
+
+@dataclass
+class SpeedResult:
+    kind: str  # "prefill" or "decode"
+    batch_size: int
+    seq_len: int  # prompt length (prefill) or prompt length before decoding
+    new_tokens: int  # decode steps timed (0 for prefill)
+    dense_s: float  # median seconds per prefill, or per decode step
+    routed_s: float
+    speedup: float  # dense_s / routed_s
+    flops_ideal: float  # 1 / normalized FLOPs (decoder layers + routers, lm_head excluded)
+    flops_ideal_with_lm_head: float
+    normalized_flops: float
+    dense_runs: list[float] = field(default_factory=list)
+    routed_runs: list[float] = field(default_factory=list)
+
+    @property
+    def fraction_of_ideal(self) -> float:
+        return self.speedup / self.flops_ideal
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fraction_of_ideal"] = self.fraction_of_ideal
+        return d
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _interleaved(fn_dense: Callable[[], float], fn_routed: Callable[[], float], repeats: int,
+                 warmup: int, desc: str) -> tuple[list[float], list[float]]:
+    for _ in range(warmup):
+        fn_dense()
+        fn_routed()
+    dense, routed = [], []
+    for i in tqdm(range(repeats), desc=desc, leave=False):
+        # alternate which model goes first so drift and cache effects do not favour one
+        if i % 2 == 0:
+            dense.append(fn_dense())
+            routed.append(fn_routed())
+        else:
+            routed.append(fn_routed())
+            dense.append(fn_dense())
+    return dense, routed
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def measure_prefill(dense: nn.Module, routed: nn.Module, input_ids: torch.Tensor,
+                    repeats: int = 5, warmup: int = 1) -> SpeedResult:
+    """Median latency of one forward over ``input_ids`` (``[batch, seq]``), KV cache on."""
+    device = _device_of(dense)
+    input_ids = input_ids.to(device)
+
+    def timed(model: nn.Module) -> Callable[[], float]:
+        def run() -> float:
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            return time.perf_counter() - t0
+
+        return run
+
+    b, n = input_ids.shape
+    d, r = _interleaved(timed(dense), timed(routed), repeats, warmup, f"prefill b={b} n={n}")
+    report = normalized_flops(routed, {"input_ids": input_ids})
+    return _result("prefill", b, n, 0, d, r, report)
+
+
+@torch.inference_mode()
+def _decode_loop(model: nn.Module, prompt: torch.Tensor,
+                 new_tokens: int) -> tuple[float, list[torch.Tensor]]:
+    """Prefill (untimed), then ``new_tokens`` greedy steps; seconds per step and the tokens fed."""
+    device = _device_of(model)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    token = out.logits[:, -1:].argmax(-1)
+    fed = []
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        fed.append(token)
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    return (time.perf_counter() - t0) / max(new_tokens, 1), fed
+
+
+@torch.inference_mode()
+def _decode_flops(model: nn.Module, prompt: torch.Tensor, fed: list[torch.Tensor]) -> "_Totals":
+    """Replay the timed decoding (same tokens, so the same routing) and count its FLOPs."""
+    cache = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
+    totals = _Totals(0, 0, 0)
+    for token in fed:
+        rep = normalized_flops(model, {"input_ids": token, "past_key_values": cache,
+                                       "use_cache": True})
+        totals.dense += rep.dense
+        totals.routed += rep.routed
+        totals.lm_head += rep.dense_with_lm_head - rep.dense
+    return totals
+
+
+def measure_decode(dense: nn.Module, routed: nn.Module, prompt: torch.Tensor,
+                   new_tokens: int = 32, repeats: int = 3, warmup: int = 1) -> SpeedResult:
+    """Median seconds per greedy decoding step after a prompt (prefill not timed)."""
+    prompt = prompt.to(_device_of(dense))
+    fed: list[torch.Tensor] = []
+
+    def routed_run() -> float:
+        seconds, tokens = _decode_loop(routed, prompt, new_tokens)
+        fed[:] = tokens
+        return seconds
+
+    d, r = _interleaved(lambda: _decode_loop(dense, prompt, new_tokens)[0], routed_run,
+                        repeats, warmup, f"decode b={prompt.shape[0]}")
+    totals = _decode_flops(routed, prompt, fed)
+    return _result("decode", prompt.shape[0], prompt.shape[1], new_tokens, d, r, totals)
+
+
+@dataclass
+class _Totals:
+    dense: int
+    routed: int
+    lm_head: int
+
+    @property
+    def normalized(self) -> float:
+        return self.routed / self.dense
+
+    @property
+    def normalized_with_lm_head(self) -> float:
+        return (self.routed + self.lm_head) / (self.dense + self.lm_head)
+
+
+def _result(kind, b, n, new, d, r, report) -> SpeedResult:
+    dm, rm = statistics.median(d), statistics.median(r)
+    return SpeedResult(
+        kind=kind, batch_size=b, seq_len=n, new_tokens=new, dense_s=dm, routed_s=rm,
+        speedup=dm / rm, flops_ideal=1.0 / report.normalized,
+        flops_ideal_with_lm_head=1.0 / report.normalized_with_lm_head,
+        normalized_flops=report.normalized, dense_runs=d, routed_runs=r,
+    )
+
+
+def run_speed_benchmark(dense: nn.Module, routed: nn.Module, token_stream: torch.Tensor,
+                        seq_lens=(256, 1024, 2048), batch_sizes=(1, 8), decode_prompt: int = 128,
+                        decode_tokens: int = 32, repeats: int = 5) -> list[SpeedResult]:
+    """The full grid: prefill at each (seq_len, batch) and decoding at each batch size.
+
+    ``token_stream`` is a 1D tensor of real token ids; inputs are consecutive, non-overlapping
+    chunks of it (real text routes like real text; random ids would not).
+    """
+    dense.eval()
+    routed.eval()
+    results = []
+
+    def chunk(b: int, n: int, offset: int = 0) -> torch.Tensor:
+        need = b * n
+        if token_stream.numel() < need:
+            reps = need // token_stream.numel() + 1
+            stream = token_stream.repeat(reps)
+        else:
+            stream = token_stream
+        return stream[offset:offset + need].view(b, n)
+
+    for n in seq_lens:
+        for b in batch_sizes:
+            res = measure_prefill(dense, routed, chunk(b, n), repeats=repeats)
+            logger.info(_row(res))
+            results.append(res)
+    for b in batch_sizes:
+        res = measure_decode(dense, routed, chunk(b, decode_prompt), new_tokens=decode_tokens,
+                             repeats=max(1, repeats // 2 + 1))
+        logger.info(_row(res))
+        results.append(res)
+    return results
+
+
+def _row(r: SpeedResult) -> str:
+    what = f"{r.kind:7s} b={r.batch_size:<2d} n={r.seq_len:<5d}"
+    unit = "ms/step" if r.kind == "decode" else "ms"
+    return (f"{what} dense {r.dense_s * 1e3:9.2f} {unit:7s} routed {r.routed_s * 1e3:9.2f} "
+            f"speedup {r.speedup:5.3f}x  FLOPs ideal {r.flops_ideal:5.3f}x "
+            f"(with lm_head {r.flops_ideal_with_lm_head:5.3f}x)  achieved {r.fraction_of_ideal:5.2f} "
+            "of ideal")
+
+
+def format_table(results: list[SpeedResult]) -> str:
+    head = ("| kind | batch | seq | dense | routed | speedup | FLOPs ideal | ideal w/ lm_head "
+            "| speedup / ideal |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in results:
+        unit = "ms/step" if r.kind == "decode" else "ms"
+        rows.append(
+            f"| {r.kind} | {r.batch_size} | {r.seq_len} | {r.dense_s * 1e3:.2f} {unit} | "
+            f"{r.routed_s * 1e3:.2f} {unit} | {r.speedup:.3f}x | {r.flops_ideal:.3f}x | "
+            f"{r.flops_ideal_with_lm_head:.3f}x | {r.fraction_of_ideal:.2f} |"
+        )
+    return "\n".join([head, *rows])
