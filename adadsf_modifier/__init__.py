@@ -7,10 +7,18 @@ name it.
 
 from llmcompressor.modifiers.factory import ModifierFactory
 
+from adadsf_modifier.checkpoint import AdaDSFCheckpointError, from_pretrained
 from adadsf_modifier.modifier import AdaDSFModifier
 from adadsf_modifier.routing import RoutedLayer, TokenRouter, routed_layers
 
-__all__ = ["AdaDSFModifier", "RoutedLayer", "TokenRouter", "routed_layers"]
+__all__ = [
+    "AdaDSFCheckpointError",
+    "AdaDSFModifier",
+    "from_pretrained",
+    "RoutedLayer",
+    "TokenRouter",
+    "routed_layers",
+]
 __version__ = "0.1.0"
 
 ModifierFactory.register("AdaDSFModifier", AdaDSFModifier)

