@@ -29,6 +29,16 @@ from adadsf_modifier.evaluation import assets as assets_mod
 VOCAB = 320  # requested BPE size; the model uses len(tokenizer)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny models are dominated by thread synchronisation: on a busy 2-core machine two intra-op
+    threads make each forward ~100x slower than one thread does."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE with ~320 tokens, trained offline on a few sentences."""
@@ -161,7 +171,8 @@ def test_text_pathway_and_max_tokens(tiny_model, tiny_tokenizer):
 def test_model_mode_is_restored(tiny_model):
     tiny_model.train()
     try:
-        perplexity(tiny_model, None, None, max_length=8, stride=4, input_ids=_random_ids(20, tiny_model.config.vocab_size), show_progress=False)
+        ids = _random_ids(20, tiny_model.config.vocab_size)
+        perplexity(tiny_model, None, None, max_length=8, stride=4, input_ids=ids, show_progress=False)
         assert tiny_model.training
     finally:
         tiny_model.eval()
@@ -175,7 +186,8 @@ def test_model_mode_is_restored(tiny_model):
 )  # fmt: skip
 def test_invalid_window_arguments(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        perplexity(tiny_model, None, None, input_ids=_random_ids(20, tiny_model.config.vocab_size), show_progress=False, **kwargs)
+        ids = _random_ids(20, tiny_model.config.vocab_size)
+        perplexity(tiny_model, None, None, input_ids=ids, show_progress=False, **kwargs)
 
 
 @pytest.mark.parametrize("texts", ["", "   \n", [], ["", ""]])

