@@ -26,11 +26,21 @@ def token_cosine_similarity(x_in: torch.Tensor, x_out: torch.Tensor) -> torch.Te
 
 
 class SimilarityAccumulator:
-    """Running sum and count of per-token cosine similarity for each decoder layer."""
+    """Running sum and count of per-token cosine similarity for each decoder layer.
 
-    def __init__(self, num_layers: int):
+    With ``sample_tokens > 0`` it also keeps, per layer, a random sample of real tokens' layer
+    inputs and their per-token similarity: the supervision for the routers' warm start
+    (:mod:`adadsf_modifier.routing.warm_start`), gathered in the same dense pass at no extra
+    forward cost.
+    """
+
+    def __init__(self, num_layers: int, sample_tokens: int = 0, seed: int = 0):
         self.sums = [0.0] * num_layers
         self.counts = [0] * num_layers
+        self.sample_tokens = sample_tokens
+        self.samples: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
+        self._kept = [0] * num_layers
+        self._generator = torch.Generator().manual_seed(seed)
 
     def hook_for(self, index: int):
         """A ``register_forward_hook(..., with_kwargs=True)`` hook for decoder layer ``index``."""
@@ -43,8 +53,24 @@ class SimilarityAccumulator:
             cos = token_cosine_similarity(x_in, x_out)
             self.sums[index] += float(cos[real].double().sum())
             self.counts[index] += int(real.sum())
+            if self._kept[index] < self.sample_tokens:
+                self._sample(index, x_in[real], cos[real])
 
         return hook
+
+    def _sample(self, index: int, x: torch.Tensor, cos: torch.Tensor) -> None:
+        # at most a quarter of the budget per batch, so the sample spans several batches
+        take = min(self.sample_tokens - self._kept[index], max(1, self.sample_tokens // 4), len(x))
+        pick = torch.randperm(len(x), generator=self._generator)[:take].to(x.device)
+        self.samples[index].append((x[pick].detach().float().cpu(), cos[pick].detach().cpu()))
+        self._kept[index] += take
+
+    def sampled(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs [N, hidden], similarity [N])`` sampled at decoder layer ``index``."""
+        if not self.samples[index]:
+            raise ValueError(f"no tokens were sampled at decoder layer {index}")
+        xs, cs = zip(*self.samples[index])
+        return torch.cat(xs), torch.cat(cs)
 
     @property
     def num_tokens(self) -> int:

@@ -546,30 +546,22 @@ def _allowed_pairs(
 
 
 def _selected_tokens(
-    module: RoutedLayer, x: torch.Tensor, real: torch.Tensor, ratio: float
-) -> tuple[torch.Tensor, str]:
-    """``([batch, seq] bool, mode)``: the tokens a routed layer with ``0 < ratio < 1`` will run.
+    module: RoutedLayer, x: torch.Tensor, real: torch.Tensor, has_past: bool
+) -> torch.Tensor:
+    """``[batch, seq] bool``: the tokens a routed layer with ``0 < ratio < 1`` will run.
 
-    Recomputed exactly as the layer does: top-k mode keeps the ``max(1, floor(r n))`` best-scoring
-    real tokens per row, causal mode the real tokens whose score exceeds the layer's threshold.
+    Asks the layer itself (:meth:`RoutedLayer.select_tokens`), so the count follows every rule
+    the layer applies (routing mode, threshold, top-k budget, attention-sink token).
     """
-    resolve = getattr(module, "resolved_routing_mode", None)
-    mode = resolve() if callable(resolve) else "topk"
     b, n = real.shape
-    if mode == "causal":
-        threshold = getattr(module, "causal_threshold", None)
-        if threshold is None:  # the layer itself will raise; report nothing as run
-            return torch.zeros_like(real), mode
-        return real & (module.router(x) > threshold), mode
-    if mode != "topk":
-        raise ValueError(f"observe_routing does not know routing mode {mode!r}")
-    keep = tokens_to_keep_per_row(real, ratio)
-    k_max = int(keep.max()) if keep.numel() else 0
-    if k_max == 0:
-        return torch.zeros_like(real), mode
-    index, valid = select_topk(module.router(x), real, keep, k_max)
+    try:
+        index, valid, k_max = module.select_tokens(module.router(x), real, None, has_past)
+    except RuntimeError:  # causal mode without a threshold: the layer itself will raise
+        return torch.zeros_like(real)
     sel = torch.zeros(b, n + 1, dtype=torch.bool, device=real.device)
-    return sel.scatter(1, index, valid)[:, :n], mode  # unused slots go to the dropped column n
+    if k_max:
+        sel = sel.scatter(1, index, valid)
+    return sel[:, :n]  # unused slots go to the dropped column n
 
 
 def _routed_cache_slots(cache: Any, index: int, batch: int, device) -> torch.Tensor:
@@ -654,7 +646,8 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
                     rec["routed"] = True
                 else:
                     rec["routed"] = True
-                    sel, mode = _selected_tokens(module, x, real, ratio)
+                    sel = _selected_tokens(module, x, real, has_past=past > 0)
+                    mode = module.resolved_routing_mode()
                     kept = sel.sum(1)
                     offset = dense_allowed.shape[-1] - n  # keys of the current tokens start here
                     new_pairs = dense_allowed[:, :, offset:] & sel.unsqueeze(2) & sel.unsqueeze(1)

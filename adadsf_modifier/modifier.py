@@ -34,10 +34,12 @@ from adadsf_modifier.checkpoint import (
     attach_checkpoint_support,
     check_recipe_keeps_routers_unquantized,
 )
+from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_router
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.routing import (
     ThresholdReport,
     TokenRouter,
+    routed_layers,
     calibrate_thresholds,
     decoder_layers,
     route_layer,
@@ -92,6 +94,11 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     :param ignore: decoder layers to leave dense (names, ``re:`` regexes or class names)
     :param router_hidden_size: width of each router's hidden layer
     :param seed: seeds router initialisation and the ``random`` allocation
+    :param router_init: ``similarity`` (default) fits each router, before alignment, to predict
+        how much the dense layer changes each calibration token (``1 - cos``); ``random`` keeps
+        the random initialisation (the ablation)
+    :param router_init_steps: full-batch Adam steps of that fit
+    :param router_init_tokens: calibration tokens sampled per layer for that fit
     :param threshold_passes: calibration passes fitting the causal-routing thresholds (the first
         under top-k routing, the rest under causal routing upstream)
     :param align_*: the alignment fine-tune stage, see
@@ -108,11 +115,16 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     router_hidden_size: int = 64
     seed: int = 0
     threshold_passes: int = 2
+    router_init: str = "similarity"
+    router_init_steps: int = 100
+    router_init_tokens: int = 2048
 
     _similarities: list[float] | None = PrivateAttr(default=None)
     _retention_ratios: list[float] | None = PrivateAttr(default=None)
     _routed_names: list[str] = PrivateAttr(default_factory=list)
     _threshold_report: ThresholdReport | None = PrivateAttr(default=None)
+    _warm_start: list[WarmStartResult] = PrivateAttr(default_factory=list)
+    _accumulator: SimilarityAccumulator | None = PrivateAttr(default=None)
     _teacher: torch.nn.Module | None = PrivateAttr(default=None)
     _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
 
@@ -136,6 +148,20 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     def _check_beta(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError(f"beta must be a finite number, got {v}")
+        return v
+
+    @field_validator("router_init")
+    @classmethod
+    def _check_router_init(cls, v: str) -> str:
+        if v not in ("similarity", "random"):
+            raise ValueError(f"router_init must be 'similarity' or 'random', got {v!r}")
+        return v
+
+    @field_validator("router_init_steps", "router_init_tokens")
+    @classmethod
+    def _check_router_init_sizes(cls, v: int, info) -> int:
+        if v < 1:
+            raise ValueError(f"{info.field_name} must be a positive integer, got {v}")
         return v
 
     @field_validator("threshold_passes")
@@ -200,6 +226,11 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         return self._alignment_report
 
     @property
+    def warm_start_report(self) -> list[WarmStartResult]:
+        """Per routed layer: fit losses and rank correlation of the router warm start."""
+        return list(self._warm_start)
+
+    @property
     def threshold_report(self) -> ThresholdReport:
         """Causal-routing thresholds, measured kept fractions and agreement with top-k."""
         if self._threshold_report is None:
@@ -259,6 +290,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             f"{sum(ratios) / len(ratios):.4f}, ratios "
             f"[{', '.join(f'{r:.3f}' for r in full)}]"
         )
+        self._warm_start_routers(model)
         self._align(model, calib)
         # Causal routing (the eval-mode default) needs thresholds fitted to the final routers.
         self._threshold_report = calibrate_thresholds(model, calib, passes=self.threshold_passes)
@@ -299,12 +331,18 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         return chosen
 
     def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
-        acc = SimilarityAccumulator(len(layers))
+        samples = self.router_init_tokens if self.router_init == "similarity" else 0
+        acc = SimilarityAccumulator(len(layers), sample_tokens=samples, seed=self.seed)
+        self._accumulator = acc
         for i, (_, layer) in enumerate(layers):
             self.register_hook(layer, acc.hook_for(i), "forward", with_kwargs=True)
         try:
-            # The base model skips the lm_head: calibration needs hidden states only.
-            run_calibration_batches(model.base_model, calib)
+            # The base model skips the lm_head: calibration needs hidden states only. A shuffling
+            # DataLoader draws its order from the global RNG: seed it so the router warm start's
+            # token sample (and so the routers) depend on `seed` only.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                run_calibration_batches(model.base_model, calib)
         finally:
             self.remove_hooks()
         sims = acc.similarities()
@@ -334,6 +372,25 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             if self._teacher is not None:
                 self._teacher = None
                 release_memory()
+
+    def _warm_start_routers(self, model) -> None:
+        acc, self._accumulator = self._accumulator, None
+        if self.router_init != "similarity":
+            return
+        results = []
+        for layer in routed_layers(model):
+            if 0.0 < layer.retention_ratio < 1.0:
+                x, cos = acc.sampled(layer.layer_index)
+                results.append(warm_start_router(
+                    layer.router, x, cos, layer.layer_index, steps=self.router_init_steps,
+                    seed=self.seed))
+        self._warm_start = results
+        if results:
+            corr = sum(r.heldout_rank_corr for r in results) / len(results)
+            logger.info(
+                f"AdaDSF router warm start: {len(results)} routers fit to per-token similarity; "
+                f"mean held-out rank correlation {corr:.3f}"
+            )
 
     def _route(self, model, cache_kwarg: str, targeted, ratios: list[float]) -> None:
         hidden = model.config.hidden_size

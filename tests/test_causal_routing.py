@@ -113,6 +113,7 @@ def test_token_below_threshold_is_untouched():
         if layer.retention_ratio >= 1.0:
             continue
         below = layer.router(x) <= layer.causal_threshold
+        below[:, 0] = False  # the first token (attention sink) always runs
         assert torch.equal(y[below], x[below])
         assert (y[~below] != x[~below]).any(-1).all()
         checked += int(below.sum())
@@ -171,3 +172,32 @@ def test_topk_mode_refuses_cache_continuation_and_mode_validation():
     fresh = route_all(tiny_model("llama"), 0.5)
     with pytest.raises(ValueError, match="needs calibrated thresholds"):
         set_routing_mode(fresh, "causal")
+
+
+def test_first_token_always_runs_unless_disabled():
+    model, _ = causal_model()
+    ids, mask = left_padded(batch=2, length=12)
+    for layer in routed_layers(model):
+        layer.causal_threshold = float("inf") if layer.retention_ratio < 1.0 else layer.causal_threshold
+    records = []
+
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        records.append((module, (output != x).any(-1)))
+
+    handles = [l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        for layer in routed_layers(model):
+            layer.keep_first_token = False
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for h in handles:
+        h.remove()
+    n = len(routed_layers(model))
+    first = torch.tensor([0, 3])  # first real token of each row (row 1 is left-padded by 3)
+    for layer, changed in records[:n]:
+        if layer.retention_ratio < 1.0:
+            assert changed[torch.arange(2), first].all() and int(changed.sum()) == 2
+    for layer, changed in records[n:]:
+        if layer.retention_ratio < 1.0:
+            assert not changed.any()

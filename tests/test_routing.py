@@ -104,6 +104,7 @@ def test_exactly_k_top_scored_real_tokens_change(arch, ratio):
             assert int(changed[b].sum()) == k
             assert not changed[b][~real[b]].any(), "padding was selected"
             s = scores[b].masked_fill(~real[b], float("-inf"))
+            s[real[b].nonzero()[0, 0]] = float("inf")  # the attention-sink token always runs
             expected = set(s.topk(k).indices.tolist())
             assert set(changed[b].nonzero().flatten().tolist()) == expected
             # unselected tokens are bit-identical to the layer input

@@ -374,7 +374,11 @@ def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
 def _student_training_state(
     student: nn.Module, trainable: Sequence[nn.Parameter], gradient_checkpointing: bool
 ):
-    """Freeze all but ``trainable``, eval mode (checkpointed layers excepted); undo on exit."""
+    """Freeze all but ``trainable``; eval mode except the routed / checkpointed layers themselves.
+
+    Everything (modes, ``requires_grad``, gradient checkpointing, leftover ``.grad``) is restored
+    on exit, also when training raises.
+    """
     modes = {m: m.training for m in student.modules()}
     requires = {p: p.requires_grad for p in student.parameters()}
     had_gc = bool(getattr(student, "is_gradient_checkpointing", False))

@@ -52,12 +52,67 @@ class RoutedLayer(nn.Module):
     cache_kwarg: str
     routing_mode: str = "auto"
     causal_threshold: float | None = None
+    keep_first_token: bool = True
 
     def resolved_routing_mode(self) -> str:
         mode = self.routing_mode
         if mode == "auto":
             return "causal" if (not self.training and self.causal_threshold is not None) else "topk"
         return mode
+
+    def select_tokens(
+        self, scores: torch.Tensor, real: torch.Tensor, mode: str | None = None,
+        has_past: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """``(index, valid, k_max)`` of the tokens this layer runs (``index`` None if none).
+
+        The first real token of a sequence (the attention sink every later token attends to)
+        always runs while ``keep_first_token`` is set; in top-k mode it counts toward ``K``.
+        ``has_past``: the batch continues from a cache, so it holds no first token.
+        """
+        mode = mode or self.resolved_routing_mode()
+        ratio = float(self.retention_ratio)
+        if ratio <= 0.0:
+            return None, None, 0
+        first = None
+        if self.keep_first_token and not has_past:
+            first = real & (real.cumsum(dim=1) == 1)
+            scores = scores.masked_fill(first, float("inf"))
+        if mode == "topk":
+            keep = tokens_to_keep_per_row(real, ratio)
+            k_max = int(keep.max())
+            if k_max == 0:
+                return None, None, 0
+            index, valid = select_topk(scores, real, keep, k_max)
+            return index, valid, k_max
+        if mode == "causal":
+            if self.causal_threshold is None:
+                raise RuntimeError(
+                    f"layer {self.layer_index} has no causal threshold; calibrate thresholds "
+                    "first (adadsf_modifier.routing.calibrate_thresholds)"
+                )
+            selected = real & (scores > self.causal_threshold)
+            if first is not None:
+                selected = selected | first
+            k_max = int(selected.sum(dim=1).max())
+            if k_max == 0:
+                return None, None, 0
+            index, valid = select_by_mask(selected, k_max)
+            return index, valid, k_max
+        raise ValueError(f"unknown routing mode {mode!r}")
+
+    def selected_mask(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      mode: str | None = None, has_past: bool = False) -> torch.Tensor:
+        """``[batch, seq]`` bool: which tokens of layer input ``x`` this layer would run."""
+        batch, q_len = x.shape[:2]
+        real = real_token_mask(attention_mask, batch, q_len, x.device)
+        if float(self.retention_ratio) >= 1.0:
+            return real
+        index, valid, k_max = self.select_tokens(self.router(x), real, mode, has_past)
+        out = torch.zeros(batch, q_len + 1, dtype=torch.bool, device=x.device)
+        if k_max:
+            out = out.scatter(1, index, valid)
+        return out[:, :q_len]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401 - see class docstring
         if len(args) > 1:  # bind extra positional args to their names once
@@ -94,30 +149,15 @@ class RoutedLayer(nn.Module):
         mode = self.resolved_routing_mode()
         if mode == "causal" and batch == 1 and q_len == 1 and self.causal_threshold is not None:
             return self._decode_one_token(x, scores, real, kwargs, cache_layer)
-        if mode == "topk":
-            if cache_layer is not None and cache_layer.seen_tokens > 0:
-                raise RuntimeError(
-                    "AdaDSF top-k routing chooses tokens over the whole sequence and cannot "
-                    "continue from a KV cache: use causal routing for incremental decoding "
-                    "(model.eval() after threshold calibration, or set_routing_mode(model, "
-                    "'causal'))"
-                )
-            keep = tokens_to_keep_per_row(real, ratio)
-            k_max = int(keep.max())
-            if k_max > 0:
-                index, valid = select_topk(scores, real, keep, k_max)
-        elif mode == "causal":
-            if self.causal_threshold is None:
-                raise RuntimeError(
-                    f"layer {self.layer_index} has no causal threshold; calibrate thresholds "
-                    "first (adadsf_modifier.routing.calibrate_thresholds)"
-                )
-            selected = real & (scores > self.causal_threshold)
-            k_max = int(selected.sum(dim=1).max())
-            if k_max > 0:
-                index, valid = select_by_mask(selected, k_max)
-        else:
-            raise ValueError(f"unknown routing mode {mode!r}")
+        has_past = cache_layer is not None and cache_layer.seen_tokens > 0
+        if mode == "topk" and has_past:
+            raise RuntimeError(
+                "AdaDSF top-k routing chooses tokens over the whole sequence and cannot "
+                "continue from a KV cache: use causal routing for incremental decoding "
+                "(model.eval() after threshold calibration, or set_routing_mode(model, "
+                "'causal'))"
+            )
+        index, valid, k_max = self.select_tokens(scores, real, mode, has_past)
         if k_max == 0:
             if cache_layer is not None:
                 cache_layer.record_step(q_len)
@@ -153,7 +193,8 @@ class RoutedLayer(nn.Module):
         At batch size 1 every cached slot is a real earlier token that ran this layer, so the
         single query may attend to all of them and the mask can be dropped.
         """
-        if not bool((scores[0, 0] > self.causal_threshold) & real[0, 0]):  # the one host sync
+        first = self.keep_first_token and (cache_layer is None or cache_layer.seen_tokens == 0)
+        if not bool(((scores[0, 0] > self.causal_threshold) | first) & real[0, 0]):  # one sync
             if cache_layer is not None:
                 cache_layer.record_step(1)
             return x

@@ -20,7 +20,7 @@ from torch import nn
 from adadsf_modifier.calibration import run_calibration_batches
 from adadsf_modifier.routing.modes import routing_mode
 from adadsf_modifier.routing.routed_layer import RoutedLayer
-from adadsf_modifier.routing.selection import real_token_mask, select_topk, tokens_to_keep_per_row
+from adadsf_modifier.routing.selection import real_token_mask
 
 __all__ = ["ThresholdReport", "calibrate_thresholds", "threshold_for_ratio"]
 
@@ -67,13 +67,8 @@ class _ScoreRecorder:
         self.scores[id(module)].append(scores[real].cpu())
         thr = module.causal_threshold
         if thr is not None and 0.0 < module.retention_ratio < 1.0:
-            keep = tokens_to_keep_per_row(real, module.retention_ratio)
-            k_max = int(keep.max())
-            topk = torch.zeros_like(real)
-            if k_max > 0:
-                index, valid = select_topk(scores, real, keep, k_max)
-                topk.scatter_(1, index.clamp(max=seq_len - 1), valid)
-            causal = real & (scores > thr)
+            topk = module.selected_mask(x, kwargs.get("attention_mask"), mode="topk")
+            causal = module.selected_mask(x, kwargs.get("attention_mask"), mode="causal")
             stats = self.agree[id(module)]
             stats[0] += int(((causal == topk) & real).sum())
             stats[1] += int(causal.sum())
