@@ -24,7 +24,7 @@ Sidecar format (``format_version`` 1)::
         {"index": 0, "name": "model.layers.0", "routed": true,
          "retention_ratio": 1.0, "similarity": 0.93,
          "router_hidden_size": 64, "router_eps": 1e-06,
-         "causal_threshold": null,        # causal routing mode's threshold; null = none yet
+         "causal_threshold": null,        # causal routing threshold; null = none, "-inf"/"inf" allowed
          "routing_mode": "auto"},         # the layer's routing-mode setting (causal mode)
         ...
       ],
@@ -122,6 +122,16 @@ def _float_or_none(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _threshold_to_json(value: Any) -> float | str | None:
+    """JSON has no infinities: a layer that keeps every (-inf) or no (inf) token says so in text."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isnan(value):
+        return None
+    return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+
+
 def adadsf_config(model: nn.Module) -> dict[str, Any]:
     """The sidecar dict for ``model`` (read off its routed layers plus its AdaDSF metadata)."""
     spec, layers = decoder_layers(model)
@@ -149,7 +159,7 @@ def adadsf_config(model: nn.Module) -> dict[str, Any]:
                 "router_eps": float(router.eps) if is_routed else None,
                 # Causal routing mode: per-layer inference threshold (None: not calibrated, so
                 # top-k over the whole sequence) and the layer's routing-mode setting.
-                "causal_threshold": _float_or_none(getattr(layer, "causal_threshold", None))
+                "causal_threshold": _threshold_to_json(getattr(layer, "causal_threshold", None))
                 if is_routed
                 else None,
                 "routing_mode": getattr(layer, "routing_mode", None) if is_routed else None,

@@ -19,7 +19,6 @@ RECIPE = {
         "align_batch_size": 2, "align_seq_len": 64, "router_init_steps": 20,
         "threshold_passes": 1}}},
     "quantization_stage": {"quantization_modifiers": {
-        "SmoothQuantModifier": {"smoothing_strength": 0.8},
         "GPTQModifier": {"targets": ["Linear"], "scheme": "W8A8",
                          "ignore": ["lm_head", "re:.*router.*"]}}},
 }
