@@ -134,7 +134,7 @@ class AlignmentConfig:
     """
 
     steps: int = 0
-    lr: float = 1e-3
+    lr: float = 3e-3
     batch_size: int = 4
     seq_len: int = 512
     weights: AlignmentLossWeights = field(default_factory=AlignmentLossWeights)
