@@ -102,13 +102,18 @@ class RoutedLayer(nn.Module):
         raise ValueError(f"unknown routing mode {mode!r}")
 
     def selected_mask(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      mode: str | None = None, has_past: bool = False) -> torch.Tensor:
-        """``[batch, seq]`` bool: which tokens of layer input ``x`` this layer would run."""
+                      mode: str | None = None, has_past: bool = False,
+                      scores: torch.Tensor | None = None) -> torch.Tensor:
+        """``[batch, seq]`` bool: which tokens of layer input ``x`` this layer would run.
+
+        ``scores``: the router's output on ``x`` when the caller already has it.
+        """
         batch, q_len = x.shape[:2]
         real = real_token_mask(attention_mask, batch, q_len, x.device)
         if float(self.retention_ratio) >= 1.0:
             return real
-        index, valid, k_max = self.select_tokens(self.router(x), real, mode, has_past)
+        scores = self.router(x) if scores is None else scores
+        index, valid, k_max = self.select_tokens(scores, real, mode, has_past)
         out = torch.zeros(batch, q_len + 1, dtype=torch.bool, device=x.device)
         if k_max:
             out = out.scatter(1, index, valid)
@@ -136,15 +141,18 @@ class RoutedLayer(nn.Module):
             )
         attention_mask = kwargs.get("attention_mask")
         real = real_token_mask(attention_mask, batch, q_len, x.device)
-        scores = self.router(x)
 
         if ratio >= 1.0:
             # Every real token runs the layer: call it unchanged (cache included), keep padding.
+            # The router only matters for its gradient here, so inference skips it.
             y = super().forward(x, **kwargs)
             y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
-            gate = _straight_through_gate(scores).unsqueeze(-1).to(y.dtype)
-            out = torch.where(real.unsqueeze(-1), y * gate + x * (1 - gate), x)
+            if torch.is_grad_enabled():
+                y = _gated(y, x, self.router(x))
+            out = torch.where(real.unsqueeze(-1), y, x)
             return (out, *rest) if rest is not None else out
+
+        scores = self.router(x)
 
         mode = self.resolved_routing_mode()
         if mode == "causal" and batch == 1 and q_len == 1 and self.causal_threshold is not None:
@@ -181,9 +189,7 @@ class RoutedLayer(nn.Module):
         if cache_layer is not None:
             cache_layer.record_step(q_len, valid, appended=k_max)
         if torch.is_grad_enabled():
-            gate = _straight_through_gate(scores.gather(1, index.clamp(max=q_len - 1)))
-            gate = gate.unsqueeze(-1).to(y.dtype)
-            y = y * gate + x_sel * (1 - gate)
+            y = _gated(y, x_sel, scores.gather(1, index.clamp(max=q_len - 1)))
         out = scatter_tokens(x, index, y)
         return (out, *rest) if rest is not None else out
 
@@ -208,8 +214,7 @@ class RoutedLayer(nn.Module):
         if cache_layer is not None:
             cache_layer.record_step(1, None, appended=1)
         if torch.is_grad_enabled():
-            gate = _straight_through_gate(scores).unsqueeze(-1).to(y.dtype)
-            y = y * gate + x * (1 - gate)
+            y = _gated(y, x, scores)
         return (y, *rest) if rest is not None else y
 
     @staticmethod
@@ -238,9 +243,15 @@ class RoutedLayer(nn.Module):
         )
 
 
-def _straight_through_gate(scores: torch.Tensor) -> torch.Tensor:
+def _gated(y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``y * g + x * (1 - g)`` with the straight-through gate ``g = 1 + sigmoid(s) - sg(...)``.
+
+    ``g`` is exactly 1 in value, so the result equals ``y``; only the router's gradient
+    ``d/ds = (y - x) * sigmoid'(s)`` is added. Callers skip it when no gradient is needed.
+    """
     p = torch.sigmoid(scores)
-    return 1.0 + (p - p.detach())
+    gate = (1.0 + (p - p.detach())).unsqueeze(-1).to(y.dtype)
+    return y * gate + x * (1 - gate)
 
 
 def routed_class_for(layer_class: type) -> type:

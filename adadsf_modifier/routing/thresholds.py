@@ -53,8 +53,9 @@ def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
 
 
 class _ScoreRecorder:
-    def __init__(self, layers: list[RoutedLayer]):
+    def __init__(self, layers: list[RoutedLayer], measure: bool):
         self.layers = layers
+        self.measure = measure  # agreement with top-k: only the final pass reports it
         self.scores: dict[int, list[torch.Tensor]] = {id(l): [] for l in layers}
         self.agree: dict[int, list[int]] = {id(l): [0, 0, 0] for l in layers}  # agree, kept, total
         self.handles = [l.register_forward_pre_hook(self._hook, with_kwargs=True) for l in layers]
@@ -66,9 +67,10 @@ class _ScoreRecorder:
         scores = module.router(x).float()
         self.scores[id(module)].append(scores[real].cpu())
         thr = module.causal_threshold
-        if thr is not None and 0.0 < module.retention_ratio < 1.0:
-            topk = module.selected_mask(x, kwargs.get("attention_mask"), mode="topk")
-            causal = module.selected_mask(x, kwargs.get("attention_mask"), mode="causal")
+        if self.measure and thr is not None and 0.0 < module.retention_ratio < 1.0:
+            mask = kwargs.get("attention_mask")
+            topk = module.selected_mask(x, mask, mode="topk", scores=scores)
+            causal = module.selected_mask(x, mask, mode="causal", scores=scores)
             stats = self.agree[id(module)]
             stats[0] += int(((causal == topk) & real).sum())
             stats[1] += int(causal.sum())
@@ -99,7 +101,7 @@ def calibrate_thresholds(
     base = getattr(model, "base_model", model)
     for p in range(passes + 1):
         mode = "topk" if p == 0 else "causal"
-        recorder = _ScoreRecorder(layers)
+        recorder = _ScoreRecorder(layers, measure=p == passes)
         try:
             with routing_mode(model, mode):
                 run_calibration_batches(base, batches, desc=f"AdaDSF thresholds ({mode})")
