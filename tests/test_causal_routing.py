@@ -36,14 +36,15 @@ def left_padded(batch=2, length=10, seed=0):
     return ids, mask
 
 
-def incremental_logits(model, ids, mask, prefill):
+def incremental_logits(model, ids, mask, prefill, chunk=1):
     pos = positions(mask)
     out = model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill],
                 position_ids=pos[:, :prefill], use_cache=True)
     cache, logits = out.past_key_values, [out.logits]
-    for t in range(prefill, ids.shape[1]):
-        out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
-                    position_ids=pos[:, t:t + 1], past_key_values=cache, use_cache=True)
+    for t in range(prefill, ids.shape[1], chunk):
+        e = min(t + chunk, ids.shape[1])
+        out = model(input_ids=ids[:, t:e], attention_mask=mask[:, :e],
+                    position_ids=pos[:, t:e], past_key_values=cache, use_cache=True)
         logits.append(out.logits)
     return torch.cat(logits, 1), cache
 
@@ -66,6 +67,56 @@ def test_incremental_decoding_equals_full_forward(arch, batch):
         inc, cache = incremental_logits(model, ids, mask, prefill=4)
     real = mask.bool()
     torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_batched_decode_step_runs_only_the_rows_that_pass(attn):
+    """Decoding 4 rows (two left-padded): rows that skip a layer leave it untouched, rows
+    that run it see only their own cached slots, and the logits equal one full forward."""
+    model = route_all(tiny_model("llama", num_layers=4, attn=attn), RATIOS)
+    g = torch.Generator().manual_seed(1)
+    calibrate_thresholds(model, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}])
+    model.eval()
+    ids = torch.randint(4, 128, (4, 14), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[3, :5] = 0
+    steps = []
+
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        if x.shape[1] == 1 and module.retention_ratio < 1.0:
+            passes = module.router(x)[:, 0] > module.causal_threshold
+            steps.append((passes, (output != x).any(-1)[:, 0]))
+
+    handles = [l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)]
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                     use_cache=False).logits
+        inc, cache = incremental_logits(model, ids, mask, prefill=6)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(inc[mask.bool()], full[mask.bool()], atol=1e-4, rtol=0)
+    mixed = 0
+    for passes, changed in steps:
+        assert torch.equal(passes, changed)
+        mixed += int(0 < int(passes.sum()) < passes.numel())
+    assert mixed > 0  # the row-subset path was exercised
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_chunked_continuation_from_cache_equals_full_forward(arch):
+    """Several new tokens per call on top of a cache (chunked prefill): the compacted mask
+    must see the cached slots and be causal among the new ones."""
+    model, _ = causal_model(arch)
+    ids, mask = left_padded(batch=2, length=13)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                     use_cache=False).logits
+        inc, cache = incremental_logits(model, ids, mask, prefill=4, chunk=3)
+    torch.testing.assert_close(inc[mask.bool()], full[mask.bool()], atol=1e-4, rtol=0)
     assert cache.get_seq_length() == ids.shape[1]
 
 

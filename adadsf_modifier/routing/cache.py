@@ -10,6 +10,8 @@ number of positions seen, because transformers derives positions and mask sizes 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +30,34 @@ class RoutedCacheLayer(DynamicLayer):
         self.seen_tokens = 0  # positions processed by this layer, selected or not
         self.num_slots = 0  # cached (compacted) key/value slots
         self._slot_valid: torch.Tensor | None = None  # [batch, slots]; None while all are valid
+        self._rows: tuple[torch.Tensor, int] | None = None  # see only_rows()
+
+    @contextmanager
+    def only_rows(self, rows: torch.Tensor, batch: int) -> Iterator[None]:
+        """While active, the layer runs on rows ``rows`` of a ``batch``-row cache only.
+
+        Used when some rows of a decoding step skip the layer: :meth:`update` receives the new
+        keys/values of those rows, stores them in a fresh slot of every row (the others get a
+        zero filler the caller marks invalid with :meth:`record_step`) and returns the cached
+        keys/values of those rows alone.
+        """
+        self._rows = (rows, batch)
+        try:
+            yield
+        finally:
+            self._rows = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        rows, batch = self._rows
+
+        def widen(t: torch.Tensor) -> torch.Tensor:
+            return t.new_zeros((batch, *t.shape[1:])).index_copy_(0, rows, t)
+
+        keys, values = super().update(widen(key_states), widen(value_states), *args, **kwargs)
+        return keys.index_select(0, rows), values.index_select(0, rows)
 
     # what transformers reads to build positions and masks: the true sequence length
     def get_seq_length(self) -> int:

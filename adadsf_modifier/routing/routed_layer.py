@@ -140,7 +140,6 @@ class RoutedLayer(nn.Module):
                 f"AdaDSF routing supports attn_implementation 'sdpa' and 'eager', got {impl!r}"
             )
         attention_mask = kwargs.get("attention_mask")
-        real = real_token_mask(attention_mask, batch, q_len, x.device)
 
         if ratio >= 1.0:
             # Every real token runs the layer: call it unchanged (cache included), keep padding.
@@ -149,14 +148,18 @@ class RoutedLayer(nn.Module):
             y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
             if torch.is_grad_enabled():
                 y = _gated(y, x, self.router(x))
-            out = torch.where(real.unsqueeze(-1), y, x)
+            out = y
+            if attention_mask is not None:
+                real = real_token_mask(attention_mask, batch, q_len, x.device)
+                out = torch.where(real.unsqueeze(-1), y, x)
             return (out, *rest) if rest is not None else out
 
         scores = self.router(x)
 
         mode = self.resolved_routing_mode()
-        if mode == "causal" and batch == 1 and q_len == 1 and self.causal_threshold is not None:
-            return self._decode_one_token(x, scores, real, kwargs, cache_layer)
+        if mode == "causal" and q_len == 1 and self.causal_threshold is not None:
+            return self._decode_step(x, scores, attention_mask, kwargs, cache_layer)
+        real = real_token_mask(attention_mask, batch, q_len, x.device)
         has_past = cache_layer is not None and cache_layer.seen_tokens > 0
         if mode == "topk" and has_past:
             raise RuntimeError(
@@ -177,9 +180,10 @@ class RoutedLayer(nn.Module):
         )
         if kwargs.get("position_ids") is not None:
             inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
-        inner["attention_mask"] = self._selected_mask(
-            attention_mask, index, valid, cache_layer, x.dtype, impl
-        )
+        inner.update(self._mask_kwargs(
+            self._selected_mask(attention_mask, index, valid, cache_layer, impl), x.dtype, impl,
+            float_mask=attention_mask is not None and attention_mask.dtype != torch.bool,
+        ))
         if cache_layer is None:
             inner[self.cache_kwarg] = None
             inner["use_cache"] = False
@@ -193,32 +197,99 @@ class RoutedLayer(nn.Module):
         out = scatter_tokens(x, index, y)
         return (out, *rest) if rest is not None else out
 
-    def _decode_one_token(self, x, scores, real, kwargs, cache_layer):
-        """Batch 1, one new token: skip or run the layer as is, with no gather/scatter/mask.
+    def _decode_step(self, x, scores, attention_mask, kwargs, cache_layer):
+        """One new token per row (causal mode): only the rows whose token passes run the layer.
 
-        At batch size 1 every cached slot is a real earlier token that ran this layer, so the
-        single query may attend to all of them and the mask can be dropped.
+        No gather/scatter along the sequence and no per-step mask from the model: the rows that
+        run are picked with one host sync (``index_select`` on the batch), their cached
+        keys/values are the slots this layer stored for them, and a mask is built only when
+        some of those slots are filler (a row skipped a step another row ran).
         """
+        batch = x.shape[0]
         first = self.keep_first_token and (cache_layer is None or cache_layer.seen_tokens == 0)
-        if not bool(((scores[0, 0] > self.causal_threshold) | first) & real[0, 0]):  # one sync
+        if attention_mask is None:
+            real = None
+        else:
+            real = real_token_mask(attention_mask, batch, 1, x.device)[:, 0]
+        if batch == 1:  # one sync, no index ops
+            run = (first or float(scores) > self.causal_threshold) and (real is None or bool(real))
+            rows = None if run else scores.new_empty(0, dtype=torch.long)
+        else:
+            selected = scores[:, 0] > self.causal_threshold
+            if first:
+                selected = torch.ones_like(selected)
+            if real is not None:
+                selected = selected & real
+            rows = selected.nonzero().squeeze(1)  # the one host sync of this layer
+            if rows.numel() == batch:
+                rows = None
+        if rows is not None and rows.numel() == 0:
             if cache_layer is not None:
                 cache_layer.record_step(1)
             return x
+
         inner = dict(kwargs)
         inner["attention_mask"] = None
+        x_in = x
+        if rows is not None:
+            x_in = x.index_select(0, rows)
+            inner["position_embeddings"] = _rows_of(kwargs.get("position_embeddings"), rows, batch)
+            inner["position_ids"] = _rows_of(kwargs.get("position_ids"), rows, batch)
         if cache_layer is None:
             inner[self.cache_kwarg] = None
             inner["use_cache"] = False
-        y = super().forward(x, **inner)
+        elif not cache_layer.all_slots_valid:
+            past = cache_layer.slot_valid(batch, x.device)
+            if rows is not None:
+                past = past.index_select(0, rows)
+            allowed = torch.cat([past, past.new_ones(past.shape[0], 1)], dim=1)[:, None, None, :]
+            impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
+            inner.update(self._mask_kwargs(allowed, x.dtype, impl))
+
+        if cache_layer is not None and rows is not None:
+            with cache_layer.only_rows(rows, batch):
+                y = super().forward(x_in, **inner)
+        else:
+            y = super().forward(x_in, **inner)
         y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
-        if cache_layer is not None:
-            cache_layer.record_step(1, None, appended=1)
         if torch.is_grad_enabled():
-            y = _gated(y, x, scores)
+            y = _gated(y, x_in, scores if rows is None else scores.index_select(0, rows))
+        if rows is not None:
+            y = x.index_copy(0, rows, y)
+        if cache_layer is not None:
+            valid = None
+            if rows is not None:
+                valid = torch.zeros(batch, 1, dtype=torch.bool, device=x.device)
+                valid[rows] = True
+            cache_layer.record_step(1, valid, appended=1)
         return (y, *rest) if rest is not None else y
 
+    def _mask_kwargs(self, allowed: torch.Tensor | None, dtype: torch.dtype, impl: str,
+                     float_mask: bool = False) -> dict[str, Any]:
+        """The layer keyword(s) that apply the boolean mask ``allowed`` (``None``: no mask).
+
+        transformers' SDPA path gives up grouped-query attention whenever an
+        ``attention_mask`` is passed and copies every cached key and value ``num_heads /
+        num_kv_heads`` times (``repeat_kv``), which on SmolLM2 costs more than the layers a
+        token skips. Its ``position_bias`` argument (an additive mask applied inside the same
+        SDPA call, made for T5-style biases) keeps ``enable_gqa``, so grouped-query layers get
+        the mask that way; others get the usual boolean (SDPA) or additive (eager) mask.
+        """
+        if allowed is None:
+            return {"attention_mask": None}
+        if impl == "sdpa" and self._grouped_query_attention():
+            # is_causal=False: the mask is complete; transformers would otherwise add a
+            # top-left causal mask and crop the keys to the query length.
+            return {"attention_mask": None, "is_causal": False,
+                    "position_bias": to_attention_dtype(allowed, dtype, False)}
+        return {"attention_mask": to_attention_dtype(allowed, dtype, impl != "eager" and not float_mask)}
+
+    def _grouped_query_attention(self) -> bool:
+        attn = getattr(self, "self_attn", None)
+        return getattr(attn, "num_key_value_groups", 1) > 1
+
     @staticmethod
-    def _selected_mask(attention_mask, index, valid, cache_layer, dtype, impl):
+    def _selected_mask(attention_mask, index, valid, cache_layer, impl):
         """``None`` when the attention kernel's own behaviour is exact, else an explicit mask.
 
         No padding, every selected slot used and every cached slot valid: one query may see
@@ -231,9 +302,7 @@ class RoutedLayer(nn.Module):
             if k == 1 or (num_past == 0 and impl != "eager"):
                 return None
         past_valid = cache_layer.slot_valid(batch, index.device) if num_past else None
-        mask = compact_attention_mask(attention_mask, index, valid, past_valid)
-        as_bool = attention_mask.dtype == torch.bool if attention_mask is not None else impl != "eager"
-        return to_attention_dtype(mask, dtype, as_bool)
+        return compact_attention_mask(attention_mask, index, valid, past_valid)
 
     def extra_repr(self) -> str:
         thr = "None" if self.causal_threshold is None else f"{self.causal_threshold:.4f}"
@@ -241,6 +310,18 @@ class RoutedLayer(nn.Module):
             f"layer_index={self.layer_index}, retention_ratio={self.retention_ratio:.4f}, "
             f"routing_mode={self.routing_mode}, causal_threshold={thr}"
         )
+
+
+def _rows_of(value: Any, rows: torch.Tensor, batch: int) -> Any:
+    """``value`` (a tensor or tuple of tensors with a leading batch dim) at ``rows``.
+
+    A leading dim of 1 is a broadcast over the batch and is left as is.
+    """
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_rows_of(v, rows, batch) for v in value)
+    return value.index_select(0, rows) if value.shape[0] == batch and batch > 1 else value
 
 
 def _gated(y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
