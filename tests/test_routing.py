@@ -174,3 +174,42 @@ def test_unsupported_architecture_names_what_is_missing():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(UnsupportedArchitectureError, match="model_type 'gpt2'"):
         decoder_layers(model)
+
+
+def test_causal_padding_mask_detection():
+    from adadsf_modifier.routing.selection import is_causal_padding_mask
+
+    n = 6
+    real = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    padded = (causal & real[:, None, :]).unsqueeze(1)
+    assert is_causal_padding_mask(None)
+    assert is_causal_padding_mask(padded)
+    additive = torch.where(padded, 0.0, torch.finfo(torch.float32).min)
+    assert is_causal_padding_mask(additive)
+    window = padded & ~torch.ones(n, n, dtype=torch.bool).tril(-3)
+    assert not is_causal_padding_mask(window)
+    packed = padded.clone()
+    packed[:, :, 4:, :4] = False  # two packed documents in each row
+    assert not is_causal_padding_mask(packed)
+    with_past = torch.ones(2, 1, n, n + 2, dtype=torch.bool)
+    assert not is_causal_padding_mask(with_past)
+
+
+@pytest.mark.parametrize("ratio", [0.6, 0.4])
+def test_sliding_window_is_kept_among_selected_tokens(ratio):
+    """SDPA (which may take the causal-kernel shortcut) must agree with eager (always an
+    explicit mask read off the layer's own mask) when a sliding window narrows attention."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    outs = []
+    for attn in ("sdpa", "eager"):
+        cfg = tiny_config("mistral", attn=attn)
+        cfg.sliding_window = 3
+        torch.manual_seed(0)
+        model = route_all(AutoModelForCausalLM.from_config(cfg).eval(), ratio)
+        ids = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            outs.append(model(input_ids=ids, use_cache=False).logits)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)

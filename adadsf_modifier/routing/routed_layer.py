@@ -23,6 +23,7 @@ from adadsf_modifier.routing.selection import (
     to_attention_dtype,
     gather_position_embeddings,
     gather_tokens,
+    is_causal_padding_mask,
     real_token_mask,
     scatter_tokens,
     select_topk,
@@ -292,15 +293,19 @@ class RoutedLayer(nn.Module):
     def _selected_mask(attention_mask, index, valid, cache_layer, impl):
         """``None`` when the attention kernel's own behaviour is exact, else an explicit mask.
 
-        No padding, every selected slot used and every cached slot valid: one query may see
-        everything before it, and several queries without a past get SDPA's causal path.
+        Without a cached past, SDPA's causal kernel is exact whenever the layer's own mask is
+        plain causal + padding: the selected tokens of a row sit in position order, padding
+        is never selected, and unused slots trail every used one (so no used slot sees them).
+        That keeps the fast causal kernel (it skips the upper triangle) for rows that keep
+        different numbers of tokens. One query with an all-valid past may see everything.
         """
         batch, k = index.shape
         num_past = cache_layer.num_slots if cache_layer is not None else 0
         past_clean = cache_layer is None or cache_layer.all_slots_valid
-        if attention_mask is None and past_clean and (batch == 1 or bool(valid.all())):
-            if k == 1 or (num_past == 0 and impl != "eager"):
-                return None
+        if num_past == 0 and impl != "eager" and is_causal_padding_mask(attention_mask):
+            return None
+        if k == 1 and attention_mask is None and past_clean:
+            return None
         past_valid = cache_layer.slot_valid(batch, index.device) if num_past else None
         return compact_attention_mask(attention_mask, index, valid, past_valid)
 

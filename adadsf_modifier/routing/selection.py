@@ -7,10 +7,13 @@ layer on it with a matching attention mask, and scatters the results back.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 __all__ = [
     "real_token_mask",
+    "is_causal_padding_mask",
     "tokens_to_keep_per_row",
     "select_topk",
     "select_by_mask",
@@ -49,6 +52,37 @@ def real_token_mask(
     else:  # additive float mask: 0 where attending, a large negative number where masked
         real = diag > torch.finfo(attention_mask.dtype).min / 2
     return real.expand(batch, seq_len)
+
+
+_MASK_VERDICTS: dict[int, tuple[weakref.ref, bool]] = {}
+
+
+def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
+    """Whether a layer's mask (no cached past) is nothing but causal + padding of keys.
+
+    ``None`` (SDPA's causal fast path) is. A 4D mask qualifies when, for every real query,
+    the allowed keys are exactly the real keys at or before it (no sliding window, no packed
+    sequences, no custom pattern). Every decoder layer of a forward receives the same mask
+    object, so the verdict is computed once per mask and remembered while it lives.
+    """
+    if attention_mask is None:
+        return True
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != attention_mask.shape[-2]:
+        return False
+    key = id(attention_mask)
+    hit = _MASK_VERDICTS.get(key)
+    if hit is not None and hit[0]() is attention_mask:
+        return hit[1]
+    full = attention_mask[:, 0]
+    allowed = full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
+    n = allowed.shape[-1]
+    real = torch.diagonal(allowed, dim1=-2, dim2=-1)  # [batch or 1, n]
+    expected = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril() & real[:, None, :]
+    verdict = not bool(((allowed ^ expected) & real[:, :, None]).any())
+    for k in [k for k, (ref, _) in _MASK_VERDICTS.items() if ref() is None]:
+        del _MASK_VERDICTS[k]
+    _MASK_VERDICTS[key] = (weakref.ref(attention_mask), verdict)
+    return verdict
 
 
 def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
