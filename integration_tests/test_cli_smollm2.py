@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-import torch
 import yaml
 
 from adadsf_modifier import RoutedLayer, from_pretrained
@@ -22,14 +21,6 @@ RECIPE = {
         "GPTQModifier": {"targets": ["Linear"], "scheme": "W8A8",
                          "ignore": ["lm_head", "re:.*router.*"]}}},
 }
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared 2-core machines: one thread is far faster under load
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

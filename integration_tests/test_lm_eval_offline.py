@@ -34,14 +34,6 @@ from adadsf_modifier.routing import (  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def no_network(monkeypatch):
     """Refuse every socket connection (hub, datasets, telemetry) and fail the test if any was

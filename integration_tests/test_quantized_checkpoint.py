@@ -91,16 +91,6 @@ def run_oneshot(model_path, recipe, **kwargs):
                    num_calibration_samples=8, max_seq_length=16, **kwargs)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU the idle threads'
-    spin-waiting made this file ~5x slower; restored for the modules that run after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def base_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("base")

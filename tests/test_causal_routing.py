@@ -252,3 +252,9 @@ def test_first_token_always_runs_unless_disabled():
     for layer, changed in records[n:]:
         if layer.retention_ratio < 1.0:
             assert not changed.any()
+
+
+def test_threshold_report_counts_tokens_even_when_layer_zero_is_dense():
+    _, report = causal_model(ratios=[1.0, 0.5, 0.7])
+    assert report.num_tokens == 2 * 4 * 16  # two calibration batches of 4 x 16 real tokens
+    assert report.kept_fraction[0] == 1.0 and report.topk_agreement[0] == 1.0

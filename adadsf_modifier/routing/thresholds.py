@@ -67,14 +67,16 @@ class _ScoreRecorder:
         scores = module.router(x).float()
         self.scores[id(module)].append(scores[real].cpu())
         thr = module.causal_threshold
-        if self.measure and thr is not None and 0.0 < module.retention_ratio < 1.0:
+        if not self.measure:
+            return
+        stats = self.agree[id(module)]
+        stats[2] += int(real.sum())
+        if thr is not None and 0.0 < module.retention_ratio < 1.0:
             mask = kwargs.get("attention_mask")
             topk = module.selected_mask(x, mask, mode="topk", scores=scores)
             causal = module.selected_mask(x, mask, mode="causal", scores=scores)
-            stats = self.agree[id(module)]
             stats[0] += int(((causal == topk) & real).sum())
             stats[1] += int(causal.sum())
-            stats[2] += int(real.sum())
 
     def remove(self) -> None:
         for h in self.handles:
