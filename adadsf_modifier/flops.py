@@ -654,8 +654,9 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
                     past_slots = _routed_cache_slots(cache, index, b, x.device)
                     rec["kept"] = kept.tolist()
                     rec["keys"] = (new_pairs.sum((1, 2)) + kept * past_slots).tolist()
-                    # batch-1 causal decoding of one token runs the layer in place (no gather)
-                    in_place = mode == "causal" and b == 1 and n == 1
+                    # causal decoding of one token per row runs the layer in place when every
+                    # row runs it; otherwise it index-selects the rows that do
+                    in_place = mode == "causal" and n == 1 and bool((kept == 1).all())
                     rec["gather"] = bool(kept.max() > 0) and not in_place
             records[index] = rec
 

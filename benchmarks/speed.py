@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import adadsf_modifier  # noqa: F401
+    from compressed_tensors.offload import remove_dispatch
     from llmcompressor import oneshot
 
     from adadsf_modifier import AdaDSFModifier
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         dataset=calibration_dataset(tok, args.calibration_samples, 256),
         recipe=[AdaDSFModifier(retention=args.retention)],
     ).eval()
+    # oneshot leaves compressed-tensors offload wrappers on every module; the dense twin has none
+    remove_dispatch(routed, onload_tensors=True)
     logger.info(f"routed model built in {time.perf_counter() - t0:.1f}s")
 
     test_text = "\n\n".join(load_text_splits()["test"]["text"])

@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from adadsf_modifier.flops import normalized_flops
 
-__all__ = ["SpeedResult", "measure_prefill", "measure_decode", "run_speed_benchmark", "format_table"]
+__all__ = ["SpeedResult", "measure_prefill", "measure_decode", "run_speed_benchmark", "format_table",
+           "is_dispatched"]
 
 
 @dataclass
@@ -174,14 +175,34 @@ def _result(kind, b, n, new, d, r, report) -> SpeedResult:
     )
 
 
+def is_dispatched(model: nn.Module) -> bool:
+    """Whether compressed-tensors' offload wrappers are on ``model``.
+
+    llm-compressor's pipelines leave them on every module after ``oneshot`` (each call then
+    routes its arguments and parameters through Python-level onloading); a model reloaded from
+    disk has none. Timing one of each measures the wrappers, not the routing.
+    """
+    from compressed_tensors.offload.cache import OffloadCache
+
+    return any(isinstance(m._parameters, OffloadCache) for m in model.modules())
+
+
 def run_speed_benchmark(dense: nn.Module, routed: nn.Module, token_stream: torch.Tensor,
                         seq_lens=(256, 1024, 2048), batch_sizes=(1, 8), decode_prompt: int = 128,
                         decode_tokens: int = 32, repeats: int = 5) -> list[SpeedResult]:
     """The full grid: prefill at each (seq_len, batch) and decoding at each batch size.
 
     ``token_stream`` is a 1D tensor of real token ids; inputs are consecutive, non-overlapping
-    chunks of it (real text routes like real text; random ids would not).
+    chunks of it (real text routes like real text; random ids would not). Both models must be
+    in the same dispatch state (see :func:`is_dispatched`).
     """
+    if is_dispatched(dense) != is_dispatched(routed):
+        which = "routed" if is_dispatched(routed) else "dense"
+        raise ValueError(
+            f"the {which} model carries compressed-tensors offload wrappers (left by oneshot) and "
+            "the other does not, so their speeds are not comparable: call "
+            "compressed_tensors.offload.remove_dispatch(model, onload_tensors=True) first"
+        )
     dense.eval()
     routed.eval()
     results = []

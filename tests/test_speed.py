@@ -1,0 +1,48 @@
+"""The speed benchmark's plumbing on tiny models (no timing is asserted: only what it reports)."""
+
+import copy
+
+import pytest
+import torch
+from compressed_tensors.offload import remove_dispatch, set_onload_device
+from test_routing import route_all
+from tiny_models import tiny_model
+
+from adadsf_modifier.evaluation.speed import format_table, is_dispatched, run_speed_benchmark
+from adadsf_modifier.routing import calibrate_thresholds
+
+
+def pair():
+    dense = tiny_model("llama")
+    routed = route_all(copy.deepcopy(dense), [0.8, 0.5, 1.0, 0.6])
+    g = torch.Generator().manual_seed(0)
+    calibrate_thresholds(routed, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}])
+    return dense, routed.eval()
+
+
+def test_benchmark_reports_every_cell_with_consistent_ratios():
+    dense, routed = pair()
+    stream = torch.randint(4, 128, (500,), generator=torch.Generator().manual_seed(1))
+    results = run_speed_benchmark(dense, routed, stream, seq_lens=(8, 16), batch_sizes=(1, 2),
+                                  decode_prompt=6, decode_tokens=3, repeats=2)
+    kinds = [(r.kind, r.batch_size, r.seq_len) for r in results]
+    assert kinds == [("prefill", 1, 8), ("prefill", 2, 8), ("prefill", 1, 16), ("prefill", 2, 16),
+                     ("decode", 1, 6), ("decode", 2, 6)]
+    for r in results:
+        assert r.speedup == pytest.approx(r.dense_s / r.routed_s)
+        assert r.flops_ideal == pytest.approx(1.0 / r.normalized_flops)
+        assert 0.0 < r.normalized_flops < 1.0  # some tokens skipped some layers
+        assert r.flops_ideal_with_lm_head < r.flops_ideal
+    table = format_table(results)
+    assert table.count("\n") == 1 + len(results)
+
+
+def test_benchmark_refuses_models_in_different_dispatch_states():
+    dense, routed = pair()
+    set_onload_device(routed, "cpu")  # what llm-compressor's pipelines leave after oneshot
+    assert is_dispatched(routed) and not is_dispatched(dense)
+    stream = torch.randint(4, 128, (100,))
+    with pytest.raises(ValueError, match="remove_dispatch"):
+        run_speed_benchmark(dense, routed, stream, seq_lens=(8,), batch_sizes=(1,), repeats=1)
+    remove_dispatch(routed, onload_tensors=True)
+    assert not is_dispatched(routed)
