@@ -213,3 +213,27 @@ def test_sliding_window_is_kept_among_selected_tokens(ratio):
         with torch.no_grad():
             outs.append(model(input_ids=ids, use_cache=False).logits)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def test_routing_survives_compressed_tensors_offload_wrappers():
+    """A model already dispatched by compressed-tensors (as after an earlier oneshot stage), or
+    left with a bound forward by remove_dispatch, must still route and unroute."""
+    from compressed_tensors.offload import remove_dispatch, set_onload_device
+
+    ids, mask = batch_with_padding()
+    reference = route_all(tiny_model("llama"), 0.5)
+    dense = tiny_model("llama")
+    model = set_onload_device(tiny_model("llama"), "cpu")
+    route_all(model, 0.5)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, expected)
+        remove_dispatch(model, onload_tensors=True)
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, expected)
+        _, layers = decoder_layers(model)
+        for _, layer in layers:
+            from adadsf_modifier.routing import unroute_layer
+
+            unroute_layer(layer)
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   dense(input_ids=ids, attention_mask=mask).logits)

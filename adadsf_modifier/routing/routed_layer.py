@@ -371,7 +371,7 @@ def route_layer(
     param = next(layer.parameters(), None)
     if param is not None:
         router.to(device=param.device, dtype=param.dtype if param.is_floating_point() else None)
-    layer.__class__ = routed_class_for(type(layer))
+    _swap_class(layer, routed_class_for(type(layer)))
     layer.add_module("router", router)
     layer.retention_ratio = float(retention_ratio)
     layer.layer_index = int(layer_index)
@@ -389,5 +389,32 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
     for attr in ("retention_ratio", "layer_index", "cache_kwarg", "_adadsf_config",
                  "routing_mode", "causal_threshold"):
         layer.__dict__.pop(attr, None)
-    layer.__class__ = original
+    _swap_class(layer, original)
     return layer
+
+
+def _swap_class(layer: nn.Module, new_class: type) -> None:
+    """``layer.__class__ = new_class``, carrying any instance-level ``forward`` along.
+
+    compressed-tensors' offloading (which llm-compressor's pipelines put on every module)
+    replaces ``layer.forward`` by a wrapper that calls the class's forward *captured when it was
+    installed*, and ``remove_dispatch`` leaves a bound copy of that function behind. Either
+    would silently bypass (or keep) routing after a class swap, so both are re-pointed.
+    """
+    old_forward = type(layer).forward
+    d = layer.__dict__
+    if "_original_forward_func" in d:  # offloaded: the wrapper calls this function
+        if d["_original_forward_func"] is not old_forward:
+            raise RuntimeError(
+                f"{type(layer).__name__}'s offloading wrapper calls {d['_original_forward_func']!r}, "
+                "not the class's forward; AdaDSF cannot tell which forward to route"
+            )
+        d["_original_forward_func"] = new_class.forward
+    elif "forward" in d:  # a leftover bound copy of the class's forward
+        if getattr(d["forward"], "__func__", None) is not old_forward:
+            raise RuntimeError(
+                f"{type(layer).__name__} has an instance-level forward ({d['forward']!r}) that "
+                "routing would bypass; remove it before routing"
+            )
+        del d["forward"]
+    layer.__class__ = new_class
