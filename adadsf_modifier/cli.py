@@ -187,18 +187,13 @@ def bench(routed_path: str, seq_lens, batch_sizes, repeats: int, decode_tokens: 
     import torch
     from transformers import AutoTokenizer
 
-    from adadsf_modifier.checkpoint import from_pretrained
     from adadsf_modifier.evaluation.assets import load_text_splits
-    from adadsf_modifier.evaluation.speed import format_table, run_speed_benchmark
-    from adadsf_modifier.routing import routed_layers, unroute_layer
+    from adadsf_modifier.evaluation.speed import format_table, load_pair, run_speed_benchmark
 
     if threads:
         torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(routed_path)
-    routed = from_pretrained(routed_path, dtype=torch.float32).eval()
-    dense = from_pretrained(routed_path, dtype=torch.float32).eval()
-    for layer in routed_layers(dense):
-        unroute_layer(layer)
+    dense, routed = load_pair(routed_path, dtype=torch.float32)
     text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     results = run_speed_benchmark(dense, routed, stream, seq_lens=tuple(seq_lens),

@@ -4,16 +4,20 @@
     python benchmarks/speed.py --seq-lens 256 1024 --batch-sizes 1 --repeats 3   # quicker
 
 Builds the routed model with ``oneshot`` (AdaDSF, no alignment: speed depends on how many tokens
-run each layer, not on router quality) from the same weights as the dense model, then prints
+run each layer, not on router quality), saves it, and loads dense and routed twins from that one
+checkpoint (identical weights, loaded alike: see ``load_pair``), then prints
 prefill latency and decoding time per step for both, the measured speedup and the FLOPs ideal.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -25,11 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="local path or hub id (default: embedded SmolLM2)")
     p.add_argument("--retention", type=float, default=0.8)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 1024, 2048])
+    p.add_argument("--seq-lens", type=int, nargs="*", default=[256, 1024, 2048],
+                   help="prefill lengths; none (a bare --seq-lens) skips prefill")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-repeats", type=int, default=None, help="default max(7, --repeats)")
     p.add_argument("--calibration-samples", type=int, default=16)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--device", default=None)
@@ -38,12 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import adadsf_modifier  # noqa: F401
-    from compressed_tensors.offload import remove_dispatch
     from llmcompressor import oneshot
 
     from adadsf_modifier import AdaDSFModifier
     from adadsf_modifier.evaluation import calibration_dataset, load_text_splits, resolve_model
-    from adadsf_modifier.evaluation.speed import format_table, run_speed_benchmark
+    from adadsf_modifier.evaluation.speed import format_table, load_pair, run_speed_benchmark
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -52,25 +57,26 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
 
-    def load():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-
-    dense = load()
     t0 = time.perf_counter()
-    routed = oneshot(
-        model=load(),
+    # kept until exit: the reloaded weights are memory-mapped from these files
+    checkpoint = tempfile.mkdtemp(prefix="adadsf-speed-")
+    atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
+    oneshot(
+        model=AutoModelForCausalLM.from_pretrained(path, dtype=dtype),
         dataset=calibration_dataset(tok, args.calibration_samples, 256),
         recipe=[AdaDSFModifier(retention=args.retention)],
-    ).eval()
-    # oneshot leaves compressed-tensors offload wrappers on every module; the dense twin has none
-    remove_dispatch(routed, onload_tensors=True)
-    logger.info(f"routed model built in {time.perf_counter() - t0:.1f}s")
+        output_dir=checkpoint,
+    )
+    # both twins from the saved checkpoint, loaded alike (see load_pair)
+    dense, routed = load_pair(checkpoint, dtype=dtype, device=device)
+    logger.info(f"routed model built and reloaded in {time.perf_counter() - t0:.1f}s")
 
     test_text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(test_text)["input_ids"], dtype=torch.long)
     results = run_speed_benchmark(
         dense, routed, stream, seq_lens=args.seq_lens, batch_sizes=args.batch_sizes,
         decode_prompt=args.decode_prompt, decode_tokens=args.decode_tokens, repeats=args.repeats,
+        decode_repeats=args.decode_repeats,
     )
     header = (f"# AdaDSF speed, retention {args.retention}, {device.type} "
               f"({torch.get_num_threads()} threads), {dtype}, torch {torch.__version__}, "
