@@ -19,7 +19,6 @@ and prints the operator table of ``torch.profiler`` for the dense and routed dec
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 from contextlib import contextmanager
 
@@ -69,31 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
 
-    import adadsf_modifier
-    from compressed_tensors.offload import remove_dispatch
+    import atexit
+    import shutil
+    import tempfile
+
     from transformers import AutoTokenizer
 
-    from adadsf_modifier.evaluation import calibration_dataset, load_text_splits, resolve_model
-    from adadsf_modifier.evaluation.speed import _decode_loop
-    from adadsf_modifier.routing import routed_layers, unroute_layer
+    from adadsf_modifier.evaluation import load_text_splits, resolve_model
+    from adadsf_modifier.evaluation.speed import _decode_loop, build_routed_checkpoint, load_pair
 
     torch.set_num_threads(args.threads)
-    if args.routed:
-        path = args.routed
-        routed = adadsf_modifier.from_pretrained(path, dtype=torch.float32).eval()
-    else:
-        from llmcompressor import oneshot
-        from transformers import AutoModelForCausalLM
-
-        path = resolve_model(None)
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        routed = oneshot(model=model, dataset=calibration_dataset(tok, 16, 256),
-                         recipe=[adadsf_modifier.AdaDSFModifier(retention=args.retention)])
-        routed = remove_dispatch(routed, onload_tensors=True).eval()
-    dense = copy.deepcopy(routed)
-    for layer in routed_layers(dense):
-        unroute_layer(layer)
+    path = args.routed
+    if path is None:
+        path = tempfile.mkdtemp(prefix="adadsf-profile-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        build_routed_checkpoint(resolve_model(None), path, args.retention)
+    dense, routed = load_pair(path)
     tok = AutoTokenizer.from_pretrained(path)
     text = "\n\n".join(load_text_splits()["test"]["text"])
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)

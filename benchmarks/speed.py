@@ -22,7 +22,7 @@ import time
 
 import torch
 from loguru import logger
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
 
-    import adadsf_modifier  # noqa: F401
-    from llmcompressor import oneshot
-
-    from adadsf_modifier import AdaDSFModifier
-    from adadsf_modifier.evaluation import calibration_dataset, load_text_splits, resolve_model
-    from adadsf_modifier.evaluation.speed import format_table, load_pair, run_speed_benchmark
+    from adadsf_modifier.evaluation import load_text_splits, resolve_model
+    from adadsf_modifier.evaluation.speed import (
+        build_routed_checkpoint,
+        format_table,
+        load_pair,
+        run_speed_benchmark,
+    )
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -61,12 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     # kept until exit: the reloaded weights are memory-mapped from these files
     checkpoint = tempfile.mkdtemp(prefix="adadsf-speed-")
     atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
-    oneshot(
-        model=AutoModelForCausalLM.from_pretrained(path, dtype=dtype),
-        dataset=calibration_dataset(tok, args.calibration_samples, 256),
-        recipe=[AdaDSFModifier(retention=args.retention)],
-        output_dir=checkpoint,
-    )
+    build_routed_checkpoint(path, checkpoint, args.retention, args.calibration_samples, dtype=dtype)
     # both twins from the saved checkpoint, loaded alike (see load_pair)
     dense, routed = load_pair(checkpoint, dtype=dtype, device=device)
     logger.info(f"routed model built and reloaded in {time.perf_counter() - t0:.1f}s")

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from adadsf_modifier.flops import normalized_flops
 
 __all__ = ["SpeedResult", "measure_prefill", "measure_decode", "run_speed_benchmark", "format_table",
-           "is_dispatched", "load_pair"]
+           "is_dispatched", "load_pair", "build_routed_checkpoint"]
 
 
 @dataclass
@@ -173,6 +173,30 @@ def _result(kind, b, n, new, d, r, report) -> SpeedResult:
         flops_ideal_with_lm_head=1.0 / report.normalized_with_lm_head,
         normalized_flops=report.normalized, dense_runs=d, routed_runs=r,
     )
+
+
+def build_routed_checkpoint(model_path: str, output_dir: str, retention: float = 0.8,
+                            calibration_samples: int = 16, seq_len: int = 256,
+                            dtype: torch.dtype = torch.float32) -> str:
+    """AdaDSF at ``retention`` (no alignment) on ``model_path``, saved to ``output_dir``.
+
+    What the speed benchmarks time: speed depends on how many tokens run each layer, not on
+    how well the routers were trained.
+    """
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adadsf_modifier.evaluation.assets import calibration_dataset
+    from adadsf_modifier.modifier import AdaDSFModifier
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    oneshot(
+        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype),
+        dataset=calibration_dataset(tok, calibration_samples, seq_len),
+        recipe=[AdaDSFModifier(retention=retention)],
+        output_dir=output_dir,
+    )
+    return output_dir
 
 
 def load_pair(checkpoint: str, dtype: torch.dtype = torch.float32,
