@@ -1,23 +1,18 @@
 """The speed benchmark's plumbing on tiny models (no timing is asserted: only what it reports)."""
 
-import copy
-
 import pytest
 import torch
 from compressed_tensors.offload import remove_dispatch, set_onload_device
-from test_routing import route_all
+from test_causal_routing import causal_model
 from tiny_models import tiny_model
 
 from adadsf_modifier.evaluation.speed import format_table, is_dispatched, run_speed_benchmark
-from adadsf_modifier.routing import calibrate_thresholds
 
 
 def pair():
-    dense = tiny_model("llama")
-    routed = route_all(copy.deepcopy(dense), [0.8, 0.5, 1.0, 0.6])
-    g = torch.Generator().manual_seed(0)
-    calibrate_thresholds(routed, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}])
-    return dense, routed.eval()
+    """A calibrated routed tiny Llama and its dense twin (same seed, so the same weights)."""
+    routed, _ = causal_model("llama")
+    return tiny_model("llama"), routed
 
 
 def test_benchmark_reports_every_cell_with_consistent_ratios():

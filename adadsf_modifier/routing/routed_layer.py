@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from adadsf_modifier.routing.cache import routed_cache_layer
+from adadsf_modifier.routing.cache import RoutedCacheLayer, routed_cache_layer
 from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.selection import (
     compact_attention_mask,
@@ -132,9 +132,7 @@ class RoutedLayer(nn.Module):
         cache_layer = routed_cache_layer(cache, self.layer_index) if cache is not None and ratio < 1.0 else None
 
         if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
-            if cache_layer is not None:
-                cache_layer.record_step(q_len)
-            return x
+            return _skipped(x, cache_layer)
         impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
         if impl in _UNSUPPORTED_ATTENTION:
             raise NotImplementedError(
@@ -159,7 +157,7 @@ class RoutedLayer(nn.Module):
 
         mode = self.resolved_routing_mode()
         if mode == "causal" and q_len == 1 and self.causal_threshold is not None:
-            return self._decode_step(x, scores, attention_mask, kwargs, cache_layer)
+            return self._decode_step(x, scores, attention_mask, kwargs, cache_layer, impl)
         real = real_token_mask(attention_mask, batch, q_len, x.device)
         has_past = cache_layer is not None and cache_layer.seen_tokens > 0
         if mode == "topk" and has_past:
@@ -171,9 +169,7 @@ class RoutedLayer(nn.Module):
             )
         index, valid, k_max = self.select_tokens(scores, real, mode, has_past)
         if k_max == 0:
-            if cache_layer is not None:
-                cache_layer.record_step(q_len)
-            return x
+            return _skipped(x, cache_layer)
 
         inner = dict(kwargs)
         inner["position_embeddings"] = gather_position_embeddings(
@@ -198,7 +194,7 @@ class RoutedLayer(nn.Module):
         out = scatter_tokens(x, index, y)
         return (out, *rest) if rest is not None else out
 
-    def _decode_step(self, x, scores, attention_mask, kwargs, cache_layer):
+    def _decode_step(self, x, scores, attention_mask, kwargs, cache_layer, impl):
         """One new token per row (causal mode): only the rows whose token passes run the layer.
 
         No gather/scatter along the sequence and no per-step mask from the model: the rows that
@@ -212,9 +208,11 @@ class RoutedLayer(nn.Module):
             real = None
         else:
             real = real_token_mask(attention_mask, batch, 1, x.device)[:, 0]
+        rows = selected = None  # rows None: every row runs
         if batch == 1:  # one sync, no index ops
             run = (first or float(scores) > self.causal_threshold) and (real is None or bool(real))
-            rows = None if run else scores.new_empty(0, dtype=torch.long)
+            if not run:
+                return _skipped(x, cache_layer)
         else:
             selected = scores[:, 0] > self.causal_threshold
             if first:
@@ -222,12 +220,10 @@ class RoutedLayer(nn.Module):
             if real is not None:
                 selected = selected & real
             rows = selected.nonzero().squeeze(1)  # the one host sync of this layer
+            if rows.numel() == 0:
+                return _skipped(x, cache_layer)
             if rows.numel() == batch:
                 rows = None
-        if rows is not None and rows.numel() == 0:
-            if cache_layer is not None:
-                cache_layer.record_step(1)
-            return x
 
         inner = dict(kwargs)
         inner["attention_mask"] = None
@@ -244,7 +240,6 @@ class RoutedLayer(nn.Module):
             if rows is not None:
                 past = past.index_select(0, rows)
             allowed = torch.cat([past, past.new_ones(past.shape[0], 1)], dim=1)[:, None, None, :]
-            impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
             inner.update(self._mask_kwargs(allowed, x.dtype, impl))
 
         if cache_layer is not None and rows is not None:
@@ -258,10 +253,7 @@ class RoutedLayer(nn.Module):
         if rows is not None:
             y = x.index_copy(0, rows, y)
         if cache_layer is not None:
-            valid = None
-            if rows is not None:
-                valid = torch.zeros(batch, 1, dtype=torch.bool, device=x.device)
-                valid[rows] = True
+            valid = None if rows is None else selected.unsqueeze(1)
             cache_layer.record_step(1, valid, appended=1)
         return (y, *rest) if rest is not None else y
 
@@ -315,6 +307,13 @@ class RoutedLayer(nn.Module):
             f"layer_index={self.layer_index}, retention_ratio={self.retention_ratio:.4f}, "
             f"routing_mode={self.routing_mode}, causal_threshold={thr}"
         )
+
+
+def _skipped(x: torch.Tensor, cache_layer: RoutedCacheLayer | None) -> torch.Tensor:
+    """No token runs the layer: ``x`` passes through; the cache only counts the positions."""
+    if cache_layer is not None:
+        cache_layer.record_step(x.shape[1])
+    return x
 
 
 def _rows_of(value: Any, rows: torch.Tensor, batch: int) -> Any:
