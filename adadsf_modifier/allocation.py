@@ -97,7 +97,9 @@ def clip_to_budget(
     lo, hi = 0.0, 1.0
     while mean_at(hi) < retention:
         hi *= 2.0
-        if hi > 1e12:  # cannot happen for positive ratios; guard against an endless loop
+        if (
+            hi > 1e12
+        ):  # cannot happen for positive ratios; guard against an endless loop
             raise RuntimeError("could not reach the retention budget")
     for _ in range(200):
         mid = 0.5 * (lo + hi)
@@ -123,13 +125,17 @@ def uniform_ratios(num_layers: int, retention: float) -> list[float]:
     return [float(retention)] * num_layers
 
 
-def reversed_ratios(ratios: Sequence[float], similarities: Sequence[float]) -> list[float]:
+def reversed_ratios(
+    ratios: Sequence[float], similarities: Sequence[float]
+) -> list[float]:
     """Same multiset of ratios as ``ratios``, assigned in the opposite similarity order.
 
     The layer with the highest similarity gets the largest ratio. It answers "does the ranking
     matter?" with the budget and the spread of ratios held fixed.
     """
-    order = sorted(range(len(similarities)), key=lambda i: similarities[i])  # low -> high s
+    order = sorted(
+        range(len(similarities)), key=lambda i: similarities[i]
+    )  # low -> high s
     ranked = sorted(ratios, reverse=True)  # similarity allocation: low s -> large ratio
     out = [0.0] * len(ratios)
     for rank, layer in enumerate(order):
@@ -153,7 +159,9 @@ def layer_drop_ratios(similarities: Sequence[float], retention: float) -> list[f
     n = len(similarities)
     keep = int(math.floor(retention * n + 1e-9))
     keep = max(keep, 1)
-    influence_order = sorted(range(n), key=lambda i: 1.0 - similarities[i])  # lowest BI first
+    influence_order = sorted(
+        range(n), key=lambda i: 1.0 - similarities[i]
+    )  # lowest BI first
     dropped = set(influence_order[: n - keep])
     return [0.0 if i in dropped else 1.0 for i in range(n)]
 
@@ -167,7 +175,9 @@ def explicit_ratios(values: Sequence[float], num_layers: int) -> list[float]:
         )
     for i, v in enumerate(values):
         if not 0.0 < float(v) <= 1.0:
-            raise ValueError(f"allocation: ratio {v} for routed layer {i} is outside (0, 1]")
+            raise ValueError(
+                f"allocation: ratio {v} for routed layer {i} is outside (0, 1]"
+            )
     return [float(v) for v in values]
 
 
@@ -197,7 +207,9 @@ def allocate(
     if allocation == "layer_drop":
         return layer_drop_ratios(similarities, retention)
     ratios = clip_to_budget(
-        similarity_ratios(similarities, retention, temperature, beta), retention, min_retention
+        similarity_ratios(similarities, retention, temperature, beta),
+        retention,
+        min_retention,
     )
     if allocation == "similarity":
         return ratios

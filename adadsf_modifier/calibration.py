@@ -17,12 +17,18 @@ from tqdm.auto import tqdm
 
 from adadsf_modifier.routing.selection import real_token_mask
 
-__all__ = ["SimilarityAccumulator", "token_cosine_similarity", "run_calibration_batches"]
+__all__ = [
+    "SimilarityAccumulator",
+    "token_cosine_similarity",
+    "run_calibration_batches",
+]
 
 
 def token_cosine_similarity(x_in: torch.Tensor, x_out: torch.Tensor) -> torch.Tensor:
     """``[batch, seq]`` cosine similarity per token, computed in float32."""
-    return torch.nn.functional.cosine_similarity(x_in.float(), x_out.float(), dim=-1, eps=1e-8)
+    return torch.nn.functional.cosine_similarity(
+        x_in.float(), x_out.float(), dim=-1, eps=1e-8
+    )
 
 
 class SimilarityAccumulator:
@@ -38,7 +44,9 @@ class SimilarityAccumulator:
         self.sums = [0.0] * num_layers
         self.counts = [0] * num_layers
         self.sample_tokens = sample_tokens
-        self.samples: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
+        self.samples: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+            [] for _ in range(num_layers)
+        ]
         self._kept = [0] * num_layers
         self._generator = torch.Generator().manual_seed(seed)
 
@@ -49,7 +57,9 @@ class SimilarityAccumulator:
             x_in = args[0] if args else kwargs["hidden_states"]
             x_out = output[0] if isinstance(output, tuple) else output
             batch, seq_len = x_in.shape[:2]
-            real = real_token_mask(kwargs.get("attention_mask"), batch, seq_len, x_in.device)
+            real = real_token_mask(
+                kwargs.get("attention_mask"), batch, seq_len, x_in.device
+            )
             cos = token_cosine_similarity(x_in, x_out)
             self.sums[index] += float(cos[real].double().sum())
             self.counts[index] += int(real.sum())
@@ -60,9 +70,15 @@ class SimilarityAccumulator:
 
     def _sample(self, index: int, x: torch.Tensor, cos: torch.Tensor) -> None:
         # at most a quarter of the budget per batch, so the sample spans several batches
-        take = min(self.sample_tokens - self._kept[index], max(1, self.sample_tokens // 4), len(x))
+        take = min(
+            self.sample_tokens - self._kept[index],
+            max(1, self.sample_tokens // 4),
+            len(x),
+        )
         pick = torch.randperm(len(x), generator=self._generator)[:take].to(x.device)
-        self.samples[index].append((x[pick].detach().float().cpu(), cos[pick].detach().cpu()))
+        self.samples[index].append(
+            (x[pick].detach().float().cpu(), cos[pick].detach().cpu())
+        )
         self._kept[index] += take
 
     def sampled(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,11 +101,16 @@ class SimilarityAccumulator:
 
 
 def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    return {
+        k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+        for k, v in batch.items()
+    }
 
 
 def run_calibration_batches(
-    model: nn.Module, batches: Iterable[Mapping[str, Any]], desc: str = "AdaDSF calibration"
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    desc: str = "AdaDSF calibration",
 ) -> int:
     """Forward every batch through ``model`` (no grad, no KV cache); returns the batch count.
 
@@ -104,7 +125,9 @@ def run_calibration_batches(
         with torch.no_grad():
             for batch in tqdm(batches, desc=desc, leave=False):
                 inputs = {
-                    k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")
+                    k: v
+                    for k, v in batch.items()
+                    if k in ("input_ids", "attention_mask")
                 }
                 if "input_ids" not in inputs:
                     raise ValueError(

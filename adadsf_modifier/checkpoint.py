@@ -61,7 +61,12 @@ import yaml
 from loguru import logger
 from torch import nn
 
-from adadsf_modifier.routing import RoutedLayer, TokenRouter, decoder_layers, route_layer
+from adadsf_modifier.routing import (
+    RoutedLayer,
+    TokenRouter,
+    decoder_layers,
+    route_layer,
+)
 
 __all__ = [
     "AdaDSFCheckpointError",
@@ -84,7 +89,14 @@ METADATA_ATTR = "adadsf_metadata"
 modifier settings). Set by :class:`AdaDSFModifier` after routing and by :func:`from_pretrained`."""
 
 _ROUTER_HINT = "add 're:.*router.*' to the quantization modifier's `ignore` list"
-_QUANT_SUFFIXES = ("_scale", "_zero_point", "_packed", "_shape", "_g_idx", "_global_scale")
+_QUANT_SUFFIXES = (
+    "_scale",
+    "_zero_point",
+    "_packed",
+    "_shape",
+    "_g_idx",
+    "_global_scale",
+)
 
 
 class AdaDSFCheckpointError(ValueError):
@@ -101,7 +113,9 @@ def _package_version() -> str:
         from importlib.metadata import version
 
         return version("adadsf-modifier")
-    except Exception:  # not installed as a distribution (e.g. a source checkout on sys.path)
+    except (
+        Exception
+    ):  # not installed as a distribution (e.g. a source checkout on sys.path)
         return "unknown"
 
 
@@ -155,14 +169,20 @@ def adadsf_config(model: nn.Module) -> dict[str, Any]:
                 "routed": is_routed,
                 "retention_ratio": float(layer.retention_ratio) if is_routed else 1.0,
                 "similarity": _float_or_none(sims[i]),
-                "router_hidden_size": int(router.router_hidden_size) if is_routed else None,
+                "router_hidden_size": int(router.router_hidden_size)
+                if is_routed
+                else None,
                 "router_eps": float(router.eps) if is_routed else None,
                 # Causal routing mode: per-layer inference threshold (None: not calibrated, so
                 # top-k over the whole sequence) and the layer's routing-mode setting.
-                "causal_threshold": _threshold_to_json(getattr(layer, "causal_threshold", None))
+                "causal_threshold": _threshold_to_json(
+                    getattr(layer, "causal_threshold", None)
+                )
                 if is_routed
                 else None,
-                "routing_mode": getattr(layer, "routing_mode", None) if is_routed else None,
+                "routing_mode": getattr(layer, "routing_mode", None)
+                if is_routed
+                else None,
             }
         )
     router_dtype = next(routed[0].router.parameters()).dtype
@@ -185,7 +205,9 @@ def adadsf_config(model: nn.Module) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def check_recipe_keeps_routers_unquantized(layer_names: list[str], modifiers=None) -> None:
+def check_recipe_keeps_routers_unquantized(
+    layer_names: list[str], modifiers=None
+) -> None:
     """Fail before any work if a later quantization modifier of the recipe would quantize a router.
 
     Called by :class:`AdaDSFModifier` before calibration with the names of the layers it is about
@@ -200,13 +222,19 @@ def check_recipe_keeps_routers_unquantized(layer_names: list[str], modifiers=Non
         except Exception:  # no session (direct use outside oneshot): nothing to check
             return
         # Modifiers initialised before AdaDSF attached their schemes before the routers existed.
-        ours = [i for i, m in enumerate(modifiers) if type(m).__name__ == "AdaDSFModifier"]
+        ours = [
+            i for i, m in enumerate(modifiers) if type(m).__name__ == "AdaDSFModifier"
+        ]
         if ours:
             modifiers = modifiers[ours[0] + 1 :]
     from compressed_tensors.utils import is_match
-    from llmcompressor.modifiers.quantization.quantization.mixin import QuantizationMixin
+    from llmcompressor.modifiers.quantization.quantization.mixin import (
+        QuantizationMixin,
+    )
 
-    probe = nn.Linear(1, 1)  # routers are made of nn.Linear; class-name targets match it
+    probe = nn.Linear(
+        1, 1
+    )  # routers are made of nn.Linear; class-name targets match it
     for mod in modifiers:
         if not isinstance(mod, QuantizationMixin):
             continue
@@ -228,7 +256,10 @@ def check_recipe_keeps_routers_unquantized(layer_names: list[str], modifiers=Non
 
 def _check_model_routers_unquantized(model: nn.Module) -> None:
     for name, module in model.named_modules():
-        if ".router" in name and getattr(module, "quantization_scheme", None) is not None:
+        if (
+            ".router" in name
+            and getattr(module, "quantization_scheme", None) is not None
+        ):
             raise AdaDSFCheckpointError(
                 f"the AdaDSF router `{name}` was quantized ({module.quantization_scheme}); routers "
                 f"must stay in full precision: {_ROUTER_HINT} and run the recipe again"
@@ -240,7 +271,9 @@ def _check_model_routers_unquantized(model: nn.Module) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def attach_checkpoint_support(model: nn.Module, modifier: Any = None, similarities=None) -> None:
+def attach_checkpoint_support(
+    model: nn.Module, modifier: Any = None, similarities=None
+) -> None:
     """Record AdaDSF metadata on ``model`` and make every ``save_pretrained`` write it.
 
     Called by :class:`AdaDSFModifier` right after routing (so before any later modifier runs and
@@ -248,8 +281,13 @@ def attach_checkpoint_support(model: nn.Module, modifier: Any = None, similariti
     """
     meta = dict(getattr(model, METADATA_ATTR, None) or {})
     if modifier is not None:
-        meta["modifier"] = {"class": type(modifier).__name__, "settings": _modifier_settings(modifier)}
-        similarities = similarities if similarities is not None else modifier.similarities
+        meta["modifier"] = {
+            "class": type(modifier).__name__,
+            "settings": _modifier_settings(modifier),
+        }
+        similarities = (
+            similarities if similarities is not None else modifier.similarities
+        )
     if similarities is not None:
         meta["similarities"] = [float(s) for s in similarities]
     # object.__setattr__: a plain attribute, never a submodule/parameter/buffer.
@@ -280,7 +318,9 @@ def install_save_hook(model: nn.Module) -> None:
     def save_pretrained(save_directory, *args, **kwargs):
         model = model_ref()
         if model is None:
-            raise RuntimeError("the model this save_pretrained belonged to no longer exists")
+            raise RuntimeError(
+                "the model this save_pretrained belonged to no longer exists"
+            )
         return _atomic_save(model, save_directory, inner, *args, **kwargs)
 
     save_pretrained._adadsf_save_hook = True
@@ -310,7 +350,9 @@ def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> No
 
     dest = Path(save_directory).absolute()
     if dest.exists() and not dest.is_dir():
-        raise NotADirectoryError(f"cannot save a checkpoint to {dest}: it exists and is a file")
+        raise NotADirectoryError(
+            f"cannot save a checkpoint to {dest}: it exists and is a file"
+        )
     # Everything that can fail without touching the disk, first.
     _check_model_routers_unquantized(model)
     sidecar = adadsf_config(model)
@@ -367,19 +409,27 @@ class _PlainYamlLoader(yaml.SafeLoader):
 
 
 def _enum_value(loader: yaml.SafeLoader, suffix: str, node: yaml.Node):
-    if isinstance(node, yaml.SequenceNode) and len(node.value) == 1 and isinstance(
-        node.value[0], yaml.ScalarNode
+    if (
+        isinstance(node, yaml.SequenceNode)
+        and len(node.value) == 1
+        and isinstance(node.value[0], yaml.ScalarNode)
     ):
         return loader.construct_scalar(node.value[0])
     raise yaml.constructor.ConstructorError(
-        None, None, f"cannot turn python/object/apply:{suffix} into plain data", node.start_mark
+        None,
+        None,
+        f"cannot turn python/object/apply:{suffix} into plain data",
+        node.start_mark,
     )
 
 
 _PlainYamlLoader.add_constructor(
-    "tag:yaml.org,2002:python/tuple", lambda loader, node: loader.construct_sequence(node)
+    "tag:yaml.org,2002:python/tuple",
+    lambda loader, node: loader.construct_sequence(node),
 )
-_PlainYamlLoader.add_multi_constructor("tag:yaml.org,2002:python/object/apply:", _enum_value)
+_PlainYamlLoader.add_multi_constructor(
+    "tag:yaml.org,2002:python/object/apply:", _enum_value
+)
 
 
 def _make_recipe_safe(path: Path) -> None:
@@ -402,10 +452,14 @@ def _make_recipe_safe(path: Path) -> None:
     try:
         data = yaml.load(text, Loader=_PlainYamlLoader)  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError as e:
-        logger.warning(f"AdaDSF: left {path} as written; it is not safe-loadable YAML ({e})")
+        logger.warning(
+            f"AdaDSF: left {path} as written; it is not safe-loadable YAML ({e})"
+        )
         return
     path.write_text(
-        yaml.safe_dump(data, allow_unicode=True, sort_keys=False, default_flow_style=None, width=88)
+        yaml.safe_dump(
+            data, allow_unicode=True, sort_keys=False, default_flow_style=None, width=88
+        )
     )
 
 
@@ -439,7 +493,9 @@ _MODEL_ARTIFACTS = re.compile(
 
 def _link_or_copy(src: str, dst: str) -> None:
     try:
-        os.link(src, dst)  # same filesystem: free, and leaves the old checkpoint untouched
+        os.link(
+            src, dst
+        )  # same filesystem: free, and leaves the old checkpoint untouched
     except OSError:
         shutil.copy2(src, dst)
 
@@ -447,7 +503,11 @@ def _link_or_copy(src: str, dst: str) -> None:
 def _carry_over(old: Path, new: Path) -> None:
     for entry in old.iterdir():
         target = new / entry.name
-        if target.exists() or target.is_symlink() or _MODEL_ARTIFACTS.fullmatch(entry.name):
+        if (
+            target.exists()
+            or target.is_symlink()
+            or _MODEL_ARTIFACTS.fullmatch(entry.name)
+        ):
             continue
         if entry.is_symlink():
             os.symlink(os.readlink(entry), target)
@@ -465,14 +525,22 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):
         return False
     at_fdcwd, rename_exchange = -100, 2
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
     if rc == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}")
+    raise OSError(
+        err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}"
+    )
 
 
 def _swap_into_place(tmp: Path, dest: Path) -> None:
@@ -481,7 +549,9 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
     elif _rename_exchange(tmp, dest):
         shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous checkpoint
     else:  # two renames; the previous checkpoint is put back if the second one fails
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.adadsf-old-", dir=dest.parent))
+        old = Path(
+            tempfile.mkdtemp(prefix=f".{dest.name}.adadsf-old-", dir=dest.parent)
+        )
         os.rmdir(old)
         os.rename(dest, old)
         try:
@@ -522,9 +592,14 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def _expected_router_shapes(entry: dict, hidden_size: int) -> dict[str, tuple[int, ...]]:
+def _expected_router_shapes(
+    entry: dict, hidden_size: int
+) -> dict[str, tuple[int, ...]]:
     router = TokenRouter(hidden_size, int(entry["router_hidden_size"]))
-    return {f"{entry['name']}.router.{k}": tuple(v.shape) for k, v in router.state_dict().items()}
+    return {
+        f"{entry['name']}.router.{k}": tuple(v.shape)
+        for k, v in router.state_dict().items()
+    }
 
 
 def _read_router_tensors(path: Path, sidecar: dict) -> dict[str, torch.Tensor]:
@@ -539,9 +614,17 @@ def _read_router_tensors(path: Path, sidecar: dict) -> dict[str, torch.Tensor]:
         for key, shape in _expected_router_shapes(entry, hidden).items():
             file = files.get(key)
             if file is None:
-                quantized = [k for k in files if k.startswith(key.rsplit(".", 1)[0] + ".")
-                             and k.endswith(_QUANT_SUFFIXES)]
-                extra = f" (found quantized tensors {quantized}: {_ROUTER_HINT})" if quantized else ""
+                quantized = [
+                    k
+                    for k in files
+                    if k.startswith(key.rsplit(".", 1)[0] + ".")
+                    and k.endswith(_QUANT_SUFFIXES)
+                ]
+                extra = (
+                    f" (found quantized tensors {quantized}: {_ROUTER_HINT})"
+                    if quantized
+                    else ""
+                )
                 raise AdaDSFCheckpointError(
                     f"router tensor `{key}` of routed layer {entry['index']} is missing from the "
                     f"safetensors files in {path}{extra}"
@@ -563,7 +646,11 @@ def _read_router_tensors(path: Path, sidecar: dict) -> dict[str, torch.Tensor]:
     routed_names = {e["name"] for e in routed}
     for key in files:
         m = re.fullmatch(r"(.*)\.router\.[^.]+\.[^.]+", key)
-        if m and m.group(1) not in routed_names and m.group(1) in {e["name"] for e in sidecar["layers"]}:
+        if (
+            m
+            and m.group(1) not in routed_names
+            and m.group(1) in {e["name"] for e in sidecar["layers"]}
+        ):
             raise AdaDSFCheckpointError(
                 f"{path} holds router tensor `{key}` but {SIDECAR_NAME} says layer "
                 f"`{m.group(1)}` is not routed"
@@ -585,7 +672,9 @@ def read_adadsf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate ``PATH/adadsf_config.json``; clear errors for anything off."""
     path = Path(path)
     if not path.is_dir():
-        raise AdaDSFCheckpointError(f"no AdaDSF data in {path}: it is not a local checkpoint folder")
+        raise AdaDSFCheckpointError(
+            f"no AdaDSF data in {path}: it is not a local checkpoint folder"
+        )
     file = path / SIDECAR_NAME
     if not file.is_file():
         raise AdaDSFCheckpointError(
@@ -597,7 +686,9 @@ def read_adadsf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdaDSFCheckpointError(f"{file} is not valid JSON: {e}") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise AdaDSFCheckpointError(f"{file} is not an AdaDSF sidecar (missing format: 'adadsf')")
+        raise AdaDSFCheckpointError(
+            f"{file} is not an AdaDSF sidecar (missing format: 'adadsf')"
+        )
     version = data.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS:
         raise AdaDSFCheckpointError(
@@ -621,9 +712,13 @@ def read_adadsf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         if e["routed"]:
             r, h = e["retention_ratio"], e["router_hidden_size"]
             if not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0):
-                raise AdaDSFCheckpointError(f"{file}: layer {i} retention_ratio {r!r} not in [0, 1]")
+                raise AdaDSFCheckpointError(
+                    f"{file}: layer {i} retention_ratio {r!r} not in [0, 1]"
+                )
             if not (isinstance(h, int) and h > 0):
-                raise AdaDSFCheckpointError(f"{file}: layer {i} router_hidden_size {h!r} invalid")
+                raise AdaDSFCheckpointError(
+                    f"{file}: layer {i} router_hidden_size {h!r} invalid"
+                )
     if not any(e["routed"] for e in layers):
         raise AdaDSFCheckpointError(f"{file} lists no routed layer")
     return data
@@ -683,7 +778,9 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     try:
         base_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError as e:
-        raise AdaDSFCheckpointError(f"{path}: no causal-LM class for {type(config).__name__}") from e
+        raise AdaDSFCheckpointError(
+            f"{path}: no causal-LM class for {type(config).__name__}"
+        ) from e
     if isinstance(base_cls, (list, tuple)):
         base_cls = base_cls[0]
     router_tensors = _read_router_tensors(path, sidecar)  # fail before the big load
@@ -691,11 +788,16 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     # A throw-away subclass that only tells transformers the router keys are expected extras (so
     # its load report does not flag them as UNEXPECTED); the model is switched back to the real
     # class right after loading, so nothing else sees it.
-    ignore = list(base_cls._keys_to_ignore_on_load_unexpected or []) + [_router_key_pattern(sidecar)]
+    ignore = list(base_cls._keys_to_ignore_on_load_unexpected or []) + [
+        _router_key_pattern(sidecar)
+    ]
     loader = type(
         base_cls.__name__,
         (base_cls,),
-        {"_keys_to_ignore_on_load_unexpected": ignore, "__module__": base_cls.__module__},
+        {
+            "_keys_to_ignore_on_load_unexpected": ignore,
+            "__module__": base_cls.__module__,
+        },
     )
     model = loader.from_pretrained(str(path), config=config, **kwargs)
     model.__class__ = base_cls
@@ -722,10 +824,20 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
         )
         prefix = f"{entry['name']}.router."
         router.load_state_dict(
-            {k[len(prefix):]: v for k, v in router_tensors.items() if k.startswith(prefix)}
+            {
+                k[len(prefix) :]: v
+                for k, v in router_tensors.items()
+                if k.startswith(prefix)
+            }
         )
-        route_layer(layer, router, float(entry["retention_ratio"]), entry["index"],
-                    spec.cache_kwarg, model.config)
+        route_layer(
+            layer,
+            router,
+            float(entry["retention_ratio"]),
+            entry["index"],
+            spec.cache_kwarg,
+            model.config,
+        )
         layer.router.to(dtype=dtype)
         if entry.get("causal_threshold") is not None:
             layer.causal_threshold = float(entry["causal_threshold"])
@@ -733,10 +845,15 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
             layer.routing_mode = entry["routing_mode"]
 
     model.eval()
-    if _any_topk_at_inference(layers) and getattr(model, "generation_config", None) is not None:
+    if (
+        _any_topk_at_inference(layers)
+        and getattr(model, "generation_config", None) is not None
+    ):
         model.generation_config.use_cache = False
-    meta = {"modifier": sidecar.get("modifier"),
-            "similarities": [e.get("similarity") for e in sidecar["layers"]]}
+    meta = {
+        "modifier": sidecar.get("modifier"),
+        "similarities": [e.get("similarity") for e in sidecar["layers"]],
+    }
     object.__setattr__(model, METADATA_ATTR, meta)
     install_save_hook(model)
     n = sum(e["routed"] for e in sidecar["layers"])

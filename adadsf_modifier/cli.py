@@ -26,8 +26,15 @@ from loguru import logger
 
 __all__ = ["main", "CLIError"]
 
-DEFAULT_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "openbookqa",
-                 "boolq")
+DEFAULT_TASKS = (
+    "piqa",
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "winogrande",
+    "openbookqa",
+    "boolq",
+)
 
 
 class CLIError(Exception):
@@ -38,24 +45,31 @@ class CLIError(Exception):
 def _default_recipe() -> str:
     candidate = Path(__file__).resolve().parents[1] / "recipes" / "adadsf_w8a8.yaml"
     if not candidate.is_file():
-        raise CLIError("no default recipe found next to the package; pass --recipe PATH")
+        raise CLIError(
+            "no default recipe found next to the package; pass --recipe PATH"
+        )
     return str(candidate)
 
 
 def _check_recipe(path: str) -> str:
-    import adadsf_modifier  # noqa: F401  (registers AdaDSFModifier for the recipe parser)
     from llmcompressor.recipe import Recipe
+
+    import adadsf_modifier  # noqa: F401  (registers AdaDSFModifier for the recipe parser)
 
     if not os.path.isfile(path):
         raise CLIError(f"recipe file not found: {path}")
     try:
         recipe = Recipe.create_instance(path)
     except Exception as e:  # yaml errors, unknown modifiers, pydantic validation errors
-        detail = " ".join(line.strip() for line in str(e).splitlines()[:4] if line.strip())
+        detail = " ".join(
+            line.strip() for line in str(e).splitlines()[:4] if line.strip()
+        )
         raise CLIError(f"recipe {path} does not parse: {detail}") from e
     if not recipe.modifiers:
-        raise CLIError(f"recipe {path} defines no modifiers (groups must end in _stage / "
-                       "_modifiers)")
+        raise CLIError(
+            f"recipe {path} defines no modifiers (groups must end in _stage / "
+            "_modifiers)"
+        )
     return path
 
 
@@ -64,10 +78,16 @@ def _check_tasks(tasks: str | None) -> list[str]:
         return []
     from adadsf_modifier.evaluation.lm_eval_tasks import SUPPORTED_TASKS
 
-    names = list(SUPPORTED_TASKS) if tasks == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
+    names = (
+        list(SUPPORTED_TASKS)
+        if tasks == "all"
+        else [t.strip() for t in tasks.split(",") if t.strip()]
+    )
     unknown = [t for t in names if t not in SUPPORTED_TASKS]
     if unknown:
-        raise CLIError(f"unknown task(s) {unknown}; supported: {', '.join(SUPPORTED_TASKS)}")
+        raise CLIError(
+            f"unknown task(s) {unknown}; supported: {', '.join(SUPPORTED_TASKS)}"
+        )
     return names
 
 
@@ -94,7 +114,9 @@ def _check_output_dir(path: str, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise CLIError(f"output path exists and is not a directory: {out}")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CLIError(f"output directory {out} exists and is not empty (use --overwrite)")
+        raise CLIError(
+            f"output directory {out} exists and is not empty (use --overwrite)"
+        )
     return out
 
 
@@ -123,11 +145,14 @@ def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
     recipe = _check_recipe(args.recipe or _default_recipe())
     model_path = _check_model(args.model)
     out = _check_output_dir(args.output_dir, args.overwrite)
-    return compress(model_path, recipe, out, args.calibration_samples, args.seq_len, args.seed)
+    return compress(
+        model_path, recipe, out, args.calibration_samples, args.seq_len, args.seed
+    )
 
 
-def compress(model_path: str, recipe: str, out: Path, samples: int, seq_len: int, seed: int
-             ) -> dict[str, Any]:
+def compress(
+    model_path: str, recipe: str, out: Path, samples: int, seq_len: int, seed: int
+) -> dict[str, Any]:
     import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,56 +164,110 @@ def compress(model_path: str, recipe: str, out: Path, samples: int, seq_len: int
     tok = AutoTokenizer.from_pretrained(model_path)
     data = calibration_dataset(tok, samples, seq_len, seed=seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if out.is_dir() and any(out.iterdir()):  # --overwrite: the atomic save replaces it in one step
+    if out.is_dir() and any(
+        out.iterdir()
+    ):  # --overwrite: the atomic save replaces it in one step
         logger.warning(f"--overwrite: replacing the checkpoint in {out}")
-    oneshot(model=model, processor=tok, dataset=data, recipe=recipe, output_dir=str(out),
-            num_calibration_samples=samples, max_seq_length=seq_len)
+    oneshot(
+        model=model,
+        processor=tok,
+        dataset=data,
+        recipe=recipe,
+        output_dir=str(out),
+        num_calibration_samples=samples,
+        max_seq_length=seq_len,
+    )
     seconds = time.perf_counter() - t0
     logger.info(f"compressed {model_path} with {recipe} into {out} in {seconds:.0f}s")
-    return {"model": model_path, "recipe": recipe, "output_dir": str(out), "seconds": seconds}
+    return {
+        "model": model_path,
+        "recipe": recipe,
+        "output_dir": str(out),
+        "seconds": seconds,
+    }
 
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     tasks = _check_tasks(args.tasks)
     model_path = _check_model(args.model)
     out = _check_output_file(args.output, args.overwrite)
-    record = evaluate(model_path, args.label, tasks, args.limit, not args.no_ppl, args.ppl_tokens,
-                      args.routing_mode)
+    record = evaluate(
+        model_path,
+        args.label,
+        tasks,
+        args.limit,
+        not args.no_ppl,
+        args.ppl_tokens,
+        args.routing_mode,
+    )
     _write_json(out, record)
     return record
 
 
-def evaluate(model_path: str, label: str | None, tasks: list[str], limit: int | None, ppl: bool,
-             ppl_tokens: int | None, routing_mode: str) -> dict[str, Any]:
+def evaluate(
+    model_path: str,
+    label: str | None,
+    tasks: list[str],
+    limit: int | None,
+    ppl: bool,
+    ppl_tokens: int | None,
+    routing_mode: str,
+) -> dict[str, Any]:
     from adadsf_modifier.evaluation.evaluate import evaluate_model, load_for_eval
 
     model, tok, routed = load_for_eval(model_path)
     label = label or ("sparse" if routed else "dense")
-    record = evaluate_model(model, tok, label=label, model_name=model_path, ppl=ppl,
-                            ppl_max_tokens=ppl_tokens, tasks=tasks, limit=limit,
-                            routing_mode=routing_mode)
+    record = evaluate_model(
+        model,
+        tok,
+        label=label,
+        model_name=model_path,
+        ppl=ppl,
+        ppl_max_tokens=ppl_tokens,
+        tasks=tasks,
+        limit=limit,
+        routing_mode=routing_mode,
+    )
     return record.as_dict()
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.routed is None:
-        raise CLIError("--routed PATH (an AdaDSF checkpoint, e.g. from `adadsf compress`) is required")
+        raise CLIError(
+            "--routed PATH (an AdaDSF checkpoint, e.g. from `adadsf compress`) is required"
+        )
     routed_path = _check_model(args.routed)
     out = _check_output_file(args.output, args.overwrite)
-    result = bench(routed_path, args.seq_lens, args.batch_sizes, args.repeats, args.decode_tokens,
-                   args.threads)
+    result = bench(
+        routed_path,
+        args.seq_lens,
+        args.batch_sizes,
+        args.repeats,
+        args.decode_tokens,
+        args.threads,
+    )
     _write_json(out, result)
     return result
 
 
-def bench(routed_path: str, seq_lens, batch_sizes, repeats: int, decode_tokens: int,
-          threads: int | None = None) -> dict[str, Any]:
+def bench(
+    routed_path: str,
+    seq_lens,
+    batch_sizes,
+    repeats: int,
+    decode_tokens: int,
+    threads: int | None = None,
+) -> dict[str, Any]:
     """Routed checkpoint vs the same checkpoint with routing removed (identical weights)."""
     import torch
     from transformers import AutoTokenizer
 
     from adadsf_modifier.evaluation.assets import load_text_splits
-    from adadsf_modifier.evaluation.speed import format_table, load_pair, run_speed_benchmark
+    from adadsf_modifier.evaluation.speed import (
+        format_table,
+        load_pair,
+        run_speed_benchmark,
+    )
 
     if threads:
         torch.set_num_threads(threads)
@@ -196,17 +275,32 @@ def bench(routed_path: str, seq_lens, batch_sizes, repeats: int, decode_tokens: 
     dense, routed = load_pair(routed_path, dtype=torch.float32)
     text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-    results = run_speed_benchmark(dense, routed, stream, seq_lens=tuple(seq_lens),
-                                  batch_sizes=tuple(batch_sizes), decode_tokens=decode_tokens,
-                                  repeats=repeats)
+    results = run_speed_benchmark(
+        dense,
+        routed,
+        stream,
+        seq_lens=tuple(seq_lens),
+        batch_sizes=tuple(batch_sizes),
+        decode_tokens=decode_tokens,
+        repeats=repeats,
+    )
     table = format_table(results)
     print(table)
-    return {"model": routed_path, "threads": torch.get_num_threads(), "device": "cpu",
-            "results": [r.as_dict() for r in results], "table": table}
+    return {
+        "model": routed_path,
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "results": [r.as_dict() for r in results],
+        "table": table,
+    }
 
 
 def cmd_report(args: argparse.Namespace) -> dict[str, Any]:
-    from adadsf_modifier.evaluation.report import build_report, summary_table, write_report
+    from adadsf_modifier.evaluation.report import (
+        build_report,
+        summary_table,
+        write_report,
+    )
 
     records = []
     for p in args.inputs:
@@ -231,7 +325,11 @@ def cmd_report(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     """The README main job: compress (AdaDSF + W8A8) -> eval dense and sparse -> bench -> report."""
-    from adadsf_modifier.evaluation.report import build_report, summary_table, write_report
+    from adadsf_modifier.evaluation.report import (
+        build_report,
+        summary_table,
+        write_report,
+    )
 
     t0 = time.perf_counter()
     recipe = _check_recipe(args.recipe or _default_recipe())
@@ -245,7 +343,14 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     timings = {}
 
     step = time.perf_counter()
-    compress(model_path, recipe, sparse_dir, args.calibration_samples, args.seq_len, args.seed)
+    compress(
+        model_path,
+        recipe,
+        sparse_dir,
+        args.calibration_samples,
+        args.seq_len,
+        args.seed,
+    )
     timings["compress_s"] = time.perf_counter() - step
     records = []
     for label, path in (("dense", model_path), ("AdaDSF+W8A8", str(sparse_dir))):
@@ -255,13 +360,24 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         records.append(rec)
         timings[f"eval_{label}_s"] = time.perf_counter() - step
     step = time.perf_counter()
-    speed = bench(str(sparse_dir), args.bench_seq_lens, [1], args.bench_repeats,
-                  args.decode_tokens)
+    speed = bench(
+        str(sparse_dir),
+        args.bench_seq_lens,
+        [1],
+        args.bench_repeats,
+        args.decode_tokens,
+    )
     _write_json(out / "speed.json", speed)
     timings["bench_s"] = time.perf_counter() - step
     timings["total_s"] = time.perf_counter() - t0
-    meta = {"model": model_path, "recipe": recipe, "tasks": tasks, "limit": args.limit,
-            "ppl_tokens": args.ppl_tokens, "timings": timings}
+    meta = {
+        "model": model_path,
+        "recipe": recipe,
+        "tasks": tasks,
+        "limit": args.limit,
+        "ppl_tokens": args.ppl_tokens,
+        "timings": timings,
+    }
     report = build_report(records, speed["results"], meta)
     js, png = write_report(report, out)
     print("\n" + summary_table(report))
@@ -271,16 +387,25 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="adadsf", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="adadsf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    def model_arg(sp, help_="local path or hub id (default: the embedded SmolLM2-135M-Instruct)"):
+    def model_arg(
+        sp, help_="local path or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    ):
         sp.add_argument("--model", default=None, help=help_)
 
-    c = sub.add_parser("compress", help="model + recipe -> compressed AdaDSF checkpoint")
+    c = sub.add_parser(
+        "compress", help="model + recipe -> compressed AdaDSF checkpoint"
+    )
     model_arg(c)
-    c.add_argument("--recipe", default=None, help="YAML recipe (default recipes/adadsf_w8a8.yaml)")
+    c.add_argument(
+        "--recipe", default=None, help="YAML recipe (default recipes/adadsf_w8a8.yaml)"
+    )
     c.add_argument("--output-dir", required=True)
     c.add_argument("--calibration-samples", type=int, default=64)
     c.add_argument("--seq-len", type=int, default=256)
@@ -291,8 +416,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity and/or lm-eval tasks -> JSON")
     model_arg(e, "model or AdaDSF checkpoint (default: the embedded SmolLM2)")
     e.add_argument("--label", default=None)
-    e.add_argument("--tasks", default=None, help=f"comma list or 'all' ({', '.join(DEFAULT_TASKS)})")
-    e.add_argument("--limit", type=int, default=None, help="examples per task (quick runs)")
+    e.add_argument(
+        "--tasks",
+        default=None,
+        help=f"comma list or 'all' ({', '.join(DEFAULT_TASKS)})",
+    )
+    e.add_argument(
+        "--limit", type=int, default=None, help="examples per task (quick runs)"
+    )
     e.add_argument("--no-ppl", action="store_true")
     e.add_argument("--ppl-tokens", type=int, default=16384)
     e.add_argument("--routing-mode", choices=["causal", "topk"], default="causal")
@@ -311,14 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overwrite", action="store_true")
     b.set_defaults(func=cmd_bench)
 
-    r = sub.add_parser("report", help="evaluation JSONs (+ speed JSON) -> report.json + report.png")
+    r = sub.add_parser(
+        "report", help="evaluation JSONs (+ speed JSON) -> report.json + report.png"
+    )
     r.add_argument("--inputs", nargs="+", required=True)
     r.add_argument("--speed", default=None)
     r.add_argument("--output-dir", required=True)
     r.add_argument("--overwrite", action="store_true")
     r.set_defaults(func=cmd_report)
 
-    m = sub.add_parser("run", help="main job: compress + eval (dense, sparse) + bench + report")
+    m = sub.add_parser(
+        "run", help="main job: compress + eval (dense, sparse) + bench + report"
+    )
     model_arg(m)
     m.add_argument("--recipe", default=None)
     m.add_argument("--output-dir", default="outputs/main")

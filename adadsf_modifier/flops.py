@@ -42,8 +42,6 @@ from adadsf_modifier.routing.architectures import decoder_layers
 from adadsf_modifier.routing.routed_layer import RoutedLayer
 from adadsf_modifier.routing.selection import (
     real_token_mask,
-    select_topk,
-    tokens_to_keep_per_row,
 )
 
 __all__ = [
@@ -185,7 +183,9 @@ def causal_key_count(queries: int, past: int = 0, window: int | None = None) -> 
     w = int(window)
     if w <= 0:
         raise ValueError(f"sliding window must be positive, got {window}")
-    below_hi = min(hi, w)  # terms j in [lo, below_hi] contribute j, the rest contribute w
+    below_hi = min(
+        hi, w
+    )  # terms j in [lo, below_hi] contribute j, the rest contribute w
     full = (lo + below_hi) * (below_hi - lo + 1) // 2 if below_hi >= lo else 0
     capped = hi - max(lo - 1, w)
     return full + w * capped
@@ -344,7 +344,9 @@ def _as_table(values: Any, num_layers: int, batch: int, name: str) -> list[list[
         raise ValueError(f"{name} has {len(table)} layers, the config has {num_layers}")
     for i, row in enumerate(table):
         if len(row) != batch:
-            raise ValueError(f"{name}[{i}] has {len(row)} sequences, seq_lens has {batch}")
+            raise ValueError(
+                f"{name}[{i}] has {len(row)} sequences, seq_lens has {batch}"
+            )
     return table
 
 
@@ -398,13 +400,17 @@ def count_flops(
     :param dtype_bytes: bytes per hidden-state element for the memory-traffic estimate
     """
     shape = layer_shape(config)
-    lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    lens = [
+        int(n)
+        for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+    ]
     batch, L = len(lens), shape.num_layers
     kept_t = _as_table(kept, L, batch, "kept")
     past = _per_row(past_lens, batch, "past_lens")
     r_past = (
         _as_table(routed_past_lens, L, batch, "routed_past_lens")
-        if routed_past_lens is not None else [past] * L
+        if routed_past_lens is not None
+        else [past] * L
     )
     routed = frozenset(int(i) for i in routed_layers)
     if any(not 0 <= i < L for i in routed):
@@ -412,9 +418,19 @@ def count_flops(
     for l, row in enumerate(kept_t):
         for b, (k, n) in enumerate(zip(row, lens)):
             if not 0 <= k <= n:
-                raise ValueError(f"kept[{l}][{b}] = {k} is not within [0, seq_len = {n}]")
-    att = _as_table(attended_keys, L, batch, "attended_keys") if attended_keys is not None else None
-    dk = _as_table(dense_keys, L, batch, "dense_keys") if dense_keys is not None else None
+                raise ValueError(
+                    f"kept[{l}][{b}] = {k} is not within [0, seq_len = {n}]"
+                )
+    att = (
+        _as_table(attended_keys, L, batch, "attended_keys")
+        if attended_keys is not None
+        else None
+    )
+    dk = (
+        _as_table(dense_keys, L, batch, "dense_keys")
+        if dense_keys is not None
+        else None
+    )
     if gather_layers is None:
         gathers = frozenset(
             l for l in routed if any(0 < k < n for k, n in zip(kept_t[l], lens))
@@ -433,7 +449,8 @@ def count_flops(
     for l in range(L):
         window = shape.sliding_windows[l] if l < len(shape.sliding_windows) else None
         d_pairs = (
-            sum(dk[l]) if dk is not None
+            sum(dk[l])
+            if dk is not None
             else sum(causal_key_count(n, p, window) for n, p in zip(lens, past))
         )
         dense_layers.append(
@@ -445,8 +462,11 @@ def count_flops(
         )
         k_tokens = sum(kept_t[l])
         r_pairs = (
-            sum(att[l]) if att is not None
-            else sum(causal_key_count(k, p, window) for k, p in zip(kept_t[l], r_past[l]))
+            sum(att[l])
+            if att is not None
+            else sum(
+                causal_key_count(k, p, window) for k, p in zip(kept_t[l], r_past[l])
+            )
         )
         routed_layers_flops.append(
             LayerFlops(
@@ -458,7 +478,9 @@ def count_flops(
         )
         # gather in (k h) + scatter out (k h) + the copy of the hidden states scatter writes into
         traffic.append(
-            (2 * k_tokens * h + real_tokens * h) * int(dtype_bytes) if l in gathers else 0
+            (2 * k_tokens * h + real_tokens * h) * int(dtype_bytes)
+            if l in gathers
+            else 0
         )
 
     return FlopsReport(
@@ -515,7 +537,9 @@ def _base_forward_signature(layer: nn.Module) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
-def _bind(sig: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _bind(
+    sig: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict
+) -> dict[str, Any]:
     bound = sig.bind_partial(module, *args, **kwargs).arguments
     bound.pop("self", None)
     extra = bound.pop("kwargs", None)
@@ -530,9 +554,11 @@ def _allowed_pairs(
     """``[batch, n, kv]`` bool: which keys each of the ``n`` queries may attend to."""
     if mask is not None and mask.dim() == 4:
         full = mask[:, 0, -n:, :]
-        allowed = full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
+        allowed = (
+            full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
+        )
         return allowed.expand(batch, *allowed.shape[1:])
-    kv = (mask.shape[-1] if mask is not None else past + n)
+    kv = mask.shape[-1] if mask is not None else past + n
     offset = kv - n
     q = torch.arange(n, device=device).view(n, 1) + offset
     k = torch.arange(kv, device=device).view(1, kv)
@@ -555,7 +581,9 @@ def _selected_tokens(
     """
     b, n = real.shape
     try:
-        index, valid, k_max = module.select_tokens(module.router(x), real, None, has_past)
+        index, valid, k_max = module.select_tokens(
+            module.router(x), real, None, has_past
+        )
     except RuntimeError:  # causal mode without a threshold: the layer itself will raise
         return torch.zeros_like(real)
     sel = torch.zeros(b, n + 1, dtype=torch.bool, device=real.device)
@@ -621,7 +649,11 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
             mask = bound.get("attention_mask")
             cache = bound.get(spec.cache_kwarg)
             past = int(cache.get_seq_length(index)) if cache is not None else 0
-            window = shape.sliding_windows[index] if index < len(shape.sliding_windows) else None
+            window = (
+                shape.sliding_windows[index]
+                if index < len(shape.sliding_windows)
+                else None
+            )
             real = real_token_mask(mask, b, n, x.device)
             dense_allowed = _allowed_pairs(mask, b, n, past, window, x.device)
             dense_keys = (dense_allowed & real.unsqueeze(-1)).sum((1, 2))
@@ -639,18 +671,28 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
             if isinstance(module, RoutedLayer):
                 ratio = float(module.retention_ratio)
                 rec["r"] = int(module.router.router_hidden_size)
-                if ratio <= 0.0:  # removed layer: returns its input, router not evaluated
+                if (
+                    ratio <= 0.0
+                ):  # removed layer: returns its input, router not evaluated
                     rec["kept"] = [0] * b
                     rec["keys"] = [0] * b
-                elif ratio >= 1.0:  # every real token runs the unchanged layer (its own cache)
+                elif (
+                    ratio >= 1.0
+                ):  # every real token runs the unchanged layer (its own cache)
                     rec["routed"] = True
                 else:
                     rec["routed"] = True
                     sel = _selected_tokens(module, x, real, has_past=past > 0)
                     mode = module.resolved_routing_mode()
                     kept = sel.sum(1)
-                    offset = dense_allowed.shape[-1] - n  # keys of the current tokens start here
-                    new_pairs = dense_allowed[:, :, offset:] & sel.unsqueeze(2) & sel.unsqueeze(1)
+                    offset = (
+                        dense_allowed.shape[-1] - n
+                    )  # keys of the current tokens start here
+                    new_pairs = (
+                        dense_allowed[:, :, offset:]
+                        & sel.unsqueeze(2)
+                        & sel.unsqueeze(1)
+                    )
                     past_slots = _routed_cache_slots(cache, index, b, x.device)
                     rec["kept"] = kept.tolist()
                     rec["keys"] = (new_pairs.sum((1, 2)) + kept * past_slots).tolist()
@@ -664,13 +706,18 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
 
     try:
         for i, (_, layer) in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(make_hook(i, layer), with_kwargs=True))
+            handles.append(
+                layer.register_forward_pre_hook(make_hook(i, layer), with_kwargs=True)
+            )
         if isinstance(batch, torch.Tensor):
             inputs: dict[str, Any] = {"input_ids": batch}
         else:
             inputs = dict(batch)
         device = next(model.parameters()).device
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        inputs = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()
+        }
         inputs.setdefault("use_cache", False)
         model(**inputs)
     finally:
@@ -679,7 +726,9 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
 
     missing = [i for i in range(len(layers)) if i not in records]
     if missing:
-        raise RuntimeError(f"decoder layers {missing} did not run during the forward pass")
+        raise RuntimeError(
+            f"decoder layers {missing} did not run during the forward pass"
+        )
     ordered = [records[i] for i in range(len(layers))]
     seq_lens = ordered[0]["seq_lens"]
     for i, rec in enumerate(ordered):
@@ -694,7 +743,9 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
         dense_keys=[rec["dense_keys"] for rec in ordered],
         routed_layers=frozenset(i for i, rec in enumerate(ordered) if rec["routed"]),
         gather_layers=frozenset(i for i, rec in enumerate(ordered) if rec["gather"]),
-        router_hidden_sizes={i: rec["r"] for i, rec in enumerate(ordered) if rec["r"] is not None},
+        router_hidden_sizes={
+            i: rec["r"] for i, rec in enumerate(ordered) if rec["r"] is not None
+        },
         dtype_bytes=int(ordered[0]["dtype_bytes"]),
     )
 

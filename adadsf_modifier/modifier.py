@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 from compressed_tensors.utils import is_match
-from loguru import logger
-from pydantic import Field, PrivateAttr, field_validator, model_validator
-
 from llmcompressor.core import Event, State
 from llmcompressor.modifiers import Modifier
+from loguru import logger
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from adadsf_modifier.alignment import (
     AlignmentFields,
@@ -30,21 +29,21 @@ from adadsf_modifier.alignment import (
     release_memory,
 )
 from adadsf_modifier.allocation import ALLOCATIONS, allocate, explicit_ratios
+from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.checkpoint import (
     attach_checkpoint_support,
     check_recipe_keeps_routers_unquantized,
 )
-from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_router
-from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.routing import (
     ThresholdReport,
     TokenRouter,
-    routed_layers,
     calibrate_thresholds,
     decoder_layers,
     route_layer,
+    routed_layers,
     unroute_layer,
 )
+from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_router
 
 __all__ = ["AdaDSFModifier"]
 
@@ -192,7 +191,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             raise ValueError("allocation: an explicit list of ratios must not be empty")
         for r in v:
             if not (math.isfinite(r) and 0.0 < r <= 1.0):
-                raise ValueError(f"allocation: every explicit ratio must be in (0, 1], got {r}")
+                raise ValueError(
+                    f"allocation: every explicit ratio must be in (0, 1], got {r}"
+                )
         return v
 
     @model_validator(mode="after")
@@ -210,14 +211,18 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     def similarities(self) -> list[float]:
         """Dense input/output cosine similarity of every decoder layer, in layer order."""
         if self._similarities is None:
-            raise RuntimeError("similarities are available after the modifier has initialized")
+            raise RuntimeError(
+                "similarities are available after the modifier has initialized"
+            )
         return list(self._similarities)
 
     @property
     def retention_ratios(self) -> list[float]:
         """Retention ratio of every decoder layer in layer order (1.0 for layers not routed)."""
         if self._retention_ratios is None:
-            raise RuntimeError("retention_ratios are available after the modifier has initialized")
+            raise RuntimeError(
+                "retention_ratios are available after the modifier has initialized"
+            )
         return list(self._retention_ratios)
 
     @property
@@ -234,12 +239,18 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     def threshold_report(self) -> ThresholdReport:
         """Causal-routing thresholds, measured kept fractions and agreement with top-k."""
         if self._threshold_report is None:
-            raise RuntimeError("threshold_report is available after the modifier has initialized")
+            raise RuntimeError(
+                "threshold_report is available after the modifier has initialized"
+            )
         return self._threshold_report
 
     @property
     def resolved_min_retention(self) -> float:
-        return self.min_retention if self.min_retention is not None else min(0.1, self.retention)
+        return (
+            self.min_retention
+            if self.min_retention is not None
+            else min(0.1, self.retention)
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
@@ -247,7 +258,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         spec, layers = decoder_layers(model)
         targeted = self._targeted_layers(layers)
         if isinstance(self.allocation, list):
-            explicit_ratios(self.allocation, len(targeted))  # wrong length fails before calibration
+            explicit_ratios(
+                self.allocation, len(targeted)
+            )  # wrong length fails before calibration
 
         calib = getattr(state.data, "calib", None) if state.data is not None else None
         if calib is None:
@@ -293,7 +306,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         self._warm_start_routers(model)
         self._align(model, calib)
         # Causal routing (the eval-mode default) needs thresholds fitted to the final routers.
-        self._threshold_report = calibrate_thresholds(model, calib, passes=self.threshold_passes)
+        self._threshold_report = calibrate_thresholds(
+            model, calib, passes=self.threshold_passes
+        )
         # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF sidecar.
         attach_checkpoint_support(model, self)
         return True
@@ -314,7 +329,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         targets = self.targets
         if targets is None:
             chosen = [
-                (i, n, m) for i, (n, m) in enumerate(layers) if not is_match(n, m, self.ignore)
+                (i, n, m)
+                for i, (n, m) in enumerate(layers)
+                if not is_match(n, m, self.ignore)
             ]
         else:
             targets = [targets] if isinstance(targets, str) else targets
@@ -381,9 +398,16 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         for layer in routed_layers(model):
             if 0.0 < layer.retention_ratio < 1.0:
                 x, cos = acc.sampled(layer.layer_index)
-                results.append(warm_start_router(
-                    layer.router, x, cos, layer.layer_index, steps=self.router_init_steps,
-                    seed=self.seed))
+                results.append(
+                    warm_start_router(
+                        layer.router,
+                        x,
+                        cos,
+                        layer.layer_index,
+                        steps=self.router_init_steps,
+                        seed=self.seed,
+                    )
+                )
         self._warm_start = results
         if results:
             corr = sum(r.heldout_rank_corr for r in results) / len(results)

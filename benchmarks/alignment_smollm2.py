@@ -43,32 +43,63 @@ METHODS = ("dense", "routed", "aligned", "lm_only", "aligned_routers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated subset of {METHODS}",
+    )
     p.add_argument("--retention", type=float, default=0.8)
-    p.add_argument("--steps", type=int, default=100, help="alignment steps of every trained row")
-    p.add_argument("--lr", type=float, default=3e-4, help="lr of the aligned and lm_only rows")
-    p.add_argument("--routers-lr", type=float, default=3e-3, help="lr of the aligned_routers row")
+    p.add_argument(
+        "--steps", type=int, default=100, help="alignment steps of every trained row"
+    )
+    p.add_argument(
+        "--lr", type=float, default=3e-4, help="lr of the aligned and lm_only rows"
+    )
+    p.add_argument(
+        "--routers-lr", type=float, default=3e-3, help="lr of the aligned_routers row"
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256, help="alignment row length")
-    p.add_argument("--trainable", default="routers_and_layers",
-                   choices=("routers", "routers_and_layers"),
-                   help="what the aligned and lm_only rows train")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                   help="bf16 autocast during alignment (about 2x faster on CPUs with avx512_bf16)")
-    p.add_argument("--w-kl", type=float, default=1.0, help="KL weight of the `aligned` row")
-    p.add_argument("--w-hidden", type=float, default=1.0, help="hidden weight of the `aligned` row")
+    p.add_argument(
+        "--trainable",
+        default="routers_and_layers",
+        choices=("routers", "routers_and_layers"),
+        help="what the aligned and lm_only rows train",
+    )
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bf16 autocast during alignment (about 2x faster on CPUs with avx512_bf16)",
+    )
+    p.add_argument(
+        "--w-kl", type=float, default=1.0, help="KL weight of the `aligned` row"
+    )
+    p.add_argument(
+        "--w-hidden", type=float, default=1.0, help="hidden weight of the `aligned` row"
+    )
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--calib-samples", type=int, default=64, help="calibration (= training) rows")
+    p.add_argument(
+        "--calib-samples", type=int, default=64, help="calibration (= training) rows"
+    )
     p.add_argument("--calib-seq-len", type=int, default=None, help="default: --seq-len")
     p.add_argument("--split", default="test", choices=("test", "validation"))
-    p.add_argument("--eval-tokens", type=int, default=4096, help="tokens of held-out text scored")
+    p.add_argument(
+        "--eval-tokens", type=int, default=4096, help="tokens of held-out text scored"
+    )
     p.add_argument("--eval-max-length", type=int, default=512)
     p.add_argument("--eval-stride", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default=None, help="HF model folder (default: embedded SmolLM2)")
-    p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    p.add_argument(
+        "--model", default=None, help="HF model folder (default: embedded SmolLM2)"
+    )
+    p.add_argument(
+        "--json", default=None, help="also write all results to this JSON file"
+    )
     p.add_argument("--run-method", default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -86,13 +117,13 @@ def run_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from adadsf_modifier import AdaDSFModifier
-    from adadsf_modifier.routing import routing_mode
     from adadsf_modifier.evaluation import (
         calibration_dataset,
         embedded_model_path,
         load_text_splits,
         perplexity,
     )
+    from adadsf_modifier.routing import routing_mode
 
     torch.set_num_threads(args.threads)
     path = args.model or embedded_model_path()
@@ -108,7 +139,9 @@ def run_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
                 align_lr=args.routers_lr if method == "aligned_routers" else args.lr,
                 align_batch_size=args.batch_size,
                 align_seq_len=args.seq_len,
-                align_trainable="routers" if method == "aligned_routers" else args.trainable,
+                align_trainable="routers"
+                if method == "aligned_routers"
+                else args.trainable,
                 align_grad_clip=args.grad_clip,
                 align_seed=args.seed,
                 align_bf16=args.bf16,
@@ -116,9 +149,13 @@ def run_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
             if method == "lm_only":
                 align.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
             else:
-                align.update(align_w_kl=args.w_kl, align_w_hidden=args.w_hidden, align_w_lm=0.0)
+                align.update(
+                    align_w_kl=args.w_kl, align_w_hidden=args.w_hidden, align_w_lm=0.0
+                )
         modifier = AdaDSFModifier(retention=args.retention, seed=args.seed, **align)
-        data = calibration_dataset(tokenizer, args.calib_samples, args.calib_seq_len, seed=args.seed)
+        data = calibration_dataset(
+            tokenizer, args.calib_samples, args.calib_seq_len, seed=args.seed
+        )
         start = time.perf_counter()
         oneshot(
             model=model,
@@ -153,19 +190,27 @@ def run_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
             show_progress=False,
         )
 
-    causal = score()  # the eval-mode default of a routed model (= plain dense for `dense`)
+    causal = (
+        score()
+    )  # the eval-mode default of a routed model (= plain dense for `dense`)
     if method == "dense":
         topk = causal
     else:
         with routing_mode(model, "topk"):
             topk = score()
-    result.update(ppl_topk=topk.ppl, ppl_causal=causal.ppl, tokens=topk.tokens,
-                  peak_rss_mb=peak_rss_mb())
+    result.update(
+        ppl_topk=topk.ppl,
+        ppl_causal=causal.ppl,
+        tokens=topk.tokens,
+        peak_rss_mb=peak_rss_mb(),
+    )
     logger.info(f"[{method}] {result}")
     return result
 
 
-def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], wall_s: float) -> None:
+def print_table(
+    args: argparse.Namespace, rows: list[dict[str, Any]], wall_s: float
+) -> None:
     print()
     print(
         f"SmolLM2-135M, retention {args.retention}, PPL on {args.eval_tokens} tokens of the "
@@ -173,16 +218,48 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], wall_s: fl
         f"alignment {args.steps} steps x batch {args.batch_size} x {args.seq_len} tokens, "
         f"bf16={args.bf16}, seed {args.seed}; calibration {args.calib_samples} x {args.calib_seq_len}"
     )
-    cols = ["method", "trains", "lr", "PPL top-k", "PPL causal", "tokens", "time s", "align s",
-            "peak RSS MB", "loss first -> last"]
+    cols = [
+        "method",
+        "trains",
+        "lr",
+        "PPL top-k",
+        "PPL causal",
+        "tokens",
+        "time s",
+        "align s",
+        "peak RSS MB",
+        "loss first -> last",
+    ]
     table = []
     for r in rows:
         m = r["method"]
-        trains = {"dense": "-", "routed": "-", "aligned_routers": "routers"}.get(m, args.trainable)
-        lr = {"dense": "-", "routed": "-", "aligned_routers": f"{args.routers_lr:g}"}.get(m, f"{args.lr:g}")
-        loss = f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}" if r.get("first_loss") is not None else "-"
-        table.append([m, trains, lr, f"{r['ppl_topk']:.2f}", f"{r['ppl_causal']:.2f}", str(r["tokens"]),
-                      f"{r['compress_s']:.0f}", f"{r['align_s']:.0f}", f"{r['peak_rss_mb']:.0f}", loss])
+        trains = {"dense": "-", "routed": "-", "aligned_routers": "routers"}.get(
+            m, args.trainable
+        )
+        lr = {
+            "dense": "-",
+            "routed": "-",
+            "aligned_routers": f"{args.routers_lr:g}",
+        }.get(m, f"{args.lr:g}")
+        loss = (
+            f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}"
+            if r.get("first_loss") is not None
+            else "-"
+        )
+        table.append(
+            [
+                m,
+                trains,
+                lr,
+                f"{r['ppl_topk']:.2f}",
+                f"{r['ppl_causal']:.2f}",
+                str(r["tokens"]),
+                f"{r['compress_s']:.0f}",
+                f"{r['align_s']:.0f}",
+                f"{r['peak_rss_mb']:.0f}",
+                loss,
+            ]
+        )
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     print("| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -214,8 +291,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             out = os.path.join(tmp, f"{method}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), *child_argv,
-                   "--run-method", method, "--result-file", out]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                *child_argv,
+                "--run-method",
+                method,
+                "--result-file",
+                out,
+            ]
             print(f"=== {method}", flush=True)
             subprocess.run(cmd, check=True)
             with open(out) as f:

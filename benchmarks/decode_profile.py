@@ -48,7 +48,9 @@ def _stub_routers(model, enabled):
     layers = routed_layers(model)
     if enabled:
         for layer in layers:
-            layer.router.forward = lambda h: h[..., 0]  # instance attribute shadows the method
+            layer.router.forward = lambda h: h[
+                ..., 0
+            ]  # instance attribute shadows the method
     try:
         yield
     finally:
@@ -57,14 +59,20 @@ def _stub_routers(model, enabled):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--routed", default=None, help="AdaDSF checkpoint (default: build one, r=0.8)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--routed", default=None, help="AdaDSF checkpoint (default: build one, r=0.8)"
+    )
     p.add_argument("--retention", type=float, default=0.8)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="print torch.profiler operator tables")
+    p.add_argument(
+        "--profile", action="store_true", help="print torch.profiler operator tables"
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
 
@@ -75,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from adadsf_modifier.evaluation import load_text_splits, resolve_model
-    from adadsf_modifier.evaluation.speed import _decode_loop, build_routed_checkpoint, load_pair
+    from adadsf_modifier.evaluation.speed import (
+        _decode_loop,
+        build_routed_checkpoint,
+        load_pair,
+    )
 
     torch.set_num_threads(args.threads)
     path = args.routed
@@ -88,11 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join(load_text_splits()["test"]["text"])
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
 
-    settings = [("routed", None, False), ("all-run", float("-inf"), False),
-                ("all-run, no router", float("-inf"), True)]
+    settings = [
+        ("routed", None, False),
+        ("all-run", float("-inf"), False),
+        ("all-run, no router", float("-inf"), True),
+    ]
     for b in args.batch_sizes:
         prompt = ids[: b * args.prompt].view(b, args.prompt)
-        times: dict[str, list[float]] = {"dense": []} | {name: [] for name, _, _ in settings}
+        times: dict[str, list[float]] = {"dense": []} | {
+            name: [] for name, _, _ in settings
+        }
         _decode_loop(dense, prompt, 2)
         _decode_loop(routed, prompt, 2)
         for _ in range(args.repeats):
@@ -101,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 with _thresholds(routed, thr), _stub_routers(routed, stub):
                     times[name].append(_decode_loop(routed, prompt, args.tokens)[0])
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"\n## decode, batch {b}, prompt {args.prompt}, {args.tokens} steps, "
-              f"{torch.get_num_threads()} thread(s)")
+        print(
+            f"\n## decode, batch {b}, prompt {args.prompt}, {args.tokens} steps, "
+            f"{torch.get_num_threads()} thread(s)"
+        )
         print("| model | ms/step | dense / this |\n|---|---|---|")
         for k, v in med.items():
             print(f"| {k} | {v * 1e3:.2f} | {med['dense'] / v:.3f}x |")
@@ -113,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     _decode_loop(model, prompt, args.tokens)
                 print(f"\n### {name} (prompt prefill included)")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+                print(
+                    prof.key_averages().table(
+                        sort_by="self_cpu_time_total", row_limit=12
+                    )
+                )
     return 0
 
 

@@ -26,18 +26,31 @@ from transformers import AutoTokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="local path or hub id (default: embedded SmolLM2)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="local path or hub id (default: embedded SmolLM2)"
+    )
     p.add_argument("--retention", type=float, default=0.8)
-    p.add_argument("--seq-lens", type=int, nargs="*", default=[256, 1024, 2048],
-                   help="prefill lengths; none (a bare --seq-lens) skips prefill")
+    p.add_argument(
+        "--seq-lens",
+        type=int,
+        nargs="*",
+        default=[256, 1024, 2048],
+        help="prefill lengths; none (a bare --seq-lens) skips prefill",
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--decode-repeats", type=int, default=None, help="default max(7, --repeats)")
+    p.add_argument(
+        "--decode-repeats", type=int, default=None, help="default max(7, --repeats)"
+    )
     p.add_argument("--calibration-samples", type=int, default=16)
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument(
+        "--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)"
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="write results here")
@@ -53,8 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    device = torch.device(
+        args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype = getattr(
+        torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    )
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
 
@@ -62,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     # kept until exit: the reloaded weights are memory-mapped from these files
     checkpoint = tempfile.mkdtemp(prefix="adadsf-speed-")
     atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
-    build_routed_checkpoint(path, checkpoint, args.retention, args.calibration_samples, dtype=dtype)
+    build_routed_checkpoint(
+        path, checkpoint, args.retention, args.calibration_samples, dtype=dtype
+    )
     # both twins from the saved checkpoint, loaded alike (see load_pair)
     dense, routed = load_pair(checkpoint, dtype=dtype, device=device)
     logger.info(f"routed model built and reloaded in {time.perf_counter() - t0:.1f}s")
@@ -70,19 +89,34 @@ def main(argv: list[str] | None = None) -> int:
     test_text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(test_text)["input_ids"], dtype=torch.long)
     results = run_speed_benchmark(
-        dense, routed, stream, seq_lens=args.seq_lens, batch_sizes=args.batch_sizes,
-        decode_prompt=args.decode_prompt, decode_tokens=args.decode_tokens, repeats=args.repeats,
+        dense,
+        routed,
+        stream,
+        seq_lens=args.seq_lens,
+        batch_sizes=args.batch_sizes,
+        decode_prompt=args.decode_prompt,
+        decode_tokens=args.decode_tokens,
+        repeats=args.repeats,
         decode_repeats=args.decode_repeats,
     )
-    header = (f"# AdaDSF speed, retention {args.retention}, {device.type} "
-              f"({torch.get_num_threads()} threads), {dtype}, torch {torch.__version__}, "
-              f"{platform.processor() or platform.machine()}")
+    header = (
+        f"# AdaDSF speed, retention {args.retention}, {device.type} "
+        f"({torch.get_num_threads()} threads), {dtype}, torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}"
+    )
     print(header)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "command": " ".join(sys.argv),
-                       "results": [r.as_dict() for r in results]}, f, indent=2)
+            json.dump(
+                {
+                    "header": header,
+                    "command": " ".join(sys.argv),
+                    "results": [r.as_dict() for r in results],
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -32,19 +32,29 @@ def build_recipe(smoothquant: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", nargs="+", default=["dense", "recipe", "recipe+sq"],
-                   choices=["dense", "recipe", "recipe+sq"])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--rows",
+        nargs="+",
+        default=["dense", "recipe", "recipe+sq"],
+        choices=["dense", "recipe", "recipe+sq"],
+    )
     p.add_argument("--smoothing-strength", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
 
-    import adadsf_modifier  # noqa: F401  (registers the modifier for the YAML recipe)
     from compressed_tensors.offload import remove_dispatch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from adadsf_modifier.evaluation import calibration_dataset, load_text_splits, resolve_model
+    import adadsf_modifier  # noqa: F401  (registers the modifier for the YAML recipe)
+    from adadsf_modifier.evaluation import (
+        calibration_dataset,
+        load_text_splits,
+        resolve_model,
+    )
     from adadsf_modifier.evaluation.perplexity import perplexity
 
     torch.set_num_threads(args.threads)
@@ -55,11 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     for row in args.rows:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         if row != "dense":
-            recipe = build_recipe(args.smoothing_strength if row == "recipe+sq" else None)
-            model = oneshot(model=model, dataset=calibration_dataset(tok, 8, 128), recipe=recipe)
+            recipe = build_recipe(
+                args.smoothing_strength if row == "recipe+sq" else None
+            )
+            model = oneshot(
+                model=model, dataset=calibration_dataset(tok, 8, 128), recipe=recipe
+            )
             remove_dispatch(model, onload_tensors=True)
-        res = perplexity(model.eval(), tok, text, max_length=512, stride=512, max_tokens=1024,
-                         show_progress=False)
+        res = perplexity(
+            model.eval(),
+            tok,
+            text,
+            max_length=512,
+            stride=512,
+            max_tokens=1024,
+            show_progress=False,
+        )
         results[row] = res.ppl
         print(f"{row}: PPL {res.ppl:.2f} over {res.tokens} tokens", flush=True)
     print("\n| pipeline | PPL |\n|---|---|")

@@ -13,13 +13,28 @@ from adadsf_modifier.cli import main
 pytestmark = pytest.mark.integration
 
 RECIPE = {
-    "sparsity_stage": {"sparsity_modifiers": {"AdaDSFModifier": {
-        "retention": 0.9, "ignore": ["re:.*layers\\.0$"], "align_steps": 2,
-        "align_batch_size": 2, "align_seq_len": 64, "router_init_steps": 20,
-        "threshold_passes": 1}}},
-    "quantization_stage": {"quantization_modifiers": {
-        "GPTQModifier": {"targets": ["Linear"], "scheme": "W8A8",
-                         "ignore": ["lm_head", "re:.*router.*"]}}},
+    "sparsity_stage": {
+        "sparsity_modifiers": {
+            "AdaDSFModifier": {
+                "retention": 0.9,
+                "ignore": ["re:.*layers\\.0$"],
+                "align_steps": 2,
+                "align_batch_size": 2,
+                "align_seq_len": 64,
+                "router_init_steps": 20,
+                "threshold_passes": 1,
+            }
+        }
+    },
+    "quantization_stage": {
+        "quantization_modifiers": {
+            "GPTQModifier": {
+                "targets": ["Linear"],
+                "scheme": "W8A8",
+                "ignore": ["lm_head", "re:.*router.*"],
+            }
+        }
+    },
 }
 
 
@@ -29,8 +44,19 @@ def compressed(tmp_path_factory, one_thread):
     recipe = root / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = root / "sparse"
-    code = main(["compress", "--recipe", str(recipe), "--output-dir", str(out),
-                 "--calibration-samples", "8", "--seq-len", "128"])
+    code = main(
+        [
+            "compress",
+            "--recipe",
+            str(recipe),
+            "--output-dir",
+            str(out),
+            "--calibration-samples",
+            "8",
+            "--seq-len",
+            "128",
+        ]
+    )
     assert code == 0
     return root, out
 
@@ -49,8 +75,20 @@ def test_compress_writes_a_reloadable_quantized_sparse_checkpoint(compressed):
 def test_eval_perplexity_is_finite_and_near_dense(compressed):
     root, out = compressed
     for label, model in (("dense", "embedded"), ("sparse", str(out))):
-        assert main(["eval", "--model", model, "--ppl-tokens", "1024", "--output",
-                     str(root / f"{label}.json")]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--model",
+                    model,
+                    "--ppl-tokens",
+                    "1024",
+                    "--output",
+                    str(root / f"{label}.json"),
+                ]
+            )
+            == 0
+        )
     dense = json.loads((root / "dense.json").read_text())
     sparse = json.loads((root / "sparse.json").read_text())
     assert dense["ppl_tokens"] == sparse["ppl_tokens"] == 1023
@@ -64,7 +102,22 @@ def test_eval_perplexity_is_finite_and_near_dense(compressed):
 def test_one_lm_eval_task_runs_offline_on_the_sparse_model(compressed):
     root, out = compressed
     res = root / "tasks.json"
-    assert main(["eval", "--model", str(out), "--no-ppl", "--tasks", "piqa", "--limit", "10",
-                 "--output", str(res)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(out),
+                "--no-ppl",
+                "--tasks",
+                "piqa",
+                "--limit",
+                "10",
+                "--output",
+                str(res),
+            ]
+        )
+        == 0
+    )
     piqa = json.loads(res.read_text())["tasks"]["piqa"]
     assert piqa["n"] == 10 and 0.0 <= piqa["acc"] <= 1.0

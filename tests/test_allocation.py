@@ -53,7 +53,10 @@ def test_lower_similarity_gets_more_tokens():
     r = allocate("similarity", SIMS, 0.8, 0.05, 10.0, 0.1)
     order_s = sorted(range(len(SIMS)), key=lambda i: SIMS[i])
     ratios_in_similarity_order = [r[i] for i in order_s]
-    assert all(a >= b - 1e-12 for a, b in zip(ratios_in_similarity_order, ratios_in_similarity_order[1:]))
+    assert all(
+        a >= b - 1e-12
+        for a, b in zip(ratios_in_similarity_order, ratios_in_similarity_order[1:])
+    )
     assert r[0] > r[5]  # s=0.62 vs s=0.99
 
 
@@ -99,14 +102,30 @@ def test_layer_drop_removes_lowest_block_influence():
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, match):
-    args = dict(allocation="similarity", similarities=SIMS, retention=0.8, temperature=0.05,
-                beta=10.0, min_retention=0.1)
+    args = dict(
+        allocation="similarity",
+        similarities=SIMS,
+        retention=0.8,
+        temperature=0.05,
+        beta=10.0,
+        min_retention=0.1,
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         allocate(**args)
 
 
-@pytest.mark.parametrize("r, n, k", [(0.8, 10, 8), (0.29, 100, 29), (0.5, 1, 1), (0.01, 5, 1),
-                                     (1.0, 7, 7), (0.5, 0, 0), (0.0, 9, 0)])
+@pytest.mark.parametrize(
+    "r, n, k",
+    [
+        (0.8, 10, 8),
+        (0.29, 100, 29),
+        (0.5, 1, 1),
+        (0.01, 5, 1),
+        (1.0, 7, 7),
+        (0.5, 0, 0),
+        (0.0, 9, 0),
+    ],
+)
 def test_tokens_to_keep(r, n, k):
     assert tokens_to_keep(r, n) == k

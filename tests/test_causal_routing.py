@@ -20,7 +20,9 @@ RATIOS = [0.8, 0.5, 1.0, 0.6]
 def causal_model(arch="llama", ratios=RATIOS, seed=0):
     model = route_all(tiny_model(arch, num_layers=len(ratios), seed=seed), ratios)
     g = torch.Generator().manual_seed(seed)
-    batches = [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)} for _ in range(2)]
+    batches = [
+        {"input_ids": torch.randint(4, 128, (4, 16), generator=g)} for _ in range(2)
+    ]
     report = calibrate_thresholds(model, batches)
     model.eval()
     model.generation_config.pad_token_id = 0
@@ -38,13 +40,22 @@ def left_padded(batch=2, length=10, seed=0):
 
 def incremental_logits(model, ids, mask, prefill, chunk=1):
     pos = positions(mask)
-    out = model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill],
-                position_ids=pos[:, :prefill], use_cache=True)
+    out = model(
+        input_ids=ids[:, :prefill],
+        attention_mask=mask[:, :prefill],
+        position_ids=pos[:, :prefill],
+        use_cache=True,
+    )
     cache, logits = out.past_key_values, [out.logits]
     for t in range(prefill, ids.shape[1], chunk):
         e = min(t + chunk, ids.shape[1])
-        out = model(input_ids=ids[:, t:e], attention_mask=mask[:, :e],
-                    position_ids=pos[:, t:e], past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=ids[:, t:e],
+            attention_mask=mask[:, :e],
+            position_ids=pos[:, t:e],
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits.append(out.logits)
     return torch.cat(logits, 1), cache
 
@@ -62,8 +73,12 @@ def test_incremental_decoding_equals_full_forward(arch, batch):
     model, _ = causal_model(arch)
     ids, mask = left_padded(batch)
     with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                     use_cache=False).logits
+        full = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions(mask),
+            use_cache=False,
+        ).logits
         inc, cache = incremental_logits(model, ids, mask, prefill=4)
     real = mask.bool()
     torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)
@@ -76,7 +91,9 @@ def test_batched_decode_step_runs_only_the_rows_that_pass(attn):
     that run it see only their own cached slots, and the logits equal one full forward."""
     model = route_all(tiny_model("llama", num_layers=4, attn=attn), RATIOS)
     g = torch.Generator().manual_seed(1)
-    calibrate_thresholds(model, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}])
+    calibrate_thresholds(
+        model, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}]
+    )
     model.eval()
     ids = torch.randint(4, 128, (4, 14), generator=g)
     mask = torch.ones_like(ids)
@@ -90,10 +107,16 @@ def test_batched_decode_step_runs_only_the_rows_that_pass(attn):
             passes = module.router(x)[:, 0] > module.causal_threshold
             steps.append((passes, (output != x).any(-1)[:, 0]))
 
-    handles = [l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)]
+    handles = [
+        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+    ]
     with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                     use_cache=False).logits
+        full = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions(mask),
+            use_cache=False,
+        ).logits
         inc, cache = incremental_logits(model, ids, mask, prefill=6)
     for h in handles:
         h.remove()
@@ -113,8 +136,12 @@ def test_chunked_continuation_from_cache_equals_full_forward(arch):
     model, _ = causal_model(arch)
     ids, mask = left_padded(batch=2, length=13)
     with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                     use_cache=False).logits
+        full = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions(mask),
+            use_cache=False,
+        ).logits
         inc, cache = incremental_logits(model, ids, mask, prefill=4, chunk=3)
     torch.testing.assert_close(inc[mask.bool()], full[mask.bool()], atol=1e-4, rtol=0)
     assert cache.get_seq_length() == ids.shape[1]
@@ -129,7 +156,9 @@ def test_routed_cache_holds_only_tokens_that_ran_the_layer():
         x = args[0] if args else kwargs["hidden_states"]
         ran[module.layer_index] = int((output != x).any(-1).sum())
 
-    handles = [l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)]
+    handles = [
+        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+    ]
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
     for h in handles:
@@ -154,7 +183,9 @@ def test_token_below_threshold_is_untouched():
         x = args[0] if args else kwargs["hidden_states"]
         records.append((module, x, output))
 
-    handles = [l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)]
+    handles = [
+        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+    ]
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
     for h in handles:
@@ -190,9 +221,16 @@ def test_greedy_generate_with_and_without_cache_agree(arch):
     model, _ = causal_model(arch)
     ids, mask = left_padded(batch=2, length=8)
     with torch.no_grad():
-        a = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-        b = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                           use_cache=False)
+        a = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False
+        )
+        b = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            use_cache=False,
+        )
     assert a.shape == (2, 16)
     assert torch.equal(a, b)
 
@@ -202,10 +240,21 @@ def test_sampling_and_multiple_return_sequences_generate():
     ids, mask = left_padded(batch=2, length=8)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=True,
-                             top_k=20, num_return_sequences=2)
-        beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2,
-                               do_sample=False)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            do_sample=True,
+            top_k=20,
+            num_return_sequences=2,
+        )
+        beams = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            num_beams=2,
+            do_sample=False,
+        )
     assert out.shape == (4, 13)
     assert beams.shape == (2, 13)
 
@@ -217,7 +266,11 @@ def test_topk_mode_refuses_cache_continuation_and_mode_validation():
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         with pytest.raises(RuntimeError, match="cannot continue from a KV cache"):
-            model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+            model(
+                input_ids=ids[:, :1],
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
     with pytest.raises(ValueError, match="routing mode must be one of"):
         set_routing_mode(model, "sometimes")
     fresh = route_all(tiny_model("llama"), 0.5)
@@ -229,14 +282,18 @@ def test_first_token_always_runs_unless_disabled():
     model, _ = causal_model()
     ids, mask = left_padded(batch=2, length=12)
     for layer in routed_layers(model):
-        layer.causal_threshold = float("inf") if layer.retention_ratio < 1.0 else layer.causal_threshold
+        layer.causal_threshold = (
+            float("inf") if layer.retention_ratio < 1.0 else layer.causal_threshold
+        )
     records = []
 
     def hook(module, args, kwargs, output):
         x = args[0] if args else kwargs["hidden_states"]
         records.append((module, (output != x).any(-1)))
 
-    handles = [l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)]
+    handles = [
+        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+    ]
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, use_cache=False)
         for layer in routed_layers(model):
@@ -245,7 +302,9 @@ def test_first_token_always_runs_unless_disabled():
     for h in handles:
         h.remove()
     n = len(routed_layers(model))
-    first = torch.tensor([0, 3])  # first real token of each row (row 1 is left-padded by 3)
+    first = torch.tensor(
+        [0, 3]
+    )  # first real token of each row (row 1 is left-padded by 3)
     for layer, changed in records[:n]:
         if layer.retention_ratio < 1.0:
             assert changed[torch.arange(2), first].all() and int(changed.sum()) == 2
@@ -256,5 +315,7 @@ def test_first_token_always_runs_unless_disabled():
 
 def test_threshold_report_counts_tokens_even_when_layer_zero_is_dense():
     _, report = causal_model(ratios=[1.0, 0.5, 0.7])
-    assert report.num_tokens == 2 * 4 * 16  # two calibration batches of 4 x 16 real tokens
+    assert (
+        report.num_tokens == 2 * 4 * 16
+    )  # two calibration batches of 4 x 16 real tokens
     assert report.kept_fraction[0] == 1.0 and report.topk_agreement[0] == 1.0

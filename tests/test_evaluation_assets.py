@@ -48,9 +48,14 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    corpus = ["The quick brown fox jumps over the lazy dog.", "To be, or not to be, that is the question."] * 20
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "To be, or not to be, that is the question.",
+    ] * 20
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
@@ -74,7 +79,9 @@ def _random_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _hf_recipe_nll(model, ids: torch.Tensor, max_length: int, stride: int) -> tuple[float, int]:
+def _hf_recipe_nll(
+    model, ids: torch.Tensor, max_length: int, stride: int
+) -> tuple[float, int]:
     """The Hugging Face docs loop, using the model's own (mean) loss rescaled to a sum."""
     nll_sum, n_tokens, prev_end, n = 0.0, 0, 0, ids.numel()
     for begin in range(0, n, stride):
@@ -104,16 +111,22 @@ def _hf_recipe_nll(model, ids: torch.Tensor, max_length: int, stride: int) -> tu
 )  # fmt: skip
 def test_windows_score_every_token_but_the_first_exactly_once(n, max_length, stride):
     scored: list[int] = []
-    for index, (begin, end, trg_len) in enumerate(sliding_windows(n, max_length, stride)):
+    for index, (begin, end, trg_len) in enumerate(
+        sliding_windows(n, max_length, stride)
+    ):
         assert 0 < end - begin <= max_length
         first = max(end - trg_len, begin + 1)  # a token needs one token of context
-        if index > 0:  # after the first window, every scored token sees max_length - stride context
+        if (
+            index > 0
+        ):  # after the first window, every scored token sees max_length - stride context
             assert first - begin >= max(max_length - stride, 1)
         scored.extend(range(first, end))
     assert sorted(scored) == list(range(1, n))
 
 
-@pytest.mark.parametrize(("max_length", "stride"), [(16, 8), (16, 16), (16, 1), (32, 5), (200, 50), (40, 39)])
+@pytest.mark.parametrize(
+    ("max_length", "stride"), [(16, 8), (16, 16), (16, 1), (32, 5), (200, 50), (40, 39)]
+)
 @pytest.mark.parametrize("n", [97, 16, 17])
 def test_perplexity_scores_n_minus_one_tokens(tiny_model, max_length, stride, n):
     ids = _random_ids(n, tiny_model.config.vocab_size)
@@ -142,7 +155,15 @@ def test_single_window_equals_full_forward(tiny_model):
     expected_nll = -logprobs.gather(1, ids[1:, None]).mean().item()
     with torch.no_grad():
         loss = tiny_model(input_ids=ids[None], labels=ids[None]).loss.item()
-    result = perplexity(tiny_model, None, None, max_length=64, stride=32, input_ids=ids, show_progress=False)
+    result = perplexity(
+        tiny_model,
+        None,
+        None,
+        max_length=64,
+        stride=32,
+        input_ids=ids,
+        show_progress=False,
+    )
     assert result.tokens == 59
     assert result.nll == pytest.approx(expected_nll, rel=1e-5)
     assert result.ppl == pytest.approx(math.exp(loss), rel=1e-5)
@@ -150,7 +171,15 @@ def test_single_window_equals_full_forward(tiny_model):
 
 def test_batching_does_not_change_result(tiny_model):
     ids = _random_ids(203, tiny_model.config.vocab_size, seed=3)
-    one = perplexity(tiny_model, None, None, max_length=32, stride=12, input_ids=ids, show_progress=False)
+    one = perplexity(
+        tiny_model,
+        None,
+        None,
+        max_length=32,
+        stride=12,
+        input_ids=ids,
+        show_progress=False,
+    )
     many = perplexity(tiny_model, None, None, max_length=32, stride=12, batch_size=5, input_ids=ids,
                       show_progress=False)  # fmt: skip
     assert many.tokens == one.tokens == 202
@@ -158,13 +187,32 @@ def test_batching_does_not_change_result(tiny_model):
 
 
 def test_text_pathway_and_max_tokens(tiny_model, tiny_tokenizer):
-    texts = ["The quick brown fox jumps over the lazy dog."] * 3 + ["To be, or not to be."]
+    texts = ["The quick brown fox jumps over the lazy dog."] * 3 + [
+        "To be, or not to be."
+    ]
     n = len(tiny_tokenizer("\n\n".join(texts)).input_ids)
-    full = perplexity(tiny_model, tiny_tokenizer, texts, max_length=16, stride=8, show_progress=False)
+    full = perplexity(
+        tiny_model, tiny_tokenizer, texts, max_length=16, stride=8, show_progress=False
+    )
     assert full.tokens == n - 1
-    short = perplexity(tiny_model, tiny_tokenizer, texts, max_length=16, stride=8, max_tokens=20, show_progress=False)
+    short = perplexity(
+        tiny_model,
+        tiny_tokenizer,
+        texts,
+        max_length=16,
+        stride=8,
+        max_tokens=20,
+        show_progress=False,
+    )
     assert short.tokens == 19
-    as_str = perplexity(tiny_model, tiny_tokenizer, "\n\n".join(texts), max_length=16, stride=8, show_progress=False)
+    as_str = perplexity(
+        tiny_model,
+        tiny_tokenizer,
+        "\n\n".join(texts),
+        max_length=16,
+        stride=8,
+        show_progress=False,
+    )
     assert as_str == full
 
 
@@ -172,7 +220,15 @@ def test_model_mode_is_restored(tiny_model):
     tiny_model.train()
     try:
         ids = _random_ids(20, tiny_model.config.vocab_size)
-        perplexity(tiny_model, None, None, max_length=8, stride=4, input_ids=ids, show_progress=False)
+        perplexity(
+            tiny_model,
+            None,
+            None,
+            max_length=8,
+            stride=4,
+            input_ids=ids,
+            show_progress=False,
+        )
         assert tiny_model.training
     finally:
         tiny_model.eval()
@@ -211,7 +267,9 @@ def test_splits_are_disjoint_and_non_empty(splits):
         assert len(rows) > 100, name
         assert len(set(rows)) == len(rows), f"duplicates inside {name}"
         assert all(isinstance(t, str) and t.strip() for t in rows)
-    normalized = {name: {" ".join(t.split()) for t in rows} for name, rows in texts.items()}
+    normalized = {
+        name: {" ".join(t.split()) for t in rows} for name, rows in texts.items()
+    }
     assert not normalized["calibration"] & normalized["test"]
     assert not normalized["calibration"] & normalized["validation"]
     assert not normalized["validation"] & normalized["test"]
@@ -230,7 +288,11 @@ def test_split_membership_is_stable_and_seed_only_reorders(splits):
 def test_membership_does_not_depend_on_other_sources(splits):
     without = load_text_splits(include_shakespeare=False)
     for name in splits:
-        expected = {t for t, s in zip(splits[name]["text"], splits[name]["source"]) if s != "shakespeare"}
+        expected = {
+            t
+            for t, s in zip(splits[name]["text"], splits[name]["source"])
+            if s != "shakespeare"
+        }
         assert set(without[name]["text"]) == expected
 
 
@@ -241,9 +303,14 @@ def test_calibration_dataset_shapes(tiny_tokenizer, splits):
     for row in ds:
         assert len(row["input_ids"]) == len(row["attention_mask"]) == 48
         assert set(row["attention_mask"]) == {1}
-        assert all(isinstance(i, int) and 0 <= i < len(tiny_tokenizer) for i in row["input_ids"])
+        assert all(
+            isinstance(i, int) and 0 <= i < len(tiny_tokenizer)
+            for i in row["input_ids"]
+        )
     # Samples are consecutive chunks of the calibration stream, starting at its first document.
-    first_doc = tiny_tokenizer(splits["calibration"]["text"][0], add_special_tokens=False).input_ids
+    first_doc = tiny_tokenizer(
+        splits["calibration"]["text"][0], add_special_tokens=False
+    ).input_ids
     assert ds[0]["input_ids"][:20] == first_doc[:20]
 
 
@@ -255,7 +322,9 @@ def test_calibration_dataset_rejects_bad_sizes(tiny_tokenizer, num_samples, seq_
 
 def test_calibration_dataset_too_short(tiny_tokenizer):
     with pytest.raises(ValueError, match="too short"):
-        calibration_dataset(tiny_tokenizer, num_samples=10, seq_len=10**7, include_shakespeare=False)
+        calibration_dataset(
+            tiny_tokenizer, num_samples=10, seq_len=10**7, include_shakespeare=False
+        )
 
 
 # ----------------------------------------------------------------------------- caching / paths
@@ -306,8 +375,16 @@ def test_materialize_once_failure_leaves_nothing(tmp_path):
 
 def test_resolve_model_paths(tmp_path, monkeypatch):
     assert resolve_model(str(tmp_path)) == str(tmp_path)
-    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    for missing in [str(tmp_path / "nope"), "./does/not/exist", "~/definitely-not-here-adadsf", "../nope"]:
+    assert (
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    for missing in [
+        str(tmp_path / "nope"),
+        "./does/not/exist",
+        "~/definitely-not-here-adadsf",
+        "../nope",
+    ]:
         with pytest.raises(FileNotFoundError, match="does not exist"):
             resolve_model(missing)
     afile = tmp_path / "model.gguf"
@@ -315,8 +392,17 @@ def test_resolve_model_paths(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         resolve_model(str(afile))
     calls: list[str] = []
-    monkeypatch.setattr(assets_mod, "embedded_model_path", lambda cache_dir=None: calls.append("x") or "/cached")
-    assert resolve_model(None) == resolve_model("smollm2") == resolve_model("Embedded") == "/cached"
+    monkeypatch.setattr(
+        assets_mod,
+        "embedded_model_path",
+        lambda cache_dir=None: calls.append("x") or "/cached",
+    )
+    assert (
+        resolve_model(None)
+        == resolve_model("smollm2")
+        == resolve_model("Embedded")
+        == "/cached"
+    )
     assert len(calls) == 3
 
 
@@ -325,4 +411,7 @@ def test_default_cache_root_env(tmp_path, monkeypatch):
     assert assets_mod.default_cache_root() == tmp_path.resolve()
     assert assets_mod.default_cache_root(tmp_path / "x") == (tmp_path / "x").resolve()
     monkeypatch.delenv("ADADSF_CACHE")
-    assert assets_mod.default_cache_root() == (Path.home() / ".cache/adadsf_modifier").resolve()
+    assert (
+        assets_mod.default_cache_root()
+        == (Path.home() / ".cache/adadsf_modifier").resolve()
+    )

@@ -17,13 +17,24 @@ from adadsf_modifier.flops import (
     observe_routing,
     planned_kept,
 )
-from adadsf_modifier.routing import RoutedLayer, TokenRouter, decoder_layers, route_layer
+from adadsf_modifier.routing import (
+    RoutedLayer,
+    TokenRouter,
+    decoder_layers,
+    route_layer,
+)
 
 
 def tiny_llama_config():
     # h = 8, I = 16, 2 query heads, 1 kv head, head_dim = 8 / 2 = 4, 2 layers, V = 10
-    return LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2,
-                       num_key_value_heads=1, num_hidden_layers=2, vocab_size=10)
+    return LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        vocab_size=10,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -67,8 +78,14 @@ def test_llama_routed_hand_count_two_sequences():
     cfg = tiny_llama_config()
     # two sequences of 3 and 2 real tokens; layer 0 dense, layer 1 routed (router hidden 4)
     # keeping 2 of 3 and 1 of 2
-    rep = count_flops(cfg, kept=[[3, 2], [2, 1]], seq_lens=[3, 2], routed_layers={1},
-                      router_hidden_size=4, dtype_bytes=4)
+    rep = count_flops(
+        cfg,
+        kept=[[3, 2], [2, 1]],
+        seq_lens=[3, 2],
+        routed_layers={1},
+        router_hidden_size=4,
+        dtype_bytes=4,
+    )
     # dense, per layer: 5 tokens, pairs (1+2+3) + (1+2) = 9
     dense_layer = 5 * 384 + 9 * 32 + 5 * 768
     assert dense_layer == 1920 + 288 + 3840 == 6048
@@ -94,8 +111,13 @@ def test_llama_routed_hand_count_two_sequences():
 
 def test_gpt_neox_hand_count():
     # h = 8, I = 32, 2 heads, head_dim 4, full MHA, 1 layer, V = 10
-    cfg = GPTNeoXConfig(hidden_size=8, intermediate_size=32, num_attention_heads=2,
-                        num_hidden_layers=1, vocab_size=10)
+    cfg = GPTNeoXConfig(
+        hidden_size=8,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        vocab_size=10,
+    )
     # per token: fused qkv 8 -> 24: 2*8*24 = 384; dense 8 -> 8: 128  => 512
     #            MLP h_to_4h 8 -> 32: 512; 4h_to_h 32 -> 8: 512  => 1024
     # per pair: 2 heads * (8 + 8) = 32; 3 tokens: 6 pairs
@@ -106,7 +128,9 @@ def test_gpt_neox_hand_count():
     assert rep.dense_per_layer[0].projections == 1536
     assert rep.dense_per_layer[0].mlp == 3072
     # routed: keep 2, router hidden 2: router on 3 tokens: 3 * 2 * (8*2 + 2) = 108
-    rep = count_flops(cfg, kept=[[2]], seq_lens=[3], routed_layers={0}, router_hidden_size=2)
+    rep = count_flops(
+        cfg, kept=[[2]], seq_lens=[3], routed_layers={0}, router_hidden_size=2
+    )
     assert rep.routed == 2 * 512 + 3 * 32 + 2 * 1024 + 108 == 3276
     assert rep.normalized == pytest.approx(3276 / 4800)
 
@@ -118,15 +142,28 @@ def test_decode_with_cache_and_sliding_window_hand_count():
     assert rep.dense_per_layer[0].attention == 4 * 32
     assert rep.dense_per_layer[0].projections == 384
     # mistral, sliding window 2: keys per query 1, 2, 2 -> 5 pairs
-    mcfg = MistralConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2,
-                         num_key_value_heads=1, num_hidden_layers=1, vocab_size=10,
-                         sliding_window=2)
+    mcfg = MistralConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        vocab_size=10,
+        sliding_window=2,
+    )
     rep = count_flops(mcfg, kept=[[3]], seq_lens=[3])
     assert rep.dense_per_layer[0].attention == 5 * 32
     # qwen2 without use_sliding_window ignores its sliding_window value
-    qcfg = Qwen2Config(hidden_size=8, intermediate_size=16, num_attention_heads=2,
-                       num_key_value_heads=1, num_hidden_layers=1, vocab_size=10,
-                       sliding_window=2, use_sliding_window=False)
+    qcfg = Qwen2Config(
+        hidden_size=8,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        vocab_size=10,
+        sliding_window=2,
+        use_sliding_window=False,
+    )
     assert count_flops(qcfg, [[3]], [3]).dense_per_layer[0].attention == 6 * 32
 
 
@@ -141,8 +178,15 @@ def test_causal_key_count_matches_brute_force(window):
 def test_shapes_from_configs():
     s = layer_shape(tiny_llama_config())
     assert (s.q_dim, s.kv_dim, s.mlp_matmuls) == (8, 4, 3)
-    s = layer_shape(GPTNeoXConfig(hidden_size=8, intermediate_size=32, num_attention_heads=2,
-                                  num_hidden_layers=1, vocab_size=10))
+    s = layer_shape(
+        GPTNeoXConfig(
+            hidden_size=8,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            vocab_size=10,
+        )
+    )
     assert (s.q_dim, s.kv_dim, s.mlp_matmuls) == (8, 8, 2)
     with pytest.raises(ValueError, match="model_type"):
         layer_shape(type("C", (), {"model_type": "bert"})())
@@ -160,11 +204,18 @@ def test_input_validation():
 
 def test_normalized_is_one_when_everything_is_kept_and_no_router():
     cfg = tiny_llama_config()
-    rep = count_flops(cfg, kept=torch.tensor([[5, 2], [5, 2]]), seq_lens=torch.tensor([5, 2]))
+    rep = count_flops(
+        cfg, kept=torch.tensor([[5, 2], [5, 2]]), seq_lens=torch.tensor([5, 2])
+    )
     assert rep.normalized == 1.0 and rep.normalized_with_lm_head == 1.0
     # with routers at ratio 1 the only difference is the router overhead
-    rep = count_flops(cfg, kept=[[5, 2], [5, 2]], seq_lens=[5, 2], routed_layers={0, 1},
-                      router_hidden_size=4)
+    rep = count_flops(
+        cfg,
+        kept=[[5, 2], [5, 2]],
+        seq_lens=[5, 2],
+        routed_layers={0, 1},
+        router_hidden_size=4,
+    )
     assert rep.routed - rep.dense == rep.router == 2 * 7 * 2 * (8 * 4 + 4)
     assert rep.memory_traffic_bytes == 0
 
@@ -182,19 +233,27 @@ def route(model, ratios, router_hidden=8, seed=0):
     for i, (_, layer) in enumerate(layers):
         if ratios[i] is None:
             continue
-        route_layer(layer, TokenRouter(model.config.hidden_size, router_hidden), ratios[i], i,
-                    spec.cache_kwarg, model.config)
+        route_layer(
+            layer,
+            TokenRouter(model.config.hidden_size, router_hidden),
+            ratios[i],
+            i,
+            spec.cache_kwarg,
+            model.config,
+        )
     return model
 
 
 def padded_batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 128, (3, 9), generator=g)
-    mask = torch.tensor([
-        [0, 0, 0, 1, 1, 1, 1, 1, 1],  # left padded: 6 real tokens
-        [0, 0, 0, 0, 0, 1, 1, 1, 1],  # left padded: 4 real tokens
-        [1, 1, 1, 1, 1, 1, 1, 1, 1],  # 9 real tokens
-    ])
+    mask = torch.tensor(
+        [
+            [0, 0, 0, 1, 1, 1, 1, 1, 1],  # left padded: 6 real tokens
+            [0, 0, 0, 0, 0, 1, 1, 1, 1],  # left padded: 4 real tokens
+            [1, 1, 1, 1, 1, 1, 1, 1, 1],  # 9 real tokens
+        ]
+    )
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -217,7 +276,9 @@ def test_observed_kept_counts_follow_the_rule_with_left_padding(arch):
     assert kept[1] == [3, 2, 4] and kept[2] == [4, 3, 6]
     # no padding, input_ids tensor only
     ids = batch["input_ids"]
-    assert observe_kept_tokens(model, ids) == [[expected_kept(r, 9)] * 3 for r in RATIOS]
+    assert observe_kept_tokens(model, ids) == [
+        [expected_kept(r, 9)] * 3 for r in RATIOS
+    ]
     # the hooks are gone
     for _, layer in decoder_layers(model)[1]:
         assert not layer._forward_pre_hooks
@@ -232,11 +293,14 @@ def tokens_that_changed(model, inputs, real):
             x = args[0] if args else kwargs["hidden_states"]
             y = out[0] if isinstance(out, tuple) else out
             changed[i] = ((y != x).any(-1) & real).sum(1).tolist()
+
         return hook
 
     layers = decoder_layers(model)[1]
-    handles = [layer.register_forward_hook(make(i), with_kwargs=True)
-               for i, (_, layer) in enumerate(layers)]
+    handles = [
+        layer.register_forward_hook(make(i), with_kwargs=True)
+        for i, (_, layer) in enumerate(layers)
+    ]
     try:
         with torch.no_grad():
             model(**inputs)
@@ -268,8 +332,14 @@ def test_observe_routing_and_normalized_flops_on_a_routed_model():
     assert obs.attended_keys == [[k * (k + 1) // 2 for k in row] for row in obs.kept]
     assert obs.dense_keys == [[n * (n + 1) // 2 for n in lens]] * 4
     rep = normalized_flops(model, batch)
-    ref = count_flops(model.config, planned_kept([1.0, 0.5, 0.75, 0.0], lens), lens,
-                      routed_layers={1, 2}, router_hidden_size=8, dtype_bytes=4)
+    ref = count_flops(
+        model.config,
+        planned_kept([1.0, 0.5, 0.75, 0.0], lens),
+        lens,
+        routed_layers={1, 2},
+        router_hidden_size=8,
+        dtype_bytes=4,
+    )
     assert rep.as_dict() == ref.as_dict()
     assert 0 < rep.normalized < 1
 
@@ -308,8 +378,12 @@ def set_median_thresholds(model, batch):
 
     layers = [l for l in routed_layers(model) if 0 < l.retention_ratio < 1]
     scores = {}
-    handles = [l.router.register_forward_hook(
-        lambda m, a, out, i=l.layer_index: scores.__setitem__(i, out)) for l in layers]
+    handles = [
+        l.router.register_forward_hook(
+            lambda m, a, out, i=l.layer_index: scores.__setitem__(i, out)
+        )
+        for l in layers
+    ]
     with torch.no_grad():
         model(**batch, use_cache=False)
     for h in handles:
@@ -320,8 +394,10 @@ def set_median_thresholds(model, batch):
         l.routing_mode = "causal"
 
 
-@pytest.mark.skipif(not hasattr(RoutedLayer, "resolved_routing_mode"),
-                    reason="this checkout's routed layers have no causal mode")
+@pytest.mark.skipif(
+    not hasattr(RoutedLayer, "resolved_routing_mode"),
+    reason="this checkout's routed layers have no causal mode",
+)
 def test_observed_counts_in_causal_mode_with_kv_cache_decoding():
     from transformers import DynamicCache
 
@@ -343,27 +419,47 @@ def test_observed_counts_in_causal_mode_with_kv_cache_decoding():
 
     # one decoding step: the new token sees the cached tokens that ran the layer, plus itself
     step_ids = torch.randint(4, 128, (3, 1), generator=torch.Generator().manual_seed(1))
-    step_mask = torch.cat([batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], 1)
-    step = dict(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True)
+    step_mask = torch.cat(
+        [batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], 1
+    )
+    step = dict(
+        input_ids=step_ids,
+        attention_mask=step_mask,
+        past_key_values=cache,
+        use_cache=True,
+    )
     cache_before_step = copy.deepcopy(cache)
     obs = observe_routing(model, step)
     assert obs.seq_lens == [1, 1, 1]
     assert obs.dense_keys == [[7, 5, 10]] * 4  # past real tokens + 1
     for l in (1, 2):
-        assert obs.attended_keys[l] == [k * (p + 1) for k, p in zip(obs.kept[l], prefill_kept[l])]
+        assert obs.attended_keys[l] == [
+            k * (p + 1) for k, p in zip(obs.kept[l], prefill_kept[l])
+        ]
     rep = normalized_flops(model, dict(step, past_key_values=cache_before_step))
     assert rep.kept == tuple(tuple(k) for k in obs.kept)
-    assert rep.dense_per_layer[0].attention == layer_shape(model.config).attention_flops(7 + 5 + 10)
+    assert rep.dense_per_layer[0].attention == layer_shape(
+        model.config
+    ).attention_flops(7 + 5 + 10)
     # the formula with the routed caches' sizes agrees with the observed pairs
-    ref = count_flops(model.config, obs.kept, [1, 1, 1], routed_layers={1, 2},
-                      router_hidden_size=8, past_lens=[6, 4, 9],
-                      routed_past_lens=[[6, 4, 9], prefill_kept[1], prefill_kept[2], [0, 0, 0]])
-    assert [x.attention for x in ref.routed_per_layer] == \
-        [layer_shape(model.config).attention_flops(sum(k)) for k in obs.attended_keys]
+    ref = count_flops(
+        model.config,
+        obs.kept,
+        [1, 1, 1],
+        routed_layers={1, 2},
+        router_hidden_size=8,
+        past_lens=[6, 4, 9],
+        routed_past_lens=[[6, 4, 9], prefill_kept[1], prefill_kept[2], [0, 0, 0]],
+    )
+    assert [x.attention for x in ref.routed_per_layer] == [
+        layer_shape(model.config).attention_flops(sum(k)) for k in obs.attended_keys
+    ]
 
 
-@pytest.mark.skipif(not hasattr(RoutedLayer, "resolved_routing_mode"),
-                    reason="this checkout's routed layers have no causal mode")
+@pytest.mark.skipif(
+    not hasattr(RoutedLayer, "resolved_routing_mode"),
+    reason="this checkout's routed layers have no causal mode",
+)
 def test_observed_counts_when_decoding_one_sequence_token_by_token():
     from transformers import DynamicCache
 
@@ -372,15 +468,20 @@ def test_observed_counts_when_decoding_one_sequence_token_by_token():
     set_median_thresholds(model, batch)
     ids = batch["input_ids"][2:3]  # one unpadded sequence of 9 tokens
     cache = DynamicCache(config=model.config)
-    prefill = observe_routing(model, dict(input_ids=ids[:, :5], past_key_values=cache,
-                                          use_cache=True))
+    prefill = observe_routing(
+        model, dict(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
+    )
     cached = [row[0] for row in prefill.kept]  # tokens each layer holds in its cache
     for t in range(5, 9):
-        step = observe_routing(model, dict(input_ids=ids[:, t:t + 1], past_key_values=cache,
-                                           use_cache=True))
+        step = observe_routing(
+            model,
+            dict(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True),
+        )
         assert step.seq_lens == [1]
         assert step.dense_keys == [[t + 1]] * 4
-        assert step.gather_layers == frozenset()  # the batch-1 fast path runs the layer in place
+        assert (
+            step.gather_layers == frozenset()
+        )  # the batch-1 fast path runs the layer in place
         for l in (1, 2):
             k = step.kept[l][0]
             assert k in (0, 1)

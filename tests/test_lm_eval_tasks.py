@@ -60,7 +60,9 @@ def test_generated_yamls_point_at_local_validation_files(configs):
     for task, path in configs.items():
         path = Path(path)
         assert path.is_file() and path.name == f"{task}{LOCAL_TASK_SUFFIX}.yaml"
-        cfg = yaml.safe_load(path.read_text())  # plain YAML: no !function tags of our own
+        cfg = yaml.safe_load(
+            path.read_text()
+        )  # plain YAML: no !function tags of our own
         assert cfg["task"] == local_task_name(task)
         assert cfg["dataset_path"] == "arrow" and cfg["dataset_name"] is None
         data_files = cfg["dataset_kwargs"]["data_files"]
@@ -72,7 +74,11 @@ def test_generated_yamls_point_at_local_validation_files(configs):
         assert cfg["training_split"] is None and cfg["test_split"] is None
         assert cfg["fewshot_split"] is None and cfg["tag"] == []
         include = Path(cfg["include"])
-        assert include.is_file() and "lm_eval" in include.parts and "tasks" in include.parts
+        assert (
+            include.is_file()
+            and "lm_eval" in include.parts
+            and "tasks" in include.parts
+        )
         # No hub dataset anywhere in the text (e.g. "allenai/ai2_arc", "baber/piqa").
         text = path.read_text()
         for hub_id in ("allenai/", "baber/", "Rowan/", "aps/super_glue"):
@@ -82,12 +88,17 @@ def test_generated_yamls_point_at_local_validation_files(configs):
 def test_subset_and_duplicates(tmp_path):
     written = write_local_task_configs(tmp_path, ["boolq", "piqa", "boolq"])
     assert list(written) == ["boolq", "piqa"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["boolq_local.yaml", "piqa_local.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "boolq_local.yaml",
+        "piqa_local.yaml",
+    ]
     assert list(write_local_task_configs(tmp_path / "one", "arc_easy")) == ["arc_easy"]
 
 
 def test_unknown_task_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="supported tasks: piqa, arc_easy, arc_challenge") as err:
+    with pytest.raises(
+        ValueError, match="supported tasks: piqa, arc_easy, arc_challenge"
+    ) as err:
         write_local_task_configs(tmp_path, ["piqa", "mmlu"])
     assert "mmlu" in str(err.value) and "boolq" in str(err.value)
     assert not list(tmp_path.iterdir())  # validated before anything is written
@@ -119,7 +130,11 @@ def test_task_manager_loads_every_task_on_validation(loaded_tasks):
             else:
                 gold = target
                 assert isinstance(text, str) and text
-            assert isinstance(gold, int) and 0 <= gold < len(choices), (task, gold, choices)
+            assert isinstance(gold, int) and 0 <= gold < len(choices), (
+                task,
+                gold,
+                choices,
+            )
 
 
 def test_boolq_targets_follow_the_answer_column(loaded_tasks):
@@ -136,7 +151,9 @@ def test_function_hooks_of_included_yamls_resolve(loaded_tasks):
     """hellaswag's `process_docs` and winogrande's `doc_to_*` live in lm-eval's task folders."""
     hs = loaded_tasks[local_task_name("hellaswag")]
     doc = hs.eval_docs[0]
-    assert {"query", "choices", "gold"} <= set(doc)  # made by hellaswag/utils.process_docs
+    assert {"query", "choices", "gold"} <= set(
+        doc
+    )  # made by hellaswag/utils.process_docs
     assert hs.doc_to_text(doc).startswith("Roof shingle removal: ")
     wg = loaded_tasks[local_task_name("winogrande")]
     doc = wg.eval_docs[0]

@@ -23,7 +23,10 @@ NUM_LAYERS = 4
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {a: save_tiny_model(a, str(root / a), num_layers=NUM_LAYERS) for a in ARCHITECTURES}
+    return {
+        a: save_tiny_model(a, str(root / a), num_layers=NUM_LAYERS)
+        for a in ARCHITECTURES
+    }
 
 
 def load(path):
@@ -32,8 +35,13 @@ def load(path):
 
 def run(path, recipe, **kwargs):
     kwargs.setdefault("dataset", token_dataset(8, 16))
-    return oneshot(model=load(path), recipe=recipe, num_calibration_samples=8,
-                   max_seq_length=16, **kwargs)
+    return oneshot(
+        model=load(path),
+        recipe=recipe,
+        num_calibration_samples=8,
+        max_seq_length=16,
+        **kwargs,
+    )
 
 
 def recipe_with(**overrides) -> str:
@@ -50,8 +58,12 @@ def assert_equals_dense(model, path):
     with torch.no_grad():
         for kw in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
             real = kw.get("attention_mask", torch.ones_like(ids)).bool()
-            torch.testing.assert_close(model.eval()(**kw).logits[real], dense(**kw).logits[real],
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                model.eval()(**kw).logits[real],
+                dense(**kw).logits[real],
+                atol=1e-5,
+                rtol=0,
+            )
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -78,13 +90,15 @@ def test_yaml_recipe_file_resolves_and_routes(model_dirs):
 
 
 def test_saved_recipe_yaml_round_trips():
-    mod = AdaDSFModifier(retention=0.7, allocation=[1.0, 0.6, 0.6, 0.6], ignore=["re:.*\\.0$"])
+    mod = AdaDSFModifier(
+        retention=0.7, allocation=[1.0, 0.6, 0.6, 0.6], ignore=["re:.*\\.0$"]
+    )
     text = Recipe.from_modifiers([mod]).yaml()
     (again,) = Recipe.create_instance(text).modifiers
     assert isinstance(again, AdaDSFModifier)
-    assert again.model_dump(include={"retention", "allocation", "ignore"}) == mod.model_dump(
+    assert again.model_dump(
         include={"retention", "allocation", "ignore"}
-    )
+    ) == mod.model_dump(include={"retention", "allocation", "ignore"})
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
@@ -102,7 +116,10 @@ def test_retention_budget_and_bounds(arch, model_dirs):
 
 
 def test_reversed_gives_more_tokens_to_more_similar_layers(model_dirs):
-    sim, rev = AdaDSFModifier(retention=0.8), AdaDSFModifier(retention=0.8, allocation="reversed")
+    sim, rev = (
+        AdaDSFModifier(retention=0.8),
+        AdaDSFModifier(retention=0.8, allocation="reversed"),
+    )
     run(model_dirs["llama"], [sim])
     run(model_dirs["llama"], [rev])
     s = sim.similarities
@@ -113,7 +130,10 @@ def test_reversed_gives_more_tokens_to_more_similar_layers(model_dirs):
 
 
 def test_random_allocation_is_reproducible(model_dirs):
-    a, b = AdaDSFModifier(allocation="random", seed=5), AdaDSFModifier(allocation="random", seed=5)
+    a, b = (
+        AdaDSFModifier(allocation="random", seed=5),
+        AdaDSFModifier(allocation="random", seed=5),
+    )
     ma = run(model_dirs["llama"], [a])
     mb = run(model_dirs["llama"], [b])
     assert a.retention_ratios == b.retention_ratios
@@ -175,8 +195,12 @@ def test_explicit_list_of_wrong_length_fails_before_rewriting(model_dirs):
     model = load(model_dirs["llama"])
     reference = copy.deepcopy(model)
     with pytest.raises(ValueError, match="one ratio per routed decoder layer"):
-        oneshot(model=model, dataset=token_dataset(4, 16), num_calibration_samples=4,
-                recipe=[AdaDSFModifier(allocation=[0.5, 0.5, 0.5])])
+        oneshot(
+            model=model,
+            dataset=token_dataset(4, 16),
+            num_calibration_samples=4,
+            recipe=[AdaDSFModifier(allocation=[0.5, 0.5, 0.5])],
+        )
     _assert_untouched(model, reference)
 
 
@@ -197,8 +221,13 @@ def test_missing_calibration_data_fails_clearly(model_dirs):
 
 def test_all_padding_calibration_fails_clearly(model_dirs):
     ids = torch.randint(4, 128, (2, 8))
-    loader = DataLoader([{"input_ids": ids[i], "attention_mask": torch.zeros(8, dtype=torch.long)}
-                         for i in range(2)], batch_size=2)
+    loader = DataLoader(
+        [
+            {"input_ids": ids[i], "attention_mask": torch.zeros(8, dtype=torch.long)}
+            for i in range(2)
+        ],
+        batch_size=2,
+    )
     model = load(model_dirs["llama"])
     with pytest.raises(ValueError, match="no real tokens"):
         oneshot(model=model, dataset=loader, recipe=[AdaDSFModifier()])
@@ -213,10 +242,14 @@ def test_padded_calibration_ignores_padding(model_dirs):
     mask = torch.zeros(2, 10, dtype=torch.long)
     padded[0], mask[0] = rows[0], 1
     padded[1, 4:], mask[1, 4:] = rows[1], 1  # left padding
-    batched = DataLoader([{"input_ids": padded[i], "attention_mask": mask[i]} for i in range(2)],
-                         batch_size=2)
-    single = DataLoader([{"input_ids": r, "attention_mask": torch.ones_like(r)} for r in rows],
-                        batch_size=1)
+    batched = DataLoader(
+        [{"input_ids": padded[i], "attention_mask": mask[i]} for i in range(2)],
+        batch_size=2,
+    )
+    single = DataLoader(
+        [{"input_ids": r, "attention_mask": torch.ones_like(r)} for r in rows],
+        batch_size=1,
+    )
     a, b = AdaDSFModifier(), AdaDSFModifier()
     oneshot(model=load(model_dirs["llama"]), dataset=batched, recipe=[a])
     oneshot(model=load(model_dirs["llama"]), dataset=single, recipe=[b])

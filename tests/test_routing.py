@@ -21,8 +21,14 @@ def route_all(model, ratios, router_hidden=8, seed=0):
     torch.manual_seed(seed)
     for i, (_, layer) in enumerate(layers):
         r = ratios[i] if isinstance(ratios, (list, tuple)) else ratios
-        route_layer(layer, TokenRouter(model.config.hidden_size, router_hidden), r, i,
-                    spec.cache_kwarg, model.config)
+        route_layer(
+            layer,
+            TokenRouter(model.config.hidden_size, router_hidden),
+            r,
+            i,
+            spec.cache_kwarg,
+            model.config,
+        )
     return model
 
 
@@ -33,11 +39,13 @@ def positions(mask):
 def batch_with_padding(seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 128, (3, 9), generator=g)
-    mask = torch.tensor([
-        [0, 0, 0, 1, 1, 1, 1, 1, 1],  # left padded
-        [1, 1, 1, 1, 1, 1, 1, 0, 0],  # right padded
-        [1, 1, 1, 1, 1, 1, 1, 1, 1],
-    ])
+    mask = torch.tensor(
+        [
+            [0, 0, 0, 1, 1, 1, 1, 1, 1],  # left padded
+            [1, 1, 1, 1, 1, 1, 1, 0, 0],  # right padded
+            [1, 1, 1, 1, 1, 1, 1, 1, 1],
+        ]
+    )
     return ids, mask
 
 
@@ -66,9 +74,11 @@ def test_routed_layer_keeps_class_names_and_parameters(arch):
     after = model.state_dict()
     assert set(before) <= set(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert {k for k in after if k not in before} == {
-        k for k in after if ".router." in k
-    } != set()
+    assert (
+        {k for k in after if k not in before}
+        == {k for k in after if ".router." in k}
+        != set()
+    )
 
 
 def _record_layers(model):
@@ -79,7 +89,9 @@ def _record_layers(model):
         y = output[0] if isinstance(output, tuple) else output
         records.append((module, x.detach().clone(), y.detach().clone()))
 
-    handles = [l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)]
+    handles = [
+        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+    ]
     return records, handles
 
 
@@ -104,7 +116,9 @@ def test_exactly_k_top_scored_real_tokens_change(arch, ratio):
             assert int(changed[b].sum()) == k
             assert not changed[b][~real[b]].any(), "padding was selected"
             s = scores[b].masked_fill(~real[b], float("-inf"))
-            s[real[b].nonzero()[0, 0]] = float("inf")  # the attention-sink token always runs
+            s[real[b].nonzero()[0, 0]] = float(
+                "inf"
+            )  # the attention-sink token always runs
             expected = set(s.topk(k).indices.tolist())
             assert set(changed[b].nonzero().flatten().tolist()) == expected
             # unselected tokens are bit-identical to the layer input
@@ -116,7 +130,9 @@ def test_padded_batch_equals_each_sequence_alone(arch):
     model = route_all(tiny_model(arch), [1.0, 0.6, 0.4, 0.7])
     ids, mask = batch_with_padding()
     with torch.no_grad():
-        batched = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+        batched = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask)
+        ).logits
         for b in range(ids.shape[0]):
             keep = mask[b].bool()
             alone = model(input_ids=ids[b, keep][None]).logits[0]
@@ -140,11 +156,14 @@ def test_length_one_sequences_and_batch_with_length_one_row():
     ids = torch.randint(4, 128, (2, 1))
     with torch.no_grad():
         # K = max(1, floor(0.3 * 1)) = 1: the only token runs every layer, like the dense model
-        torch.testing.assert_close(model(input_ids=ids).logits, dense(input_ids=ids).logits,
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-5, rtol=0
+        )
         ids2 = torch.randint(4, 128, (2, 6))
         mask2 = torch.tensor([[0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 1, 1]])
-        out = model(input_ids=ids2, attention_mask=mask2, position_ids=positions(mask2)).logits
+        out = model(
+            input_ids=ids2, attention_mask=mask2, position_ids=positions(mask2)
+        ).logits
         alone = dense(input_ids=ids2[:1, -1:]).logits
         torch.testing.assert_close(out[0, -1], alone[0, 0], atol=1e-5, rtol=0)
 
@@ -156,7 +175,9 @@ def test_router_receives_gradient_through_layer_output():
     out[mask.bool()].logsumexp(-1).mean().backward()
     for layer in routed_layers(model):
         g = layer.router.fc1.weight.grad
-        assert g is not None and g.abs().sum() > 0, f"no router gradient at layer {layer.layer_index}"
+        assert g is not None and g.abs().sum() > 0, (
+            f"no router gradient at layer {layer.layer_index}"
+        )
 
 
 def test_topk_routing_refuses_incremental_decoding_with_cache():
@@ -165,7 +186,11 @@ def test_topk_routing_refuses_incremental_decoding_with_cache():
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         with pytest.raises(RuntimeError, match="cannot continue from a KV cache"):
-            model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+            model(
+                input_ids=ids[:, :1],
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
 
 
 def test_unsupported_architecture_names_what_is_missing():
@@ -227,13 +252,19 @@ def test_routing_survives_compressed_tensors_offload_wrappers():
     route_all(model, 0.5)
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask).logits
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, expected)
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=mask).logits, expected
+        )
         remove_dispatch(model, onload_tensors=True)
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, expected)
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=mask).logits, expected
+        )
         _, layers = decoder_layers(model)
         for _, layer in layers:
             from adadsf_modifier.routing import unroute_layer
 
             unroute_layer(layer)
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
-                                   dense(input_ids=ids, attention_mask=mask).logits)
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=mask).logits,
+            dense(input_ids=ids, attention_mask=mask).logits,
+        )

@@ -6,7 +6,11 @@ from compressed_tensors.offload import remove_dispatch, set_onload_device
 from test_causal_routing import causal_model
 from tiny_models import tiny_model
 
-from adadsf_modifier.evaluation.speed import format_table, is_dispatched, run_speed_benchmark
+from adadsf_modifier.evaluation.speed import (
+    format_table,
+    is_dispatched,
+    run_speed_benchmark,
+)
 
 
 def pair():
@@ -18,11 +22,25 @@ def pair():
 def test_benchmark_reports_every_cell_with_consistent_ratios():
     dense, routed = pair()
     stream = torch.randint(4, 128, (500,), generator=torch.Generator().manual_seed(1))
-    results = run_speed_benchmark(dense, routed, stream, seq_lens=(8, 16), batch_sizes=(1, 2),
-                                  decode_prompt=6, decode_tokens=3, repeats=2)
+    results = run_speed_benchmark(
+        dense,
+        routed,
+        stream,
+        seq_lens=(8, 16),
+        batch_sizes=(1, 2),
+        decode_prompt=6,
+        decode_tokens=3,
+        repeats=2,
+    )
     kinds = [(r.kind, r.batch_size, r.seq_len) for r in results]
-    assert kinds == [("prefill", 1, 8), ("prefill", 2, 8), ("prefill", 1, 16), ("prefill", 2, 16),
-                     ("decode", 1, 6), ("decode", 2, 6)]
+    assert kinds == [
+        ("prefill", 1, 8),
+        ("prefill", 2, 8),
+        ("prefill", 1, 16),
+        ("prefill", 2, 16),
+        ("decode", 1, 6),
+        ("decode", 2, 6),
+    ]
     for r in results:
         assert r.speedup == pytest.approx(r.dense_s / r.routed_s)
         assert r.flops_ideal == pytest.approx(1.0 / r.normalized_flops)
@@ -34,10 +52,14 @@ def test_benchmark_reports_every_cell_with_consistent_ratios():
 
 def test_benchmark_refuses_models_in_different_dispatch_states():
     dense, routed = pair()
-    set_onload_device(routed, "cpu")  # what llm-compressor's pipelines leave after oneshot
+    set_onload_device(
+        routed, "cpu"
+    )  # what llm-compressor's pipelines leave after oneshot
     assert is_dispatched(routed) and not is_dispatched(dense)
     stream = torch.randint(4, 128, (100,))
     with pytest.raises(ValueError, match="remove_dispatch"):
-        run_speed_benchmark(dense, routed, stream, seq_lens=(8,), batch_sizes=(1,), repeats=1)
+        run_speed_benchmark(
+            dense, routed, stream, seq_lens=(8,), batch_sizes=(1,), repeats=1
+        )
     remove_dispatch(routed, onload_tensors=True)
     assert not is_dispatched(routed)

@@ -49,7 +49,9 @@ def tiny_config(arch: str, num_layers: int = 4, attn: str = "sdpa"):
 
 def tiny_model(arch: str, num_layers: int = 4, seed: int = 0, attn: str = "sdpa"):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, num_layers, attn), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(arch, num_layers, attn), dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -61,7 +63,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>"
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
+        unk_token="<unk>",
     )
 
 

@@ -45,8 +45,12 @@ class AlignmentLossWeights:
     def __post_init__(self) -> None:
         for name in ("kl", "hidden", "lm"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"loss weight `{name}` must be a finite number >= 0, got {value!r}")
+            if not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+            ):
+                raise ValueError(
+                    f"loss weight `{name}` must be a finite number >= 0, got {value!r}"
+                )
         if self.kl == 0 and self.hidden == 0 and self.lm == 0:
             raise ValueError(
                 "all alignment loss weights are zero (kl=0, hidden=0, lm=0): nothing to train; "
@@ -81,12 +85,16 @@ class AlignmentLossTerms:
         return out
 
 
-def _real_mask(mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def _real_mask(
+    mask: torch.Tensor | None, shape: torch.Size, device: torch.device
+) -> torch.Tensor:
     """``[batch, seq]`` bool mask of real tokens (all True when no mask is given)."""
     if mask is None:
         return torch.ones(shape, dtype=torch.bool, device=device)
     if mask.shape != shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} does not match tokens {tuple(shape)}")
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} does not match tokens {tuple(shape)}"
+        )
     return mask.to(device=device, dtype=torch.bool)
 
 
@@ -98,7 +106,9 @@ def _masked_mean(per_token: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 
 def kl_divergence_loss(
-    teacher_logits: torch.Tensor, student_logits: torch.Tensor, mask: torch.Tensor | None = None
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``KL(P_teacher || P_student)`` per token (summed over the vocabulary), mean over real tokens.
 
@@ -115,7 +125,9 @@ def kl_divergence_loss(
     log_p_teacher = F.log_softmax(teacher_logits.float(), dim=-1)
     log_p_student = F.log_softmax(student_logits.float(), dim=-1)
     # kl_div(input=log q, target=log p, log_target=True) = sum p (log p - log q), elementwise.
-    per_token = F.kl_div(log_p_student, log_p_teacher, reduction="none", log_target=True).sum(-1)
+    per_token = F.kl_div(
+        log_p_student, log_p_teacher, reduction="none", log_target=True
+    ).sum(-1)
     return _masked_mean(per_token, real)
 
 
@@ -137,7 +149,9 @@ def hidden_alignment_loss(
             f"student has {len(student_hidden)} hidden states, teacher {len(teacher_hidden)}"
         )
     if len(student_hidden) == 0:
-        raise ValueError("hidden_alignment_loss needs at least one layer's hidden states")
+        raise ValueError(
+            "hidden_alignment_loss needs at least one layer's hidden states"
+        )
     real = _real_mask(mask, student_hidden[0].shape[:-1], student_hidden[0].device)
     per_layer = []
     for h_s, h_t in zip(student_hidden, teacher_hidden):
@@ -146,12 +160,16 @@ def hidden_alignment_loss(
                 f"hidden state shapes differ: student {tuple(h_s.shape)}, teacher {tuple(h_t.shape)}"
             )
         diff = F.softmax(h_s.float(), dim=-1) - F.softmax(h_t.float(), dim=-1)
-        per_layer.append(_masked_mean(torch.linalg.vector_norm(diff, ord=2, dim=-1), real))
+        per_layer.append(
+            _masked_mean(torch.linalg.vector_norm(diff, ord=2, dim=-1), real)
+        )
     return torch.stack(per_layer).mean()
 
 
 def causal_lm_loss(
-    student_logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None
+    student_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next-token cross-entropy, mean over positions whose *target* token is real.
 
@@ -194,10 +212,16 @@ def alignment_loss(
         terms["kl"] = kl_divergence_loss(teacher_logits, student_logits, attention_mask)
     if weights.hidden > 0:
         if student_hidden is None or teacher_hidden is None:
-            raise ValueError("the hidden-alignment term (weight > 0) needs both hidden-state lists")
-        terms["hidden"] = hidden_alignment_loss(student_hidden, teacher_hidden, attention_mask)
+            raise ValueError(
+                "the hidden-alignment term (weight > 0) needs both hidden-state lists"
+            )
+        terms["hidden"] = hidden_alignment_loss(
+            student_hidden, teacher_hidden, attention_mask
+        )
     if weights.lm > 0:
         terms["lm"] = causal_lm_loss(student_logits, input_ids, attention_mask)
     total = sum(getattr(weights, name) * value for name, value in terms.items())
-    assert isinstance(total, torch.Tensor)  # at least one weight is > 0 (checked by the weights)
+    assert isinstance(
+        total, torch.Tensor
+    )  # at least one weight is > 0 (checked by the weights)
     return AlignmentLossTerms(total=total, **terms)

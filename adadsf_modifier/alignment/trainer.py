@@ -72,7 +72,9 @@ TRAINABLE_SETS = ("routers", "routers_and_layers")
 
 def check_steps(value: int, name: str = "steps") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0 (0 skips the alignment stage), got {value!r}")
+        raise ValueError(
+            f"{name} must be an integer >= 0 (0 skips the alignment stage), got {value!r}"
+        )
     return value
 
 
@@ -84,7 +86,9 @@ def check_positive_int(value: int, name: str) -> int:
 
 def check_lr(value: float, name: str = "lr") -> float:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} (learning rate) must be a finite number > 0, got {value!r}")
+        raise ValueError(
+            f"{name} (learning rate) must be a finite number > 0, got {value!r}"
+        )
     return float(value)
 
 
@@ -155,7 +159,9 @@ class AlignmentConfig:
         check_grad_clip(self.grad_clip)
         check_non_negative(self.weight_decay, "weight_decay")
         if not isinstance(self.weights, AlignmentLossWeights):
-            raise TypeError(f"weights must be AlignmentLossWeights, got {type(self.weights)}")
+            raise TypeError(
+                f"weights must be AlignmentLossWeights, got {type(self.weights)}"
+            )
 
 
 @dataclass
@@ -204,14 +210,18 @@ def make_teacher(model: nn.Module) -> nn.Module:
     teacher = copy.deepcopy(model)
     teacher.eval()
     teacher.requires_grad_(False)
-    student_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+    student_ptrs = {
+        t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()
+    }
     shared = [
         n
         for n, t in (*teacher.named_parameters(), *teacher.named_buffers())
         if t.numel() and t.data_ptr() in student_ptrs
     ]
     if shared:
-        raise RuntimeError(f"teacher copy shares storage with the student: {shared[:5]}")
+        raise RuntimeError(
+            f"teacher copy shares storage with the student: {shared[:5]}"
+        )
     return teacher
 
 
@@ -226,10 +236,16 @@ def release_memory() -> None:
 
 
 def _as_long_tensor(value: Any) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.long)
+    return (
+        value
+        if isinstance(value, torch.Tensor)
+        else torch.as_tensor(value, dtype=torch.long)
+    )
 
 
-def training_rows(source: Iterable[Mapping[str, Any]], seq_len: int) -> list[torch.Tensor]:
+def training_rows(
+    source: Iterable[Mapping[str, Any]], seq_len: int
+) -> list[torch.Tensor]:
     """Flatten ``source`` into 1-D rows of real token ids, each cut to its first ``seq_len`` tokens.
 
     ``source`` yields mappings with ``input_ids`` and optionally ``attention_mask``, either one row
@@ -241,7 +257,9 @@ def training_rows(source: Iterable[Mapping[str, Any]], seq_len: int) -> list[tor
     rows: list[torch.Tensor] = []
     for item in source:
         if "input_ids" not in item:
-            raise ValueError(f"alignment data needs an `input_ids` column, got {sorted(item)}")
+            raise ValueError(
+                f"alignment data needs an `input_ids` column, got {sorted(item)}"
+            )
         ids = _as_long_tensor(item["input_ids"])
         mask = item.get("attention_mask")
         mask = _as_long_tensor(mask) if mask is not None else torch.ones_like(ids)
@@ -271,7 +289,11 @@ class RowBatcher:
     """
 
     def __init__(
-        self, rows: Sequence[torch.Tensor], batch_size: int, seed: int, pad_token_id: int = 0
+        self,
+        rows: Sequence[torch.Tensor],
+        batch_size: int,
+        seed: int,
+        pad_token_id: int = 0,
     ):
         if not rows:
             raise ValueError("RowBatcher needs at least one row")
@@ -289,13 +311,17 @@ class RowBatcher:
 
     def _next_index(self) -> int:
         if not self._order:
-            self._order = torch.randperm(len(self.rows), generator=self._generator).tolist()
+            self._order = torch.randperm(
+                len(self.rows), generator=self._generator
+            ).tolist()
         return self._order.pop(0)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         chosen = [self.rows[self._next_index()] for _ in range(self.batch_size)]
         width = max(r.numel() for r in chosen)
-        input_ids = torch.full((len(chosen), width), self.pad_token_id, dtype=torch.long)
+        input_ids = torch.full(
+            (len(chosen), width), self.pad_token_id, dtype=torch.long
+        )
         attention_mask = torch.zeros((len(chosen), width), dtype=torch.long)
         for i, r in enumerate(chosen):
             input_ids[i, : r.numel()] = r
@@ -310,7 +336,9 @@ class RowBatcher:
 # ---------------------------------------------------------------------------------- parameters
 
 
-def select_trainable(model: nn.Module, trainable: str) -> list[tuple[str, nn.Parameter]]:
+def select_trainable(
+    model: nn.Module, trainable: str
+) -> list[tuple[str, nn.Parameter]]:
     """Named parameters that train under ``trainable`` (see :data:`TRAINABLE_SETS`)."""
     check_trainable(trainable)
     chosen: dict[int, tuple[str, nn.Parameter]] = {}
@@ -320,7 +348,9 @@ def select_trainable(model: nn.Module, trainable: str) -> list[tuple[str, nn.Par
         source = module.router if trainable == "routers" else module
         prefix = f"{name}.router" if trainable == "routers" else name
         for pname, param in source.named_parameters():
-            chosen.setdefault(id(param), (f"{prefix}.{pname}" if prefix else pname, param))
+            chosen.setdefault(
+                id(param), (f"{prefix}.{pname}" if prefix else pname, param)
+            )
     if not chosen:
         raise ValueError(
             "AdaDSF alignment found no routed layers to train: route the model before aligning it"
@@ -350,7 +380,9 @@ def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
     """Peak CUDA memory allocated since the stage began, else the process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "peak CUDA allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    rss = resource.getrusage(
+        resource.RUSAGE_SELF
+    ).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**20 if sys.platform == "darwin" else 2**10), "peak process RSS"
 
 
@@ -390,20 +422,30 @@ def _student_training_state(
         student.eval()
         for m in student.modules():
             if isinstance(m, RoutedLayer):
-                m.training = True  # the layer itself only: routing in training mode, no dropout
+                m.training = (
+                    True  # the layer itself only: routing in training mode, no dropout
+                )
         if gradient_checkpointing:
             if not getattr(student, "supports_gradient_checkpointing", False):
                 raise ValueError(
                     f"align_gradient_checkpointing: {type(student).__name__} does not support "
                     "gradient checkpointing"
                 )
-            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            student.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
             for m in student.modules():
                 if getattr(m, "gradient_checkpointing", False) is True:
-                    m.training = True  # transformers checkpoints a layer only in training mode
+                    m.training = (
+                        True  # transformers checkpoints a layer only in training mode
+                    )
         yield
     finally:
-        if gradient_checkpointing and not had_gc and hasattr(student, "gradient_checkpointing_disable"):
+        if (
+            gradient_checkpointing
+            and not had_gc
+            and hasattr(student, "gradient_checkpointing_disable")
+        ):
             student.gradient_checkpointing_disable()
             if not had_input_hook and hasattr(student, "_require_grads_hook"):
                 student.disable_input_require_grads()
@@ -416,11 +458,19 @@ def _student_training_state(
 
 
 def _diverged(
-    snapshot: _ParamSnapshot, step: int, total: int, what: str, values: Mapping[str, float]
+    snapshot: _ParamSnapshot,
+    step: int,
+    total: int,
+    what: str,
+    values: Mapping[str, float],
 ) -> AlignmentDivergedError:
     snapshot.restore()
     detail = ", ".join(f"{k}={v:.6g}" for k, v in values.items())
-    restored = f"the values after step {step - 1}" if step > 1 else "their values before alignment"
+    restored = (
+        f"the values after step {step - 1}"
+        if step > 1
+        else "their values before alignment"
+    )
     return AlignmentDivergedError(
         f"AdaDSF alignment diverged: {what} at step {step}/{total} ({detail}). The trainable "
         f"parameters were restored to {restored}. Lower align_lr, set align_grad_clip, or "
@@ -450,7 +500,9 @@ def align_model(
         return report
     weights = config.weights
     if weights.needs_teacher and teacher is None:
-        raise ValueError("the KL / hidden alignment terms need the dense teacher, got None")
+        raise ValueError(
+            "the KL / hidden alignment terms need the dense teacher, got None"
+        )
 
     named = select_trainable(student, config.trainable)
     params = [p for _, p in named]
@@ -462,13 +514,17 @@ def align_model(
     rows.sort(key=lambda r: (r.numel(), r.tolist()))
     report.num_rows = len(rows)
     pad_id = getattr(getattr(student, "config", None), "pad_token_id", None)
-    batcher = RowBatcher(rows, config.batch_size, config.seed, pad_id if pad_id is not None else 0)
+    batcher = RowBatcher(
+        rows, config.batch_size, config.seed, pad_id if pad_id is not None else 0
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if teacher is not None:
         teacher.eval()
     need_hidden = weights.hidden > 0
-    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16)
+    autocast = torch.autocast(
+        device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16
+    )
 
     logger.info(
         f"AdaDSF alignment: {config.steps} steps, batch {batcher.batch_size} x <= {config.seq_len} "
@@ -478,21 +534,35 @@ def align_model(
     )
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+        stack.enter_context(
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        )
         torch.manual_seed(config.seed)
-        stack.enter_context(_student_training_state(student, params, config.gradient_checkpointing))
+        stack.enter_context(
+            _student_training_state(student, params, config.gradient_checkpointing)
+        )
         stack.enter_context(torch.enable_grad())
-        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=config.lr, weight_decay=config.weight_decay
+        )
         snapshot = _ParamSnapshot(params)
-        max_norm = config.grad_clip if config.grad_clip else math.inf  # still measures the norm
-        bar = tqdm(range(1, config.steps + 1), desc="AdaDSF alignment", disable=not config.show_progress)
+        max_norm = (
+            config.grad_clip if config.grad_clip else math.inf
+        )  # still measures the norm
+        bar = tqdm(
+            range(1, config.steps + 1),
+            desc="AdaDSF alignment",
+            disable=not config.show_progress,
+        )
         running: float | None = None
         for step in bar:
             batch = {k: v.to(device) for k, v in batcher.next_batch().items()}
             teacher_logits = teacher_hidden = None
             if weights.needs_teacher:
                 with torch.no_grad(), autocast:
-                    teacher_logits, teacher_hidden = _forward(teacher, batch, need_hidden)
+                    teacher_logits, teacher_hidden = _forward(
+                        teacher, batch, need_hidden
+                    )
             with autocast:
                 student_logits, student_hidden = _forward(student, batch, need_hidden)
             terms = alignment_loss(
@@ -513,10 +583,18 @@ def align_model(
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if not math.isfinite(grad_norm):
                 values["grad_norm"] = grad_norm
-                raise _diverged(snapshot, step, config.steps, "non-finite gradient", values)
+                raise _diverged(
+                    snapshot, step, config.steps, "non-finite gradient", values
+                )
             optimizer.step()
             if not all(bool(torch.isfinite(p).all()) for p in params):
-                raise _diverged(snapshot, step, config.steps, "non-finite parameters after the update", values)
+                raise _diverged(
+                    snapshot,
+                    step,
+                    config.steps,
+                    "non-finite parameters after the update",
+                    values,
+                )
             snapshot.update()
 
             report.steps = step
@@ -525,7 +603,11 @@ def align_model(
             for k, v in values.items():
                 if k != "loss":
                     report.terms.setdefault(k, []).append(v)
-            running = values["loss"] if running is None else 0.9 * running + 0.1 * values["loss"]
+            running = (
+                values["loss"]
+                if running is None
+                else 0.9 * running + 0.1 * values["loss"]
+            )
             bar.set_postfix(loss=f"{values['loss']:.4f}", avg=f"{running:.4f}")
         bar.close()
         optimizer.zero_grad(set_to_none=True)

@@ -13,7 +13,11 @@ from adadsf_modifier.evaluation.assets import (
     load_text_splits,
     resolve_model,
 )
-from adadsf_modifier.evaluation.perplexity import PerplexityResult, perplexity, sliding_windows
+from adadsf_modifier.evaluation.perplexity import (
+    PerplexityResult,
+    perplexity,
+    sliding_windows,
+)
 
 __all__ = [
     "CACHE_ENV_VAR",

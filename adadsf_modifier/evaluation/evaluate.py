@@ -44,8 +44,9 @@ class EvalRecord:
         return asdict(self)
 
 
-def load_for_eval(name_or_path: str | None, dtype: torch.dtype = torch.float32
-                  ) -> tuple[nn.Module, Any, bool]:
+def load_for_eval(
+    name_or_path: str | None, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, Any, bool]:
     """``(model, tokenizer, routed)``: AdaDSF checkpoints reload routed, anything else dense."""
     path = resolve_model(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -83,19 +84,33 @@ def evaluate_model(
     if routed:
         set_routing_mode(model, routing_mode)
     model.eval()
-    record = EvalRecord(label=label, model=model_name, routed=routed,
-                        routing_mode=routing_mode if routed else None)
+    record = EvalRecord(
+        label=label,
+        model=model_name,
+        routed=routed,
+        routing_mode=routing_mode if routed else None,
+    )
     test_text = "\n\n".join(load_text_splits()["test"]["text"])
     if ppl:
-        res = perplexity(model, tokenizer, test_text, max_length=ppl_max_length, stride=ppl_stride,
-                         max_tokens=ppl_max_tokens)
+        res = perplexity(
+            model,
+            tokenizer,
+            test_text,
+            max_length=ppl_max_length,
+            stride=ppl_stride,
+            max_tokens=ppl_max_tokens,
+        )
         record.ppl, record.ppl_tokens = float(res.ppl), int(res.tokens)
-        logger.info(f"{label}: perplexity {record.ppl:.3f} over {record.ppl_tokens} test tokens")
+        logger.info(
+            f"{label}: perplexity {record.ppl:.3f} over {record.ppl_tokens} test tokens"
+        )
     if tasks:
         from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
 
         record.tasks = evaluate_tasks(model, tokenizer, list(tasks), limit=limit)
-    ids = torch.tensor(tokenizer(test_text[: flops_seq_len * 16])["input_ids"][:flops_seq_len])
+    ids = torch.tensor(
+        tokenizer(test_text[: flops_seq_len * 16])["input_ids"][:flops_seq_len]
+    )
     with torch.no_grad():
         report = normalized_flops(model, {"input_ids": ids[None]})
     record.normalized_flops = float(report.normalized)

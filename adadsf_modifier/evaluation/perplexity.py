@@ -39,7 +39,9 @@ class PerplexityResult:
     tokens: int
 
 
-def sliding_windows(num_tokens: int, max_length: int, stride: int) -> Iterator[tuple[int, int, int]]:
+def sliding_windows(
+    num_tokens: int, max_length: int, stride: int
+) -> Iterator[tuple[int, int, int]]:
     """Yield ``(begin, end, trg_len)``: window ``[begin, end)`` scores its last ``trg_len`` tokens.
 
     Matches the Hugging Face recipe, except that a ``stride`` equal to ``max_length`` is treated
@@ -58,9 +60,13 @@ def sliding_windows(num_tokens: int, max_length: int, stride: int) -> Iterator[t
             break
 
 
-def _validate(max_length: int, stride: int, batch_size: int, max_tokens: int | None) -> None:
+def _validate(
+    max_length: int, stride: int, batch_size: int, max_tokens: int | None
+) -> None:
     if max_length < 2:
-        raise ValueError(f"max_length must be at least 2 (one context + one scored token), got {max_length}")
+        raise ValueError(
+            f"max_length must be at least 2 (one context + one scored token), got {max_length}"
+        )
     if stride <= 0:
         raise ValueError(f"stride must be positive, got {stride}")
     if stride > max_length:
@@ -74,7 +80,9 @@ def _validate(max_length: int, stride: int, batch_size: int, max_tokens: int | N
         raise ValueError(f"max_tokens must be at least 2 (or None), got {max_tokens}")
 
 
-def _token_stream(tokenizer, texts: Sequence[str] | str | None, input_ids) -> torch.Tensor:
+def _token_stream(
+    tokenizer, texts: Sequence[str] | str | None, input_ids
+) -> torch.Tensor:
     """Return the 1-D token stream: given ids, or ``"\\n\\n".join(texts)`` tokenized once."""
     if input_ids is not None:
         if texts is not None:
@@ -83,7 +91,9 @@ def _token_stream(tokenizer, texts: Sequence[str] | str | None, input_ids) -> to
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
         if ids.dim() != 1:
-            raise ValueError(f"input_ids must be a 1-D token stream, got shape {tuple(ids.shape)}")
+            raise ValueError(
+                f"input_ids must be a 1-D token stream, got shape {tuple(ids.shape)}"
+            )
         return ids
     if texts is None:
         raise ValueError("texts is required when input_ids is not given")
@@ -160,7 +170,12 @@ def perplexity(
     scored = 0
     try:
         with torch.inference_mode():
-            bar = tqdm(total=len(windows), desc="perplexity", unit="win", disable=not show_progress)
+            bar = tqdm(
+                total=len(windows),
+                desc="perplexity",
+                unit="win",
+                disable=not show_progress,
+            )
             for first in range(0, len(windows), batch_size):
                 group = windows[first : first + batch_size]
                 width = max(end - begin for begin, end, _ in group)
@@ -173,14 +188,23 @@ def perplexity(
                     batch[row, :length] = ids[begin:end]
                     mask[row, :length] = 1
                     first_scored = max(length - trg_len, 1)  # position 0 has no context
-                    target[row, first_scored - 1 : length - 1] = ids[begin + first_scored : end]
-                out = model(input_ids=batch.to(device), attention_mask=mask.to(device), use_cache=False)
+                    target[row, first_scored - 1 : length - 1] = ids[
+                        begin + first_scored : end
+                    ]
+                out = model(
+                    input_ids=batch.to(device),
+                    attention_mask=mask.to(device),
+                    use_cache=False,
+                )
                 logits = out.logits if hasattr(out, "logits") else out[0]
                 logits = logits[:, :-1, :].float()
                 target = target.to(logits.device)
                 nll_sum += float(
                     F.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+                        logits.reshape(-1, logits.shape[-1]),
+                        target.reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
                     )
                 )
                 scored += int((target != -100).sum())
@@ -191,7 +215,9 @@ def perplexity(
     finally:
         model.train(was_training)
 
-    if scored != n - 1:  # invariant of sliding_windows; cheap insurance against future edits
+    if (
+        scored != n - 1
+    ):  # invariant of sliding_windows; cheap insurance against future edits
         raise RuntimeError(f"scored {scored} tokens, expected {n - 1}")
     nll = nll_sum / scored
     result = PerplexityResult(ppl=math.exp(nll), nll=nll, tokens=scored)

@@ -18,8 +18,11 @@ def _mean_acc(tasks: dict[str, dict[str, Any]]) -> float | None:
     return sum(accs) / len(accs) if accs else None
 
 
-def build_report(records: list[dict[str, Any]], speed: list[dict[str, Any]] | None = None,
-                 meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_report(
+    records: list[dict[str, Any]],
+    speed: list[dict[str, Any]] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Combine evaluation records (``EvalRecord.as_dict()``) and speed rows into one report."""
     if not records:
         raise ValueError("a report needs at least one evaluation record")
@@ -27,21 +30,34 @@ def build_report(records: list[dict[str, Any]], speed: list[dict[str, Any]] | No
     prefill = [s for s in speed if s["kind"] == "prefill"]
     decode = [s for s in speed if s["kind"] == "decode"]
     headline = {
-        "prefill_speedup": max(prefill, key=lambda s: s["seq_len"])["speedup"] if prefill else None,
+        "prefill_speedup": max(prefill, key=lambda s: s["seq_len"])["speedup"]
+        if prefill
+        else None,
         "prefill_seq_len": max(s["seq_len"] for s in prefill) if prefill else None,
-        "decode_speedup": min(decode, key=lambda s: s["batch_size"])["speedup"] if decode else None,
+        "decode_speedup": min(decode, key=lambda s: s["batch_size"])["speedup"]
+        if decode
+        else None,
     }
     rows = []
     for r in records:
-        rows.append({
-            "label": r["label"], "routed": r["routed"], "ppl": r.get("ppl"),
-            "mean_acc": _mean_acc(r.get("tasks", {})),
-            "tasks": {k: v.get("acc") for k, v in r.get("tasks", {}).items()},
-            "normalized_flops": r.get("normalized_flops", 1.0),
-            "speedup": (headline["prefill_speedup"] if r["routed"] else 1.0),
-        })
-    return {"meta": meta or {}, "rows": rows, "records": records, "speed": speed,
-            "headline": headline}
+        rows.append(
+            {
+                "label": r["label"],
+                "routed": r["routed"],
+                "ppl": r.get("ppl"),
+                "mean_acc": _mean_acc(r.get("tasks", {})),
+                "tasks": {k: v.get("acc") for k, v in r.get("tasks", {}).items()},
+                "normalized_flops": r.get("normalized_flops", 1.0),
+                "speedup": (headline["prefill_speedup"] if r["routed"] else 1.0),
+            }
+        )
+    return {
+        "meta": meta or {},
+        "rows": rows,
+        "records": records,
+        "speed": speed,
+        "headline": headline,
+    }
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -53,15 +69,21 @@ def summary_table(report: dict[str, Any]) -> str:
         return "n/a" if v is None else format(v, spec)
 
     for row in report["rows"]:
-        cells = [row["label"], fmt(row["ppl"], ".2f"),
-                 *[fmt(row["tasks"].get(t), ".3f") for t in tasks],
-                 fmt(row["mean_acc"], ".3f"), fmt(row["normalized_flops"], ".3f"),
-                 fmt(row["speedup"], ".3f") + ("x" if row["speedup"] is not None else "")]
+        cells = [
+            row["label"],
+            fmt(row["ppl"], ".2f"),
+            *[fmt(row["tasks"].get(t), ".3f") for t in tasks],
+            fmt(row["mean_acc"], ".3f"),
+            fmt(row["normalized_flops"], ".3f"),
+            fmt(row["speedup"], ".3f") + ("x" if row["speedup"] is not None else ""),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     h = report["headline"]
     if h.get("decode_speedup") is not None:
-        lines.append(f"\ndecode speedup (batch 1): {h['decode_speedup']:.3f}x; prefill speedup at "
-                     f"seq {h['prefill_seq_len']}: {h['prefill_speedup']:.3f}x")
+        lines.append(
+            f"\ndecode speedup (batch 1): {h['decode_speedup']:.3f}x; prefill speedup at "
+            f"seq {h['prefill_seq_len']}: {h['prefill_speedup']:.3f}x"
+        )
     return "\n".join(lines)
 
 
@@ -77,15 +99,24 @@ def plot_report(report: dict[str, Any], png: str | Path) -> None:
     metric = "mean_acc" if use_acc else "ppl"
     ylabel = "mean task accuracy" if use_acc else "perplexity (test)"
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, xkey, xlabel in ((axes[0], "normalized_flops", "normalized FLOPs (routed / dense)"),
-                             (axes[1], "speedup", "measured prefill speedup (x)")):
+    for ax, xkey, xlabel in (
+        (axes[0], "normalized_flops", "normalized FLOPs (routed / dense)"),
+        (axes[1], "speedup", "measured prefill speedup (x)"),
+    ):
         for r in rows:
             x, y = r.get(xkey), r.get(metric)
             if x is None or y is None:
                 continue
-            ax.scatter([x], [y], s=60, marker="o" if r["routed"] else "s",
-                       label=r["label"])
-            ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+            ax.scatter(
+                [x], [y], s=60, marker="o" if r["routed"] else "s", label=r["label"]
+            )
+            ax.annotate(
+                r["label"],
+                (x, y),
+                textcoords="offset points",
+                xytext=(5, 5),
+                fontsize=8,
+            )
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -21,8 +21,16 @@ from tqdm.auto import tqdm
 
 from adadsf_modifier.flops import normalized_flops
 
-__all__ = ["SpeedResult", "measure_prefill", "measure_decode", "run_speed_benchmark", "format_table",
-           "is_dispatched", "load_pair", "build_routed_checkpoint"]
+__all__ = [
+    "SpeedResult",
+    "measure_prefill",
+    "measure_decode",
+    "run_speed_benchmark",
+    "format_table",
+    "is_dispatched",
+    "load_pair",
+    "build_routed_checkpoint",
+]
 
 
 @dataclass
@@ -34,7 +42,9 @@ class SpeedResult:
     dense_s: float  # median seconds per prefill, or per decode step
     routed_s: float
     speedup: float  # dense_s / routed_s
-    flops_ideal: float  # 1 / normalized FLOPs (decoder layers + routers, lm_head excluded)
+    flops_ideal: (
+        float  # 1 / normalized FLOPs (decoder layers + routers, lm_head excluded)
+    )
     flops_ideal_with_lm_head: float
     normalized_flops: float
     dense_runs: list[float] = field(default_factory=list)
@@ -55,8 +65,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _interleaved(fn_dense: Callable[[], float], fn_routed: Callable[[], float], repeats: int,
-                 warmup: int, desc: str) -> tuple[list[float], list[float]]:
+def _interleaved(
+    fn_dense: Callable[[], float],
+    fn_routed: Callable[[], float],
+    repeats: int,
+    warmup: int,
+    desc: str,
+) -> tuple[list[float], list[float]]:
     for _ in range(warmup):
         fn_dense()
         fn_routed()
@@ -77,8 +92,13 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.inference_mode()
-def measure_prefill(dense: nn.Module, routed: nn.Module, input_ids: torch.Tensor,
-                    repeats: int = 5, warmup: int = 1) -> SpeedResult:
+def measure_prefill(
+    dense: nn.Module,
+    routed: nn.Module,
+    input_ids: torch.Tensor,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> SpeedResult:
     """Median latency of one forward over ``input_ids`` (``[batch, seq]``), KV cache on."""
     device = _device_of(dense)
     input_ids = input_ids.to(device)
@@ -94,14 +114,17 @@ def measure_prefill(dense: nn.Module, routed: nn.Module, input_ids: torch.Tensor
         return run
 
     b, n = input_ids.shape
-    d, r = _interleaved(timed(dense), timed(routed), repeats, warmup, f"prefill b={b} n={n}")
+    d, r = _interleaved(
+        timed(dense), timed(routed), repeats, warmup, f"prefill b={b} n={n}"
+    )
     report = normalized_flops(routed, {"input_ids": input_ids})
     return _result("prefill", b, n, 0, d, r, report)
 
 
 @torch.inference_mode()
-def _decode_loop(model: nn.Module, prompt: torch.Tensor,
-                 new_tokens: int) -> tuple[float, list[torch.Tensor]]:
+def _decode_loop(
+    model: nn.Module, prompt: torch.Tensor, new_tokens: int
+) -> tuple[float, list[torch.Tensor]]:
     """Prefill (untimed), then ``new_tokens`` greedy steps; seconds per step and the tokens fed."""
     device = _device_of(model)
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
@@ -120,21 +143,30 @@ def _decode_loop(model: nn.Module, prompt: torch.Tensor,
 
 
 @torch.inference_mode()
-def _decode_flops(model: nn.Module, prompt: torch.Tensor, fed: list[torch.Tensor]) -> "_Totals":
+def _decode_flops(
+    model: nn.Module, prompt: torch.Tensor, fed: list[torch.Tensor]
+) -> "_Totals":
     """Replay the timed decoding (same tokens, so the same routing) and count its FLOPs."""
     cache = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
     totals = _Totals(0, 0, 0)
     for token in fed:
-        rep = normalized_flops(model, {"input_ids": token, "past_key_values": cache,
-                                       "use_cache": True})
+        rep = normalized_flops(
+            model, {"input_ids": token, "past_key_values": cache, "use_cache": True}
+        )
         totals.dense += rep.dense
         totals.routed += rep.routed
         totals.lm_head += rep.dense_with_lm_head - rep.dense
     return totals
 
 
-def measure_decode(dense: nn.Module, routed: nn.Module, prompt: torch.Tensor,
-                   new_tokens: int = 32, repeats: int = 3, warmup: int = 1) -> SpeedResult:
+def measure_decode(
+    dense: nn.Module,
+    routed: nn.Module,
+    prompt: torch.Tensor,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> SpeedResult:
     """Median seconds per greedy decoding step after a prompt (prefill not timed)."""
     prompt = prompt.to(_device_of(dense))
     fed: list[torch.Tensor] = []
@@ -144,8 +176,13 @@ def measure_decode(dense: nn.Module, routed: nn.Module, prompt: torch.Tensor,
         fed[:] = tokens
         return seconds
 
-    d, r = _interleaved(lambda: _decode_loop(dense, prompt, new_tokens)[0], routed_run,
-                        repeats, warmup, f"decode b={prompt.shape[0]}")
+    d, r = _interleaved(
+        lambda: _decode_loop(dense, prompt, new_tokens)[0],
+        routed_run,
+        repeats,
+        warmup,
+        f"decode b={prompt.shape[0]}",
+    )
     totals = _decode_flops(routed, prompt, fed)
     return _result("decode", prompt.shape[0], prompt.shape[1], new_tokens, d, r, totals)
 
@@ -168,16 +205,29 @@ class _Totals:
 def _result(kind, b, n, new, d, r, report) -> SpeedResult:
     dm, rm = statistics.median(d), statistics.median(r)
     return SpeedResult(
-        kind=kind, batch_size=b, seq_len=n, new_tokens=new, dense_s=dm, routed_s=rm,
-        speedup=dm / rm, flops_ideal=1.0 / report.normalized,
+        kind=kind,
+        batch_size=b,
+        seq_len=n,
+        new_tokens=new,
+        dense_s=dm,
+        routed_s=rm,
+        speedup=dm / rm,
+        flops_ideal=1.0 / report.normalized,
         flops_ideal_with_lm_head=1.0 / report.normalized_with_lm_head,
-        normalized_flops=report.normalized, dense_runs=d, routed_runs=r,
+        normalized_flops=report.normalized,
+        dense_runs=d,
+        routed_runs=r,
     )
 
 
-def build_routed_checkpoint(model_path: str, output_dir: str, retention: float = 0.8,
-                            calibration_samples: int = 16, seq_len: int = 256,
-                            dtype: torch.dtype = torch.float32) -> str:
+def build_routed_checkpoint(
+    model_path: str,
+    output_dir: str,
+    retention: float = 0.8,
+    calibration_samples: int = 16,
+    seq_len: int = 256,
+    dtype: torch.dtype = torch.float32,
+) -> str:
     """AdaDSF at ``retention`` (no alignment) on ``model_path``, saved to ``output_dir``.
 
     What the speed benchmarks time: speed depends on how many tokens run each layer, not on
@@ -199,8 +249,11 @@ def build_routed_checkpoint(model_path: str, output_dir: str, retention: float =
     return output_dir
 
 
-def load_pair(checkpoint: str, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> tuple[nn.Module, nn.Module]:
+def load_pair(
+    checkpoint: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, nn.Module]:
     """``(dense, routed)`` twins loaded the same way from one AdaDSF checkpoint.
 
     The dense twin is the same checkpoint with routing removed, so the weights are identical.
@@ -231,10 +284,17 @@ def is_dispatched(model: nn.Module) -> bool:
     return any(isinstance(m._parameters, OffloadCache) for m in model.modules())
 
 
-def run_speed_benchmark(dense: nn.Module, routed: nn.Module, token_stream: torch.Tensor,
-                        seq_lens=(256, 1024, 2048), batch_sizes=(1, 8), decode_prompt: int = 128,
-                        decode_tokens: int = 32, repeats: int = 5,
-                        decode_repeats: int | None = None) -> list[SpeedResult]:
+def run_speed_benchmark(
+    dense: nn.Module,
+    routed: nn.Module,
+    token_stream: torch.Tensor,
+    seq_lens=(256, 1024, 2048),
+    batch_sizes=(1, 8),
+    decode_prompt: int = 128,
+    decode_tokens: int = 32,
+    repeats: int = 5,
+    decode_repeats: int | None = None,
+) -> list[SpeedResult]:
     """The full grid: prefill at each (seq_len, batch) and decoding at each batch size.
 
     ``seq_lens=()`` skips prefill. A decoding run is short (seconds) and noisier than a long
@@ -262,7 +322,7 @@ def run_speed_benchmark(dense: nn.Module, routed: nn.Module, token_stream: torch
             stream = token_stream.repeat(reps)
         else:
             stream = token_stream
-        return stream[offset:offset + need].view(b, n)
+        return stream[offset : offset + need].view(b, n)
 
     for n in seq_lens:
         for b in batch_sizes:
@@ -270,8 +330,13 @@ def run_speed_benchmark(dense: nn.Module, routed: nn.Module, token_stream: torch
             logger.info(_row(res))
             results.append(res)
     for b in batch_sizes:
-        res = measure_decode(dense, routed, chunk(b, decode_prompt), new_tokens=decode_tokens,
-                             repeats=decode_repeats or max(7, repeats))
+        res = measure_decode(
+            dense,
+            routed,
+            chunk(b, decode_prompt),
+            new_tokens=decode_tokens,
+            repeats=decode_repeats or max(7, repeats),
+        )
         logger.info(_row(res))
         results.append(res)
     return results
@@ -280,15 +345,19 @@ def run_speed_benchmark(dense: nn.Module, routed: nn.Module, token_stream: torch
 def _row(r: SpeedResult) -> str:
     what = f"{r.kind:7s} b={r.batch_size:<2d} n={r.seq_len:<5d}"
     unit = "ms/step" if r.kind == "decode" else "ms"
-    return (f"{what} dense {r.dense_s * 1e3:9.2f} {unit:7s} routed {r.routed_s * 1e3:9.2f} "
-            f"speedup {r.speedup:5.3f}x  FLOPs ideal {r.flops_ideal:5.3f}x "
-            f"(with lm_head {r.flops_ideal_with_lm_head:5.3f}x)  achieved {r.fraction_of_ideal:5.2f} "
-            "of ideal")
+    return (
+        f"{what} dense {r.dense_s * 1e3:9.2f} {unit:7s} routed {r.routed_s * 1e3:9.2f} "
+        f"speedup {r.speedup:5.3f}x  FLOPs ideal {r.flops_ideal:5.3f}x "
+        f"(with lm_head {r.flops_ideal_with_lm_head:5.3f}x)  achieved {r.fraction_of_ideal:5.2f} "
+        "of ideal"
+    )
 
 
 def format_table(results: list[SpeedResult]) -> str:
-    head = ("| kind | batch | seq | dense | routed | speedup | FLOPs ideal | ideal w/ lm_head "
-            "| speedup / ideal |\n|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| kind | batch | seq | dense | routed | speedup | FLOPs ideal | ideal w/ lm_head "
+        "| speedup / ideal |\n|---|---|---|---|---|---|---|---|---|"
+    )
     rows = []
     for r in results:
         unit = "ms/step" if r.kind == "decode" else "ms"

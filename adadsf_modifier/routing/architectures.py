@@ -12,8 +12,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ArchitectureSpec", "SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError",
-           "architecture_of", "decoder_layers"]
+__all__ = [
+    "ArchitectureSpec",
+    "SUPPORTED_ARCHITECTURES",
+    "UnsupportedArchitectureError",
+    "architecture_of",
+    "decoder_layers",
+]
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -23,18 +28,26 @@ class UnsupportedArchitectureError(ValueError):
 @dataclass(frozen=True)
 class ArchitectureSpec:
     model_type: str
-    layers_path: str  # dotted attribute path from the *ForCausalLM model to the ModuleList
+    layers_path: (
+        str  # dotted attribute path from the *ForCausalLM model to the ModuleList
+    )
     layer_class: str
     cache_kwarg: str  # keyword under which the decoder layer receives the KV cache
 
 
 SUPPORTED_ARCHITECTURES: dict[str, ArchitectureSpec] = {
-    "llama": ArchitectureSpec("llama", "model.layers", "LlamaDecoderLayer", "past_key_values"),
-    "qwen2": ArchitectureSpec("qwen2", "model.layers", "Qwen2DecoderLayer", "past_key_values"),
+    "llama": ArchitectureSpec(
+        "llama", "model.layers", "LlamaDecoderLayer", "past_key_values"
+    ),
+    "qwen2": ArchitectureSpec(
+        "qwen2", "model.layers", "Qwen2DecoderLayer", "past_key_values"
+    ),
     "mistral": ArchitectureSpec(
         "mistral", "model.layers", "MistralDecoderLayer", "past_key_values"
     ),
-    "gpt_neox": ArchitectureSpec("gpt_neox", "gpt_neox.layers", "GPTNeoXLayer", "layer_past"),
+    "gpt_neox": ArchitectureSpec(
+        "gpt_neox", "gpt_neox.layers", "GPTNeoXLayer", "layer_past"
+    ),
 }
 
 _REQUIRED_LAYER_ARGS = ("attention_mask", "position_ids", "position_embeddings")
@@ -60,7 +73,9 @@ def architecture_of(model: nn.Module) -> ArchitectureSpec:
     return spec
 
 
-def decoder_layers(model: nn.Module) -> tuple[ArchitectureSpec, list[tuple[str, nn.Module]]]:
+def decoder_layers(
+    model: nn.Module,
+) -> tuple[ArchitectureSpec, list[tuple[str, nn.Module]]]:
     """``(spec, [(qualified_name, layer), ...])`` in layer order."""
     spec = architecture_of(model)
     obj: object = model
@@ -78,14 +93,18 @@ def decoder_layers(model: nn.Module) -> tuple[ArchitectureSpec, list[tuple[str, 
         )
     layers = []
     for i, layer in enumerate(obj):
-        original = next((c for c in type(layer).__mro__ if c.__name__ == spec.layer_class), None)
+        original = next(
+            (c for c in type(layer).__mro__ if c.__name__ == spec.layer_class), None
+        )
         if original is None:
             raise UnsupportedArchitectureError(
                 f"AdaDSF expected {spec.layer_class} at `{spec.layers_path}.{i}`, "
                 f"found {type(layer).__name__}"
             )
         params = inspect.signature(original.forward).parameters
-        missing = [a for a in (*_REQUIRED_LAYER_ARGS, spec.cache_kwarg) if a not in params]
+        missing = [
+            a for a in (*_REQUIRED_LAYER_ARGS, spec.cache_kwarg) if a not in params
+        ]
         if missing:
             raise UnsupportedArchitectureError(
                 f"AdaDSF could not find argument(s) {missing} in "

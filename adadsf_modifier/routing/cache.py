@@ -29,7 +29,9 @@ class RoutedCacheLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.seen_tokens = 0  # positions processed by this layer, selected or not
         self.num_slots = 0  # cached (compacted) key/value slots
-        self._slot_valid: torch.Tensor | None = None  # [batch, slots]; None while all are valid
+        self._slot_valid: torch.Tensor | None = (
+            None  # [batch, slots]; None while all are valid
+        )
         self._rows: tuple[torch.Tensor, int] | None = None  # see only_rows()
 
     @contextmanager
@@ -47,8 +49,13 @@ class RoutedCacheLayer(DynamicLayer):
         finally:
             self._rows = None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rows is None:
             return super().update(key_states, value_states, *args, **kwargs)
         rows, batch = self._rows
@@ -56,7 +63,9 @@ class RoutedCacheLayer(DynamicLayer):
         def widen(t: torch.Tensor) -> torch.Tensor:
             return t.new_zeros((batch, *t.shape[1:])).index_copy_(0, rows, t)
 
-        keys, values = super().update(widen(key_states), widen(value_states), *args, **kwargs)
+        keys, values = super().update(
+            widen(key_states), widen(value_states), *args, **kwargs
+        )
         return keys.index_select(0, rows), values.index_select(0, rows)
 
     # what transformers reads to build positions and masks: the true sequence length
@@ -77,8 +86,9 @@ class RoutedCacheLayer(DynamicLayer):
             return torch.ones(batch, self.num_slots, dtype=torch.bool, device=device)
         return self._slot_valid
 
-    def record_step(self, query_length: int, valid: torch.Tensor | None = None,
-                    appended: int = 0) -> None:
+    def record_step(
+        self, query_length: int, valid: torch.Tensor | None = None, appended: int = 0
+    ) -> None:
         """After a forward over ``query_length`` tokens that appended ``appended`` slots.
 
         ``valid [batch, appended]`` marks which appended slots are real; ``None`` means all.
@@ -87,12 +97,17 @@ class RoutedCacheLayer(DynamicLayer):
         if appended == 0:
             return
         if valid is not None and self._slot_valid is None and not bool(valid.all()):
-            self._slot_valid = torch.ones(valid.shape[0], self.num_slots, dtype=torch.bool,
-                                          device=valid.device)
+            self._slot_valid = torch.ones(
+                valid.shape[0], self.num_slots, dtype=torch.bool, device=valid.device
+            )
         if self._slot_valid is not None:
             if valid is None:
-                valid = torch.ones(self._slot_valid.shape[0], appended, dtype=torch.bool,
-                                   device=self._slot_valid.device)
+                valid = torch.ones(
+                    self._slot_valid.shape[0],
+                    appended,
+                    dtype=torch.bool,
+                    device=self._slot_valid.device,
+                )
             self._slot_valid = torch.cat([self._slot_valid, valid], dim=1)
         self.num_slots += appended
 

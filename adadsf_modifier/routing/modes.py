@@ -34,10 +34,16 @@ def _routed(model: nn.Module):
 def set_routing_mode(model: nn.Module, mode: str) -> None:
     """Switch every routed layer of ``model`` to ``mode`` (one of :data:`ROUTING_MODES`)."""
     if mode not in ROUTING_MODES:
-        raise ValueError(f"routing mode must be one of {list(ROUTING_MODES)}, got {mode!r}")
+        raise ValueError(
+            f"routing mode must be one of {list(ROUTING_MODES)}, got {mode!r}"
+        )
     layers = _routed(model)
     if mode == "causal":
-        missing = [l.layer_index for l in layers if l.causal_threshold is None and 0 < l.retention_ratio < 1]
+        missing = [
+            l.layer_index
+            for l in layers
+            if l.causal_threshold is None and 0 < l.retention_ratio < 1
+        ]
         if missing:
             raise ValueError(
                 f"causal routing needs calibrated thresholds; layers {missing} have none "

@@ -19,14 +19,14 @@ from adadsf_modifier.routing.cache import RoutedCacheLayer, routed_cache_layer
 from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.selection import (
     compact_attention_mask,
-    select_by_mask,
-    to_attention_dtype,
     gather_position_embeddings,
     gather_tokens,
     is_causal_padding_mask,
     real_token_mask,
     scatter_tokens,
+    select_by_mask,
     select_topk,
+    to_attention_dtype,
     tokens_to_keep_per_row,
 )
 
@@ -58,11 +58,18 @@ class RoutedLayer(nn.Module):
     def resolved_routing_mode(self) -> str:
         mode = self.routing_mode
         if mode == "auto":
-            return "causal" if (not self.training and self.causal_threshold is not None) else "topk"
+            return (
+                "causal"
+                if (not self.training and self.causal_threshold is not None)
+                else "topk"
+            )
         return mode
 
     def select_tokens(
-        self, scores: torch.Tensor, real: torch.Tensor, mode: str | None = None,
+        self,
+        scores: torch.Tensor,
+        real: torch.Tensor,
+        mode: str | None = None,
         has_past: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """``(index, valid, k_max)`` of the tokens this layer runs (``index`` None if none).
@@ -102,9 +109,14 @@ class RoutedLayer(nn.Module):
             return index, valid, k_max
         raise ValueError(f"unknown routing mode {mode!r}")
 
-    def selected_mask(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      mode: str | None = None, has_past: bool = False,
-                      scores: torch.Tensor | None = None) -> torch.Tensor:
+    def selected_mask(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        mode: str | None = None,
+        has_past: bool = False,
+        scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``[batch, seq]`` bool: which tokens of layer input ``x`` this layer would run.
 
         ``scores``: the router's output on ``x`` when the caller already has it.
@@ -123,13 +135,20 @@ class RoutedLayer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401 - see class docstring
         if len(args) > 1:  # bind extra positional args to their names once
             bound = inspect.signature(super().forward).bind(*args, **kwargs)
-            args, kwargs = (bound.arguments.pop("hidden_states"),), dict(bound.arguments)
+            args, kwargs = (
+                (bound.arguments.pop("hidden_states"),),
+                dict(bound.arguments),
+            )
             kwargs.update(kwargs.pop("kwargs", {}))
         x = args[0] if args else kwargs.pop("hidden_states")
         ratio = float(self.retention_ratio)
         batch, q_len, _ = x.shape
         cache = kwargs.get(self.cache_kwarg)
-        cache_layer = routed_cache_layer(cache, self.layer_index) if cache is not None and ratio < 1.0 else None
+        cache_layer = (
+            routed_cache_layer(cache, self.layer_index)
+            if cache is not None and ratio < 1.0
+            else None
+        )
 
         if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
             return _skipped(x, cache_layer)
@@ -157,7 +176,9 @@ class RoutedLayer(nn.Module):
 
         mode = self.resolved_routing_mode()
         if mode == "causal" and q_len == 1 and self.causal_threshold is not None:
-            return self._decode_step(x, scores, attention_mask, kwargs, cache_layer, impl)
+            return self._decode_step(
+                x, scores, attention_mask, kwargs, cache_layer, impl
+            )
         real = real_token_mask(attention_mask, batch, q_len, x.device)
         has_past = cache_layer is not None and cache_layer.seen_tokens > 0
         if mode == "topk" and has_past:
@@ -177,10 +198,15 @@ class RoutedLayer(nn.Module):
         )
         if kwargs.get("position_ids") is not None:
             inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
-        inner.update(self._mask_kwargs(
-            self._selected_mask(attention_mask, index, valid, cache_layer, impl), x.dtype, impl,
-            float_mask=attention_mask is not None and attention_mask.dtype != torch.bool,
-        ))
+        inner.update(
+            self._mask_kwargs(
+                self._selected_mask(attention_mask, index, valid, cache_layer, impl),
+                x.dtype,
+                impl,
+                float_mask=attention_mask is not None
+                and attention_mask.dtype != torch.bool,
+            )
+        )
         if cache_layer is None:
             inner[self.cache_kwarg] = None
             inner["use_cache"] = False
@@ -203,14 +229,18 @@ class RoutedLayer(nn.Module):
         some of those slots are filler (a row skipped a step another row ran).
         """
         batch = x.shape[0]
-        first = self.keep_first_token and (cache_layer is None or cache_layer.seen_tokens == 0)
+        first = self.keep_first_token and (
+            cache_layer is None or cache_layer.seen_tokens == 0
+        )
         if attention_mask is None:
             real = None
         else:
             real = real_token_mask(attention_mask, batch, 1, x.device)[:, 0]
         rows = selected = None  # rows None: every row runs
         if batch == 1:  # one sync, no index ops
-            run = (first or float(scores) > self.causal_threshold) and (real is None or bool(real))
+            run = (first or float(scores) > self.causal_threshold) and (
+                real is None or bool(real)
+            )
             if not run:
                 return _skipped(x, cache_layer)
         else:
@@ -230,7 +260,9 @@ class RoutedLayer(nn.Module):
         x_in = x
         if rows is not None:
             x_in = x.index_select(0, rows)
-            inner["position_embeddings"] = _rows_of(kwargs.get("position_embeddings"), rows, batch)
+            inner["position_embeddings"] = _rows_of(
+                kwargs.get("position_embeddings"), rows, batch
+            )
             inner["position_ids"] = _rows_of(kwargs.get("position_ids"), rows, batch)
         if cache_layer is None:
             inner[self.cache_kwarg] = None
@@ -239,7 +271,9 @@ class RoutedLayer(nn.Module):
             past = cache_layer.slot_valid(batch, x.device)
             if rows is not None:
                 past = past.index_select(0, rows)
-            allowed = torch.cat([past, past.new_ones(past.shape[0], 1)], dim=1)[:, None, None, :]
+            allowed = torch.cat([past, past.new_ones(past.shape[0], 1)], dim=1)[
+                :, None, None, :
+            ]
             inner.update(self._mask_kwargs(allowed, x.dtype, impl))
 
         if cache_layer is not None and rows is not None:
@@ -249,7 +283,9 @@ class RoutedLayer(nn.Module):
             y = super().forward(x_in, **inner)
         y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
         if torch.is_grad_enabled():
-            y = _gated(y, x_in, scores if rows is None else scores.index_select(0, rows))
+            y = _gated(
+                y, x_in, scores if rows is None else scores.index_select(0, rows)
+            )
         if rows is not None:
             y = x.index_copy(0, rows, y)
         if cache_layer is not None:
@@ -257,8 +293,13 @@ class RoutedLayer(nn.Module):
             cache_layer.record_step(1, valid, appended=1)
         return (y, *rest) if rest is not None else y
 
-    def _mask_kwargs(self, allowed: torch.Tensor | None, dtype: torch.dtype, impl: str,
-                     float_mask: bool = False) -> dict[str, Any]:
+    def _mask_kwargs(
+        self,
+        allowed: torch.Tensor | None,
+        dtype: torch.dtype,
+        impl: str,
+        float_mask: bool = False,
+    ) -> dict[str, Any]:
         """The layer keyword(s) that apply the boolean mask ``allowed`` (``None``: no mask).
 
         transformers' SDPA path gives up grouped-query attention whenever an
@@ -273,9 +314,16 @@ class RoutedLayer(nn.Module):
         if impl == "sdpa" and self._grouped_query_attention():
             # is_causal=False: the mask is complete; transformers would otherwise add a
             # top-left causal mask and crop the keys to the query length.
-            return {"attention_mask": None, "is_causal": False,
-                    "position_bias": to_attention_dtype(allowed, dtype, False)}
-        return {"attention_mask": to_attention_dtype(allowed, dtype, impl != "eager" and not float_mask)}
+            return {
+                "attention_mask": None,
+                "is_causal": False,
+                "position_bias": to_attention_dtype(allowed, dtype, False),
+            }
+        return {
+            "attention_mask": to_attention_dtype(
+                allowed, dtype, impl != "eager" and not float_mask
+            )
+        }
 
     def _grouped_query_attention(self) -> bool:
         attn = getattr(self, "self_attn", None)
@@ -302,7 +350,9 @@ class RoutedLayer(nn.Module):
         return compact_attention_mask(attention_mask, index, valid, past_valid)
 
     def extra_repr(self) -> str:
-        thr = "None" if self.causal_threshold is None else f"{self.causal_threshold:.4f}"
+        thr = (
+            "None" if self.causal_threshold is None else f"{self.causal_threshold:.4f}"
+        )
         return (
             f"layer_index={self.layer_index}, retention_ratio={self.retention_ratio:.4f}, "
             f"routing_mode={self.routing_mode}, causal_threshold={thr}"
@@ -325,7 +375,9 @@ def _rows_of(value: Any, rows: torch.Tensor, batch: int) -> Any:
         return None
     if isinstance(value, tuple):
         return tuple(_rows_of(v, rows, batch) for v in value)
-    return value.index_select(0, rows) if value.shape[0] == batch and batch > 1 else value
+    return (
+        value.index_select(0, rows) if value.shape[0] == batch and batch > 1 else value
+    )
 
 
 def _gated(y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -369,7 +421,10 @@ def route_layer(
         raise ValueError(f"layer {layer_index} is already routed")
     param = next(layer.parameters(), None)
     if param is not None:
-        router.to(device=param.device, dtype=param.dtype if param.is_floating_point() else None)
+        router.to(
+            device=param.device,
+            dtype=param.dtype if param.is_floating_point() else None,
+        )
     _swap_class(layer, routed_class_for(type(layer)))
     layer.add_module("router", router)
     layer.retention_ratio = float(retention_ratio)
@@ -383,10 +438,18 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
     """Undo :func:`route_layer` (used to leave a model untouched when a later step fails)."""
     if not isinstance(layer, RoutedLayer):
         return layer
-    original = next(c for c in type(layer).__mro__[1:] if not issubclass(c, RoutedLayer))
+    original = next(
+        c for c in type(layer).__mro__[1:] if not issubclass(c, RoutedLayer)
+    )
     del layer._modules["router"]
-    for attr in ("retention_ratio", "layer_index", "cache_kwarg", "_adadsf_config",
-                 "routing_mode", "causal_threshold"):
+    for attr in (
+        "retention_ratio",
+        "layer_index",
+        "cache_kwarg",
+        "_adadsf_config",
+        "routing_mode",
+        "causal_threshold",
+    ):
         layer.__dict__.pop(attr, None)
     _swap_class(layer, original)
     return layer

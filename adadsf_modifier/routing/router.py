@@ -18,10 +18,14 @@ class TokenRouter(nn.Module):
     error next to the layer it gates (counted in the FLOPs model).
     """
 
-    def __init__(self, hidden_size: int, router_hidden_size: int = 64, eps: float = 1e-6):
+    def __init__(
+        self, hidden_size: int, router_hidden_size: int = 64, eps: float = 1e-6
+    ):
         super().__init__()
         if router_hidden_size <= 0:
-            raise ValueError(f"router_hidden_size must be > 0, got {router_hidden_size}")
+            raise ValueError(
+                f"router_hidden_size must be > 0, got {router_hidden_size}"
+            )
         self.hidden_size = hidden_size
         self.router_hidden_size = router_hidden_size
         self.eps = eps

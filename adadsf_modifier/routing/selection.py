@@ -46,7 +46,9 @@ def real_token_mask(
         )
     kv_len = attention_mask.shape[-1]
     offset = kv_len - seq_len
-    diag = torch.diagonal(attention_mask[:, 0, -seq_len:, :], offset=offset, dim1=-2, dim2=-1)
+    diag = torch.diagonal(
+        attention_mask[:, 0, -seq_len:, :], offset=offset, dim1=-2, dim2=-1
+    )
     if attention_mask.dtype == torch.bool:
         real = diag
     else:  # additive float mask: 0 where attending, a large negative number where masked
@@ -67,17 +69,25 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
     """
     if attention_mask is None:
         return True
-    if attention_mask.dim() != 4 or attention_mask.shape[-1] != attention_mask.shape[-2]:
+    if (
+        attention_mask.dim() != 4
+        or attention_mask.shape[-1] != attention_mask.shape[-2]
+    ):
         return False
     key = id(attention_mask)
     hit = _MASK_VERDICTS.get(key)
     if hit is not None and hit[0]() is attention_mask:
         return hit[1]
     full = attention_mask[:, 0]
-    allowed = full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
+    allowed = (
+        full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
+    )
     n = allowed.shape[-1]
     real = torch.diagonal(allowed, dim1=-2, dim2=-1)  # [batch or 1, n]
-    expected = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril() & real[:, None, :]
+    expected = (
+        torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
+        & real[:, None, :]
+    )
     verdict = not bool(((allowed ^ expected) & real[:, :, None]).any())
     for k in [k for k, (ref, _) in _MASK_VERDICTS.items() if ref() is None]:
         del _MASK_VERDICTS[k]
@@ -117,7 +127,9 @@ def select_topk(
     return index, valid
 
 
-def select_by_mask(selected: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_by_mask(
+    selected: torch.Tensor, k_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the ``selected`` tokens of each row, ascending, padded to ``k_max`` slots.
 
     Same output convention as :func:`select_topk` (unused slots hold ``seq_len``).
@@ -164,7 +176,9 @@ def compact_attention_mask(
     batch, k = index.shape
     device = index.device
     if attention_mask is None:
-        allowed = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
+        allowed = (
+            torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
+        )
     else:
         full = attention_mask[:, 0]
         kv_len = full.shape[-1]
@@ -174,22 +188,34 @@ def compact_attention_mask(
             full = full.expand(batch, *full.shape[1:])
         rows = torch.arange(batch, device=device).view(batch, 1, 1)
         picked = full[rows, idx.unsqueeze(2), offset + idx.unsqueeze(1)]
-        allowed = picked if picked.dtype == torch.bool else picked > torch.finfo(picked.dtype).min / 2
-    allowed = (allowed & valid.unsqueeze(1)) | torch.eye(k, dtype=torch.bool, device=device)
+        allowed = (
+            picked
+            if picked.dtype == torch.bool
+            else picked > torch.finfo(picked.dtype).min / 2
+        )
+    allowed = (allowed & valid.unsqueeze(1)) | torch.eye(
+        k, dtype=torch.bool, device=device
+    )
     if past_valid is not None and past_valid.shape[1] > 0:
         past = past_valid.unsqueeze(1).expand(batch, k, past_valid.shape[1])
         allowed = torch.cat([past, allowed], dim=-1)
     return allowed.unsqueeze(1)
 
 
-def to_attention_dtype(mask: torch.Tensor, dtype: torch.dtype, as_bool: bool) -> torch.Tensor:
+def to_attention_dtype(
+    mask: torch.Tensor, dtype: torch.dtype, as_bool: bool
+) -> torch.Tensor:
     """Boolean mask for SDPA, additive float mask for eager attention."""
     if as_bool:
         return mask
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+    return torch.where(
+        mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min
+    )
 
 
-def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def scatter_tokens(
+    x: torch.Tensor, index: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
     """``x`` with ``values`` written at ``index`` (unused slots land in a dropped extra slot).
 
     Tokens that were not selected come back bit-identical to ``x``.

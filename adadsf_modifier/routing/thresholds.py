@@ -57,8 +57,12 @@ class _ScoreRecorder:
         self.layers = layers
         self.measure = measure  # agreement with top-k: only the final pass reports it
         self.scores: dict[int, list[torch.Tensor]] = {id(l): [] for l in layers}
-        self.agree: dict[int, list[int]] = {id(l): [0, 0, 0] for l in layers}  # agree, kept, total
-        self.handles = [l.register_forward_pre_hook(self._hook, with_kwargs=True) for l in layers]
+        self.agree: dict[int, list[int]] = {
+            id(l): [0, 0, 0] for l in layers
+        }  # agree, kept, total
+        self.handles = [
+            l.register_forward_pre_hook(self._hook, with_kwargs=True) for l in layers
+        ]
 
     def _hook(self, module: RoutedLayer, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs["hidden_states"]
@@ -106,7 +110,9 @@ def calibrate_thresholds(
         recorder = _ScoreRecorder(layers, measure=p == passes)
         try:
             with routing_mode(model, mode):
-                run_calibration_batches(base, batches, desc=f"AdaDSF thresholds ({mode})")
+                run_calibration_batches(
+                    base, batches, desc=f"AdaDSF thresholds ({mode})"
+                )
         finally:
             recorder.remove()
         if p == passes:

@@ -19,7 +19,12 @@ import torch
 
 from adadsf_modifier.routing.router import TokenRouter
 
-__all__ = ["WarmStartResult", "importance_target", "warm_start_router", "rank_correlation"]
+__all__ = [
+    "WarmStartResult",
+    "importance_target",
+    "warm_start_router",
+    "rank_correlation",
+]
 
 
 @dataclass
@@ -28,7 +33,9 @@ class WarmStartResult:
     tokens: int
     loss_first: float
     loss_last: float
-    train_rank_corr: float  # Spearman correlation of router score vs importance (fit tokens)
+    train_rank_corr: (
+        float  # Spearman correlation of router score vs importance (fit tokens)
+    )
     heldout_rank_corr: float  # same on the held-out quarter of the sample
 
 
@@ -48,16 +55,24 @@ def rank_correlation(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp(min=1e-12))
 
 
-def warm_start_router(router: TokenRouter, inputs: torch.Tensor, similarity: torch.Tensor,
-                      layer_index: int, steps: int = 100, lr: float = 1e-2,
-                      seed: int = 0) -> WarmStartResult:
+def warm_start_router(
+    router: TokenRouter,
+    inputs: torch.Tensor,
+    similarity: torch.Tensor,
+    layer_index: int,
+    steps: int = 100,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> WarmStartResult:
     """Fit ``router`` (in place) so its score predicts the importance of each sampled token.
 
     Trains a float32 copy (bf16 Adam updates would be lost to rounding) and copies it back in the
     router's own dtype. A quarter of the sample is held out to report rank correlation honestly.
     """
     if inputs.shape[0] != similarity.shape[0] or inputs.shape[0] < 8:
-        raise ValueError(f"layer {layer_index}: need >= 8 sampled tokens, got {inputs.shape[0]}")
+        raise ValueError(
+            f"layer {layer_index}: need >= 8 sampled tokens, got {inputs.shape[0]}"
+        )
     g = torch.Generator().manual_seed(seed + layer_index)
     perm = torch.randperm(inputs.shape[0], generator=g)
     n_hold = max(2, inputs.shape[0] // 4)
@@ -80,10 +95,19 @@ def warm_start_router(router: TokenRouter, inputs: torch.Tensor, similarity: tor
             last = float(loss.detach())
     with torch.no_grad():
         scores = work(x)
-        router.load_state_dict({k: v.to(p.dtype) for (k, v), p in
-                                zip(work.state_dict().items(), router.state_dict().values())})
+        router.load_state_dict(
+            {
+                k: v.to(p.dtype)
+                for (k, v), p in zip(
+                    work.state_dict().items(), router.state_dict().values()
+                )
+            }
+        )
     return WarmStartResult(
-        layer_index=layer_index, tokens=int(inputs.shape[0]), loss_first=first, loss_last=last,
+        layer_index=layer_index,
+        tokens=int(inputs.shape[0]),
+        loss_first=first,
+        loss_last=last,
         train_rank_corr=rank_correlation(scores[fit].cpu(), y[fit].cpu()),
         heldout_rank_corr=rank_correlation(scores[hold].cpu(), y[hold].cpu()),
     )
