@@ -1,8 +1,8 @@
 """AdaDSF depth-sparse routing as an llm-compressor modifier.
 
 ``import adadsf_modifier`` registers :class:`AdaDSFModifier` with llm-compressor's
-``ModifierFactory`` so YAML recipes (including the ``recipe.yaml`` saved next to a checkpoint) can
-name it.
+``ModifierFactory`` so YAML recipes (including the ``recipe.yaml`` saved next to a
+checkpoint) can name it.
 """
 
 from llmcompressor.modifiers.factory import ModifierFactory

@@ -1,9 +1,10 @@
 """Per-layer token retention ratios under a global budget.
 
-Pure functions, no torch modules: every allocation strategy the modifier offers maps a list of
-per-layer input/output cosine similarities (from dense calibration) to a list of retention ratios.
-Keeping them pure makes the comparison the method's reviewers asked for (similarity vs uniform vs
-reversed vs random vs layer removal, at the same budget) a matter of changing one string.
+Pure functions, no torch modules: every allocation strategy the modifier offers maps a
+list of per-layer input/output cosine similarities (from dense calibration) to a list of
+retention ratios. Keeping them pure makes the comparison the method's reviewers asked
+for (similarity vs uniform vs reversed vs random vs layer removal, at the same budget) a
+matter of changing one string.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ __all__ = [
     "tokens_to_keep",
 ]
 
-#: Names accepted by the modifier's ``allocation`` field (besides an explicit list of floats).
+#: Names accepted by the modifier's ``allocation`` field (besides an explicit list of
+# floats).
 ALLOCATIONS = ("similarity", "uniform", "reversed", "random", "layer_drop")
 
 
@@ -53,8 +55,9 @@ def similarity_ratios(
     """The paper's formula, before any clipping (ratios may exceed 1).
 
     ``w = softmax((s - max s) / tau)``, ``z = beta * (mean w - w)``,
-    ``r' = 0.05 + 0.9 * sigmoid(z)``, ``r = t * L / sum(r') * r'``. A layer that changes its input
-    little (high similarity, large ``w``) gets a small ``z`` and therefore few tokens.
+    ``r' = 0.05 + 0.9 * sigmoid(z)``, ``r = t * L / sum(r') * r'``. A layer that changes
+    its input little (high similarity, large ``w``) gets a small ``z`` and therefore few
+    tokens.
     """
     if len(similarities) == 0:
         raise ValueError("similarities is empty: no decoder layer was calibrated")
@@ -79,13 +82,15 @@ def rescale_to_budget(raw: Sequence[float], retention: float) -> list[float]:
 def clip_to_budget(
     ratios: Sequence[float], retention: float, min_retention: float, tol: float = 1e-12
 ) -> list[float]:
-    """Clip ratios to ``[min_retention, 1]`` and redistribute so the mean stays ``retention``.
+    """Clip ratios to ``[min_retention, 1]`` and redistribute so the mean stays
+    ``retention``.
 
-    Redistribution keeps the paper's multiplicative form: we look for the single factor ``c`` with
-    ``mean(clip(c * r, min_retention, 1)) == retention``. That mean is continuous and
-    non-decreasing in ``c`` (from ``min_retention`` at c=0 to 1 for large c), so bisection finds it
-    whenever ``min_retention <= retention <= 1``; the ranking of layers is preserved and the
-    excess of a clipped layer flows to the others in proportion to their own ratio.
+    Redistribution keeps the paper's multiplicative form: we look for the single factor
+    ``c`` with ``mean(clip(c * r, min_retention, 1)) == retention``. That mean is
+    continuous and non-decreasing in ``c`` (from ``min_retention`` at c=0 to 1 for large
+    c), so bisection finds it whenever ``min_retention <= retention <= 1``; the ranking
+    of layers is preserved and the excess of a clipped layer flows to the others in
+    proportion to their own ratio.
     """
     _check_budget(retention, min_retention)
     if any(r <= 0 for r in ratios):
@@ -130,8 +135,8 @@ def reversed_ratios(
 ) -> list[float]:
     """Same multiset of ratios as ``ratios``, assigned in the opposite similarity order.
 
-    The layer with the highest similarity gets the largest ratio. It answers "does the ranking
-    matter?" with the budget and the spread of ratios held fixed.
+    The layer with the highest similarity gets the largest ratio. It answers "does the
+    ranking matter?" with the budget and the spread of ratios held fixed.
     """
     order = sorted(
         range(len(similarities)), key=lambda i: similarities[i]
@@ -144,7 +149,8 @@ def reversed_ratios(
 
 
 def random_ratios(ratios: Sequence[float], seed: int) -> list[float]:
-    """A seeded random permutation of ``ratios``: same budget and spread, random assignment."""
+    """A seeded random permutation of ``ratios``: same budget and spread, random
+    assignment."""
     out = list(ratios)
     _random.Random(seed).shuffle(out)
     return out
@@ -153,8 +159,9 @@ def random_ratios(ratios: Sequence[float], seed: int) -> list[float]:
 def layer_drop_ratios(similarities: Sequence[float], retention: float) -> list[float]:
     """ShortGPT: remove whole layers with the lowest Block Influence ``1 - s_i``.
 
-    Keeps at most ``retention * L`` layers (ratio 1) and removes the rest (ratio 0), so the budget
-    is met (the mean can be below ``retention`` when ``retention * L`` is not an integer).
+    Keeps at most ``retention * L`` layers (ratio 1) and removes the rest (ratio 0), so
+    the budget is met (the mean can be below ``retention`` when ``retention * L`` is not
+    an integer).
     """
     n = len(similarities)
     keep = int(math.floor(retention * n + 1e-9))
@@ -190,7 +197,8 @@ def allocate(
     min_retention: float,
     seed: int = 0,
 ) -> list[float]:
-    """Dispatch on the modifier's ``allocation`` field; returns one ratio per similarity."""
+    """Dispatch on the modifier's ``allocation`` field; returns one ratio per
+    similarity."""
     n = len(similarities)
     if not isinstance(allocation, str):
         return explicit_ratios(allocation, n)
@@ -221,8 +229,8 @@ def allocate(
 def tokens_to_keep(ratio: float, real_length: int) -> int:
     """``K = max(1, floor(r * n))`` real tokens of a sequence with ``n`` real tokens.
 
-    A tiny epsilon absorbs float error (0.29 * 100 = 28.999999999999996 must give 29). A sequence
-    with no real token keeps none; a ratio of 0 (a dropped layer) keeps none.
+    A tiny epsilon absorbs float error (0.29 * 100 = 28.999999999999996 must give 29). A
+    sequence with no real token keeps none; a ratio of 0 (a dropped layer) keeps none.
     """
     if real_length <= 0 or ratio <= 0:
         return 0

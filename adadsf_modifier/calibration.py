@@ -1,8 +1,9 @@
 """Dense calibration: how much does each decoder layer change its input?
 
-``s_i = mean over real tokens of cos(x_in, x_out)`` for every decoder layer, accumulated by forward
-hooks while the dense model runs over the calibration batches. Padding is excluded with the same
-rule the routed layers use to find real tokens, so statistics and routing agree on what a token is.
+``s_i = mean over real tokens of cos(x_in, x_out)`` for every decoder layer, accumulated
+by forward hooks while the dense model runs over the calibration batches. Padding is
+excluded with the same rule the routed layers use to find real tokens, so statistics and
+routing agree on what a token is.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def token_cosine_similarity(x_in: torch.Tensor, x_out: torch.Tensor) -> torch.Te
 class SimilarityAccumulator:
     """Running sum and count of per-token cosine similarity for each decoder layer.
 
-    With ``sample_tokens > 0`` it also keeps, per layer, a random sample of real tokens' layer
-    inputs and their per-token similarity: the supervision for the routers' warm start
-    (:mod:`adadsf_modifier.routing.warm_start`), gathered in the same dense pass at no extra
-    forward cost.
+    With ``sample_tokens > 0`` it also keeps, per layer, a random sample of real tokens'
+    layer inputs and their per-token similarity: the supervision for the routers' warm
+    start (:mod:`adadsf_modifier.routing.warm_start`), gathered in the same dense pass
+    at no extra forward cost.
     """
 
     def __init__(self, num_layers: int, sample_tokens: int = 0, seed: int = 0):
@@ -51,7 +52,8 @@ class SimilarityAccumulator:
         self._generator = torch.Generator().manual_seed(seed)
 
     def hook_for(self, index: int):
-        """A ``register_forward_hook(..., with_kwargs=True)`` hook for decoder layer ``index``."""
+        """A ``register_forward_hook(..., with_kwargs=True)`` hook for decoder layer
+        ``index``."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             x_in = args[0] if args else kwargs["hidden_states"]
@@ -82,7 +84,8 @@ class SimilarityAccumulator:
         self._kept[index] += take
 
     def sampled(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs [N, hidden], similarity [N])`` sampled at decoder layer ``index``."""
+        """``(inputs [N, hidden], similarity [N])`` sampled at decoder layer
+        ``index``."""
         if not self.samples[index]:
             raise ValueError(f"no tokens were sampled at decoder layer {index}")
         xs, cs = zip(*self.samples[index])
@@ -112,10 +115,11 @@ def run_calibration_batches(
     batches: Iterable[Mapping[str, Any]],
     desc: str = "AdaDSF calibration",
 ) -> int:
-    """Forward every batch through ``model`` (no grad, no KV cache); returns the batch count.
+    """Forward every batch through ``model`` (no grad, no KV cache); returns the batch
+    count.
 
-    Only the keys a causal LM takes are passed, so a dataloader that also yields ``labels`` does
-    not make the model compute a loss over logits it does not need.
+    Only the keys a causal LM takes are passed, so a dataloader that also yields
+    ``labels`` does not make the model compute a loss over logits it does not need.
     """
     device = next(model.parameters()).device
     n = 0

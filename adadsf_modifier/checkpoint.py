@@ -1,13 +1,15 @@
 """Saving and reloading routed (and possibly quantized) AdaDSF checkpoints.
 
-A routed model is an ordinary Hugging Face causal LM whose decoder layers had their class swapped
-and a ``router`` child added (see :mod:`adadsf_modifier.routing.routed_layer`). Saving it therefore
-writes an ordinary compressed-tensors checkpoint (llm-compressor's ``save_pretrained`` wrapper) in
-which the router weights are plain tensors under ``<layer>.router.fc1.weight`` etc. What the plain
-checkpoint cannot say is *which* layers are routed and how; that lives in a versioned sidecar file,
-``adadsf_config.json``, next to ``config.json``. A sidecar (instead of fields in ``config.json``)
-survives llm-compressor's ``resave_config``, which rewrites ``config.json`` from the original
-model's file at save time, and it leaves ``config.json`` loadable by vLLM / plain transformers.
+A routed model is an ordinary Hugging Face causal LM whose decoder layers had their
+class swapped and a ``router`` child added (see
+:mod:`adadsf_modifier.routing.routed_layer`). Saving it therefore writes an ordinary
+compressed-tensors checkpoint (llm-compressor's ``save_pretrained`` wrapper) in which
+the router weights are plain tensors under ``<layer>.router.fc1.weight`` etc. What the
+plain checkpoint cannot say is *which* layers are routed and how; that lives in a
+versioned sidecar file, ``adadsf_config.json``, next to ``config.json``. A sidecar
+(instead of fields in ``config.json``) survives llm-compressor's ``resave_config``,
+which rewrites ``config.json`` from the original model's file at save time, and it
+leaves ``config.json`` loadable by vLLM / plain transformers.
 
 Sidecar format (``format_version`` 1)::
 
@@ -15,29 +17,33 @@ Sidecar format (``format_version`` 1)::
       "format": "adadsf",
       "format_version": 1,
       "adadsf_modifier_version": "0.1.0",
-      "model_type": "llama",              # must equal config.json's model_type on reload
-      "num_hidden_layers": 4,
+      "model_type": "llama",              # must equal config.json's model_type on
+      reload "num_hidden_layers": 4,
       "hidden_size": 32,
       "layers_path": "model.layers",
-      "router_dtype": "float32",          # informative; reload casts routers to the model dtype
-      "layers": [                         # one entry per decoder layer, in order
+      "router_dtype": "float32",          # informative; reload casts routers to the
+      model dtype "layers": [                         # one entry per decoder layer, in
+      order
         {"index": 0, "name": "model.layers.0", "routed": true,
          "retention_ratio": 1.0, "similarity": 0.93,
          "router_hidden_size": 64, "router_eps": 1e-06,
-         "causal_threshold": null,        # causal routing threshold; null = none, "-inf"/"inf" allowed
-         "routing_mode": "auto"},         # the layer's routing-mode setting (causal mode)
+         "causal_threshold": null,        # causal routing threshold; null = none,
+         "-inf"/"inf" allowed "routing_mode": "auto"},         # the layer's
+         routing-mode setting (causal mode)
         ...
       ],
       "modifier": {"class": "AdaDSFModifier", "settings": {"retention": 0.8, ...}}
     }
 
-Readers reject any ``format_version`` they do not know; additive changes (new keys, which readers
-ignore) keep the version, anything that changes the meaning of an existing key bumps it.
+Readers reject any ``format_version`` they do not know; additive changes (new keys,
+which readers ignore) keep the version, anything that changes the meaning of an existing
+key bumps it.
 
-Saving is atomic: the inner save writes into a fresh temporary sibling of the destination, which
-then gets the sidecar, is verified (router tensors present, full precision, right shapes) and only
-then takes the destination's place in one rename (``renameat2(RENAME_EXCHANGE)`` on Linux when the
-destination already exists). A failure at any point leaves the destination exactly as it was.
+Saving is atomic: the inner save writes into a fresh temporary sibling of the
+destination, which then gets the sidecar, is verified (router tensors present, full
+precision, right shapes) and only then takes the destination's place in one rename
+(``renameat2(RENAME_EXCHANGE)`` on Linux when the destination already exists). A failure
+at any point leaves the destination exactly as it was.
 """
 
 from __future__ import annotations
@@ -120,11 +126,13 @@ def _package_version() -> str:
 
 
 def _modifier_settings(modifier: Any) -> dict[str, Any]:
-    """The modifier's own recipe fields (not llm-compressor's base ``Modifier`` fields), as JSON."""
+    """The modifier's own recipe fields (not llm-compressor's base ``Modifier`` fields),
+    as JSON."""
     from llmcompressor.modifiers import Modifier
 
     own = {k for k in type(modifier).model_fields if k not in Modifier.model_fields}
-    # model_dump honours `exclude=True` fields (e.g. align_dataset, a Python-only object)
+    # model_dump honours `exclude=True` fields (e.g. align_dataset, a Python-only
+    # object)
     settings = modifier.model_dump(include=own)
     return json.loads(json.dumps(settings, default=str))
 
@@ -137,7 +145,8 @@ def _float_or_none(value: Any) -> float | None:
 
 
 def _threshold_to_json(value: Any) -> float | str | None:
-    """JSON has no infinities: a layer that keeps every (-inf) or no (inf) token says so in text."""
+    """JSON has no infinities: a layer that keeps every (-inf) or no (inf) token says so
+    in text."""
     if value is None:
         return None
     value = float(value)
@@ -147,7 +156,8 @@ def _threshold_to_json(value: Any) -> float | str | None:
 
 
 def adadsf_config(model: nn.Module) -> dict[str, Any]:
-    """The sidecar dict for ``model`` (read off its routed layers plus its AdaDSF metadata)."""
+    """The sidecar dict for ``model`` (read off its routed layers plus its AdaDSF
+    metadata)."""
     spec, layers = decoder_layers(model)
     routed = [layer for _, layer in layers if isinstance(layer, RoutedLayer)]
     if not routed:
@@ -173,8 +183,9 @@ def adadsf_config(model: nn.Module) -> dict[str, Any]:
                 if is_routed
                 else None,
                 "router_eps": float(router.eps) if is_routed else None,
-                # Causal routing mode: per-layer inference threshold (None: not calibrated, so
-                # top-k over the whole sequence) and the layer's routing-mode setting.
+                # Causal routing mode: per-layer inference threshold (None: not
+                # calibrated, so top-k over the whole sequence) and the layer's
+                # routing-mode setting.
                 "causal_threshold": _threshold_to_json(
                     getattr(layer, "causal_threshold", None)
                 )
@@ -208,11 +219,13 @@ def adadsf_config(model: nn.Module) -> dict[str, Any]:
 def check_recipe_keeps_routers_unquantized(
     layer_names: list[str], modifiers=None
 ) -> None:
-    """Fail before any work if a later quantization modifier of the recipe would quantize a router.
+    """Fail before any work if a later quantization modifier of the recipe would
+    quantize a router.
 
-    Called by :class:`AdaDSFModifier` before calibration with the names of the layers it is about
-    to route. A quantized router would silently change which tokens run each layer (and its
-    ``fc2`` has a single output row); the routers are a rounding error of the model's size anyway.
+    Called by :class:`AdaDSFModifier` before calibration with the names of the layers it
+    is about to route. A quantized router would silently change which tokens run each
+    layer (and its ``fc2`` has a single output row); the routers are a rounding error of
+    the model's size anyway.
     """
     if modifiers is None:
         try:
@@ -221,7 +234,8 @@ def check_recipe_keeps_routers_unquantized(
             modifiers = list(active_session().lifecycle.recipe.modifiers)
         except Exception:  # no session (direct use outside oneshot): nothing to check
             return
-        # Modifiers initialised before AdaDSF attached their schemes before the routers existed.
+        # Modifiers initialised before AdaDSF attached their schemes before the routers
+        # existed.
         ours = [
             i for i, m in enumerate(modifiers) if type(m).__name__ == "AdaDSFModifier"
         ]
@@ -276,8 +290,8 @@ def attach_checkpoint_support(
 ) -> None:
     """Record AdaDSF metadata on ``model`` and make every ``save_pretrained`` write it.
 
-    Called by :class:`AdaDSFModifier` right after routing (so before any later modifier runs and
-    before oneshot's ``post_process`` saves), and by :func:`from_pretrained`.
+    Called by :class:`AdaDSFModifier` right after routing (so before any later modifier
+    runs and before oneshot's ``post_process`` saves), and by :func:`from_pretrained`.
     """
     meta = dict(getattr(model, METADATA_ATTR, None) or {})
     if modifier is not None:
@@ -296,13 +310,15 @@ def attach_checkpoint_support(
 
 
 def install_save_hook(model: nn.Module) -> None:
-    """Wrap ``model.save_pretrained`` (once) so that every save is AdaDSF-complete and atomic.
+    """Wrap ``model.save_pretrained`` (once) so that every save is AdaDSF-complete and
+    atomic.
 
-    The wrapped function is llm-compressor's compressed-tensors ``save_pretrained`` wrapper
-    (``modify_save_pretrained``, applied here if oneshot has not applied it yet), so
-    ``save_compressed`` / ``quantization_format`` keep working. Ours carries ``_overridden = True``
-    (copied by ``functools.wraps``), so a later ``modify_save_pretrained`` (e.g. a second oneshot
-    on the same model) leaves it in place instead of wrapping it.
+    The wrapped function is llm-compressor's compressed-tensors ``save_pretrained``
+    wrapper (``modify_save_pretrained``, applied here if oneshot has not applied it
+    yet), so ``save_compressed`` / ``quantization_format`` keep working. Ours carries
+    ``_overridden = True`` (copied by ``functools.wraps``), so a later
+    ``modify_save_pretrained`` (e.g. a second oneshot on the same model) leaves it in
+    place instead of wrapping it.
     """
     if getattr(model.save_pretrained, "_adadsf_save_hook", False):
         return
@@ -344,8 +360,9 @@ def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> No
             "not supported: save locally, then upload the folder"
         )
     if not _is_source_process():
-        # llm-compressor's wrapper writes only on the source rank; the others just take part in
-        # its collective steps, so they need neither a temporary folder nor a sidecar.
+        # llm-compressor's wrapper writes only on the source rank; the others just take
+        # part in its collective steps, so they need neither a temporary folder nor a
+        # sidecar.
         return inner(save_directory, *args, **kwargs)
 
     dest = Path(save_directory).absolute()
@@ -380,12 +397,13 @@ def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> No
 def _single_decompress_hook(model: nn.Module):
     """Keep at most one pending "decompress on first forward" hook across a save.
 
-    A compressed model that has not run a forward yet (fresh from :func:`from_pretrained`, or
-    just saved by oneshot) carries compressed-tensors' ``ct_decompress_hook``. llm-compressor's
-    save wrapper registers a second one without removing the first (compressed-tensors 0.19 keeps
-    a single handle attribute), and both then decompress: the weights get multiplied by their
-    scales twice. So the pending hook is removed before the inner save (whose ``compress_model``
-    registers a fresh one) and put back if the inner save failed before doing so.
+    A compressed model that has not run a forward yet (fresh from
+    :func:`from_pretrained`, or just saved by oneshot) carries compressed-tensors'
+    ``ct_decompress_hook``. llm-compressor's save wrapper registers a second one without
+    removing the first (compressed-tensors 0.19 keeps a single handle attribute), and
+    both then decompress: the weights get multiplied by their scales twice. So the
+    pending hook is removed before the inner save (whose ``compress_model`` registers a
+    fresh one) and put back if the inner save failed before doing so.
     """
     pending = getattr(model, "ct_decompress_hook", None)
     if pending is not None:
@@ -403,9 +421,10 @@ def _single_decompress_hook(model: nn.Module):
 
 
 class _PlainYamlLoader(yaml.SafeLoader):
-    """SafeLoader that turns the two Python tags llm-compressor's recipes contain into plain data:
-    ``!!python/tuple [...]`` -> list, ``!!python/object/apply:<Enum> [value]`` -> value. Nothing
-    is imported or called; any other Python tag still fails."""
+    """SafeLoader that turns the two Python tags llm-compressor's recipes contain into
+    plain data: ``!!python/tuple [...]`` -> list, ``!!python/object/apply:<Enum>
+    [value]`` -> value. Nothing is imported or called; any other Python tag still
+    fails."""
 
 
 def _enum_value(loader: yaml.SafeLoader, suffix: str, node: yaml.Node):
@@ -433,13 +452,15 @@ _PlainYamlLoader.add_multi_constructor(
 
 
 def _make_recipe_safe(path: Path) -> None:
-    """Rewrite ``recipe.yaml`` so that ``yaml.safe_load`` (llm-compressor's own reader) reads it.
+    """Rewrite ``recipe.yaml`` so that ``yaml.safe_load`` (llm-compressor's own reader)
+    reads it.
 
-    llm-compressor 0.14 writes the recipe with ``yaml.dump``, which serialises SmoothQuant's
-    ``mappings`` as ``!!python/tuple`` and GPTQ's resolved ``actorder`` as a Python enum object;
-    its own ``safe_load`` then refuses that file when the checkpoint is saved again or used as the
-    starting point of another oneshot. Lists and the enum's string value parse back into the same
-    modifier settings (pydantic coerces them), so they are written instead.
+    llm-compressor 0.14 writes the recipe with ``yaml.dump``, which serialises
+    SmoothQuant's ``mappings`` as ``!!python/tuple`` and GPTQ's resolved ``actorder`` as
+    a Python enum object; its own ``safe_load`` then refuses that file when the
+    checkpoint is saved again or used as the starting point of another oneshot. Lists
+    and the enum's string value parse back into the same modifier settings (pydantic
+    coerces them), so they are written instead.
     """
     if not path.is_file():
         return
@@ -464,7 +485,8 @@ def _make_recipe_safe(path: Path) -> None:
 
 
 def _chmod_like(tmp: Path, dest: Path) -> None:
-    """mkdtemp folders are 0700; give the checkpoint the mode a plain mkdir (or the old one) had."""
+    """mkdtemp folders are 0700; give the checkpoint the mode a plain mkdir (or the old
+    one) had."""
     if dest.is_dir():
         mode = dest.stat().st_mode & 0o7777
     else:
@@ -482,9 +504,9 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
-# Files a model save (re)writes; everything else already in the destination (a tokenizer saved
-# before the model, a README, ...) is carried over into the new checkpoint, as an in-place
-# `save_pretrained` would have left it.
+# Files a model save (re)writes; everything else already in the destination (a tokenizer
+# saved before the model, a README, ...) is carried over into the new checkpoint, as an
+# in-place `save_pretrained` would have left it.
 _MODEL_ARTIFACTS = re.compile(
     r"(.*\.safetensors|.*\.safetensors\.index\.json|.*\.bin|.*\.bin\.index\.json|config\.json|"
     r"generation_config\.json|recipe\.yaml|" + re.escape(SIDECAR_NAME) + r")"
@@ -518,7 +540,8 @@ def _carry_over(old: Path, new: Path) -> None:
 
 
 def _rename_exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unavailable."""
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if
+    unavailable."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
@@ -574,7 +597,8 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
 
 
 def _safetensors_files(path: Path) -> dict[str, Path]:
-    """``{tensor name: file}`` over the checkpoint's safetensors files (sharded or not)."""
+    """``{tensor name: file}`` over the checkpoint's safetensors files (sharded or
+    not)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -603,7 +627,8 @@ def _expected_router_shapes(
 
 
 def _read_router_tensors(path: Path, sidecar: dict) -> dict[str, torch.Tensor]:
-    """Every routed layer's router tensors, checked for presence, shape and full precision."""
+    """Every routed layer's router tensors, checked for presence, shape and full
+    precision."""
     from safetensors import safe_open
 
     files = _safetensors_files(path)
@@ -659,7 +684,8 @@ def _read_router_tensors(path: Path, sidecar: dict) -> dict[str, torch.Tensor]:
 
 
 def _verify_saved_routers(path: Path, sidecar: dict) -> None:
-    """After the inner save: the router tensors are on disk, full precision, right shapes."""
+    """After the inner save: the router tensors are on disk, full precision, right
+    shapes."""
     _read_router_tensors(path, sidecar)
 
 
@@ -730,7 +756,8 @@ def _router_key_pattern(sidecar: dict) -> str:
 
 
 def _any_topk_at_inference(layers) -> bool:
-    """True if some routed layer (0 < r < 1) would route top-k in eval mode (no KV cache then)."""
+    """True if some routed layer (0 < r < 1) would route top-k in eval mode (no KV cache
+    then)."""
     for _, layer in layers:
         if isinstance(layer, RoutedLayer) and 0.0 < float(layer.retention_ratio) < 1.0:
             resolve = getattr(layer, "resolved_routing_mode", None)
@@ -740,25 +767,30 @@ def _any_topk_at_inference(layers) -> bool:
 
 
 def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
-    """Reload a checkpoint saved after :class:`AdaDSFModifier`, ready for ``generate()``.
+    """Reload a checkpoint saved after :class:`AdaDSFModifier`, ready for
+    ``generate()``.
 
-    The base model loads with ``AutoModelForCausalLM.from_pretrained(path, **kwargs)``: a
-    compressed-tensors checkpoint (GPTQ W8A8 / W4A16) goes through transformers'
-    compressed-tensors quantizer, so its Linear layers keep their quantization scheme and load
-    *compressed* (int8 / packed int4 weights plus scales); compressed-tensors decompresses them on
-    the first forward pass (pass ``quantization_config=CompressedTensorsConfig(dequantize=True)``
-    to dequantize at load time instead). The decoder layers listed as routed in
-    ``adadsf_config.json`` are then routed again with their saved retention ratios and router
-    sizes, and the router tensors (which transformers does not know about) are read from the
+    The base model loads with ``AutoModelForCausalLM.from_pretrained(path, **kwargs)``:
+    a compressed-tensors checkpoint (GPTQ W8A8 / W4A16) goes through transformers'
+    compressed-tensors quantizer, so its Linear layers keep their quantization scheme
+    and load
+    *compressed* (int8 / packed int4 weights plus scales); compressed-tensors
+      decompresses them on
+    the first forward pass (pass
+    ``quantization_config=CompressedTensorsConfig(dequantize=True)`` to dequantize at
+    load time instead). The decoder layers listed as routed in ``adadsf_config.json``
+    are then routed again with their saved retention ratios and router sizes, and the
+    router tensors (which transformers does not know about) are read from the
     safetensors files with shape checks.
 
-    Top-k routing chooses over the whole sequence and cannot continue from a KV cache: if any
-    routed layer would route top-k in eval mode (no causal-mode threshold saved), the returned
-    model's ``generation_config.use_cache`` is False, so ``generate()`` re-runs the full sequence
-    per new token. Checkpoints with causal-mode thresholds keep the cache.
+    Top-k routing chooses over the whole sequence and cannot continue from a KV cache:
+    if any routed layer would route top-k in eval mode (no causal-mode threshold saved),
+    the returned model's ``generation_config.use_cache`` is False, so ``generate()``
+    re-runs the full sequence per new token. Checkpoints with causal-mode thresholds
+    keep the cache.
 
-    :raises AdaDSFCheckpointError: no/unknown/malformed AdaDSF data, ``model_type`` mismatch,
-        a missing, mis-shaped or quantized router tensor
+    :raises AdaDSFCheckpointError: no/unknown/malformed AdaDSF data, ``model_type``
+        mismatch, a missing, mis-shaped or quantized router tensor
     """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -785,9 +817,9 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
         base_cls = base_cls[0]
     router_tensors = _read_router_tensors(path, sidecar)  # fail before the big load
 
-    # A throw-away subclass that only tells transformers the router keys are expected extras (so
-    # its load report does not flag them as UNEXPECTED); the model is switched back to the real
-    # class right after loading, so nothing else sees it.
+    # A throw-away subclass that only tells transformers the router keys are expected
+    # extras (so its load report does not flag them as UNEXPECTED); the model is
+    # switched back to the real class right after loading, so nothing else sees it.
     ignore = list(base_cls._keys_to_ignore_on_load_unexpected or []) + [
         _router_key_pattern(sidecar)
     ]

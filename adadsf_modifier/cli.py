@@ -1,14 +1,15 @@
 """``adadsf``: compress, evaluate, benchmark and report from the command line.
 
-    adadsf run                        # the main job on the embedded SmolLM2 (see README)
-    adadsf compress --recipe recipes/adadsf_w8a8.yaml --output-dir out/sparse
-    adadsf eval --model out/sparse --tasks piqa,arc_easy --limit 50 --output out/sparse.json
-    adadsf bench --routed out/sparse --output out/speed.json
-    adadsf report --inputs out/dense.json out/sparse.json --speed out/speed.json --output-dir out
+    adadsf run                        # the main job on the embedded SmolLM2 (see
+    README) adadsf compress --recipe recipes/adadsf_w8a8.yaml --output-dir out/sparse
+    adadsf eval --model out/sparse --tasks piqa,arc_easy --limit 50 --output
+    out/sparse.json adadsf bench --routed out/sparse --output out/speed.json
+    adadsf report --inputs out/dense.json out/sparse.json --speed out/speed.json
+    --output-dir out
 
-Every command checks its inputs (model path, recipe, task names, output location) before doing
-any heavy work and exits with status 2 and a one-line reason when they are wrong; existing,
-non-empty outputs are never overwritten without ``--overwrite``.
+Every command checks its inputs (model path, recipe, task names, output location) before
+doing any heavy work and exits with status 2 and a one-line reason when they are wrong;
+existing, non-empty outputs are never overwritten without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-# ---------------------------------------------------------------------------- input checks
+# ---------------------------------------------------------------------------- input
+# checks
 def _default_recipe() -> str:
     candidate = Path(__file__).resolve().parents[1] / "recipes" / "adadsf_w8a8.yaml"
     if not candidate.is_file():
@@ -92,7 +94,8 @@ def _check_tasks(tasks: str | None) -> list[str]:
 
 
 def _check_model(name: str | None) -> str:
-    """A local path must exist; ``org/name`` is left to the hub unless ``org`` is a local folder."""
+    """A local path must exist; ``org/name`` is left to the hub unless ``org`` is a
+    local folder."""
     from adadsf_modifier.evaluation.assets import resolve_model
 
     if name and not os.path.exists(os.path.expanduser(name)):
@@ -258,7 +261,8 @@ def bench(
     decode_tokens: int,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """Routed checkpoint vs the same checkpoint with routing removed (identical weights)."""
+    """Routed checkpoint vs the same checkpoint with routing removed (identical
+    weights)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -324,7 +328,8 @@ def cmd_report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
-    """The README main job: compress (AdaDSF + W8A8) -> eval dense and sparse -> bench -> report."""
+    """The README main job: compress (AdaDSF + W8A8) -> eval dense and sparse -> bench
+    -> report."""
     from adadsf_modifier.evaluation.report import (
         build_report,
         summary_table,

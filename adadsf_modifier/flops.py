@@ -1,29 +1,35 @@
 """An explicit FLOPs model for dense vs depth-sparse (routed) decoder stacks.
 
-The AdaDSF paper reports "normalized FLOPs" without defining them. This module defines them: for a
-given batch it counts the FLOPs of the dense model and of the routed model from the numbers of
-tokens that actually ran each layer, term by term (attention projections, the quadratic attention
-term, the MLP, the router), and reports their ratio. The formulas are in ``docs/flops.md``.
+The AdaDSF paper reports "normalized FLOPs" without defining them. This module defines
+them: for a given batch it counts the FLOPs of the dense model and of the routed model
+from the numbers of tokens that actually ran each layer, term by term (attention
+projections, the quadratic attention term, the MLP, the router), and reports their
+ratio. The formulas are in ``docs/flops.md``.
 
 Conventions (see the docs for the full list):
 
-* one multiply-add = 2 FLOPs; only matrix multiplications are counted (norms, activations,
-  softmax, rotary embeddings, residual adds, biases and the routing gate are ignored);
-* counts are over *real* (non-padding) tokens only: padding is waste of the batching scheme, the
-  same in both models, and is not attributed to either;
-* attention is counted over the (query, key) pairs actually allowed by the causal mask: for a
-  prefill of ``n`` tokens that is ``sum_{i=1..n} i = n (n + 1) / 2`` pairs, not ``n^2``;
-* ``lm_head`` is a separate term, identical in both models; :attr:`FlopsReport.normalized` excludes
-  it, :attr:`FlopsReport.normalized_with_lm_head` includes it;
-* the gather/scatter of a routed layer costs no FLOPs but moves memory; it is reported separately
-  as :attr:`FlopsReport.memory_traffic_bytes`.
+* one multiply-add = 2 FLOPs; only matrix multiplications are counted (norms,
+  activations, softmax, rotary embeddings, residual adds, biases and the routing gate
+  are ignored);
+* counts are over *real* (non-padding) tokens only: padding is waste of the batching
+  scheme, the same in both models, and is not attributed to either;
+* attention is counted over the (query, key) pairs actually allowed by the causal mask:
+  for a prefill of ``n`` tokens that is ``sum_{i=1..n} i = n (n + 1) / 2`` pairs, not
+  ``n^2``;
+* ``lm_head`` is a separate term, identical in both models;
+  :attr:`FlopsReport.normalized` excludes it,
+  :attr:`FlopsReport.normalized_with_lm_head` includes it;
+* the gather/scatter of a routed layer costs no FLOPs but moves memory; it is reported
+  separately as :attr:`FlopsReport.memory_traffic_bytes`.
 
 Three entry points:
 
-* :func:`count_flops` -- pure arithmetic from a config and per-layer, per-sequence kept counts;
-* :func:`observe_routing` / :func:`observe_kept_tokens` -- run a (routed) model on a batch and read
-  off how many tokens ran each layer (exact: forward pre-hooks recompute the routed layer's own
-  selection with the public helpers of :mod:`adadsf_modifier.routing.selection`);
+* :func:`count_flops` -- pure arithmetic from a config and per-layer, per-sequence kept
+  counts;
+* :func:`observe_routing` / :func:`observe_kept_tokens` -- run a (routed) model on a
+  batch and read off how many tokens ran each layer (exact: forward pre-hooks recompute
+  the routed layer's own selection with the public helpers of
+  :mod:`adadsf_modifier.routing.selection`);
 * :func:`normalized_flops` -- both together.
 """
 
@@ -71,12 +77,13 @@ _GELU_MLP_TYPES = ("gpt_neox",)
 class LayerShape:
     """What the FLOPs of one decoder layer depend on, read from a Hugging Face config.
 
-    ``q_dim = num_heads * head_dim`` is the width of the query projection (and of the input of the
-    output projection); ``kv_dim = num_kv_heads * head_dim`` the width of each of the key and value
-    projections (smaller than ``q_dim`` under grouped-query attention). ``mlp_matmuls`` is 3 for a
-    gated (SwiGLU) MLP -- gate, up, down -- and 2 for a plain MLP (GPT-NeoX: h->4h, 4h->h).
-    ``sliding_windows[l]`` is the attention window of layer ``l`` (keys per query at most), or
-    ``None`` for full causal attention.
+    ``q_dim = num_heads * head_dim`` is the width of the query projection (and of the
+    input of the output projection); ``kv_dim = num_kv_heads * head_dim`` the width of
+    each of the key and value projections (smaller than ``q_dim`` under grouped-query
+    attention). ``mlp_matmuls`` is 3 for a gated (SwiGLU) MLP -- gate, up, down -- and 2
+    for a plain MLP (GPT-NeoX: h->4h, 4h->h). ``sliding_windows[l]`` is the attention
+    window of layer ``l`` (keys per query at most), or ``None`` for full causal
+    attention.
     """
 
     model_type: str
@@ -99,12 +106,14 @@ class LayerShape:
         return self.num_kv_heads * self.head_dim
 
     def projection_flops(self, tokens: int) -> int:
-        """``2 n (h q_dim + 2 h kv_dim + q_dim h)``: Q, K, V and output projections of n tokens."""
+        """``2 n (h q_dim + 2 h kv_dim + q_dim h)``: Q, K, V and output projections of n
+        tokens."""
         h = self.hidden_size
         return 2 * tokens * (h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h)
 
     def attention_flops(self, key_pairs: int) -> int:
-        """``2 * 2 * heads * head_dim * P``: ``Q K^T`` and ``A V`` over ``P`` (query, key) pairs."""
+        """``2 * 2 * heads * head_dim * P``: ``Q K^T`` and ``A V`` over ``P`` (query,
+        key) pairs."""
         return 4 * self.num_heads * self.head_dim * key_pairs
 
     def mlp_flops(self, tokens: int) -> int:
@@ -112,7 +121,8 @@ class LayerShape:
         return 2 * tokens * self.mlp_matmuls * self.hidden_size * self.intermediate_size
 
     def router_flops(self, tokens: int, router_hidden_size: int) -> int:
-        """``2 n (h r + r)``: the router's two linear layers (``h -> r -> 1``) on ``n`` tokens."""
+        """``2 n (h r + r)``: the router's two linear layers (``h -> r -> 1``) on ``n``
+        tokens."""
         r = router_hidden_size
         return 2 * tokens * (self.hidden_size * r + r)
 
@@ -122,7 +132,8 @@ class LayerShape:
 
 
 def layer_shape(config: Any) -> LayerShape:
-    """The :class:`LayerShape` of a llama / qwen2 / mistral / gpt_neox config (or a model)."""
+    """The :class:`LayerShape` of a llama / qwen2 / mistral / gpt_neox config (or a
+    model)."""
     config = getattr(config, "config", config)  # accept a model as well
     model_type = getattr(config, "model_type", None)
     if model_type in _SWIGLU_TYPES:
@@ -169,10 +180,12 @@ def _sliding_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
 
 
 def causal_key_count(queries: int, past: int = 0, window: int | None = None) -> int:
-    """(query, key) pairs of ``queries`` new tokens under a causal mask after ``past`` cached ones.
+    """(query, key) pairs of ``queries`` new tokens under a causal mask after ``past``
+    cached ones.
 
-    Query ``i`` (1-based) sees ``past + i`` keys, at most ``window`` under a sliding window:
-    ``sum_{j=past+1}^{past+n} min(j, w)``. A prefill (``past = 0``) gives ``n (n + 1) / 2``.
+    Query ``i`` (1-based) sees ``past + i`` keys, at most ``window`` under a sliding
+    window: ``sum_{j=past+1}^{past+n} min(j, w)``. A prefill (``past = 0``) gives ``n (n
+    + 1) / 2``.
     """
     n, p = int(queries), int(past)
     if n <= 0:
@@ -223,11 +236,12 @@ class LayerFlops:
 class FlopsReport:
     """Dense vs routed FLOPs of one batch.
 
-    ``dense_per_layer`` / ``routed_per_layer`` hold a :class:`LayerFlops` per decoder layer (the
-    routed one includes that layer's router). ``dense`` and ``routed`` are the decoder-stack totals
-    (without ``lm_head``); ``normalized = routed / dense``. The ``*_with_lm_head`` variants add the
-    ``lm_head`` term to both. ``memory_traffic_bytes`` (not FLOPs) is the gather/scatter traffic of
-    the routed layers, per layer in ``memory_traffic_per_layer``.
+    ``dense_per_layer`` / ``routed_per_layer`` hold a :class:`LayerFlops` per decoder
+    layer (the routed one includes that layer's router). ``dense`` and ``routed`` are
+    the decoder-stack totals (without ``lm_head``); ``normalized = routed / dense``. The
+    ``*_with_lm_head`` variants add the ``lm_head`` term to both.
+    ``memory_traffic_bytes`` (not FLOPs) is the gather/scatter traffic of the routed
+    layers, per layer in ``memory_traffic_per_layer``.
     """
 
     shape: LayerShape
@@ -264,7 +278,8 @@ class FlopsReport:
 
     @property
     def normalized(self) -> float:
-        """Routed / dense FLOPs of the decoder stack (router included, ``lm_head`` excluded)."""
+        """Routed / dense FLOPs of the decoder stack (router included, ``lm_head``
+        excluded)."""
         return self.routed / self.dense if self.dense else float("nan")
 
     @property
@@ -325,10 +340,12 @@ class FlopsReport:
 
 
 def planned_kept(ratios: Sequence[float], seq_lens: Sequence[int]) -> list[list[int]]:
-    """Kept counts a routed model *would* use: ``max(1, floor(r_l * n_b))`` (0 for ``r_l = 0``).
+    """Kept counts a routed model *would* use: ``max(1, floor(r_l * n_b))`` (0 for ``r_l
+    = 0``).
 
-    For planning without a model (e.g. the worked example in ``docs/flops.md``); a ratio of 1 keeps
-    every real token. Same rule as :func:`adadsf_modifier.allocation.tokens_to_keep`.
+    For planning without a model (e.g. the worked example in ``docs/flops.md``); a ratio
+    of 1 keeps every real token. Same rule as
+    :func:`adadsf_modifier.allocation.tokens_to_keep`.
     """
     return [
         [int(n) if r >= 1.0 else tokens_to_keep(float(r), int(n)) for n in seq_lens]
@@ -378,25 +395,29 @@ def count_flops(
     """Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts.
 
     :param config: a llama / qwen2 / mistral / gpt_neox config (or a model carrying one)
-    :param kept: ``kept[l][b]`` = tokens of sequence ``b`` that ran decoder layer ``l`` (all real
-        tokens for a dense layer, 0 for a removed one); a ``[layers, batch]`` tensor works too
-    :param seq_lens: real (non-padding) new tokens per sequence; the dense model runs all of them
-        through every layer
-    :param routed_layers: indices of the layers whose router runs (it scores every real token of
-        the sequence, whatever it then keeps)
-    :param router_hidden_size: the routers' hidden width ``r`` (one int, or ``{layer: r}``)
-    :param past_lens: cached tokens per sequence before this batch (decode / chunked prefill;
-        default 0): query ``i`` then sees ``past + i`` keys
-    :param routed_past_lens: ``[l][b]`` cached entries of each layer in the routed model (a routed
-        layer caches only the tokens that ran it); default: ``past_lens`` for every layer. Kept
-        query ``i`` then sees ``routed_past + i`` keys
-    :param attended_keys: exact (query, key) pair counts ``[l][b]`` of the routed model, overriding
-        the formula ``causal_key_count(kept, past, window)`` (which is exact without a sliding
-        window and an upper bound with one, since kept tokens keep their original positions);
+    :param kept: ``kept[l][b]`` = tokens of sequence ``b`` that ran decoder layer ``l``
+        (all real tokens for a dense layer, 0 for a removed one); a ``[layers, batch]``
+        tensor works too
+    :param seq_lens: real (non-padding) new tokens per sequence; the dense model runs
+        all of them through every layer
+    :param routed_layers: indices of the layers whose router runs (it scores every real
+        token of the sequence, whatever it then keeps)
+    :param router_hidden_size: the routers' hidden width ``r`` (one int, or ``{layer:
+        r}``)
+    :param past_lens: cached tokens per sequence before this batch (decode / chunked
+        prefill; default 0): query ``i`` then sees ``past + i`` keys
+    :param routed_past_lens: ``[l][b]`` cached entries of each layer in the routed model
+        (a routed layer caches only the tokens that ran it); default: ``past_lens`` for
+        every layer. Kept query ``i`` then sees ``routed_past + i`` keys
+    :param attended_keys: exact (query, key) pair counts ``[l][b]`` of the routed model,
+        overriding the formula ``causal_key_count(kept, past, window)`` (which is exact
+        without a sliding window and an upper bound with one, since kept tokens keep
+        their original positions);
         :func:`observe_routing` measures them
-    :param dense_keys: the same for the dense reference (default: the formula with ``seq_lens``)
-    :param gather_layers: layers that gather/scatter (memory traffic); default: the routed layers
-        where some sequence kept ``0 < k < n`` tokens
+    :param dense_keys: the same for the dense reference (default: the formula with
+        ``seq_lens``)
+    :param gather_layers: layers that gather/scatter (memory traffic); default: the
+        routed layers where some sequence kept ``0 < k < n`` tokens
     :param dtype_bytes: bytes per hidden-state element for the memory-traffic estimate
     """
     shape = layer_shape(config)
@@ -476,7 +497,8 @@ def count_flops(
                 router=shape.router_flops(real_tokens, r_of(l)) if l in routed else 0,
             )
         )
-        # gather in (k h) + scatter out (k h) + the copy of the hidden states scatter writes into
+        # gather in (k h) + scatter out (k h) + the copy of the hidden states scatter
+        # writes into
         traffic.append(
             (2 * k_tokens * h + real_tokens * h) * int(dtype_bytes)
             if l in gathers
@@ -513,11 +535,12 @@ def count_flops(
 class ObservedRouting:
     """What a model did on one batch, layer by layer (``[layer][sequence]`` tables).
 
-    ``kept``: tokens that ran the layer; ``seq_lens``: real tokens per sequence; ``attended_keys``:
-    (query, key) pairs the layer's attention computed among real/kept tokens; ``dense_keys``: the
-    pairs the dense layer would compute on the same batch; ``routed_layers``: layers whose router
-    ran; ``gather_layers``: layers that gathered/scattered a compacted batch;
-    ``router_hidden_sizes``: ``{layer: r}``; ``dtype_bytes``: element size of the hidden states.
+    ``kept``: tokens that ran the layer; ``seq_lens``: real tokens per sequence;
+    ``attended_keys``: (query, key) pairs the layer's attention computed among real/kept
+    tokens; ``dense_keys``: the pairs the dense layer would compute on the same batch;
+    ``routed_layers``: layers whose router ran; ``gather_layers``: layers that
+    gathered/scattered a compacted batch; ``router_hidden_sizes``: ``{layer: r}``;
+    ``dtype_bytes``: element size of the hidden states.
     """
 
     kept: list[list[int]]
@@ -576,8 +599,9 @@ def _selected_tokens(
 ) -> torch.Tensor:
     """``[batch, seq] bool``: the tokens a routed layer with ``0 < ratio < 1`` will run.
 
-    Asks the layer itself (:meth:`RoutedLayer.select_tokens`), so the count follows every rule
-    the layer applies (routing mode, threshold, top-k budget, attention-sink token).
+    Asks the layer itself (:meth:`RoutedLayer.select_tokens`), so the count follows
+    every rule the layer applies (routing mode, threshold, top-k budget, attention-sink
+    token).
     """
     b, n = real.shape
     try:
@@ -593,11 +617,12 @@ def _selected_tokens(
 
 
 def _routed_cache_slots(cache: Any, index: int, batch: int, device) -> torch.Tensor:
-    """``[batch]`` cached keys a routed layer's selected queries see (valid slots of its cache).
+    """``[batch]`` cached keys a routed layer's selected queries see (valid slots of its
+    cache).
 
-    Reads the layer's routed cache (``adadsf_modifier.routing.cache``) by duck typing: its
-    ``slot_valid`` mask (an attribute or a ``slot_valid(batch, device)`` method), else its
-    ``num_slots``; no cache (or a plain, empty cache layer) means no past.
+    Reads the layer's routed cache (``adadsf_modifier.routing.cache``) by duck typing:
+    its ``slot_valid`` mask (an attribute or a ``slot_valid(batch, device)`` method),
+    else its ``num_slots``; no cache (or a plain, empty cache layer) means no past.
     """
     layers = getattr(cache, "layers", None) if cache is not None else None
     if layers is None or len(layers) <= index:
@@ -614,20 +639,23 @@ def _routed_cache_slots(cache: Any, index: int, batch: int, device) -> torch.Ten
 
 @torch.no_grad()
 def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
-    """Run ``model`` once on ``batch`` and record, per decoder layer and sequence, what ran.
+    """Run ``model`` once on ``batch`` and record, per decoder layer and sequence, what
+    ran.
 
-    ``batch`` is a mapping of model inputs (``input_ids``, ``attention_mask``, ...) or an
-    ``input_ids`` tensor; the model is called with ``use_cache=False`` unless the batch says
-    otherwise (pass ``past_key_values`` and ``use_cache=True`` to measure one decoding step). The
-    model runs in its current train/eval state and routing mode. Nothing in the model is modified:
-    a forward pre-hook on every decoder layer sees the layer's inputs and recomputes what it will
-    do with the same public helpers the routed layer uses (:func:`real_token_mask`,
-    :func:`tokens_to_keep_per_row`, :func:`select_topk`; in causal mode the layer's threshold), so
-    the counts are exact, not inferred from outputs. For a routed layer with ``0 < r < 1`` the
-    hook evaluates the router once more (extra work for the measurement only, never counted).
-    Attention pairs are read off the layer's own attention mask (causality, padding and sliding
-    windows), restricted to the selected tokens, plus the valid slots of a routed layer's KV cache.
-    The hooks are removed afterwards, also on error.
+    ``batch`` is a mapping of model inputs (``input_ids``, ``attention_mask``, ...) or
+    an ``input_ids`` tensor; the model is called with ``use_cache=False`` unless the
+    batch says otherwise (pass ``past_key_values`` and ``use_cache=True`` to measure one
+    decoding step). The model runs in its current train/eval state and routing mode.
+    Nothing in the model is modified: a forward pre-hook on every decoder layer sees the
+    layer's inputs and recomputes what it will do with the same public helpers the
+    routed layer uses (:func:`real_token_mask`,
+    :func:`tokens_to_keep_per_row`, :func:`select_topk`; in causal mode the layer's
+    threshold), so the counts are exact, not inferred from outputs. For a routed layer
+    with ``0 < r < 1`` the hook evaluates the router once more (extra work for the
+    measurement only, never counted). Attention pairs are read off the layer's own
+    attention mask (causality, padding and sliding windows), restricted to the selected
+    tokens, plus the valid slots of a routed layer's KV cache. The hooks are removed
+    afterwards, also on error.
     """
     spec, layers = decoder_layers(model)
     shape = layer_shape(model.config)
@@ -696,8 +724,8 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
                     past_slots = _routed_cache_slots(cache, index, b, x.device)
                     rec["kept"] = kept.tolist()
                     rec["keys"] = (new_pairs.sum((1, 2)) + kept * past_slots).tolist()
-                    # causal decoding of one token per row runs the layer in place when every
-                    # row runs it; otherwise it index-selects the rows that do
+                    # causal decoding of one token per row runs the layer in place when
+                    # every row runs it; otherwise it index-selects the rows that do
                     in_place = mode == "causal" and n == 1 and bool((kept == 1).all())
                     rec["gather"] = bool(kept.max() > 0) and not in_place
             records[index] = rec
@@ -751,19 +779,22 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
 
 
 def observe_kept_tokens(model: nn.Module, batch: Any) -> list[list[int]]:
-    """``kept[l][b]``: how many tokens of sequence ``b`` ran decoder layer ``l`` on ``batch``.
+    """``kept[l][b]``: how many tokens of sequence ``b`` ran decoder layer ``l`` on
+    ``batch``.
 
-    Dense (unrouted) layers and routed layers at ratio 1 run every real token; a routed layer at
-    ratio 0 runs none. See :func:`observe_routing`.
+    Dense (unrouted) layers and routed layers at ratio 1 run every real token; a routed
+    layer at ratio 0 runs none. See :func:`observe_routing`.
     """
     return observe_routing(model, batch).kept
 
 
 def normalized_flops(model: nn.Module, batch: Any) -> FlopsReport:
-    """:func:`count_flops` of ``model`` on ``batch`` from the counts :func:`observe_routing` saw.
+    """:func:`count_flops` of ``model`` on ``batch`` from the counts
+    :func:`observe_routing` saw.
 
-    The dense reference is the same model with every layer running every real token and no
-    routers. Attention pairs are the observed ones (exact also under sliding windows and padding).
+    The dense reference is the same model with every layer running every real token and
+    no routers. Attention pairs are the observed ones (exact also under sliding windows
+    and padding).
     """
     obs = observe_routing(model, batch)
     return count_flops(

@@ -1,11 +1,13 @@
-"""``AdaDSFModifier``: wires calibration, allocation and routing into llm-compressor's lifecycle.
+"""``AdaDSFModifier``: wires calibration, allocation and routing into llm-compressor's
+lifecycle.
 
-All of the modifier's work happens in ``on_initialize``. llm-compressor initialises every modifier
-of a recipe, in order, before any calibration pipeline runs, so by the time a later GPTQ or
-SmoothQuant modifier initialises (and resolves its target modules) the layers are already routed,
-and GPTQ's sequential pipeline then calibrates on exactly the tokens the sparse model feeds each
-layer. The pipeline's own passes run without gradients and without the lm_head, so the dense
-calibration loops over ``state.data.calib`` itself (as AutoRound does for its gradient work).
+All of the modifier's work happens in ``on_initialize``. llm-compressor initialises
+every modifier of a recipe, in order, before any calibration pipeline runs, so by the
+time a later GPTQ or SmoothQuant modifier initialises (and resolves its target modules)
+the layers are already routed, and GPTQ's sequential pipeline then calibrates on exactly
+the tokens the sparse model feeds each layer. The pipeline's own passes run without
+gradients and without the lm_head, so the dense calibration loops over
+``state.data.calib`` itself (as AutoRound does for its gradient work).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ __all__ = ["AdaDSFModifier"]
 
 class AdaDSFModifier(Modifier, AlignmentFields):
     """
-    Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the tokens a
-    small router ranks highest; layers that change their input little get fewer tokens.
+    Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the
+    tokens a small router ranks highest; layers that change their input little get fewer
+    tokens.
 
     Sample yaml:
 
@@ -72,36 +75,39 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         - validate the recipe against the model (before touching it)
         - dense calibration: cosine similarity of each decoder layer's input and output
         - allocation: per-layer retention ratios with mean ``retention``
-        - routing: each targeted decoder layer becomes a ``RoutedLayer`` with its own router
-        - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense model
-          taken just before routing (``align_*`` fields: see ``AlignmentFields``)
+        - routing: each targeted decoder layer becomes a ``RoutedLayer`` with its own
+          router
+        - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense
+          model taken just before routing (``align_*`` fields: see ``AlignmentFields``)
         - causal thresholds: per-layer router-score thresholds for eval / generate()
     - on_finalize: nothing left to do; the routed model stays routed
 
-    :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens that run
-        each routed layer
+    :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens
+        that run each routed layer
     :param temperature: softmax temperature ``tau`` (> 0) of the similarity allocation
     :param beta: steepness of the similarity -> ratio sigmoid (paper: 10)
     :param min_retention: lower clip for any routed layer's ratio; defaults to
         ``min(0.1, retention)``; must not exceed ``retention``
-    :param allocation: ``similarity`` (AdaDSF), ``uniform`` (MoD), ``reversed`` (similarity ranking
-        inverted), ``random`` (a seeded permutation of the similarity ratios), ``layer_drop``
-        (ShortGPT: remove whole layers with the lowest Block Influence), or an explicit list with
-        one ratio in (0, 1] per routed layer
-    :param targets: which decoder layers to route, as module names, ``re:`` regexes or class
-        names; ``None`` routes every decoder layer
+    :param allocation: ``similarity`` (AdaDSF), ``uniform`` (MoD), ``reversed``
+        (similarity ranking inverted), ``random`` (a seeded permutation of the
+        similarity ratios), ``layer_drop`` (ShortGPT: remove whole layers with the
+        lowest Block Influence), or an explicit list with one ratio in (0, 1] per routed
+        layer
+    :param targets: which decoder layers to route, as module names, ``re:`` regexes or
+        class names; ``None`` routes every decoder layer
     :param ignore: decoder layers to leave dense (names, ``re:`` regexes or class names)
     :param router_hidden_size: width of each router's hidden layer
     :param seed: seeds router initialisation and the ``random`` allocation
-    :param router_init: ``similarity`` (default) fits each router, before alignment, to predict
-        how much the dense layer changes each calibration token (``1 - cos``); ``random`` keeps
-        the random initialisation (the ablation)
+    :param router_init: ``similarity`` (default) fits each router, before alignment, to
+        predict how much the dense layer changes each calibration token (``1 - cos``);
+        ``random`` keeps the random initialisation (the ablation)
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
-    :param threshold_passes: calibration passes fitting the causal-routing thresholds (the first
-        under top-k routing, the rest under causal routing upstream)
+    :param threshold_passes: calibration passes fitting the causal-routing thresholds
+        (the first under top-k routing, the rest under causal routing upstream)
     :param align_*: the alignment fine-tune stage, see
-        :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the default, skips it)
+        :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the
+        default, skips it)
     """
 
     retention: float = 0.8
@@ -209,7 +215,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     # ------------------------------------------------------------------ results
     @property
     def similarities(self) -> list[float]:
-        """Dense input/output cosine similarity of every decoder layer, in layer order."""
+        """Dense input/output cosine similarity of every decoder layer, in layer
+        order."""
         if self._similarities is None:
             raise RuntimeError(
                 "similarities are available after the modifier has initialized"
@@ -218,7 +225,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
 
     @property
     def retention_ratios(self) -> list[float]:
-        """Retention ratio of every decoder layer in layer order (1.0 for layers not routed)."""
+        """Retention ratio of every decoder layer in layer order (1.0 for layers not
+        routed)."""
         if self._retention_ratios is None:
             raise RuntimeError(
                 "retention_ratios are available after the modifier has initialized"
@@ -232,12 +240,14 @@ class AdaDSFModifier(Modifier, AlignmentFields):
 
     @property
     def warm_start_report(self) -> list[WarmStartResult]:
-        """Per routed layer: fit losses and rank correlation of the router warm start."""
+        """Per routed layer: fit losses and rank correlation of the router warm
+        start."""
         return list(self._warm_start)
 
     @property
     def threshold_report(self) -> ThresholdReport:
-        """Causal-routing thresholds, measured kept fractions and agreement with top-k."""
+        """Causal-routing thresholds, measured kept fractions and agreement with
+        top-k."""
         if self._threshold_report is None:
             raise RuntimeError(
                 "threshold_report is available after the modifier has initialized"
@@ -275,8 +285,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         if n_batches == 0:
             raise ValueError("AdaDSFModifier: the calibration set is empty (0 batches)")
 
-        # A quantization modifier later in the recipe must not quantize the routers: fail now,
-        # not after calibration (see adadsf_modifier.checkpoint).
+        # A quantization modifier later in the recipe must not quantize the routers:
+        # fail now, not after calibration (see adadsf_modifier.checkpoint).
         check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
         self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]
@@ -305,11 +315,13 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         )
         self._warm_start_routers(model)
         self._align(model, calib)
-        # Causal routing (the eval-mode default) needs thresholds fitted to the final routers.
+        # Causal routing (the eval-mode default) needs thresholds fitted to the final
+        # routers.
         self._threshold_report = calibrate_thresholds(
             model, calib, passes=self.threshold_passes
         )
-        # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF sidecar.
+        # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF
+        # sidecar.
         attach_checkpoint_support(model, self)
         return True
 
@@ -354,9 +366,10 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         for i, (_, layer) in enumerate(layers):
             self.register_hook(layer, acc.hook_for(i), "forward", with_kwargs=True)
         try:
-            # The base model skips the lm_head: calibration needs hidden states only. A shuffling
-            # DataLoader draws its order from the global RNG: seed it so the router warm start's
-            # token sample (and so the routers) depend on `seed` only.
+            # The base model skips the lm_head: calibration needs hidden states only. A
+            # shuffling DataLoader draws its order from the global RNG: seed it so the
+            # router warm start's token sample (and so the routers) depend on `seed`
+            # only.
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
                 run_calibration_batches(model.base_model, calib)
@@ -370,7 +383,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         return sims
 
     def _align(self, model: torch.nn.Module, calib) -> None:
-        """Alignment fine-tune of the routed model (``align_steps > 0``); always frees the teacher.
+        """Alignment fine-tune of the routed model (``align_steps > 0``); always frees
+        the teacher.
 
         Trains on ``align_dataset`` when given, else on the calibration batches.
         """
@@ -381,8 +395,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
                     model, self._teacher, data, self.alignment_config()
                 )
         except BaseException as err:
-            # The traceback's finished frames still reference the teacher: clear their locals so
-            # a failed stage does not keep a second copy of the model alive.
+            # The traceback's finished frames still reference the teacher: clear their
+            # locals so a failed stage does not keep a second copy of the model alive.
             traceback.clear_frames(err.__traceback__)
             raise
         finally:

@@ -1,28 +1,34 @@
-"""Does the alignment stage recover dense quality? SmolLM2-135M, retention 0.8, held-out perplexity.
+"""Does the alignment stage recover dense quality? SmolLM2-135M, retention 0.8, held-out
+perplexity.
 
-Rows of the table (same calibration data, steps, learning rate and seed for every trained row):
+Rows of the table (same calibration data, steps, learning rate and seed for every
+trained row):
 
 * ``dense``            - the unmodified model
 * ``routed``           - AdaDSF routing without alignment (``align_steps=0``)
-* ``aligned``          - alignment with KL + hidden-state terms (the paper's loss), ``--trainable``
-* ``lm_only``          - alignment with the causal-LM loss only (the paper's ablation), same
-  trainable set, steps, learning rate and seed as ``aligned``
-* ``aligned_routers``  - KL + hidden alignment training the routers only (``--routers-lr``), to
-  show what the cheap setting buys
+* ``aligned``          - alignment with KL + hidden-state terms (the paper's loss),
+  ``--trainable``
+* ``lm_only``          - alignment with the causal-LM loss only (the paper's ablation),
+  same trainable set, steps, learning rate and seed as ``aligned``
+* ``aligned_routers``  - KL + hidden alignment training the routers only
+  (``--routers-lr``), to show what the cheap setting buys
 
-Two perplexities per row: ``PPL top-k`` routes the top-K tokens of each window (the routing the
-alignment trains, paper-style evaluation) and ``PPL causal`` uses the model's eval-mode default
-(per-token thresholds calibrated after alignment, the mode ``generate()`` uses).
+Two perplexities per row: ``PPL top-k`` routes the top-K tokens of each window (the
+routing the alignment trains, paper-style evaluation) and ``PPL causal`` uses the
+model's eval-mode default (per-token thresholds calibrated after alignment, the mode
+``generate()`` uses).
 
-Perplexity is measured on the ``test`` split of :func:`~adadsf_modifier.evaluation.load_text_splits`
-(disjoint from the calibration split that calibration and alignment train on); use
-``--split validation`` while choosing hyper-parameters. Each method runs in its own subprocess so
-that "peak RSS" is that method's own peak (``ru_maxrss`` only ever grows within a process) and
-one method's allocations cannot slow the next.
+Perplexity is measured on the ``test`` split of
+:func:`~adadsf_modifier.evaluation.load_text_splits` (disjoint from the calibration
+split that calibration and alignment train on); use ``--split validation`` while
+choosing hyper-parameters. Each method runs in its own subprocess so that "peak RSS" is
+that method's own peak (``ru_maxrss`` only ever grows within a process) and one method's
+allocations cannot slow the next.
 
 Example (each aligned row ~10 minutes on 2 otherwise idle CPU cores)::
 
-    python benchmarks/alignment_smollm2.py --steps 100 --lr 3e-4 --batch-size 4 --seq-len 256
+    python benchmarks/alignment_smollm2.py --steps 100 --lr 3e-4 --batch-size 4
+    --seq-len 256
 
 Not a test: it needs the embedded model assets (see ASSETS.md) and minutes of CPU time.
 """

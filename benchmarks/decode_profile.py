@@ -1,19 +1,22 @@
-"""Where decoding time goes: routed vs dense, with the routing switched off piece by piece.
+"""Where decoding time goes: routed vs dense, with the routing switched off piece by
+piece.
 
-    OMP_NUM_THREADS=1 python benchmarks/decode_profile.py                  # embedded SmolLM2, r=0.8
-    OMP_NUM_THREADS=1 python benchmarks/decode_profile.py --routed PATH    # an AdaDSF checkpoint
+    OMP_NUM_THREADS=1 python benchmarks/decode_profile.py                  # embedded
+    SmolLM2, r=0.8 OMP_NUM_THREADS=1 python benchmarks/decode_profile.py --routed PATH
+    # an AdaDSF checkpoint
 
-For each batch size it times greedy decoding steps (after an untimed prompt) of the dense model
-and of the routed model in three settings, interleaved, median of ``--repeats``:
+For each batch size it times greedy decoding steps (after an untimed prompt) of the
+dense model and of the routed model in three settings, interleaved, median of
+``--repeats``:
 
 * ``routed``       - as calibrated (tokens skip layers)
-* ``all-run``      - thresholds at -inf: every token runs every layer, so the ratio to dense is
-  the pure cost of routing (router, bookkeeping, the routed cache)
-* ``all-run, no router`` - as ``all-run`` with the router replaced by a free stub: what is left
-  is the routed layer's own bookkeeping
+* ``all-run``      - thresholds at -inf: every token runs every layer, so the ratio to
+  dense is the pure cost of routing (router, bookkeeping, the routed cache)
+* ``all-run, no router`` - as ``all-run`` with the router replaced by a free stub: what
+  is left is the routed layer's own bookkeeping
 
-and prints the operator table of ``torch.profiler`` for the dense and routed decoding steps
-(``--profile``). Ratios, not absolute times, are the result on a shared CPU.
+and prints the operator table of ``torch.profiler`` for the dense and routed decoding
+steps (``--profile``). Ratios, not absolute times, are the result on a shared CPU.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Speed of AdaDSF routing vs the dense model, side by side in one process.
 
-    python benchmarks/speed.py                      # embedded SmolLM2-135M, retention 0.8
-    python benchmarks/speed.py --seq-lens 256 1024 --batch-sizes 1 --repeats 3   # quicker
+    python benchmarks/speed.py                      # embedded SmolLM2-135M, retention
+    0.8 python benchmarks/speed.py --seq-lens 256 1024 --batch-sizes 1 --repeats 3   #
+    quicker
 
-Builds the routed model with ``oneshot`` (AdaDSF, no alignment: speed depends on how many tokens
-run each layer, not on router quality), saves it, and loads dense and routed twins from that one
-checkpoint (identical weights, loaded alike: see ``load_pair``), then prints
-prefill latency and decoding time per step for both, the measured speedup and the FLOPs ideal.
+Builds the routed model with ``oneshot`` (AdaDSF, no alignment: speed depends on how
+many tokens run each layer, not on router quality), saves it, and loads dense and routed
+twins from that one checkpoint (identical weights, loaded alike: see ``load_pair``),
+then prints prefill latency and decoding time per step for both, the measured speedup
+and the FLOPs ideal.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""Does SmoothQuant still fit between AdaDSF and GPTQ W8A8? Held-out perplexity per pipeline.
+"""Does SmoothQuant still fit between AdaDSF and GPTQ W8A8? Held-out perplexity per
+pipeline.
 
-    OMP_NUM_THREADS=1 python benchmarks/w8a8_interplay.py                 # all rows, ~6 min CPU
-    OMP_NUM_THREADS=1 python benchmarks/w8a8_interplay.py --rows recipe+sq
+    OMP_NUM_THREADS=1 python benchmarks/w8a8_interplay.py                 # all rows, ~6
+    min CPU OMP_NUM_THREADS=1 python benchmarks/w8a8_interplay.py --rows recipe+sq
 
-Rows: ``dense`` (no oneshot), ``recipe`` (``recipes/adadsf_w8a8.yaml`` as shipped: AdaDSF at
-retention 0.9 with layer 0 dense and a 20-step router alignment, then GPTQ W8A8) and
-``recipe+sq`` (the same with ``SmoothQuantModifier`` inserted before GPTQ). Calibration: 8 x 128
-tokens of the calibration split; perplexity: the first 1,024 tokens of the test split.
+Rows: ``dense`` (no oneshot), ``recipe`` (``recipes/adadsf_w8a8.yaml`` as shipped:
+AdaDSF at retention 0.9 with layer 0 dense and a 20-step router alignment, then GPTQ
+W8A8) and ``recipe+sq`` (the same with ``SmoothQuantModifier`` inserted before GPTQ).
+Calibration: 8 x 128 tokens of the calibration split; perplexity: the first 1,024 tokens
+of the test split.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The CLI end to end on the real SmolLM2-135M, kept short: compress (AdaDSF + W8A8) -> reload ->
-perplexity against dense -> one lm-eval task offline. Runs in CI."""
+"""The CLI end to end on the real SmolLM2-135M, kept short: compress (AdaDSF + W8A8) ->
+reload -> perplexity against dense -> one lm-eval task offline. Runs in CI."""
 
 import json
 import math

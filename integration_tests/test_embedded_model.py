@@ -1,6 +1,8 @@
-"""The embedded SmolLM2 is a real trained model and the offline text gives sane perplexity.
+"""The embedded SmolLM2 is a real trained model and the offline text gives sane
+perplexity.
 
-The first run converts the GGUF into the user cache (~30-60 s); later runs load it in ~1 s.
+The first run converts the GGUF into the user cache (~30-60 s); later runs load it in ~1
+s.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
-    """On a shared 2-core machine one intra-op thread is several times faster than two (measured:
-    18 s vs 112 s for this perplexity run under load); on an idle machine it costs little."""
+    """On a shared 2-core machine one intra-op thread is several times faster than two
+    (measured: 18 s vs 112 s for this perplexity run under load); on an idle machine it
+    costs little."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

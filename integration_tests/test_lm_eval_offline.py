@@ -1,8 +1,10 @@
-"""lm-eval's own tasks, fully offline: a tiny random (and a routed) Llama, then the real SmolLM2.
+"""lm-eval's own tasks, fully offline: a tiny random (and a routed) Llama, then the real
+SmolLM2.
 
-Threads: the suite runs on 2 CPU cores shared with other jobs; with torch's default 2 intra-op
-threads an oversubscribed machine made every small matmul ~100x slower (OpenMP spin-waiting), and
-SmolLM2 on PIQA took 122 s instead of 12 s. The tests therefore pin torch to one thread.
+Threads: the suite runs on 2 CPU cores shared with other jobs; with torch's default 2
+intra-op threads an oversubscribed machine made every small matmul ~100x slower (OpenMP
+spin-waiting), and SmolLM2 on PIQA took 122 s instead of 12 s. The tests therefore pin
+torch to one thread.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def no_network(monkeypatch):
-    """Refuse every socket connection (hub, datasets, telemetry) and fail the test if any was
-    attempted, even one that library code caught and ignored (lm-eval swallows hub errors)."""
+    """Refuse every socket connection (hub, datasets, telemetry) and fail the test if
+    any was attempted, even one that library code caught and ignored (lm-eval swallows
+    hub errors)."""
     attempts: list[object] = []
 
     def refuse(self, address, *args, **kwargs):
@@ -108,13 +111,14 @@ def test_routed_tiny_llama_uses_causal_routing(no_network):
 # The real model
 # --------------------------------------------------------------------------------------------
 
-# Bounds for SmolLM2-135M-Instruct (dense, float32, 0-shot) on the first 40 validation documents.
-# lm-eval's `limit` takes the *first* N documents and the CPU forward is deterministic, so the
-# accuracy is fixed for this code/data: measured PIQA acc 0.725 (29/40), ARC-Easy acc 0.500
-# (20/40). Only near-tied documents can flip (batch padding, kernels), so the bounds leave 4-5
-# documents of margin: PIQA >= 0.60 (24/40), ARC-Easy >= 0.40 (16/40). A broken pipeline (wrong
-# target mapping, scoring the wrong span, a model that is not really loaded) scores near chance,
-# 0.5 and 0.25: binomial P(>= 24/40 | 0.5) = 13 %, P(>= 16/40 | 0.25) = 2.6 %, both together 0.35 %.
+# Bounds for SmolLM2-135M-Instruct (dense, float32, 0-shot) on the first 40 validation
+# documents. lm-eval's `limit` takes the *first* N documents and the CPU forward is
+# deterministic, so the accuracy is fixed for this code/data: measured PIQA acc 0.725
+# (29/40), ARC-Easy acc 0.500 (20/40). Only near-tied documents can flip (batch padding,
+# kernels), so the bounds leave 4-5 documents of margin: PIQA >= 0.60 (24/40), ARC-Easy
+# >= 0.40 (16/40). A broken pipeline (wrong target mapping, scoring the wrong span, a
+# model that is not really loaded) scores near chance, 0.5 and 0.25: binomial P(>= 24/40
+# | 0.5) = 13 %, P(>= 16/40 | 0.25) = 2.6 %, both together 0.35 %.
 SMOL_LIMIT = 40
 SMOL_MIN_ACC = {"piqa": 0.60, "arc_easy": 0.40}
 

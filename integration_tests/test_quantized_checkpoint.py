@@ -1,16 +1,19 @@
-"""AdaDSF stacked with GPTQ (W8A8 / W4A16) in one recipe: oneshot -> checkpoint -> from_pretrained.
+"""AdaDSF stacked with GPTQ (W8A8 / W4A16) in one recipe: oneshot -> checkpoint ->
+from_pretrained.
 
-Tiny random Llama and Qwen2 models, offline. The recipes are the shipped YAML files; the W8A8 one
-runs verbatim on Llama (as a user would call it, by path) and with its alignment stage cut to
-2 steps on Qwen2, only to save CPU time.
+Tiny random Llama and Qwen2 models, offline. The recipes are the shipped YAML files; the
+W8A8 one runs verbatim on Llama (as a user would call it, by path) and with its
+alignment stage cut to 2 steps on Qwen2, only to save CPU time.
 
-Tolerance: the reloaded model must reproduce the in-memory compressed model's logits *exactly*
-(``rtol=atol=0``). Both hold the same int8 / packed-int4 weights and scales, decompress them with
-the same compressed-tensors code, quantize activations with the same dynamic per-token code, and
-run the same deterministic CPU kernels in one process; the routers are bit-identical float
-tensors. Any nonzero difference is therefore a bug, not noise; and a loose tolerance would hide
-the dangerous kind: a router in another dtype or a wrong ratio flips top-k/threshold decisions,
-which changes whole tokens' paths. The router scores are compared exactly as well.
+Tolerance: the reloaded model must reproduce the in-memory compressed model's logits
+*exactly* (``rtol=atol=0``). Both hold the same int8 / packed-int4 weights and scales,
+  decompress them with
+the same compressed-tensors code, quantize activations with the same dynamic per-token
+code, and run the same deterministic CPU kernels in one process; the routers are
+bit-identical float tensors. Any nonzero difference is therefore a bug, not noise; and a
+loose tolerance would hide the dangerous kind: a router in another dtype or a wrong
+ratio flips top-k/threshold decisions, which changes whole tokens' paths. The router
+scores are compared exactly as well.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def recipe_for(arch: str, scheme: str) -> str:
-    """The shipped recipe: by path for llama, alignment shortened for qwen2 (CPU time only)."""
+    """The shipped recipe: by path for llama, alignment shortened for qwen2 (CPU time
+    only)."""
     if arch == "llama":
         return str(RECIPES[scheme])
     data = yaml.safe_load(RECIPES[scheme].read_text())
@@ -115,7 +119,8 @@ def base_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compressed(base_dirs, tmp_path_factory):
-    """(arch, scheme) -> dict(path, logits, scores, ratios, modes) of the in-memory model."""
+    """(arch, scheme) -> dict(path, logits, scores, ratios, modes) of the in-memory
+    model."""
     out = {}
     for arch, scheme in CASES:
         path = tmp_path_factory.mktemp(f"{arch}-{scheme}") / "ckpt"
@@ -214,8 +219,8 @@ def test_generate_after_reload(compressed, arch, scheme):
     model = adadsf_modifier.from_pretrained(compressed[(arch, scheme)]["path"])
     prompt = torch.randint(4, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        # use_cache=False always works: every step re-runs the whole sequence. (Top-k routing
-        # cannot continue from a KV cache; the causal routing mode can.)
+        # use_cache=False always works: every step re-runs the whole sequence. (Top-k
+        # routing cannot continue from a KV cache; the causal routing mode can.)
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
@@ -232,8 +237,8 @@ def test_generate_after_reload(compressed, arch, scheme):
             )
             ids = torch.cat([ids, nxt], dim=1)
         assert torch.equal(out, ids)
-        # The default generate() works too (cache in causal mode, or use_cache=False set by
-        # from_pretrained when a layer would route top-k).
+        # The default generate() works too (cache in causal mode, or use_cache=False set
+        # by from_pretrained when a layer would route top-k).
         default = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
@@ -269,10 +274,11 @@ def test_sidecar_recipe_and_config(compressed):
         side["modifier"]["class"] == "AdaDSFModifier" and settings["retention"] == 0.9
     )
     assert settings["align_steps"] == 20  # the verbatim recipe
-    # llm-compressor rewrote config.json from the original model: nothing AdaDSF-specific there
+    # llm-compressor rewrote config.json from the original model: nothing
+    # AdaDSF-specific there
     assert "adadsf" not in (path / "config.json").read_text().lower()
-    # recipe.yaml is plain YAML (llm-compressor writes !!python tags that its own safe_load
-    # rejects) and names all the modifiers
+    # recipe.yaml is plain YAML (llm-compressor writes !!python tags that its own
+    # safe_load rejects) and names all the modifiers
     recipe = Recipe.create_instance(str(path / "recipe.yaml"))
     assert [type(m).__name__ for m in recipe.modifiers] == [
         "AdaDSFModifier",
@@ -369,7 +375,8 @@ def test_save_pretrained_after_oneshot_and_resave_after_reload(base_dirs, tmp_pa
     logits_a, _ = forward_record(reloaded)
     torch.testing.assert_close(logits_a, before, rtol=0, atol=0)
 
-    # A reloaded (still compressed, never run) model saves again and reloads identically.
+    # A reloaded (still compressed, never run) model saves again and reloads
+    # identically.
     again = adadsf_modifier.from_pretrained(tmp_path / "a")
     again.save_pretrained(str(tmp_path / "b"))
     logits_again, _ = forward_record(
@@ -394,7 +401,8 @@ def snapshot(path: Path) -> dict[str, str]:
 
 
 def fail_midway(monkeypatch):
-    """Make llm-compressor's save wrapper raise after it wrote weights and config.json."""
+    """Make llm-compressor's save wrapper raise after it wrote weights and
+    config.json."""
     import llmcompressor.transformers.compression.compressed_tensors_utils as ctu
 
     def boom(*args, **kwargs):

@@ -1,4 +1,5 @@
-"""Alignment fine-tune stage: loss terms, the training loop, and its wiring into AdaDSFModifier."""
+"""Alignment fine-tune stage: loss terms, the training loop, and its wiring into
+AdaDSFModifier."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from adadsf_modifier.routing import decoder_layers, route_layer
 RATIOS = [0.5, 0.75, 0.5, 0.75]
 
 
-# ------------------------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------------------------
+# helpers
 
 
 def routed_pair(arch: str = "llama", seed: int = 0):
@@ -78,7 +80,8 @@ def router_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if ".router." in k}
 
 
-# ------------------------------------------------------------------------------------ losses
+# ------------------------------------------------------------------------------------
+# losses
 
 
 def test_kl_is_zero_for_identical_logits_and_positive_otherwise():
@@ -175,7 +178,8 @@ def test_bad_loss_weights(kwargs, text):
         AlignmentLossWeights(**kwargs)
 
 
-# ------------------------------------------------------------------------------------ data
+# ------------------------------------------------------------------------------------
+# data
 
 
 def test_training_rows_strip_padding_truncate_and_rebatch():
@@ -214,7 +218,8 @@ def test_training_rows_reject_empty_data():
         training_rows([{"text": "hi"}], seq_len=4)
 
 
-# ------------------------------------------------------------------------------------ loop
+# ------------------------------------------------------------------------------------
+# loop
 
 
 def test_loss_decreases_and_routers_learn_on_a_fixed_batch():
@@ -422,7 +427,8 @@ def test_make_teacher_is_independent_and_frozen():
     )
 
 
-# ------------------------------------------------------------------------------------ modifier
+# ------------------------------------------------------------------------------------
+# modifier
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Causal routing: per-token thresholds, routed KV caches, incremental decoding and generate()."""
+"""Causal routing: per-token thresholds, routed KV caches, incremental decoding and
+generate()."""
 
 import pytest
 import torch
@@ -87,8 +88,9 @@ def test_incremental_decoding_equals_full_forward(arch, batch):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_batched_decode_step_runs_only_the_rows_that_pass(attn):
-    """Decoding 4 rows (two left-padded): rows that skip a layer leave it untouched, rows
-    that run it see only their own cached slots, and the logits equal one full forward."""
+    """Decoding 4 rows (two left-padded): rows that skip a layer leave it untouched,
+    rows that run it see only their own cached slots, and the logits equal one full
+    forward."""
     model = route_all(tiny_model("llama", num_layers=4, attn=attn), RATIOS)
     g = torch.Generator().manual_seed(1)
     calibrate_thresholds(
@@ -131,8 +133,8 @@ def test_batched_decode_step_runs_only_the_rows_that_pass(attn):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_chunked_continuation_from_cache_equals_full_forward(arch):
-    """Several new tokens per call on top of a cache (chunked prefill): the compacted mask
-    must see the cached slots and be causal among the new ones."""
+    """Several new tokens per call on top of a cache (chunked prefill): the compacted
+    mask must see the cached slots and be causal among the new ones."""
     model, _ = causal_model(arch)
     ids, mask = left_padded(batch=2, length=13)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""The `adadsf` CLI refuses bad input up front: exit status 2, one clear line, nothing written."""
+"""The `adadsf` CLI refuses bad input up front: exit status 2, one clear line, nothing
+written."""
 
 from pathlib import Path
 

@@ -1,7 +1,8 @@
 """Fast tests for the offline evaluation helpers (no GGUF conversion, no real model).
 
-Perplexity is checked on a tiny random Llama against independent computations; the text splits and
-calibration packing are checked with a small byte-level BPE tokenizer trained here in milliseconds.
+Perplexity is checked on a tiny random Llama against independent computations; the text
+splits and calibration packing are checked with a small byte-level BPE tokenizer trained
+here in milliseconds.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ VOCAB = 320  # requested BPE size; the model uses len(tokenizer)
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
-    """Tiny models are dominated by thread synchronisation: on a busy 2-core machine two intra-op
-    threads make each forward ~100x slower than one thread does."""
+    """Tiny models are dominated by thread synchronisation: on a busy 2-core machine two
+    intra-op threads make each forward ~100x slower than one thread does."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -82,7 +83,8 @@ def _random_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
 def _hf_recipe_nll(
     model, ids: torch.Tensor, max_length: int, stride: int
 ) -> tuple[float, int]:
-    """The Hugging Face docs loop, using the model's own (mean) loss rescaled to a sum."""
+    """The Hugging Face docs loop, using the model's own (mean) loss rescaled to a
+    sum."""
     nll_sum, n_tokens, prev_end, n = 0.0, 0, 0, ids.numel()
     for begin in range(0, n, stride):
         end = min(begin + max_length, n)
@@ -101,7 +103,8 @@ def _hf_recipe_nll(
     return nll_sum, n_tokens
 
 
-# ----------------------------------------------------------------------------- sliding windows
+# ----------------------------------------------------------------------------- sliding
+# windows
 
 
 @pytest.mark.parametrize(
@@ -252,7 +255,8 @@ def test_empty_text_is_rejected(tiny_model, tiny_tokenizer, texts):
         perplexity(tiny_model, tiny_tokenizer, texts, show_progress=False)
 
 
-# ----------------------------------------------------------------------------- text splits
+# ----------------------------------------------------------------------------- text
+# splits
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +311,8 @@ def test_calibration_dataset_shapes(tiny_tokenizer, splits):
             isinstance(i, int) and 0 <= i < len(tiny_tokenizer)
             for i in row["input_ids"]
         )
-    # Samples are consecutive chunks of the calibration stream, starting at its first document.
+    # Samples are consecutive chunks of the calibration stream, starting at its first
+    # document.
     first_doc = tiny_tokenizer(
         splits["calibration"]["text"][0], add_special_tokens=False
     ).input_ids
@@ -327,7 +332,8 @@ def test_calibration_dataset_too_short(tiny_tokenizer):
         )
 
 
-# ----------------------------------------------------------------------------- caching / paths
+# ----------------------------------------------------------------------------- caching
+# / paths
 
 
 def _slow_build(out: Path) -> None:

@@ -1,4 +1,5 @@
-"""The FLOPs model against hand counts, and the observed kept counts against the routing rule."""
+"""The FLOPs model against hand counts, and the observed kept counts against the routing
+rule."""
 
 import copy
 import math
@@ -76,8 +77,8 @@ def test_llama_dense_hand_count():
 
 def test_llama_routed_hand_count_two_sequences():
     cfg = tiny_llama_config()
-    # two sequences of 3 and 2 real tokens; layer 0 dense, layer 1 routed (router hidden 4)
-    # keeping 2 of 3 and 1 of 2
+    # two sequences of 3 and 2 real tokens; layer 0 dense, layer 1 routed (router hidden
+    # 4) keeping 2 of 3 and 1 of 2
     rep = count_flops(
         cfg,
         kept=[[3, 2], [2, 1]],
@@ -102,7 +103,8 @@ def test_llama_routed_hand_count_two_sequences():
     # lm_head: 5 tokens * 2 * 8 * 10 = 800, same on both sides
     assert rep.lm_head == 800
     assert rep.normalized_with_lm_head == pytest.approx((9992 + 800) / (12096 + 800))
-    # memory traffic of layer 1 (4-byte elements): gather 3*8 + scatter 3*8 + copy 5*8 elements
+    # memory traffic of layer 1 (4-byte elements): gather 3*8 + scatter 3*8 + copy 5*8
+    # elements
     assert rep.memory_traffic_per_layer == (0, (24 + 24 + 40) * 4)
     assert rep.memory_traffic_bytes == 352
     d = rep.as_dict()
@@ -272,7 +274,8 @@ def test_observed_kept_counts_follow_the_rule_with_left_padding(arch):
     kept = observe_kept_tokens(model, batch)
     lens = [6, 4, 9]
     assert kept == [[expected_kept(r, n) for n in lens] for r in RATIOS]
-    # spelled out: floor(0.5 * [6, 4, 9]) = [3, 2, 4]; floor(0.75 * [6, 4, 9]) = [4, 3, 6]
+    # spelled out: floor(0.5 * [6, 4, 9]) = [3, 2, 4]; floor(0.75 * [6, 4, 9]) = [4, 3,
+    # 6]
     assert kept[1] == [3, 2, 4] and kept[2] == [4, 3, 6]
     # no padding, input_ids tensor only
     ids = batch["input_ids"]
@@ -285,7 +288,8 @@ def test_observed_kept_counts_follow_the_rule_with_left_padding(arch):
 
 
 def tokens_that_changed(model, inputs, real):
-    """Per layer, per sequence: real tokens whose hidden state the layer changed (forward hooks)."""
+    """Per layer, per sequence: real tokens whose hidden state the layer changed
+    (forward hooks)."""
     changed = {}
 
     def make(i):
@@ -311,7 +315,8 @@ def tokens_that_changed(model, inputs, real):
 
 
 def test_observed_kept_counts_match_the_tokens_that_changed():
-    """Independent check: with random weights, a token that ran a layer changes its hidden state."""
+    """Independent check: with random weights, a token that ran a layer changes its
+    hidden state."""
     model = route(tiny_model("llama"), RATIOS)
     batch = padded_batch()
     real = batch["attention_mask"].bool()
@@ -373,7 +378,8 @@ def test_observed_keys_under_a_sliding_window():
 
 
 def set_median_thresholds(model, batch):
-    """Causal routing with each threshold at the median real-token score of this batch."""
+    """Causal routing with each threshold at the median real-token score of this
+    batch."""
     from adadsf_modifier.routing import routed_layers
 
     layers = [l for l in routed_layers(model) if 0 < l.retention_ratio < 1]
@@ -406,7 +412,8 @@ def test_observed_counts_in_causal_mode_with_kv_cache_decoding():
     set_median_thresholds(model, batch)
     real = batch["attention_mask"].bool()
 
-    # prefill: kept counts are data-dependent; check them against the tokens that changed
+    # prefill: kept counts are data-dependent; check them against the tokens that
+    # changed
     expect = tokens_that_changed(model, dict(batch, use_cache=False), real)
     cache = DynamicCache(config=model.config)
     obs = observe_routing(model, dict(batch, past_key_values=cache, use_cache=True))
@@ -417,7 +424,8 @@ def test_observed_counts_in_causal_mode_with_kv_cache_decoding():
         assert obs.attended_keys[l] == [k * (k + 1) // 2 for k in obs.kept[l]]
     prefill_kept = obs.kept
 
-    # one decoding step: the new token sees the cached tokens that ran the layer, plus itself
+    # one decoding step: the new token sees the cached tokens that ran the layer, plus
+    # itself
     step_ids = torch.randint(4, 128, (3, 1), generator=torch.Generator().manual_seed(1))
     step_mask = torch.cat(
         [batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], 1

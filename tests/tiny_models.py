@@ -1,4 +1,5 @@
-"""Tiny random models of every supported architecture, built from configs (no hub access)."""
+"""Tiny random models of every supported architecture, built from configs (no hub
+access)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def tiny_model(arch: str, num_layers: int = 4, seed: int = 0, attn: str = "sdpa"
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over a fixed vocabulary: enough for oneshot's processor checks."""
+    """A word-level tokenizer over a fixed vocabulary: enough for oneshot's processor
+    checks."""
     vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3}
     for i in range(4, VOCAB):
         vocab[f"w{i}"] = i

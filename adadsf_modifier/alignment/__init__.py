@@ -1,8 +1,11 @@
-"""Feature-preserving alignment: fine-tune the routed model against its frozen dense teacher.
+"""Feature-preserving alignment: fine-tune the routed model against its frozen dense
+teacher.
 
-* :mod:`~adadsf_modifier.alignment.losses` - the loss terms (KL, hidden alignment, causal LM).
+* :mod:`~adadsf_modifier.alignment.losses` - the loss terms (KL, hidden alignment,
+  causal LM).
 * :mod:`~adadsf_modifier.alignment.trainer` - the training loop (:func:`align_model`).
-* :mod:`~adadsf_modifier.alignment.fields` - the ``align_*`` recipe fields of ``AdaDSFModifier``.
+* :mod:`~adadsf_modifier.alignment.fields` - the ``align_*`` recipe fields of
+  ``AdaDSFModifier``.
 """
 
 from adadsf_modifier.alignment.fields import AlignmentFields

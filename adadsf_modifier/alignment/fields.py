@@ -1,9 +1,10 @@
-"""``align_*`` recipe fields: a pydantic mixin that :class:`~adadsf_modifier.AdaDSFModifier` inherits.
+"""``align_*`` recipe fields: a pydantic mixin that
+:class:`~adadsf_modifier.AdaDSFModifier` inherits.
 
-Kept out of the modifier so the alignment stage's knobs, defaults and validation live next to the
-code that uses them; the modifier only adds ``AlignmentFields`` to its bases. The mixin declares
-no ``model_config``, so the modifier keeps llm-compressor's ``extra="forbid"`` (unknown YAML keys
-such as a misspelt ``align_step`` still raise).
+Kept out of the modifier so the alignment stage's knobs, defaults and validation live
+next to the code that uses them; the modifier only adds ``AlignmentFields`` to its
+bases. The mixin declares no ``model_config``, so the modifier keeps llm-compressor's
+``extra="forbid"`` (unknown YAML keys such as a misspelt ``align_step`` still raise).
 """
 
 from __future__ import annotations
@@ -32,34 +33,38 @@ class AlignmentFields(BaseModel):
     AdaDSFModifier:
       retention: 0.8
       align_steps: 200        # 0 (default) skips the stage
-      align_lr: 3.0e-3        # routers only; ~3e-4 with align_trainable: routers_and_layers
-      align_batch_size: 4
+      align_lr: 3.0e-3        # routers only; ~3e-4 with align_trainable:
+      routers_and_layers align_batch_size: 4
       align_seq_len: 256
       align_w_kl: 1.0         # KL(P_dense || P_sparse)
       align_w_hidden: 1.0     # per-layer softmax(h) L2 alignment
-      align_w_lm: 0.0         # causal-LM loss ("LM loss only": w_kl=0, w_hidden=0, w_lm=1)
-      align_trainable: routers
+      align_w_lm: 0.0         # causal-LM loss ("LM loss only": w_kl=0, w_hidden=0,
+      w_lm=1) align_trainable: routers
     ```
 
     :param align_steps: optimizer steps; 0 skips the stage (no teacher is built)
     :param align_lr: AdamW learning rate, constant over the run. The default suits
-        ``routers``; ``routers_and_layers`` wants about 10x less (SmolLM2-135M sweep: 3e-4)
+        ``routers``; ``routers_and_layers`` wants about 10x less (SmolLM2-135M sweep:
+        3e-4)
     :param align_batch_size: rows per step, re-batched from the training data
     :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
-    :param align_w_kl: weight of ``KL(P_dense || P_sparse)`` on the next-token distributions
+    :param align_w_kl: weight of ``KL(P_dense || P_sparse)`` on the next-token
+        distributions
     :param align_w_hidden: weight of the per-layer hidden-state alignment term
     :param align_w_lm: weight of the causal-LM (next-token cross-entropy) term
-    :param align_trainable: ``routers`` (only the routers train) or ``routers_and_layers`` (the
-        routed decoder layers' weights train too)
+    :param align_trainable: ``routers`` (only the routers train) or
+        ``routers_and_layers`` (the routed decoder layers' weights train too)
     :param align_grad_clip: max global gradient norm; 0 disables clipping (not ``null``:
         llm-compressor drops ``None`` values when it writes ``recipe.yaml``)
     :param align_weight_decay: AdamW weight decay
     :param align_seed: seeds the data order of the stage (same seed -> same weights)
-    :param align_bf16: forward passes under bf16 autocast (less memory, faster on bf16 hardware)
-    :param align_gradient_checkpointing: recompute decoder layers in backward to save memory
+    :param align_bf16: forward passes under bf16 autocast (less memory, faster on bf16
+        hardware)
+    :param align_gradient_checkpointing: recompute decoder layers in backward to save
+        memory
     :param align_dataset: training rows (``input_ids`` [+ ``attention_mask``]), e.g. a
-        ``datasets.Dataset``; ``None`` trains on the calibration data. Python API only: not
-        serialised into the saved ``recipe.yaml``
+        ``datasets.Dataset``; ``None`` trains on the calibration data. Python API only:
+        not serialised into the saved ``recipe.yaml``
     """
 
     align_steps: int = 0
@@ -128,7 +133,8 @@ class AlignmentFields(BaseModel):
             )
         return self
 
-    # ------------------------------------------------------------------ helpers for the modifier
+    # ------------------------------------------------------------------ helpers for the
+    # modifier
     @property
     def align_enabled(self) -> bool:
         """True when the alignment stage runs (``align_steps > 0``)."""
@@ -136,7 +142,8 @@ class AlignmentFields(BaseModel):
 
     @property
     def align_needs_teacher(self) -> bool:
-        """True when the stage runs and a loss term compares against the dense teacher."""
+        """True when the stage runs and a loss term compares against the dense
+        teacher."""
         return self.align_enabled and (self.align_w_kl > 0 or self.align_w_hidden > 0)
 
     def alignment_config(self, show_progress: bool = True) -> AlignmentConfig:

@@ -3,12 +3,13 @@
 ``L = w_kl * KL(P_dense || P_sparse) + w_hidden * (1/L) * sum_l || softmax(h_sparse^l) -
 softmax(h_dense^l) ||_2 + w_lm * CE(next token)``
 
-Pure tensor functions, no model or training state, so each term can be unit-tested and an ablation
-("LM loss only", "KL only", ...) is just a choice of weights. Every term is a mean over **real**
-tokens: padding rows of a batch must not pull the student towards whatever the teacher does on
-pad positions, and a batch with more padding must not get a smaller loss. All arithmetic runs in
-float32 regardless of the model dtype (bf16 softmax / log-softmax over a 49k vocabulary loses
-too much precision for a KL between two close distributions).
+Pure tensor functions, no model or training state, so each term can be unit-tested and
+an ablation ("LM loss only", "KL only", ...) is just a choice of weights. Every term is
+a mean over **real** tokens: padding rows of a batch must not pull the student towards
+whatever the teacher does on pad positions, and a batch with more padding must not get a
+smaller loss. All arithmetic runs in float32 regardless of the model dtype (bf16 softmax
+/ log-softmax over a 49k vocabulary loses too much precision for a KL between two close
+distributions).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ __all__ = [
 class AlignmentLossWeights:
     """Weights of the three terms; a weight of 0 means the term is not even computed.
 
-    ``kl`` and ``hidden`` need the dense teacher, ``lm`` does not: with ``kl == hidden == 0`` (the
-    paper's "LM loss only" ablation) the trainer skips the teacher's forward pass entirely.
+    ``kl`` and ``hidden`` need the dense teacher, ``lm`` does not: with ``kl == hidden
+    == 0`` (the paper's "LM loss only" ablation) the trainer skips the teacher's forward
+    pass entirely.
     """
 
     kl: float = 1.0
@@ -59,13 +61,15 @@ class AlignmentLossWeights:
 
     @property
     def needs_teacher(self) -> bool:
-        """True when a term compares against the dense teacher (KL or hidden alignment)."""
+        """True when a term compares against the dense teacher (KL or hidden
+        alignment)."""
         return self.kl > 0 or self.hidden > 0
 
 
 @dataclass(frozen=True)
 class AlignmentLossTerms:
-    """The weighted total (what is back-propagated) and each unweighted term (for logging).
+    """The weighted total (what is back-propagated) and each unweighted term (for
+    logging).
 
     A term whose weight is 0 is not computed and reported as ``None``.
     """
@@ -99,7 +103,8 @@ def _real_mask(
 
 
 def _masked_mean(per_token: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Mean of ``per_token [batch, seq]`` over real positions; 0 (with grad) if there are none."""
+    """Mean of ``per_token [batch, seq]`` over real positions; 0 (with grad) if there
+    are none."""
     count = real.sum()
     total = (per_token * real.to(per_token.dtype)).sum()
     return total / count.clamp(min=1).to(per_token.dtype)
@@ -110,11 +115,13 @@ def kl_divergence_loss(
     student_logits: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``KL(P_teacher || P_student)`` per token (summed over the vocabulary), mean over real tokens.
+    """``KL(P_teacher || P_student)`` per token (summed over the vocabulary), mean over
+    real tokens.
 
-    Forward KL (teacher first) as in the paper: it is mass-covering, so the student is pushed to
-    keep every continuation the dense model finds plausible rather than collapsing onto its mode.
-    ``teacher_logits`` should carry no gradient (the teacher is frozen).
+    Forward KL (teacher first) as in the paper: it is mass-covering, so the student is
+    pushed to keep every continuation the dense model finds plausible rather than
+    collapsing onto its mode. ``teacher_logits`` should carry no gradient (the teacher
+    is frozen).
     """
     if teacher_logits.shape != student_logits.shape:
         raise ValueError(
@@ -124,7 +131,8 @@ def kl_divergence_loss(
     real = _real_mask(mask, student_logits.shape[:-1], student_logits.device)
     log_p_teacher = F.log_softmax(teacher_logits.float(), dim=-1)
     log_p_student = F.log_softmax(student_logits.float(), dim=-1)
-    # kl_div(input=log q, target=log p, log_target=True) = sum p (log p - log q), elementwise.
+    # kl_div(input=log q, target=log p, log_target=True) = sum p (log p - log q),
+    # elementwise.
     per_token = F.kl_div(
         log_p_student, log_p_teacher, reduction="none", log_target=True
     ).sum(-1)
@@ -136,13 +144,15 @@ def hidden_alignment_loss(
     teacher_hidden: Sequence[torch.Tensor],
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(1/L) sum_l mean_tokens || softmax(h_s^l) - softmax(h_t^l) ||_2`` over ``L`` layers.
+    """``(1/L) sum_l mean_tokens || softmax(h_s^l) - softmax(h_t^l) ||_2`` over ``L``
+    layers.
 
     The softmax runs over the hidden dimension, turning each token's hidden state into a
-    distribution; comparing distributions instead of raw states makes the term insensitive to the
-    residual stream's scale, which grows by orders of magnitude with depth (a raw MSE would be
-    dominated by the last layers). Per token the L2 norm of the difference, then the mean over
-    real tokens, then the mean over layers (every layer counts equally).
+    distribution; comparing distributions instead of raw states makes the term
+    insensitive to the residual stream's scale, which grows by orders of magnitude with
+    depth (a raw MSE would be dominated by the last layers). Per token the L2 norm of
+    the difference, then the mean over real tokens, then the mean over layers (every
+    layer counts equally).
     """
     if len(student_hidden) != len(teacher_hidden):
         raise ValueError(
@@ -173,8 +183,8 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """Next-token cross-entropy, mean over positions whose *target* token is real.
 
-    The usual language-modelling loss; alone it is the paper's ablation baseline, and with a small
-    weight it can regularise the distillation terms towards the data.
+    The usual language-modelling loss; alone it is the paper's ablation baseline, and
+    with a small weight it can regularise the distillation terms towards the data.
     """
     if student_logits.shape[:-1] != input_ids.shape:
         raise ValueError(
@@ -199,11 +209,12 @@ def alignment_loss(
     teacher_logits: torch.Tensor | None = None,
     teacher_hidden: Sequence[torch.Tensor] | None = None,
 ) -> AlignmentLossTerms:
-    """Weighted sum of the terms whose weight is > 0; see the module docstring for the formula.
+    """Weighted sum of the terms whose weight is > 0; see the module docstring for the
+    formula.
 
-    ``student_hidden``/``teacher_hidden`` are the per-layer hidden states to align (one tensor per
-    decoder layer, ``[batch, seq, hidden]``); they are only read when ``weights.hidden > 0``, the
-    teacher's outputs only when ``weights.needs_teacher``.
+    ``student_hidden``/``teacher_hidden`` are the per-layer hidden states to align (one
+    tensor per decoder layer, ``[batch, seq, hidden]``); they are only read when
+    ``weights.hidden > 0``, the teacher's outputs only when ``weights.needs_teacher``.
     """
     terms: dict[str, torch.Tensor] = {}
     if weights.kl > 0:

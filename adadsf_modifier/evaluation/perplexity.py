@@ -1,15 +1,17 @@
 """Sliding-window perplexity for any causal language model.
 
-Why a hand-written loop instead of ``model(..., labels=...).loss``: the models evaluated here may be
-routed models whose decoder layers are wrapped, and the loss a model returns is a per-window *mean*
-that makes exact token accounting across windows awkward (and silently wrong when windows score
-different numbers of tokens). We only ask the model for logits and sum the negative log-likelihood
-ourselves, so ``tokens`` is exact and ``nll`` is the true mean over every scored token.
+Why a hand-written loop instead of ``model(..., labels=...).loss``: the models evaluated
+here may be routed models whose decoder layers are wrapped, and the loss a model returns
+is a per-window *mean* that makes exact token accounting across windows awkward (and
+silently wrong when windows score different numbers of tokens). We only ask the model
+for logits and sum the negative log-likelihood ourselves, so ``tokens`` is exact and
+``nll`` is the true mean over every scored token.
 
 The windowing follows the Hugging Face recipe (https://huggingface.co/docs/transformers/perplexity):
-the text is tokenized once, windows of ``max_length`` tokens start every ``stride`` tokens, and only
-the tokens not scored by an earlier window are scored, each with at least
-``max_length - stride`` tokens of context. Every token except the first is scored exactly once.
+the text is tokenized once, windows of ``max_length`` tokens start every ``stride``
+tokens, and only the tokens not scored by an earlier window are scored, each with at
+least ``max_length - stride`` tokens of context. Every token except the first is scored
+exactly once.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ __all__ = ["PerplexityResult", "perplexity", "sliding_windows"]
 class PerplexityResult:
     """Outcome of :func:`perplexity`.
 
-    ``ppl`` = ``exp(nll)``; ``nll`` is the mean negative log-likelihood per scored token (nats);
-    ``tokens`` is how many tokens were scored (the stream length minus one).
+    ``ppl`` = ``exp(nll)``; ``nll`` is the mean negative log-likelihood per scored token
+    (nats); ``tokens`` is how many tokens were scored (the stream length minus one).
     """
 
     ppl: float
@@ -42,13 +44,15 @@ class PerplexityResult:
 def sliding_windows(
     num_tokens: int, max_length: int, stride: int
 ) -> Iterator[tuple[int, int, int]]:
-    """Yield ``(begin, end, trg_len)``: window ``[begin, end)`` scores its last ``trg_len`` tokens.
+    """Yield ``(begin, end, trg_len)``: window ``[begin, end)`` scores its last
+    ``trg_len`` tokens.
 
-    Matches the Hugging Face recipe, except that a ``stride`` equal to ``max_length`` is treated
-    as ``max_length - 1``: a window must overlap the previous one by at least one token, otherwise
-    its first token has no context and could never be scored. In the first window ``trg_len`` is
-    the whole window, but its first token has nothing to condition on, so it is not scored: the
-    total scored over all windows is ``num_tokens - 1``.
+    Matches the Hugging Face recipe, except that a ``stride`` equal to ``max_length`` is
+    treated as ``max_length - 1``: a window must overlap the previous one by at least
+    one token, otherwise its first token has no context and could never be scored. In
+    the first window ``trg_len`` is the whole window, but its first token has nothing to
+    condition on, so it is not scored: the total scored over all windows is ``num_tokens
+    - 1``.
     """
     step = min(stride, max_length - 1)
     prev_end = 0
@@ -83,7 +87,8 @@ def _validate(
 def _token_stream(
     tokenizer, texts: Sequence[str] | str | None, input_ids
 ) -> torch.Tensor:
-    """Return the 1-D token stream: given ids, or ``"\\n\\n".join(texts)`` tokenized once."""
+    """Return the 1-D token stream: given ids, or ``"\\n\\n".join(texts)`` tokenized
+    once."""
     if input_ids is not None:
         if texts is not None:
             raise ValueError("pass either texts or input_ids, not both")
@@ -104,7 +109,8 @@ def _token_stream(
     text = "\n\n".join(texts)
     if not text.strip():
         raise ValueError("no text to score: texts are empty or whitespace only")
-    # verbose=False: a long stream exceeding model_max_length is expected here, windows handle it.
+    # verbose=False: a long stream exceeding model_max_length is expected here, windows
+    # handle it.
     encoded = tokenizer(text, return_tensors="pt", verbose=False)
     return encoded["input_ids"][0]
 
@@ -131,17 +137,21 @@ def perplexity(
     """Sliding-window perplexity of ``model`` on ``texts`` (joined with ``"\\n\\n"``).
 
     Args:
-        model: any causal LM callable as ``model(input_ids=..., attention_mask=..., use_cache=False)``
+        model: any causal LM callable as ``model(input_ids=..., attention_mask=...,
+        use_cache=False)``
             returning ``.logits`` (or a tuple whose first item is the logits).
-        tokenizer: tokenizes the joined text once (default special tokens, as in the HF recipe).
+        tokenizer: tokenizes the joined text once (default special tokens, as in the HF
+        recipe).
             May be ``None`` when ``input_ids`` is given.
         texts: documents to score; a single string is accepted.
         max_length: window length in tokens (the model's attention span during scoring).
         stride: distance between window starts; scored tokens get at least
             ``max_length - stride`` tokens of context. ``stride == max_length`` means
-            non-overlapping windows (one token of overlap is kept so no token goes unscored).
-        max_tokens: keep only the first ``max_tokens`` tokens of the stream (quick runs).
-        batch_size: windows per forward pass. The last, shorter window is right-padded and masked,
+            non-overlapping windows (one token of overlap is kept so no token goes
+            unscored).
+        max_tokens: keep only the first ``max_tokens`` tokens of the stream (quick
+        runs). batch_size: windows per forward pass. The last, shorter window is
+        right-padded and masked,
             which cannot change earlier positions' logits in a causal model.
         input_ids: pre-tokenized 1-D stream to score instead of ``texts``.
         show_progress: show a tqdm bar over windows.
@@ -150,7 +160,8 @@ def perplexity(
         :class:`PerplexityResult` with ``tokens == min(len(stream), max_tokens) - 1``.
 
     Raises:
-        ValueError: ``stride <= 0``, ``stride > max_length``, ``max_length < 2``, empty text, or a
+        ValueError: ``stride <= 0``, ``stride > max_length``, ``max_length < 2``, empty
+        text, or a
             stream of fewer than two tokens.
     """
     _validate(max_length, stride, batch_size, max_tokens)
@@ -181,7 +192,8 @@ def perplexity(
                 width = max(end - begin for begin, end, _ in group)
                 batch = torch.full((len(group), width), pad_id, dtype=torch.long)
                 mask = torch.zeros((len(group), width), dtype=torch.long)
-                # target[b, j] is the token at position j + 1, or -100 if not scored here.
+                # target[b, j] is the token at position j + 1, or -100 if not scored
+                # here.
                 target = torch.full((len(group), width - 1), -100, dtype=torch.long)
                 for row, (begin, end, trg_len) in enumerate(group):
                     length = end - begin

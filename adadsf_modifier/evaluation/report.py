@@ -1,7 +1,8 @@
 """The dense-vs-sparse report: one JSON, one summary table, one plot.
 
-Accuracy and perplexity are plotted against normalized FLOPs and against measured speedup,
-with the dense model as the reference point, so a reader sees at once what the saving cost.
+Accuracy and perplexity are plotted against normalized FLOPs and against measured
+speedup, with the dense model as the reference point, so a reader sees at once what the
+saving cost.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def build_report(
     speed: list[dict[str, Any]] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Combine evaluation records (``EvalRecord.as_dict()``) and speed rows into one report."""
+    """Combine evaluation records (``EvalRecord.as_dict()``) and speed rows into one
+    report."""
     if not records:
         raise ValueError("a report needs at least one evaluation record")
     speed = speed or []

@@ -1,9 +1,10 @@
 """Wall-clock speed of a routed model against its dense twin, measured side by side.
 
-Both models live in one process with the same weights; every measurement alternates dense and
-routed runs and reports medians, so machine noise hits both alike. Next to each measured speedup
-we print the FLOPs ideal ``1 / normalized FLOPs`` counted from the kept tokens the routed model
-actually produced on the same inputs (:mod:`adadsf_modifier.flops`).
+Both models live in one process with the same weights; every measurement alternates
+dense and routed runs and reports medians, so machine noise hits both alike. Next to
+each measured speedup we print the FLOPs ideal ``1 / normalized FLOPs`` counted from the
+kept tokens the routed model actually produced on the same inputs
+(:mod:`adadsf_modifier.flops`).
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def measure_prefill(
     repeats: int = 5,
     warmup: int = 1,
 ) -> SpeedResult:
-    """Median latency of one forward over ``input_ids`` (``[batch, seq]``), KV cache on."""
+    """Median latency of one forward over ``input_ids`` (``[batch, seq]``), KV cache
+    on."""
     device = _device_of(dense)
     input_ids = input_ids.to(device)
 
@@ -125,7 +127,8 @@ def measure_prefill(
 def _decode_loop(
     model: nn.Module, prompt: torch.Tensor, new_tokens: int
 ) -> tuple[float, list[torch.Tensor]]:
-    """Prefill (untimed), then ``new_tokens`` greedy steps; seconds per step and the tokens fed."""
+    """Prefill (untimed), then ``new_tokens`` greedy steps; seconds per step and the
+    tokens fed."""
     device = _device_of(model)
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
@@ -146,7 +149,8 @@ def _decode_loop(
 def _decode_flops(
     model: nn.Module, prompt: torch.Tensor, fed: list[torch.Tensor]
 ) -> "_Totals":
-    """Replay the timed decoding (same tokens, so the same routing) and count its FLOPs."""
+    """Replay the timed decoding (same tokens, so the same routing) and count its
+    FLOPs."""
     cache = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
     totals = _Totals(0, 0, 0)
     for token in fed:
@@ -228,10 +232,11 @@ def build_routed_checkpoint(
     seq_len: int = 256,
     dtype: torch.dtype = torch.float32,
 ) -> str:
-    """AdaDSF at ``retention`` (no alignment) on ``model_path``, saved to ``output_dir``.
+    """AdaDSF at ``retention`` (no alignment) on ``model_path``, saved to
+    ``output_dir``.
 
-    What the speed benchmarks time: speed depends on how many tokens run each layer, not on
-    how well the routers were trained.
+    What the speed benchmarks time: speed depends on how many tokens run each layer, not
+    on how well the routers were trained.
     """
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -256,11 +261,12 @@ def load_pair(
 ) -> tuple[nn.Module, nn.Module]:
     """``(dense, routed)`` twins loaded the same way from one AdaDSF checkpoint.
 
-    The dense twin is the same checkpoint with routing removed, so the weights are identical.
-    Loading both the same way matters on CPU: weights that ``from_pretrained`` maps from the
-    safetensors file decoded ~5-10% faster here than the same weights copied into fresh
-    memory (measured on both models alike), so a model built in-process timed against one
-    loaded from disk measures memory placement, not routing.
+    The dense twin is the same checkpoint with routing removed, so the weights are
+    identical. Loading both the same way matters on CPU: weights that
+    ``from_pretrained`` maps from the safetensors file decoded ~5-10% faster here than
+    the same weights copied into fresh memory (measured on both models alike), so a
+    model built in-process timed against one loaded from disk measures memory placement,
+    not routing.
     """
     from adadsf_modifier.checkpoint import from_pretrained
     from adadsf_modifier.routing import routed_layers, unroute_layer
@@ -275,9 +281,10 @@ def load_pair(
 def is_dispatched(model: nn.Module) -> bool:
     """Whether compressed-tensors' offload wrappers are on ``model``.
 
-    llm-compressor's pipelines leave them on every module after ``oneshot`` (each call then
-    routes its arguments and parameters through Python-level onloading); a model reloaded from
-    disk has none. Timing one of each measures the wrappers, not the routing.
+    llm-compressor's pipelines leave them on every module after ``oneshot`` (each call
+    then routes its arguments and parameters through Python-level onloading); a model
+    reloaded from disk has none. Timing one of each measures the wrappers, not the
+    routing.
     """
     from compressed_tensors.offload.cache import OffloadCache
 
@@ -297,12 +304,13 @@ def run_speed_benchmark(
 ) -> list[SpeedResult]:
     """The full grid: prefill at each (seq_len, batch) and decoding at each batch size.
 
-    ``seq_lens=()`` skips prefill. A decoding run is short (seconds) and noisier than a long
-    prefill, so it is repeated ``decode_repeats`` times (default ``max(7, repeats)``).
+    ``seq_lens=()`` skips prefill. A decoding run is short (seconds) and noisier than a
+    long prefill, so it is repeated ``decode_repeats`` times (default ``max(7,
+    repeats)``).
 
-    ``token_stream`` is a 1D tensor of real token ids; inputs are consecutive, non-overlapping
-    chunks of it (real text routes like real text; random ids would not). Both models must be
-    in the same dispatch state (see :func:`is_dispatched`).
+    ``token_stream`` is a 1D tensor of real token ids; inputs are consecutive,
+    non-overlapping chunks of it (real text routes like real text; random ids would
+    not). Both models must be in the same dispatch state (see :func:`is_dispatched`).
     """
     if is_dispatched(dense) != is_dispatched(routed):
         which = "routed" if is_dispatched(routed) else "dense"

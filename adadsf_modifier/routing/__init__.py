@@ -1,4 +1,5 @@
-"""Token routing: the router, the routed decoder layer, routing modes, caches and thresholds."""
+"""Token routing: the router, the routed decoder layer, routing modes, caches and
+thresholds."""
 
 from adadsf_modifier.routing.architectures import (
     SUPPORTED_ARCHITECTURES,

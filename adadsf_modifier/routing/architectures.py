@@ -1,8 +1,10 @@
-"""Where each supported architecture keeps its decoder layers and how they take the KV cache.
+"""Where each supported architecture keeps its decoder layers and how they take the KV
+cache.
 
-Routing itself is architecture-agnostic (it calls the original layer on a compacted batch); all it
-needs to know is which modules are the decoder layers, that they take rotary
-``position_embeddings`` plus a 4D attention mask, and the keyword of the cache argument.
+Routing itself is architecture-agnostic (it calls the original layer on a compacted
+batch); all it needs to know is which modules are the decoder layers, that they take
+rotary ``position_embeddings`` plus a 4D attention mask, and the keyword of the cache
+argument.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """KV cache of a routed layer: only the tokens that ran the layer leave keys and values.
 
-A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` of a routed decoder layer inside any
-transformers ``DynamicCache`` (so ``generate()`` works with its default cache). It stores the keys
-and values of the *selected* tokens, compacted per step into ``[batch, slots, ...]`` with a
-``slot_valid`` mask (rows of a batch select different numbers of tokens), and it reports the true
-number of positions seen, because transformers derives positions and mask sizes from
-``cache.get_seq_length()`` and ``get_mask_sizes()`` of layer 0.
+A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` of a routed decoder layer
+inside any transformers ``DynamicCache`` (so ``generate()`` works with its default
+cache). It stores the keys and values of the *selected* tokens, compacted per step into
+``[batch, slots, ...]`` with a ``slot_valid`` mask (rows of a batch select different
+numbers of tokens), and it reports the true number of positions seen, because
+transformers derives positions and mask sizes from ``cache.get_seq_length()`` and
+``get_mask_sizes()`` of layer 0.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ __all__ = ["RoutedCacheLayer", "routed_cache_layer"]
 
 
 class RoutedCacheLayer(DynamicLayer):
-    """Compacted keys/values of selected tokens plus their validity and the true length."""
+    """Compacted keys/values of selected tokens plus their validity and the true
+    length."""
 
     is_croppable = False
 
@@ -38,10 +40,10 @@ class RoutedCacheLayer(DynamicLayer):
     def only_rows(self, rows: torch.Tensor, batch: int) -> Iterator[None]:
         """While active, the layer runs on rows ``rows`` of a ``batch``-row cache only.
 
-        Used when some rows of a decoding step skip the layer: :meth:`update` receives the new
-        keys/values of those rows, stores them in a fresh slot of every row (the others get a
-        zero filler the caller marks invalid with :meth:`record_step`) and returns the cached
-        keys/values of those rows alone.
+        Used when some rows of a decoding step skip the layer: :meth:`update` receives
+        the new keys/values of those rows, stores them in a fresh slot of every row (the
+        others get a zero filler the caller marks invalid with :meth:`record_step`) and
+        returns the cached keys/values of those rows alone.
         """
         self._rows = (rows, batch)
         try:
@@ -77,11 +79,13 @@ class RoutedCacheLayer(DynamicLayer):
 
     @property
     def all_slots_valid(self) -> bool:
-        """True while every cached slot holds a real token (always so at batch size 1)."""
+        """True while every cached slot holds a real token (always so at batch size
+        1)."""
         return self._slot_valid is None
 
     def slot_valid(self, batch: int, device: torch.device) -> torch.Tensor:
-        """``[batch, num_slots]`` bool: which cached slots hold a token (the rest are filler)."""
+        """``[batch, num_slots]`` bool: which cached slots hold a token (the rest are
+        filler)."""
         if self._slot_valid is None:
             return torch.ones(batch, self.num_slots, dtype=torch.bool, device=device)
         return self._slot_valid
@@ -89,9 +93,11 @@ class RoutedCacheLayer(DynamicLayer):
     def record_step(
         self, query_length: int, valid: torch.Tensor | None = None, appended: int = 0
     ) -> None:
-        """After a forward over ``query_length`` tokens that appended ``appended`` slots.
+        """After a forward over ``query_length`` tokens that appended ``appended``
+        slots.
 
-        ``valid [batch, appended]`` marks which appended slots are real; ``None`` means all.
+        ``valid [batch, appended]`` marks which appended slots are real; ``None`` means
+        all.
         """
         self.seen_tokens += query_length
         if appended == 0:
@@ -139,7 +145,8 @@ class RoutedCacheLayer(DynamicLayer):
 
 
 def routed_cache_layer(cache: Any, layer_idx: int) -> RoutedCacheLayer:
-    """The routed cache layer for ``layer_idx`` inside ``cache``, installing it on first use."""
+    """The routed cache layer for ``layer_idx`` inside ``cache``, installing it on first
+    use."""
     if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
         raise TypeError(
             f"AdaDSF routing supports transformers' DynamicCache, got {type(cache).__name__}"

@@ -1,13 +1,14 @@
 """Routing modes: which tokens a routed layer runs.
 
-- ``topk``: per sequence, the ``K = max(1, floor(r * real_length))`` highest-scoring real tokens.
-  Needs the whole sequence, so it is for training and paper-style evaluation; it cannot continue
-  from a KV cache.
-- ``causal``: each token runs the layer iff its own router score exceeds the layer's calibrated
-  threshold (set so that the expected kept fraction is ``r``). A token's decision depends only on
-  itself and the past, so prefill + incremental decoding equals one full forward.
-- ``auto`` (default): ``topk`` while training, ``causal`` in eval mode once a threshold has been
-  calibrated (top-k before that).
+- ``topk``: per sequence, the ``K = max(1, floor(r * real_length))`` highest-scoring
+  real tokens. Needs the whole sequence, so it is for training and paper-style
+  evaluation; it cannot continue from a KV cache.
+- ``causal``: each token runs the layer iff its own router score exceeds the layer's
+  calibrated threshold (set so that the expected kept fraction is ``r``). A token's
+  decision depends only on itself and the past, so prefill + incremental decoding equals
+  one full forward.
+- ``auto`` (default): ``topk`` while training, ``causal`` in eval mode once a threshold
+  has been calibrated (top-k before that).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _routed(model: nn.Module):
 
 
 def set_routing_mode(model: nn.Module, mode: str) -> None:
-    """Switch every routed layer of ``model`` to ``mode`` (one of :data:`ROUTING_MODES`)."""
+    """Switch every routed layer of ``model`` to ``mode`` (one of
+    :data:`ROUTING_MODES`)."""
     if mode not in ROUTING_MODES:
         raise ValueError(
             f"routing mode must be one of {list(ROUTING_MODES)}, got {mode!r}"

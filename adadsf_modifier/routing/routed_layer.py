@@ -1,10 +1,11 @@
 """A decoder layer that runs only on the tokens its router selects.
 
-The routed layer is the *same module object* with its class swapped for a subclass of the
-original decoder-layer class (``RoutedLlamaDecoderLayer(RoutedLayer, LlamaDecoderLayer)``):
-parameter names, hooks, ``isinstance`` checks, GPTQ ``targets``/``ignore`` and the sequential
-pipeline's ``sequential_targets`` (which match by class name along the MRO) all keep working,
-and a reference anyone took to the layer before routing still points at the routed layer.
+The routed layer is the *same module object* with its class swapped for a subclass of
+the original decoder-layer class (``RoutedLlamaDecoderLayer(RoutedLayer,
+LlamaDecoderLayer)``): parameter names, hooks, ``isinstance`` checks, GPTQ
+``targets``/``ignore`` and the sequential pipeline's ``sequential_targets`` (which match
+by class name along the MRO) all keep working, and a reference anyone took to the layer
+before routing still points at the routed layer.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ _ROUTED_CLASSES: dict[type, type] = {}
 class RoutedLayer(nn.Module):
     """Mixin for routed decoder layers; ``isinstance(layer, RoutedLayer)`` finds them.
 
-    The selected tokens (see :mod:`adadsf_modifier.routing.modes`) run the original layer,
-    attending only among themselves (and, with a KV cache, to the earlier tokens that ran this
-    layer) at their original positions; the others leave it bit-identical. The update of a
-    selected token is multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``:
-    exactly 1 in value (so an untrained router at r = 1 reproduces the dense layer exactly), while
-    the router receives ``d loss / d out * (out - in) * sigmoid'(s)`` as gradient.
+    The selected tokens (see :mod:`adadsf_modifier.routing.modes`) run the original
+    layer, attending only among themselves (and, with a KV cache, to the earlier tokens
+    that ran this layer) at their original positions; the others leave it bit-identical.
+    The update of a selected token is multiplied by a straight-through gate ``1 +
+    sigmoid(s) - sigmoid(s).detach()``: exactly 1 in value (so an untrained router at r
+    = 1 reproduces the dense layer exactly), while the router receives ``d loss / d out
+    * (out - in) * sigmoid'(s)`` as gradient.
     """
 
     router: TokenRouter
@@ -72,11 +74,13 @@ class RoutedLayer(nn.Module):
         mode: str | None = None,
         has_past: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        """``(index, valid, k_max)`` of the tokens this layer runs (``index`` None if none).
+        """``(index, valid, k_max)`` of the tokens this layer runs (``index`` None if
+        none).
 
-        The first real token of a sequence (the attention sink every later token attends to)
-        always runs while ``keep_first_token`` is set; in top-k mode it counts toward ``K``.
-        ``has_past``: the batch continues from a cache, so it holds no first token.
+        The first real token of a sequence (the attention sink every later token attends
+        to) always runs while ``keep_first_token`` is set; in top-k mode it counts
+        toward ``K``. ``has_past``: the batch continues from a cache, so it holds no
+        first token.
         """
         mode = mode or self.resolved_routing_mode()
         ratio = float(self.retention_ratio)
@@ -117,7 +121,8 @@ class RoutedLayer(nn.Module):
         has_past: bool = False,
         scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[batch, seq]`` bool: which tokens of layer input ``x`` this layer would run.
+        """``[batch, seq]`` bool: which tokens of layer input ``x`` this layer would
+        run.
 
         ``scores``: the router's output on ``x`` when the caller already has it.
         """
@@ -160,8 +165,9 @@ class RoutedLayer(nn.Module):
         attention_mask = kwargs.get("attention_mask")
 
         if ratio >= 1.0:
-            # Every real token runs the layer: call it unchanged (cache included), keep padding.
-            # The router only matters for its gradient here, so inference skips it.
+            # Every real token runs the layer: call it unchanged (cache included), keep
+            # padding. The router only matters for its gradient here, so inference skips
+            # it.
             y = super().forward(x, **kwargs)
             y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
             if torch.is_grad_enabled():
@@ -221,12 +227,14 @@ class RoutedLayer(nn.Module):
         return (out, *rest) if rest is not None else out
 
     def _decode_step(self, x, scores, attention_mask, kwargs, cache_layer, impl):
-        """One new token per row (causal mode): only the rows whose token passes run the layer.
+        """One new token per row (causal mode): only the rows whose token passes run the
+        layer.
 
-        No gather/scatter along the sequence and no per-step mask from the model: the rows that
-        run are picked with one host sync (``index_select`` on the batch), their cached
-        keys/values are the slots this layer stored for them, and a mask is built only when
-        some of those slots are filler (a row skipped a step another row ran).
+        No gather/scatter along the sequence and no per-step mask from the model: the
+        rows that run are picked with one host sync (``index_select`` on the batch),
+        their cached keys/values are the slots this layer stored for them, and a mask is
+        built only when some of those slots are filler (a row skipped a step another row
+        ran).
         """
         batch = x.shape[0]
         first = self.keep_first_token and (
@@ -300,14 +308,16 @@ class RoutedLayer(nn.Module):
         impl: str,
         float_mask: bool = False,
     ) -> dict[str, Any]:
-        """The layer keyword(s) that apply the boolean mask ``allowed`` (``None``: no mask).
+        """The layer keyword(s) that apply the boolean mask ``allowed`` (``None``: no
+        mask).
 
         transformers' SDPA path gives up grouped-query attention whenever an
         ``attention_mask`` is passed and copies every cached key and value ``num_heads /
-        num_kv_heads`` times (``repeat_kv``), which on SmolLM2 costs more than the layers a
-        token skips. Its ``position_bias`` argument (an additive mask applied inside the same
-        SDPA call, made for T5-style biases) keeps ``enable_gqa``, so grouped-query layers get
-        the mask that way; others get the usual boolean (SDPA) or additive (eager) mask.
+        num_kv_heads`` times (``repeat_kv``), which on SmolLM2 costs more than the
+        layers a token skips. Its ``position_bias`` argument (an additive mask applied
+        inside the same SDPA call, made for T5-style biases) keeps ``enable_gqa``, so
+        grouped-query layers get the mask that way; others get the usual boolean (SDPA)
+        or additive (eager) mask.
         """
         if allowed is None:
             return {"attention_mask": None}
@@ -331,13 +341,15 @@ class RoutedLayer(nn.Module):
 
     @staticmethod
     def _selected_mask(attention_mask, index, valid, cache_layer, impl):
-        """``None`` when the attention kernel's own behaviour is exact, else an explicit mask.
+        """``None`` when the attention kernel's own behaviour is exact, else an explicit
+        mask.
 
-        Without a cached past, SDPA's causal kernel is exact whenever the layer's own mask is
-        plain causal + padding: the selected tokens of a row sit in position order, padding
-        is never selected, and unused slots trail every used one (so no used slot sees them).
-        That keeps the fast causal kernel (it skips the upper triangle) for rows that keep
-        different numbers of tokens. One query with an all-valid past may see everything.
+        Without a cached past, SDPA's causal kernel is exact whenever the layer's own
+        mask is plain causal + padding: the selected tokens of a row sit in position
+        order, padding is never selected, and unused slots trail every used one (so no
+        used slot sees them). That keeps the fast causal kernel (it skips the upper
+        triangle) for rows that keep different numbers of tokens. One query with an
+        all-valid past may see everything.
         """
         batch, k = index.shape
         num_past = cache_layer.num_slots if cache_layer is not None else 0
@@ -360,7 +372,8 @@ class RoutedLayer(nn.Module):
 
 
 def _skipped(x: torch.Tensor, cache_layer: RoutedCacheLayer | None) -> torch.Tensor:
-    """No token runs the layer: ``x`` passes through; the cache only counts the positions."""
+    """No token runs the layer: ``x`` passes through; the cache only counts the
+    positions."""
     if cache_layer is not None:
         cache_layer.record_step(x.shape[1])
     return x
@@ -381,10 +394,12 @@ def _rows_of(value: Any, rows: torch.Tensor, batch: int) -> Any:
 
 
 def _gated(y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """``y * g + x * (1 - g)`` with the straight-through gate ``g = 1 + sigmoid(s) - sg(...)``.
+    """``y * g + x * (1 - g)`` with the straight-through gate ``g = 1 + sigmoid(s) -
+    sg(...)``.
 
     ``g`` is exactly 1 in value, so the result equals ``y``; only the router's gradient
-    ``d/ds = (y - x) * sigmoid'(s)`` is added. Callers skip it when no gradient is needed.
+    ``d/ds = (y - x) * sigmoid'(s)`` is added. Callers skip it when no gradient is
+    needed.
     """
     p = torch.sigmoid(scores)
     gate = (1.0 + (p - p.detach())).unsqueeze(-1).to(y.dtype)
@@ -414,7 +429,8 @@ def route_layer(
     cache_kwarg: str,
     config: Any,
 ) -> nn.Module:
-    """Turn ``layer`` into a routed layer in place (same object, new class, router added)."""
+    """Turn ``layer`` into a routed layer in place (same object, new class, router
+    added)."""
     if not 0.0 <= retention_ratio <= 1.0:
         raise ValueError(f"retention ratio must be in [0, 1], got {retention_ratio}")
     if isinstance(layer, RoutedLayer):
@@ -435,7 +451,8 @@ def route_layer(
 
 
 def unroute_layer(layer: nn.Module) -> nn.Module:
-    """Undo :func:`route_layer` (used to leave a model untouched when a later step fails)."""
+    """Undo :func:`route_layer` (used to leave a model untouched when a later step
+    fails)."""
     if not isinstance(layer, RoutedLayer):
         return layer
     original = next(
@@ -458,9 +475,10 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
 def _swap_class(layer: nn.Module, new_class: type) -> None:
     """``layer.__class__ = new_class``, carrying any instance-level ``forward`` along.
 
-    compressed-tensors' offloading (which llm-compressor's pipelines put on every module)
-    replaces ``layer.forward`` by a wrapper that calls the class's forward *captured when it was
-    installed*, and ``remove_dispatch`` leaves a bound copy of that function behind. Either
+    compressed-tensors' offloading (which llm-compressor's pipelines put on every
+    module) replaces ``layer.forward`` by a wrapper that calls the class's forward
+    *captured when it was installed*, and ``remove_dispatch`` leaves a bound copy of
+      that function behind. Either
     would silently bypass (or keep) routing after a class swap, so both are re-pointed.
     """
     old_forward = type(layer).forward

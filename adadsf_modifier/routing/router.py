@@ -1,4 +1,5 @@
-"""The per-layer token router: a small MLP that scores how much a token needs a layer."""
+"""The per-layer token router: a small MLP that scores how much a token needs a
+layer."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ __all__ = ["TokenRouter"]
 class TokenRouter(nn.Module):
     """``score = w2 . gelu(W1 . norm(h) + b1) + b2``, one scalar per token.
 
-    The input is RMS-normalised (without a learned scale) because the residual stream's norm grows
-    by orders of magnitude with depth; without it one learning rate cannot suit every layer.
-    Kept deliberately tiny (``hidden_size * router_hidden_size`` weights) so its cost is a rounding
-    error next to the layer it gates (counted in the FLOPs model).
+    The input is RMS-normalised (without a learned scale) because the residual stream's
+    norm grows by orders of magnitude with depth; without it one learning rate cannot
+    suit every layer. Kept deliberately tiny (``hidden_size * router_hidden_size``
+    weights) so its cost is a rounding error next to the layer it gates (counted in the
+    FLOPs model).
     """
 
     def __init__(
@@ -33,10 +35,11 @@ class TokenRouter(nn.Module):
         self.fc2 = nn.Linear(router_hidden_size, 1)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq, hidden] -> [batch, seq]`` router logits (float32 for stable top-k).
+        """``[batch, seq, hidden] -> [batch, seq]`` router logits (float32 for stable
+        top-k).
 
-        Written with fused functional ops: a decoding step calls the router of every layer for
-        a single token, where the cost is per-op dispatch, not arithmetic.
+        Written with fused functional ops: a decoding step calls the router of every
+        layer for a single token, where the cost is per-op dispatch, not arithmetic.
         """
         h = hidden_states
         if h.dtype != self.fc1.weight.dtype:

@@ -1,8 +1,10 @@
-"""Tensor helpers that turn router scores into a compacted batch of selected tokens and back.
+"""Tensor helpers that turn router scores into a compacted batch of selected tokens and
+back.
 
-All of them work on the whole batch at once (no Python loop over rows): a routed layer gathers the
-selected tokens of every row into a dense ``[batch, K_max, hidden]`` tensor, runs the original
-layer on it with a matching attention mask, and scatters the results back.
+All of them work on the whole batch at once (no Python loop over rows): a routed layer
+gathers the selected tokens of every row into a dense ``[batch, K_max, hidden]`` tensor,
+runs the original layer on it with a matching attention mask, and scatters the results
+back.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def real_token_mask(
 ) -> torch.Tensor:
     """``[batch, seq]`` bool, True for real (non-padding) query tokens.
 
-    Read off the 4D mask a decoder layer receives: a padded key is masked for every query, so a
-    query token is real iff it may attend to itself (the diagonal, shifted by any cached length).
-    This works the same under the model's own forward and llm-compressor's traced sequential
-    pipeline, which calls decoder layers directly. ``None`` (SDPA's causal fast path) means no
-    padding. A 2D ``[batch, kv_len]`` padding mask is accepted as well.
+    Read off the 4D mask a decoder layer receives: a padded key is masked for every
+    query, so a query token is real iff it may attend to itself (the diagonal, shifted
+    by any cached length). This works the same under the model's own forward and
+    llm-compressor's traced sequential pipeline, which calls decoder layers directly.
+    ``None`` (SDPA's causal fast path) means no padding. A 2D ``[batch, kv_len]``
+    padding mask is accepted as well.
     """
     if attention_mask is None:
         return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
@@ -62,10 +65,11 @@ _MASK_VERDICTS: dict[int, tuple[weakref.ref, bool]] = {}
 def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
     """Whether a layer's mask (no cached past) is nothing but causal + padding of keys.
 
-    ``None`` (SDPA's causal fast path) is. A 4D mask qualifies when, for every real query,
-    the allowed keys are exactly the real keys at or before it (no sliding window, no packed
-    sequences, no custom pattern). Every decoder layer of a forward receives the same mask
-    object, so the verdict is computed once per mask and remembered while it lives.
+    ``None`` (SDPA's causal fast path) is. A 4D mask qualifies when, for every real
+    query, the allowed keys are exactly the real keys at or before it (no sliding
+    window, no packed sequences, no custom pattern). Every decoder layer of a forward
+    receives the same mask object, so the verdict is computed once per mask and
+    remembered while it lives.
     """
     if attention_mask is None:
         return True
@@ -96,9 +100,11 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
 
 
 def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
-    """``K_b = max(1, floor(ratio * n_b))`` per row (0 for an all-padding row or ratio 0).
+    """``K_b = max(1, floor(ratio * n_b))`` per row (0 for an all-padding row or ratio
+    0).
 
-    Same rule as :func:`adadsf_modifier.allocation.tokens_to_keep`, vectorised in float64.
+    Same rule as :func:`adadsf_modifier.allocation.tokens_to_keep`, vectorised in
+    float64.
     """
     n = real.sum(dim=1)
     if ratio <= 0:
@@ -112,9 +118,10 @@ def select_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``keep[b]`` real tokens of each row by score, returned in position order.
 
-    Returns ``index [batch, k_max]`` (positions ascending; unused slots hold ``seq_len``, one past
-    the end, so they sort last and scatter into a discarded slot) and ``valid [batch, k_max]``.
-    Padding gets ``-inf`` and is never chosen while a real token remains (``keep <= n_real``).
+    Returns ``index [batch, k_max]`` (positions ascending; unused slots hold
+    ``seq_len``, one past the end, so they sort last and scatter into a discarded slot)
+    and ``valid [batch, k_max]``. Padding gets ``-inf`` and is never chosen while a real
+    token remains (``keep <= n_real``).
     """
     batch, seq_len = scores.shape
     masked = scores.masked_fill(~real, float("-inf"))
@@ -130,7 +137,8 @@ def select_topk(
 def select_by_mask(
     selected: torch.Tensor, k_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of the ``selected`` tokens of each row, ascending, padded to ``k_max`` slots.
+    """Positions of the ``selected`` tokens of each row, ascending, padded to ``k_max``
+    slots.
 
     Same output convention as :func:`select_topk` (unused slots hold ``seq_len``).
     """
@@ -142,7 +150,8 @@ def select_by_mask(
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[b, index[b, k]]`` along dim 1; out-of-range (unused) slots read the last token."""
+    """``x[b, index[b, k]]`` along dim 1; out-of-range (unused) slots read the last
+    token."""
     idx = index.clamp(max=x.shape[1] - 1)
     shape = list(idx.shape) + list(x.shape[2:])
     idx = idx.reshape(*idx.shape, *([1] * (x.dim() - 2))).expand(shape)
@@ -152,7 +161,8 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def gather_position_embeddings(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rotary ``(cos, sin)`` of the selected tokens, so each keeps its original position."""
+    """Rotary ``(cos, sin)`` of the selected tokens, so each keeps its original
+    position."""
     if position_embeddings is None:
         return None
     cos, sin = position_embeddings
@@ -167,11 +177,12 @@ def compact_attention_mask(
 ) -> torch.Tensor:
     """The boolean ``[batch, 1, K, past_slots + K]`` mask of the selected queries.
 
-    Among the new tokens it is read off the layer's own 4D mask at the selected (query, key)
-    positions, so causality, padding and any sliding window carry over; ``None`` means plain
-    causal. Cached slots (``past_valid [batch, past_slots]``, all earlier positions) are visible
-    where valid. Unused slots are masked as keys, and each slot may attend to itself so no row
-    is fully masked (SDPA would return NaN; those rows are discarded anyway).
+    Among the new tokens it is read off the layer's own 4D mask at the selected (query,
+    key) positions, so causality, padding and any sliding window carry over; ``None``
+    means plain causal. Cached slots (``past_valid [batch, past_slots]``, all earlier
+    positions) are visible where valid. Unused slots are masked as keys, and each slot
+    may attend to itself so no row is fully masked (SDPA would return NaN; those rows
+    are discarded anyway).
     """
     batch, k = index.shape
     device = index.device
@@ -216,7 +227,8 @@ def to_attention_dtype(
 def scatter_tokens(
     x: torch.Tensor, index: torch.Tensor, values: torch.Tensor
 ) -> torch.Tensor:
-    """``x`` with ``values`` written at ``index`` (unused slots land in a dropped extra slot).
+    """``x`` with ``values`` written at ``index`` (unused slots land in a dropped extra
+    slot).
 
     Tokens that were not selected come back bit-identical to ``x``.
     """

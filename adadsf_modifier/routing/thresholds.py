@@ -1,10 +1,11 @@
 """Calibrate the per-layer thresholds of causal routing on calibration data.
 
-Causal routing keeps a token at layer ``i`` iff its router score exceeds ``theta_i``. We pick
-``theta_i`` as the ``(1 - r_i)`` quantile of the scores real calibration tokens produce at that
-layer, so the expected kept fraction is ``r_i``. Scores at layer ``i`` depend on how the layers
-before it routed, so the first pass runs top-k routing (the training-time behaviour) and each
-further pass re-estimates every threshold under causal routing upstream.
+Causal routing keeps a token at layer ``i`` iff its router score exceeds ``theta_i``. We
+pick ``theta_i`` as the ``(1 - r_i)`` quantile of the scores real calibration tokens
+produce at that layer, so the expected kept fraction is ``r_i``. Scores at layer ``i``
+depend on how the layers before it routed, so the first pass runs top-k routing (the
+training-time behaviour) and each further pass re-estimates every threshold under causal
+routing upstream.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ __all__ = ["ThresholdReport", "calibrate_thresholds", "threshold_for_ratio"]
 
 @dataclass
 class ThresholdReport:
-    """Per routed layer (in layer order): thresholds, kept fraction and top-k agreement."""
+    """Per routed layer (in layer order): thresholds, kept fraction and top-k
+    agreement."""
 
     layer_indices: list[int] = field(default_factory=list)
     thresholds: list[float] = field(default_factory=list)
@@ -38,7 +40,8 @@ class ThresholdReport:
 
 
 def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
-    """A threshold with ``mean(scores > t) ~= ratio`` (midway between neighbouring scores)."""
+    """A threshold with ``mean(scores > t) ~= ratio`` (midway between neighbouring
+    scores)."""
     if ratio >= 1.0:
         return float("-inf")
     if ratio <= 0.0 or scores.numel() == 0:
@@ -90,11 +93,12 @@ class _ScoreRecorder:
 def calibrate_thresholds(
     model: nn.Module, batches: Iterable[Mapping[str, Any]], passes: int = 2
 ) -> ThresholdReport:
-    """Set ``causal_threshold`` on every routed layer of ``model``; returns what was measured.
+    """Set ``causal_threshold`` on every routed layer of ``model``; returns what was
+    measured.
 
-    ``passes`` >= 1: pass 1 under top-k routing, then ``passes - 1`` refinements under causal
-    routing. A final measuring pass reports the kept fraction and how often the causal decision
-    agrees with top-k membership on the same inputs.
+    ``passes`` >= 1: pass 1 under top-k routing, then ``passes - 1`` refinements under
+    causal routing. A final measuring pass reports the kept fraction and how often the
+    causal decision agrees with top-k membership on the same inputs.
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")

@@ -1,13 +1,14 @@
 """Warm-start the routers from the dense model's own per-token similarity.
 
-A freshly initialised router ranks tokens at random, so at ``r < 1`` a random subset of tokens
-skips each layer, and alignment has to discover from scratch which tokens matter. The dense
-calibration pass already measures, per token, how much each layer changes it
-(``1 - cos(x_in, x_out)``): the same statistic AdaDSF uses per layer, and the label DLO uses for
-its routers. Regressing each router onto it (standardised ``log(1 - cos)``, a cheap full-batch fit
-on a sample of calibration tokens, no backward through the model) makes the router keep the tokens
-the layer would change most, i.e. the ones whose skipping costs most. Alignment then fine-tunes
-from there. ``router_init="random"`` on the modifier switches it off (the ablation).
+A freshly initialised router ranks tokens at random, so at ``r < 1`` a random subset of
+tokens skips each layer, and alignment has to discover from scratch which tokens matter.
+The dense calibration pass already measures, per token, how much each layer changes it
+(``1 - cos(x_in, x_out)``): the same statistic AdaDSF uses per layer, and the label DLO
+uses for its routers. Regressing each router onto it (standardised ``log(1 - cos)``, a
+cheap full-batch fit on a sample of calibration tokens, no backward through the model)
+makes the router keep the tokens the layer would change most, i.e. the ones whose
+skipping costs most. Alignment then fine-tunes from there. ``router_init="random"`` on
+the modifier switches it off (the ablation).
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ def warm_start_router(
     lr: float = 1e-2,
     seed: int = 0,
 ) -> WarmStartResult:
-    """Fit ``router`` (in place) so its score predicts the importance of each sampled token.
+    """Fit ``router`` (in place) so its score predicts the importance of each sampled
+    token.
 
-    Trains a float32 copy (bf16 Adam updates would be lost to rounding) and copies it back in the
-    router's own dtype. A quarter of the sample is held out to report rank correlation honestly.
+    Trains a float32 copy (bf16 Adam updates would be lost to rounding) and copies it
+    back in the router's own dtype. A quarter of the sample is held out to report rank
+    correlation honestly.
     """
     if inputs.shape[0] != similarity.shape[0] or inputs.shape[0] < 8:
         raise ValueError(
