@@ -8,15 +8,12 @@ routing agree on what a token is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from loguru import logger
 from torch import nn
-from tqdm.auto import tqdm
 
-from adadsf_modifier.routing.selection import real_token_mask
+from adadsf_modifier.utils import real_token_mask, run_calibration_batches
 
 __all__ = [
     "SimilarityAccumulator",
@@ -101,45 +98,3 @@ class SimilarityAccumulator:
                 "calibration saw no real tokens: the calibration set is empty or all padding"
             )
         return [s / c for s, c in zip(self.sums, self.counts)]
-
-
-def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {
-        k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-        for k, v in batch.items()
-    }
-
-
-def run_calibration_batches(
-    model: nn.Module,
-    batches: Iterable[Mapping[str, Any]],
-    desc: str = "AdaDSF calibration",
-) -> int:
-    """Forward every batch through ``model`` (no grad, no KV cache); returns the batch
-    count.
-
-    Only the keys a causal LM takes are passed, so a dataloader that also yields
-    ``labels`` does not make the model compute a loss over logits it does not need.
-    """
-    device = next(model.parameters()).device
-    n = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in tqdm(batches, desc=desc, leave=False):
-                inputs = {
-                    k: v
-                    for k, v in batch.items()
-                    if k in ("input_ids", "attention_mask")
-                }
-                if "input_ids" not in inputs:
-                    raise ValueError(
-                        f"calibration batches need an `input_ids` column, got {sorted(batch)}"
-                    )
-                model(**_to_device(inputs, device), use_cache=False)
-                n += 1
-    finally:
-        model.train(was_training)
-    logger.debug(f"{desc}: {n} batches")
-    return n

@@ -46,9 +46,7 @@ from torch import nn
 from adadsf_modifier.allocation import tokens_to_keep
 from adadsf_modifier.routing.architectures import decoder_layers
 from adadsf_modifier.routing.routed_layer import RoutedLayer
-from adadsf_modifier.routing.selection import (
-    real_token_mask,
-)
+from adadsf_modifier.utils import real_token_mask
 
 __all__ = [
     "LayerShape",

@@ -23,13 +23,13 @@ from adadsf_modifier.routing.selection import (
     gather_position_embeddings,
     gather_tokens,
     is_causal_padding_mask,
-    real_token_mask,
     scatter_tokens,
     select_by_mask,
     select_topk,
     to_attention_dtype,
     tokens_to_keep_per_row,
 )
+from adadsf_modifier.utils import real_token_mask
 
 __all__ = ["RoutedLayer", "route_layer", "unroute_layer", "routed_class_for"]
 

@@ -13,8 +13,9 @@ import weakref
 
 import torch
 
+from adadsf_modifier.utils import allowed_by_mask
+
 __all__ = [
-    "real_token_mask",
     "is_causal_padding_mask",
     "tokens_to_keep_per_row",
     "select_topk",
@@ -25,38 +26,6 @@ __all__ = [
     "to_attention_dtype",
     "scatter_tokens",
 ]
-
-
-def real_token_mask(
-    attention_mask: torch.Tensor | None, batch: int, seq_len: int, device: torch.device
-) -> torch.Tensor:
-    """``[batch, seq]`` bool, True for real (non-padding) query tokens.
-
-    Read off the 4D mask a decoder layer receives: a padded key is masked for every
-    query, so a query token is real iff it may attend to itself (the diagonal, shifted
-    by any cached length). This works the same under the model's own forward and
-    llm-compressor's traced sequential pipeline, which calls decoder layers directly.
-    ``None`` (SDPA's causal fast path) means no padding. A 2D ``[batch, kv_len]``
-    padding mask is accepted as well.
-    """
-    if attention_mask is None:
-        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
-    if attention_mask.dim() == 2:
-        return attention_mask[:, -seq_len:].bool()
-    if attention_mask.dim() != 4:
-        raise ValueError(
-            f"AdaDSF routing expects a 2D or 4D attention mask, got shape {tuple(attention_mask.shape)}"
-        )
-    kv_len = attention_mask.shape[-1]
-    offset = kv_len - seq_len
-    diag = torch.diagonal(
-        attention_mask[:, 0, -seq_len:, :], offset=offset, dim1=-2, dim2=-1
-    )
-    if attention_mask.dtype == torch.bool:
-        real = diag
-    else:  # additive float mask: 0 where attending, a large negative number where masked
-        real = diag > torch.finfo(attention_mask.dtype).min / 2
-    return real.expand(batch, seq_len)
 
 
 _MASK_VERDICTS: dict[int, tuple[weakref.ref, bool]] = {}
@@ -83,9 +52,7 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
     if hit is not None and hit[0]() is attention_mask:
         return hit[1]
     full = attention_mask[:, 0]
-    allowed = (
-        full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
-    )
+    allowed = allowed_by_mask(full)
     n = allowed.shape[-1]
     real = torch.diagonal(allowed, dim1=-2, dim2=-1)  # [batch or 1, n]
     expected = (
@@ -199,11 +166,7 @@ def compact_attention_mask(
             full = full.expand(batch, *full.shape[1:])
         rows = torch.arange(batch, device=device).view(batch, 1, 1)
         picked = full[rows, idx.unsqueeze(2), offset + idx.unsqueeze(1)]
-        allowed = (
-            picked
-            if picked.dtype == torch.bool
-            else picked > torch.finfo(picked.dtype).min / 2
-        )
+        allowed = allowed_by_mask(picked)
     allowed = (allowed & valid.unsqueeze(1)) | torch.eye(
         k, dtype=torch.bool, device=device
     )

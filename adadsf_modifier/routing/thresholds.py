@@ -18,10 +18,9 @@ import torch
 from loguru import logger
 from torch import nn
 
-from adadsf_modifier.calibration import run_calibration_batches
 from adadsf_modifier.routing.modes import routing_mode
 from adadsf_modifier.routing.routed_layer import RoutedLayer
-from adadsf_modifier.routing.selection import real_token_mask
+from adadsf_modifier.utils import real_token_mask, run_calibration_batches
 
 __all__ = ["ThresholdReport", "calibrate_thresholds", "threshold_for_ratio"]
 

@@ -1,0 +1,113 @@
+"""Leaf helpers shared by calibration, routing, alignment and evaluation.
+
+This module imports nothing from ``adadsf_modifier``: anything here can be used by any
+package without creating an import cycle. Devices and tensor moves come from
+compressed-tensors / llm-compressor (``get_execution_device``, ``tensors_to_device``)
+rather than home-made copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from compressed_tensors.offload import get_execution_device
+from llmcompressor.pytorch.utils.helpers import tensors_to_device
+from loguru import logger
+from torch import nn
+from tqdm.auto import tqdm
+
+__all__ = [
+    "allowed_by_mask",
+    "get_execution_device",
+    "model_device",
+    "real_token_mask",
+    "run_calibration_batches",
+    "tensors_to_device",
+]
+
+#: The keys of a calibration / training batch that a causal LM's forward takes.
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask")
+
+
+def allowed_by_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean "may attend" of a boolean or additive float attention mask.
+
+    An additive mask holds 0 where attending and a large negative number (down to the
+    dtype's minimum) where masked; half that minimum separates the two robustly.
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def real_token_mask(
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[batch, seq]`` bool, True for real (non-padding) query tokens.
+
+    Read off the 4D mask a decoder layer receives: a padded key is masked for every
+    query, so a query token is real iff it may attend to itself (the diagonal, shifted
+    by any cached length). This works the same under the model's own forward and
+    llm-compressor's traced sequential pipeline, which calls decoder layers directly.
+    ``None`` (SDPA's causal fast path) means no padding. A 2D ``[batch, kv_len]``
+    padding mask is accepted as well.
+    """
+    if attention_mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -seq_len:].bool()
+    if attention_mask.dim() != 4:
+        raise ValueError(
+            "AdaDSF routing expects a 2D or 4D attention mask, got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
+    kv_len = attention_mask.shape[-1]
+    offset = kv_len - seq_len
+    diag = torch.diagonal(
+        attention_mask[:, 0, -seq_len:, :], offset=offset, dim1=-2, dim2=-1
+    )
+    return allowed_by_mask(diag).expand(batch, seq_len)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where inputs to ``model`` go (offload-aware; CPU for a model without
+    parameters)."""
+    device = get_execution_device(model, default=torch.device("cpu"))
+    return torch.device("cpu") if device == "disk" else torch.device(device)
+
+
+def run_calibration_batches(
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    desc: str = "AdaDSF calibration",
+) -> int:
+    """Forward every batch through ``model`` (no grad, no KV cache); returns the batch
+    count.
+
+    Only the keys a causal LM takes are passed, so a dataloader that also yields
+    ``labels`` does not make the model compute a loss over logits it does not need.
+    """
+    device = model_device(model)
+    n = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in tqdm(batches, desc=desc, leave=False):
+                inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
+                if "input_ids" not in inputs:
+                    raise ValueError(
+                        "calibration batches need an `input_ids` column, got "
+                        f"{sorted(batch)}"
+                    )
+                model(**tensors_to_device(inputs, device), use_cache=False)
+                n += 1
+    finally:
+        model.train(was_training)
+    logger.debug(f"{desc}: {n} batches")
+    return n
