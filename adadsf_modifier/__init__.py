@@ -2,11 +2,13 @@
 
 ``import adadsf_modifier`` registers :class:`AdaDSFModifier` with llm-compressor's
 ``ModifierFactory`` so YAML recipes (including the ``recipe.yaml`` saved next to a
-checkpoint) can name it.
+checkpoint) can name it, and guards llm-compressor's recipe parser against recipes
+that name AdaDSFModifier but would silently apply none (see ``recipe_guard``).
 """
 
 from llmcompressor.modifiers.factory import ModifierFactory
 
+from adadsf_modifier import recipe_guard
 from adadsf_modifier.checkpoint import AdaDSFCheckpointError, from_pretrained
 from adadsf_modifier.modifier import AdaDSFModifier
 from adadsf_modifier.routing import RoutedLayer, TokenRouter, routed_layers
@@ -22,3 +24,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 ModifierFactory.register("AdaDSFModifier", AdaDSFModifier)
+recipe_guard.install()

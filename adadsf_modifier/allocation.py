@@ -24,6 +24,7 @@ __all__ = [
     "layer_drop_ratios",
     "explicit_ratios",
     "allocate",
+    "check_allocation",
     "tokens_to_keep",
 ]
 
@@ -63,6 +64,11 @@ def similarity_ratios(
         raise ValueError("similarities is empty: no decoder layer was calibrated")
     if temperature <= 0:
         raise ValueError(f"temperature (tau) must be > 0, got {temperature}")
+    if not beta >= 0:  # also refuses NaN
+        raise ValueError(
+            f"beta must be >= 0 (a negative beta gives more tokens to the layers that "
+            f"change least, inverting the method; 0 gives uniform ratios), got {beta}"
+        )
     s_max = max(similarities)
     logits = [(s - s_max) / temperature for s in similarities]
     exps = [math.exp(v) for v in logits]  # all <= 1 after subtracting the max
@@ -156,6 +162,19 @@ def random_ratios(ratios: Sequence[float], seed: int) -> list[float]:
     return out
 
 
+def _layers_kept(retention: float, num_layers: int) -> int:
+    """How many whole layers ``layer_drop`` keeps: ``floor(retention * L)``."""
+    keep = int(math.floor(retention * num_layers + 1e-9))
+    if keep < 1:
+        raise ValueError(
+            f"allocation: layer_drop at retention {retention} on {num_layers} routed "
+            f"layer(s) would keep no layer (floor({retention} * {num_layers}) = 0); "
+            f"the smallest retention it can meet is 1/{num_layers} = "
+            f"{1 / num_layers:.4g}"
+        )
+    return keep
+
+
 def layer_drop_ratios(similarities: Sequence[float], retention: float) -> list[float]:
     """ShortGPT: remove whole layers with the lowest Block Influence ``1 - s_i``.
 
@@ -164,8 +183,7 @@ def layer_drop_ratios(similarities: Sequence[float], retention: float) -> list[f
     an integer).
     """
     n = len(similarities)
-    keep = int(math.floor(retention * n + 1e-9))
-    keep = max(keep, 1)
+    keep = _layers_kept(retention, n)
     influence_order = sorted(
         range(n), key=lambda i: 1.0 - similarities[i]
     )  # lowest BI first
@@ -186,6 +204,18 @@ def explicit_ratios(values: Sequence[float], num_layers: int) -> list[float]:
                 f"allocation: ratio {v} for routed layer {i} is outside (0, 1]"
             )
     return [float(v) for v in values]
+
+
+def check_allocation(
+    allocation: str | Sequence[float], retention: float, num_layers: int
+) -> None:
+    """Fail before any calibration if ``allocation`` cannot be met on ``num_layers``
+    routed layers (an explicit list of the wrong length, or ``layer_drop`` with a
+    budget below one whole layer)."""
+    if not isinstance(allocation, str):
+        explicit_ratios(allocation, num_layers)
+    elif allocation == "layer_drop":
+        _layers_kept(retention, num_layers)
 
 
 def allocate(

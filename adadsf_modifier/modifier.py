@@ -7,18 +7,19 @@ time a later GPTQ or SmoothQuant modifier initialises (and resolves its target m
 the layers are already routed, and GPTQ's sequential pipeline then calibrates on exactly
 the tokens the sparse model feeds each layer. The pipeline's own passes run without
 gradients and without the lm_head, so the dense calibration loops over
-``state.data.calib`` itself (as AutoRound does for its gradient work).
+``state.data.calib`` itself (as SparseGPT/Wanda's OWL option does for its statistics,
+and AutoRound for gradient work in its own hooks).
 """
 
 from __future__ import annotations
 
 import math
 import traceback
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from compressed_tensors.utils import is_match
-from llmcompressor.core import Event, State
+from llmcompressor.core import State
 from llmcompressor.modifiers import Modifier
 from loguru import logger
 from pydantic import Field, PrivateAttr, field_validator, model_validator
@@ -30,13 +31,20 @@ from adadsf_modifier.alignment import (
     make_teacher,
     release_memory,
 )
-from adadsf_modifier.allocation import ALLOCATIONS, allocate, explicit_ratios
+from adadsf_modifier.allocation import ALLOCATIONS, allocate, check_allocation
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.checkpoint import (
     attach_checkpoint_support,
     check_recipe_keeps_routers_unquantized,
 )
+from adadsf_modifier.constraints import (
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    UnitInterval,
+)
 from adadsf_modifier.routing import (
+    RoutedLayer,
     ThresholdReport,
     TokenRouter,
     calibrate_thresholds,
@@ -85,7 +93,10 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens
         that run each routed layer
     :param temperature: softmax temperature ``tau`` (> 0) of the similarity allocation
-    :param beta: steepness of the similarity -> ratio sigmoid (paper: 10)
+    :param beta: steepness of the similarity -> ratio sigmoid (paper: 10), >= 0;
+        ``0`` flattens the sigmoid, so every routed layer gets the same ratio
+        (the same as ``allocation: uniform``); negative values would invert the
+        method and are refused
     :param min_retention: lower clip for any routed layer's ratio; defaults to
         ``min(0.1, retention)``; must not exceed ``retention``
     :param allocation: ``similarity`` (AdaDSF), ``uniform`` (MoD), ``reversed``
@@ -110,23 +121,22 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         default, skips it)
     """
 
-    retention: float = 0.8
-    temperature: float = 0.05
-    beta: float = 10.0
+    retention: UnitInterval = 0.8
+    temperature: PositiveFloat = 0.05
+    beta: NonNegativeFloat = 10.0
     min_retention: float | None = None
     allocation: str | list[float] = "similarity"
     targets: str | list[str] | None = None
     ignore: list[str] = Field(default_factory=list)
-    router_hidden_size: int = 64
+    router_hidden_size: PositiveInt = 64
     seed: int = 0
-    threshold_passes: int = 2
-    router_init: str = "similarity"
-    router_init_steps: int = 100
-    router_init_tokens: int = 2048
+    threshold_passes: PositiveInt = 2
+    router_init: Literal["similarity", "random"] = "similarity"
+    router_init_steps: PositiveInt = 100
+    router_init_tokens: PositiveInt = 2048
 
     _similarities: list[float] | None = PrivateAttr(default=None)
     _retention_ratios: list[float] | None = PrivateAttr(default=None)
-    _routed_names: list[str] = PrivateAttr(default_factory=list)
     _threshold_report: ThresholdReport | None = PrivateAttr(default=None)
     _warm_start: list[WarmStartResult] = PrivateAttr(default_factory=list)
     _accumulator: SimilarityAccumulator | None = PrivateAttr(default=None)
@@ -134,62 +144,14 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
 
     # ------------------------------------------------------------------ validation
-    @field_validator("retention")
-    @classmethod
-    def _check_retention(cls, v: float) -> float:
-        if not (math.isfinite(v) and 0.0 < v <= 1.0):
-            raise ValueError(f"retention must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _check_temperature(cls, v: float) -> float:
-        if not (math.isfinite(v) and v > 0.0):
-            raise ValueError(f"temperature (tau) must be > 0, got {v}")
-        return v
-
-    @field_validator("beta")
-    @classmethod
-    def _check_beta(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError(f"beta must be a finite number, got {v}")
-        return v
-
-    @field_validator("router_init")
-    @classmethod
-    def _check_router_init(cls, v: str) -> str:
-        if v not in ("similarity", "random"):
-            raise ValueError(f"router_init must be 'similarity' or 'random', got {v!r}")
-        return v
-
-    @field_validator("router_init_steps", "router_init_tokens")
-    @classmethod
-    def _check_router_init_sizes(cls, v: int, info) -> int:
-        if v < 1:
-            raise ValueError(f"{info.field_name} must be a positive integer, got {v}")
-        return v
-
-    @field_validator("threshold_passes")
-    @classmethod
-    def _check_threshold_passes(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"threshold_passes must be >= 1, got {v}")
-        return v
-
-    @field_validator("router_hidden_size")
-    @classmethod
-    def _check_router_size(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError(f"router_hidden_size must be a positive integer, got {v}")
-        return v
-
     @field_validator("allocation")
     @classmethod
     def _check_allocation(cls, v: str | list[float]) -> str | list[float]:
         if isinstance(v, str):
             if v not in ALLOCATIONS:
                 raise ValueError(
-                    f"allocation must be one of {list(ALLOCATIONS)} or a list of per-layer "
+                    f"allocation must be one of {list(ALLOCATIONS)} or a list of "
+                    "per-layer "
                     f"ratios in (0, 1], got {v!r}"
                 )
             return v
@@ -266,16 +228,17 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
         model = state.model
         spec, layers = decoder_layers(model)
+        self._check_not_routed(layers)
         targeted = self._targeted_layers(layers)
-        if isinstance(self.allocation, list):
-            explicit_ratios(
-                self.allocation, len(targeted)
-            )  # wrong length fails before calibration
+        # An impossible allocation (wrong list length, layer_drop below one layer)
+        # fails here, before calibration.
+        check_allocation(self.allocation, self.retention, len(targeted))
 
         calib = getattr(state.data, "calib", None) if state.data is not None else None
         if calib is None:
             raise ValueError(
-                "AdaDSFModifier needs calibration data: pass `dataset=` (and a tokenizer) to "
+                "AdaDSFModifier needs calibration data: pass `dataset=` (and a "
+                "tokenizer) to "
                 "oneshot"
             )
         try:
@@ -309,7 +272,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         self._route(model, spec.cache_kwarg, targeted, ratios)
         logger.info(
             f"AdaDSF: routed {len(targeted)}/{len(layers)} decoder layers, allocation="
-            f"{self.allocation if isinstance(self.allocation, str) else 'explicit'}, mean ratio "
+            f"{self.allocation if isinstance(self.allocation, str) else 'explicit'}, "
+            "mean ratio "
             f"{sum(ratios) / len(ratios):.4f}, ratios "
             f"[{', '.join(f'{r:.3f}' for r in full)}]"
         )
@@ -325,18 +289,25 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         attach_checkpoint_support(model, self)
         return True
 
-    def on_start(self, state: State, event: Event, **kwargs: Any) -> None:
-        pass
-
-    def on_end(self, state: State, event: Event, **kwargs: Any) -> None:
-        pass
-
     def on_finalize(self, state: State, **kwargs: Any) -> bool:
         self.remove_hooks()
         self._teacher = None
         return True
 
     # ------------------------------------------------------------------ steps
+    @staticmethod
+    def _check_not_routed(layers: list[tuple[str, torch.nn.Module]]) -> None:
+        routed = [name for name, layer in layers if isinstance(layer, RoutedLayer)]
+        if routed:
+            raise ValueError(
+                f"AdaDSFModifier: decoder layers {routed[:3]}"
+                f"{' ...' if len(routed) > 3 else ''} are already routed (a second "
+                "AdaDSFModifier in the recipe, oneshot run twice on one model, or a "
+                "model loaded with adadsf_modifier.from_pretrained); route a dense "
+                "model "
+                "once"
+            )
+
     def _targeted_layers(self, layers: list[tuple[str, torch.nn.Module]]):
         targets = self.targets
         if targets is None:
@@ -354,7 +325,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             ]
         if not chosen:
             raise ValueError(
-                f"AdaDSFModifier: targets={self.targets!r} / ignore={self.ignore!r} match no "
+                f"AdaDSFModifier: targets={self.targets!r} / ignore={self.ignore!r} "
+                "match no "
                 f"decoder layer (first layer is `{layers[0][0]}`)"
             )
         return chosen
@@ -426,7 +398,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         if results:
             corr = sum(r.heldout_rank_corr for r in results) / len(results)
             logger.info(
-                f"AdaDSF router warm start: {len(results)} routers fit to per-token similarity; "
+                f"AdaDSF router warm start: {len(results)} routers fit to per-token "
+                "similarity; "
                 f"mean held-out rank correlation {corr:.3f}"
             )
 
@@ -444,4 +417,3 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             for layer in done:
                 unroute_layer(layer)
             raise
-        self._routed_names = [name for _, name, _ in targeted]

@@ -6,6 +6,7 @@ import pytest
 
 from adadsf_modifier.allocation import (
     allocate,
+    check_allocation,
     clip_to_budget,
     layer_drop_ratios,
     similarity_ratios,
@@ -99,6 +100,8 @@ def test_layer_drop_removes_lowest_block_influence():
         (dict(retention=1.5), r"retention must be in \(0, 1\]"),
         (dict(temperature=0.0), "temperature"),
         (dict(min_retention=0.9, retention=0.8), "min_retention"),
+        (dict(beta=-1.0), "beta must be >= 0"),
+        (dict(beta=float("nan")), "beta must be >= 0"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, match):
@@ -113,6 +116,28 @@ def test_bad_arguments_raise_clear_errors(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         allocate(**args)
+
+
+def test_zero_beta_gives_uniform_ratios():
+    assert allocate("similarity", SIMS, 0.7, 0.05, 0.0, 0.1) == pytest.approx(
+        [0.7] * len(SIMS)
+    )
+
+
+@pytest.mark.parametrize("retention, n", [(0.1, 4), (0.5, 1), (0.2, 3)])
+def test_layer_drop_below_one_layer_is_refused_naming_the_minimum(retention, n):
+    sims = SIMS[:n]
+    with pytest.raises(ValueError, match=rf"smallest retention it can meet is 1/{n}"):
+        allocate("layer_drop", sims, retention, 0.05, 10.0, min(0.1, retention))
+    with pytest.raises(ValueError, match="would keep no layer"):
+        check_allocation("layer_drop", retention, n)
+
+
+@pytest.mark.parametrize("retention, n", [(0.25, 4), (0.7, 8), (1.0, 1)])
+def test_layer_drop_never_exceeds_the_budget(retention, n):
+    ratios = allocate("layer_drop", SIMS[:n], retention, 0.05, 10.0, 0.1)
+    assert sum(ratios) / n <= retention + 1e-12
+    check_allocation("layer_drop", retention, n)  # feasible: no error
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ def assert_equals_dense(model, path):
 def test_oneshot_retention_one_routes_every_layer_and_equals_dense(arch, model_dirs):
     model = run(model_dirs[arch], [AdaDSFModifier(retention=1.0)])
     layers = routed_layers(model)
-    assert len(layers) == NUM_LAYERS and all(isinstance(l, RoutedLayer) for l in layers)
+    assert len(layers) == NUM_LAYERS and all(isinstance(x, RoutedLayer) for x in layers)
     assert_equals_dense(model, model_dirs[arch])
 
 
@@ -144,7 +144,7 @@ def test_random_allocation_is_reproducible(model_dirs):
 def test_ignore_keeps_layers_dense(model_dirs):
     mod = AdaDSFModifier(retention=0.75, ignore=["re:.*layers\\.0$"])
     model = run(model_dirs["llama"], [mod])
-    assert [l.layer_index for l in routed_layers(model)] == [1, 2, 3]
+    assert [r.layer_index for r in routed_layers(model)] == [1, 2, 3]
     assert mod.retention_ratios[0] == 1.0
     assert sum(mod.retention_ratios[1:]) / 3 == pytest.approx(0.75, abs=1e-6)
 
@@ -153,7 +153,7 @@ def test_layer_drop_removes_whole_layers(model_dirs):
     mod = AdaDSFModifier(retention=0.5, allocation="layer_drop")
     model = run(model_dirs["llama"], [mod])
     assert sorted(mod.retention_ratios) == [0.0, 0.0, 1.0, 1.0]
-    dropped = [l for l in routed_layers(model) if l.retention_ratio == 0.0]
+    dropped = [r for r in routed_layers(model) if r.retention_ratio == 0.0]
     x = torch.randn(1, 5, model.config.hidden_size)
     assert torch.equal(dropped[0](x), x)
 
@@ -170,6 +170,10 @@ def test_layer_drop_removes_whole_layers(model_dirs):
         (dict(allocation=[0.5, 1.5]), "allocation", r"\(0, 1\]"),
         (dict(min_retention=0.9, retention=0.8), "min_retention", "retention=0.8"),
         (dict(router_hidden_size=0), "router_hidden_size", "positive"),
+        (dict(beta=-1.0), "beta", ">= 0"),
+        (dict(beta=float("inf")), "beta", "finite"),
+        (dict(router_init="learned"), "router_init", "similarity"),
+        (dict(threshold_passes=0), "threshold_passes", "positive"),
     ],
 )
 def test_bad_fields_fail_at_construction_naming_field_and_range(kwargs, field, text):
@@ -256,3 +260,60 @@ def test_padded_calibration_ignores_padding(model_dirs):
     oneshot(model=load(model_dirs["llama"]), dataset=single, recipe=[b])
     # the left-padded row is at shifted positions: rotary attention is shift-invariant
     assert a.similarities == pytest.approx(b.similarities, abs=1e-5)
+
+
+def test_second_adadsf_fails_before_calibrating(model_dirs, monkeypatch):
+    model = run(model_dirs["llama"], [AdaDSFModifier(retention=0.75)])
+    calls = []
+    monkeypatch.setattr(
+        AdaDSFModifier, "_calibrate", lambda self, *a: calls.append(1) or [0.5] * 4
+    )
+    with pytest.raises(ValueError, match="already routed"):
+        oneshot(
+            model=model,
+            dataset=token_dataset(8, 16),
+            recipe=[AdaDSFModifier(retention=0.5)],
+            num_calibration_samples=8,
+            max_seq_length=16,
+        )
+    assert calls == []
+
+
+def test_layer_drop_below_one_layer_fails_before_rewriting(model_dirs):
+    model = load(model_dirs["llama"])
+    reference = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="would keep no layer"):
+        run_on(model, [AdaDSFModifier(retention=0.2, allocation="layer_drop")])
+    _assert_untouched(model, reference)
+
+
+def run_on(model, recipe):
+    return oneshot(
+        model=model,
+        recipe=recipe,
+        dataset=token_dataset(8, 16),
+        num_calibration_samples=8,
+        max_seq_length=16,
+    )
+
+
+def _renamed(stage: str, group: str) -> str:
+    data = yaml.safe_load(RECIPE.read_text())
+    body = data["sparsity_stage"]["sparsity_modifiers"]
+    return yaml.safe_dump({stage: {group: body}})
+
+
+@pytest.mark.parametrize(
+    "stage, group", [("sparsity", "sparsity_modifiers"), ("sparsity_stage", "mods")]
+)
+def test_recipe_naming_adadsf_outside_stage_groups_is_refused(stage, group):
+    with pytest.raises(ValueError, match="ending in `_stage`"):
+        Recipe.create_instance(_renamed(stage, group))
+
+
+def test_recipe_with_empty_adadsf_body_uses_defaults():
+    text = "sparsity_stage:\n  sparsity_modifiers:\n    AdaDSFModifier:\n"
+    recipe = Recipe.create_instance(text)
+    [mod] = recipe.modifiers
+    assert isinstance(mod, AdaDSFModifier)
+    assert mod.retention == AdaDSFModifier().retention

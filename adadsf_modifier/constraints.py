@@ -1,0 +1,54 @@
+"""Reusable pydantic field types whose errors name the allowed range.
+
+Declared once and used by the modifier's fields, so a bad YAML value fails at
+construction with ``<field>: must be in (0, 1], got 1.2`` rather than deep inside
+calibration. A leaf module: it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Annotated
+
+from pydantic import AfterValidator
+
+__all__ = [
+    "FiniteFloat",
+    "NonNegativeFloat",
+    "PositiveFloat",
+    "PositiveInt",
+    "UnitInterval",
+    "constrained",
+]
+
+
+def constrained(ok: Callable[[float], bool], requirement: str) -> AfterValidator:
+    """An ``AfterValidator`` raising ``"must be <requirement>, got <value>"``."""
+
+    def check(value):
+        if not ok(value):
+            raise ValueError(f"must be {requirement}, got {value!r}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _finite(v: float) -> bool:
+    return math.isfinite(v)
+
+
+#: A ratio or budget: a fraction of tokens in (0, 1].
+UnitInterval = Annotated[
+    float, constrained(lambda v: _finite(v) and 0.0 < v <= 1.0, "in (0, 1]")
+]
+#: A strictly positive finite number (temperatures, learning rates).
+PositiveFloat = Annotated[float, constrained(lambda v: _finite(v) and v > 0.0, "> 0")]
+#: A finite number >= 0 (weights, steepness).
+NonNegativeFloat = Annotated[
+    float, constrained(lambda v: _finite(v) and v >= 0.0, "a finite number >= 0")
+]
+#: Any finite number.
+FiniteFloat = Annotated[float, constrained(_finite, "a finite number")]
+#: Sizes and counts.
+PositiveInt = Annotated[int, constrained(lambda v: v >= 1, "a positive integer")]
