@@ -33,16 +33,14 @@ from adadsf_modifier.alignment import (
 )
 from adadsf_modifier.allocation import ALLOCATIONS, allocate, check_allocation
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
-from adadsf_modifier.checkpoint import (
-    attach_checkpoint_support,
-    check_recipe_keeps_routers_unquantized,
-)
+from adadsf_modifier.checkpoint import attach_checkpoint_support
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
     UnitInterval,
 )
+from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
     RoutedLayer,
     ThresholdReport,
@@ -249,7 +247,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             raise ValueError("AdaDSFModifier: the calibration set is empty (0 batches)")
 
         # A quantization modifier later in the recipe must not quantize the routers:
-        # fail now, not after calibration (see adadsf_modifier.checkpoint).
+        # fail now, not after calibration (see adadsf_modifier.recipe_checks).
         check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
         self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]

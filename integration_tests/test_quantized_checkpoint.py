@@ -133,8 +133,8 @@ def compressed(base_dirs, tmp_path_factory):
             path=path,
             logits=logits,
             scores=scores,
-            ratios=[l.retention_ratio for l in layers],
-            modes=[l.resolved_routing_mode() for l in layers],
+            ratios=[layer.retention_ratio for layer in layers],
+            modes=[layer.resolved_routing_mode() for layer in layers],
         )
         del model
     return out
@@ -145,9 +145,9 @@ def tensors_of(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 # Round trip
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch,scheme", CASES)
@@ -159,9 +159,9 @@ def test_reload_reproduces_in_memory_compressed_model_exactly(compressed, arch, 
         == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
     )
     layers = [m for m in model.modules() if isinstance(m, RoutedLayer)]
-    assert [l.retention_ratio for l in layers] == ref["ratios"]
+    assert [layer.retention_ratio for layer in layers] == ref["ratios"]
     logits, scores = forward_record(model)
-    assert [l.resolved_routing_mode() for l in layers] == ref["modes"]
+    assert [layer.resolved_routing_mode() for layer in layers] == ref["modes"]
     assert scores.keys() == ref["scores"].keys()
     for name in scores:
         torch.testing.assert_close(scores[name], ref["scores"][name], rtol=0, atol=0)
@@ -289,9 +289,9 @@ def test_sidecar_recipe_and_config(compressed):
         assert "!!python" not in text and yaml.safe_load(text)
 
 
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 # GPTQ calibrates on what the sparse model feeds each layer
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 
 
 def test_gptq_hessians_see_only_routed_tokens(base_dirs, monkeypatch):
@@ -342,7 +342,7 @@ def test_gptq_hessians_see_only_routed_tokens(base_dirs, monkeypatch):
 
     dense = 8 * 16
     layers = [m for m in model.modules() if isinstance(m, RoutedLayer)]
-    assert any(l.retention_ratio < 1 for l in layers)
+    assert any(layer.retention_ratio < 1 for layer in layers)
     for layer in layers:
         name = names[layer]
         assert expected[name] <= dense
@@ -362,9 +362,9 @@ def test_quantizing_routers_is_refused_before_calibration(base_dirs):
         run_oneshot(base_dirs["llama"], recipe)
 
 
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 # Other ways of saving
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 
 
 def test_save_pretrained_after_oneshot_and_resave_after_reload(base_dirs, tmp_path):
@@ -387,9 +387,9 @@ def test_save_pretrained_after_oneshot_and_resave_after_reload(base_dirs, tmp_pa
     torch.testing.assert_close(logits_b, before, rtol=0, atol=0)
 
 
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 # Atomic saving
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 
 
 def snapshot(path: Path) -> dict[str, str]:
@@ -433,7 +433,8 @@ def test_failed_save_leaves_no_checkpoint_and_keeps_an_existing_one(
     assert sorted(os.listdir(tmp_path)) == ["existing"]
     assert adadsf_modifier.from_pretrained(existing) is not None
 
-    monkeypatch.undo()  # the model survived the failed saves: it still saves and matches
+    # the model survived the failed saves: it still saves and matches
+    monkeypatch.undo()
     model.save_pretrained(str(existing))
     torch.testing.assert_close(forward_record(model)[0], reference, rtol=0, atol=0)
     assert (
@@ -450,9 +451,9 @@ def test_failed_save_leaves_no_checkpoint_and_keeps_an_existing_one(
     assert sorted(os.listdir(tmp_path)) == ["existing"]
 
 
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 # Bad input
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 
 
 @pytest.fixture

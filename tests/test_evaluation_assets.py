@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -20,12 +22,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from adadsf_modifier.evaluation import (
     PerplexityResult,
     calibration_dataset,
+    embedded_model_path,
     load_text_splits,
     perplexity,
     resolve_model,
     sliding_windows,
 )
-from adadsf_modifier.evaluation import assets as assets_mod
+from adadsf_modifier.evaluation import cache as cache_mod
+from adadsf_modifier.evaluation import embedded_model as embedded_mod
 
 VOCAB = 320  # requested BPE size; the model uses len(tokenizer)
 
@@ -109,8 +113,8 @@ def _hf_recipe_nll(
 
 @pytest.mark.parametrize(
     ("n", "max_length", "stride"),
-    [(1000, 512, 256), (1000, 128, 128), (1000, 64, 1), (513, 512, 256), (512, 512, 256), (10, 512, 256),
-     (97, 16, 5), (2, 2, 2), (300, 7, 3)],
+    [(1000, 512, 256), (1000, 128, 128), (1000, 64, 1), (513, 512, 256),
+     (512, 512, 256), (10, 512, 256), (97, 16, 5), (2, 2, 2), (300, 7, 3)],
 )  # fmt: skip
 def test_windows_score_every_token_but_the_first_exactly_once(n, max_length, stride):
     scored: list[int] = []
@@ -119,9 +123,8 @@ def test_windows_score_every_token_but_the_first_exactly_once(n, max_length, str
     ):
         assert 0 < end - begin <= max_length
         first = max(end - trg_len, begin + 1)  # a token needs one token of context
-        if (
-            index > 0
-        ):  # after the first window, every scored token sees max_length - stride context
+        # after the first window, every scored token sees max_length - stride context
+        if index > 0:
             assert first - begin >= max(max_length - stride, 1)
         scored.extend(range(first, end))
     assert sorted(scored) == list(range(1, n))
@@ -133,8 +136,8 @@ def test_windows_score_every_token_but_the_first_exactly_once(n, max_length, str
 @pytest.mark.parametrize("n", [97, 16, 17])
 def test_perplexity_scores_n_minus_one_tokens(tiny_model, max_length, stride, n):
     ids = _random_ids(n, tiny_model.config.vocab_size)
-    result = perplexity(tiny_model, None, None, max_length=max_length, stride=stride, input_ids=ids,
-                        show_progress=False)  # fmt: skip
+    result = perplexity(tiny_model, None, None, max_length=max_length, stride=stride,
+                        input_ids=ids, show_progress=False)  # fmt: skip
     assert isinstance(result, PerplexityResult)
     assert result.tokens == n - 1
     assert result.ppl == pytest.approx(math.exp(result.nll))
@@ -144,8 +147,8 @@ def test_perplexity_scores_n_minus_one_tokens(tiny_model, max_length, stride, n)
 def test_perplexity_matches_hf_docs_recipe(tiny_model, max_length, stride):
     ids = _random_ids(150, tiny_model.config.vocab_size, seed=1)
     nll_sum, n_tokens = _hf_recipe_nll(tiny_model, ids, max_length, stride)
-    result = perplexity(tiny_model, None, None, max_length=max_length, stride=stride, input_ids=ids,
-                        show_progress=False)  # fmt: skip
+    result = perplexity(tiny_model, None, None, max_length=max_length, stride=stride,
+                        input_ids=ids, show_progress=False)  # fmt: skip
     assert result.tokens == n_tokens == 149
     assert result.nll == pytest.approx(nll_sum / n_tokens, rel=1e-5)
 
@@ -183,8 +186,8 @@ def test_batching_does_not_change_result(tiny_model):
         input_ids=ids,
         show_progress=False,
     )
-    many = perplexity(tiny_model, None, None, max_length=32, stride=12, batch_size=5, input_ids=ids,
-                      show_progress=False)  # fmt: skip
+    many = perplexity(tiny_model, None, None, max_length=32, stride=12, batch_size=5,
+                      input_ids=ids, show_progress=False)  # fmt: skip
     assert many.tokens == one.tokens == 202
     assert many.nll == pytest.approx(one.nll, rel=1e-5)
 
@@ -239,8 +242,10 @@ def test_model_mode_is_restored(tiny_model):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"max_length": 16, "stride": 17}, "stride"), ({"max_length": 16, "stride": 0}, "stride"),
-     ({"max_length": 16, "stride": -1}, "stride"), ({"max_length": 1, "stride": 1}, "max_length"),
+    [({"max_length": 16, "stride": 17}, "stride"),
+     ({"max_length": 16, "stride": 0}, "stride"),
+     ({"max_length": 16, "stride": -1}, "stride"),
+     ({"max_length": 1, "stride": 1}, "max_length"),
      ({"batch_size": 0}, "batch_size")],
 )  # fmt: skip
 def test_invalid_window_arguments(tiny_model, kwargs, match):
@@ -346,7 +351,7 @@ def _slow_build(out: Path) -> None:
 
 
 def _worker(target: str) -> None:
-    assets_mod._materialize_once(Path(target), _slow_build)
+    cache_mod.materialize_once(Path(target), _slow_build)
     assert json.loads((Path(target) / "payload.json").read_text()) == {"ok": True}
 
 
@@ -360,7 +365,7 @@ def test_materialize_once_across_processes(tmp_path):
         p.join(timeout=60)
     assert [p.exitcode for p in procs] == [0, 0, 0]
     assert (tmp_path / "builds.log").read_text() == "x"  # built exactly once
-    assert not list(tmp_path.glob(".asset.tmp-*"))  # no temp leftovers
+    assert not list(tmp_path.glob(".asset.*tmp-*"))  # no temp leftovers
 
 
 def test_materialize_once_failure_leaves_nothing(tmp_path):
@@ -370,13 +375,86 @@ def test_materialize_once_failure_leaves_nothing(tmp_path):
 
     target = tmp_path / "asset"
     with pytest.raises(RuntimeError, match="conversion failed"):
-        assets_mod._materialize_once(target, broken)
+        cache_mod.materialize_once(target, broken)
     assert not target.exists()
-    assert not list(tmp_path.glob(".asset.tmp-*"))
+    assert not list(tmp_path.glob(".asset.*tmp-*"))
     # A later attempt succeeds, and a recipe version change triggers a rebuild.
-    assets_mod._materialize_once(target, _slow_build)
-    assets_mod._materialize_once(target, _slow_build, version="2")
+    cache_mod.materialize_once(target, _slow_build)
+    cache_mod.materialize_once(target, _slow_build, version="2")
     assert (tmp_path / "builds.log").read_text() == "xx"
+
+
+def _build_then_hang(target: str, ready: str) -> None:
+    def build(out: Path) -> None:
+        (out / "payload.json").write_text("partial")
+        Path(ready).write_text("x")
+        time.sleep(600)
+
+    cache_mod.materialize_once(Path(target), build)
+
+
+def test_killed_build_leaves_no_asset_and_the_next_build_removes_its_folder(tmp_path):
+    target, ready = tmp_path / "asset", tmp_path / "ready"
+    proc = multiprocessing.get_context("fork").Process(
+        target=_build_then_hang, args=(str(target), str(ready))
+    )
+    proc.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=30)
+    assert not target.exists() and len(list(tmp_path.glob(".asset.*tmp-*"))) == 1
+    cache_mod.materialize_once(target, _slow_build)
+    assert json.loads((target / "payload.json").read_text()) == {"ok": True}
+    assert not list(tmp_path.glob(".asset.*tmp-*"))
+
+
+@pytest.fixture
+def fake_conversion(monkeypatch) -> list[Path]:
+    """Replace the one-minute GGUF conversion by a tiny config-built model."""
+    from tiny_models import save_tiny_model
+
+    builds: list[Path] = []
+
+    def convert(out: Path) -> None:
+        builds.append(out)
+        save_tiny_model("llama", str(out), num_layers=1)
+
+    monkeypatch.setattr(embedded_mod, "_convert_gguf_to_hf", convert)
+    monkeypatch.setattr(embedded_mod, "_verify_hf_folder", lambda path: None)
+    return builds
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda p: _truncate(p / "model.safetensors"),
+     lambda p: (p / "model.safetensors").unlink(),
+     lambda p: (p / "model.safetensors").write_bytes(b""),
+     lambda p: (p / "tokenizer.json").unlink(),
+     lambda p: (p / "config.json").write_text("{")],
+    ids=["truncated", "deleted", "emptied", "no_tokenizer", "bad_config"],
+)  # fmt: skip
+def test_damaged_embedded_model_cache_is_rebuilt(tmp_path, fake_conversion, damage):
+    from safetensors import safe_open
+
+    path = Path(embedded_model_path(tmp_path))
+    assert embedded_model_path(tmp_path) == str(path)  # cached: no second build
+    assert len(fake_conversion) == 1
+    damage(path)
+    assert embedded_model_path(tmp_path) == str(path)
+    assert len(fake_conversion) == 2  # rebuilt, not handed out damaged
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert list(f.keys())
+    assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+    assert (path / "tokenizer.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".smol")) == [
+        ".smollm2-135m-instruct.lock"
+    ]
 
 
 def test_resolve_model_paths(tmp_path, monkeypatch):
@@ -399,7 +477,7 @@ def test_resolve_model_paths(tmp_path, monkeypatch):
         resolve_model(str(afile))
     calls: list[str] = []
     monkeypatch.setattr(
-        assets_mod,
+        embedded_mod,
         "embedded_model_path",
         lambda cache_dir=None: calls.append("x") or "/cached",
     )
@@ -414,10 +492,10 @@ def test_resolve_model_paths(tmp_path, monkeypatch):
 
 def test_default_cache_root_env(tmp_path, monkeypatch):
     monkeypatch.setenv("ADADSF_CACHE", str(tmp_path))
-    assert assets_mod.default_cache_root() == tmp_path.resolve()
-    assert assets_mod.default_cache_root(tmp_path / "x") == (tmp_path / "x").resolve()
+    assert cache_mod.default_cache_root() == tmp_path.resolve()
+    assert cache_mod.default_cache_root(tmp_path / "x") == (tmp_path / "x").resolve()
     monkeypatch.delenv("ADADSF_CACHE")
     assert (
-        assets_mod.default_cache_root()
+        cache_mod.default_cache_root()
         == (Path.home() / ".cache/adadsf_modifier").resolve()
     )

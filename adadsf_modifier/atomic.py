@@ -1,0 +1,258 @@
+"""Publish a directory atomically: build it in a hidden sibling, then rename it into
+place.
+
+Why: a checkpoint or a cached model must never be seen half-written. A crash, a SIGKILL
+or a full disk in the middle of writing would otherwise leave a folder that looks like a
+model and fails (or worse, loads) later. Writing into a temporary sibling on the same
+filesystem and renaming it in one step gives readers either the previous folder or the
+complete new one, never a mix.
+
+The temporary folder's name says who owns it, ``.NAME.adadsf-tmp-<host>-<pid>-<random>``
+(``<host>``: a short hash of the host name). A writer killed mid-way cannot clean up
+after itself, so the next writer of the same destination removes the temporary folders
+whose owner no longer runs on this host, and leaves alone the folders of live writers
+(concurrent saves) and of other hosts (a shared filesystem, where a pid means nothing).
+
+A destination that is a symbolic link is resolved first: the link's target is replaced
+atomically and the link stays a link.
+
+This is a leaf module: it imports nothing from ``adadsf_modifier``, so both the
+checkpoint code and the evaluation asset cache use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from loguru import logger
+
+__all__ = [
+    "TEMP_TAG",
+    "atomic_directory",
+    "give_files_folder_mode",
+    "make_temp_dir",
+    "publish_dir",
+    "remove_stale_temp_dirs",
+    "resolve_destination",
+    "write_text_durably",
+]
+
+TEMP_TAG = "adadsf-tmp"
+"""Marks a writer's temporary sibling: ``.NAME.adadsf-tmp-<host>-<pid>-<random>``."""
+
+_OLD_TAG = "adadsf-old"
+"""The previous folder while it is moved aside (only where ``renameat2`` is missing).
+Never removed automatically: if the writer dies between its two renames, this is the
+only copy of the previous folder."""
+
+_OWNER = re.compile(r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]+")
+_LEGACY = re.compile(r"[A-Za-z0-9_]{8}")  # tempfile.mkdtemp names of earlier versions
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _prefix(dest: Path, tag: str = TEMP_TAG) -> str:
+    return f".{dest.name}.{tag}-"
+
+
+def resolve_destination(path: str | os.PathLike[str]) -> Path:
+    """The absolute real path a folder should be written to.
+
+    A symbolic link (even a dangling one) is followed, so that publishing replaces the
+    link's target instead of turning the link into a plain folder and leaving the
+    target stale.
+    """
+    return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
+
+
+def make_temp_dir(dest: Path) -> Path:
+    """Create an empty temporary sibling of ``dest`` owned by this process.
+
+    ``os.mkdir(path, 0o777)`` lets the kernel apply the umask, so the folder gets the
+    permissions a plain ``mkdir`` would (``tempfile.mkdtemp`` makes 0700 folders, which
+    a cache shared through ``$ADADSF_CACHE`` could not use); an existing ``dest``
+    passes its own mode on instead.
+    """
+    prefix = f"{_prefix(dest)}{_host_tag()}-{os.getpid()}-"
+    for _ in range(100):
+        path = dest.parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            continue
+        if dest.is_dir():
+            path.chmod(stat.S_IMODE(dest.stat().st_mode))
+        return path
+    raise FileExistsError(f"could not create a temporary folder next to {dest}")
+
+
+def _owner_is_gone(owner: str) -> bool:
+    """True only if the writer named by ``<host>-<pid>-<random>`` surely no longer
+    runs."""
+    match = _OWNER.fullmatch(owner)
+    if match is None or match["host"] != _host_tag():
+        return False  # not ours to judge: another host (shared filesystem) or unknown
+    pid = int(match["pid"])
+    if pid == os.getpid():
+        return False  # another thread of this process may be writing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: alive, owned by another user
+        return False
+    return False
+
+
+def remove_stale_temp_dirs(dest: Path) -> list[Path]:
+    """Remove ``dest``'s temporary siblings left by writers that no longer run.
+
+    Why: a killed save leaves a full-size hidden folder that nothing else would ever
+    delete. Folders of live writers are kept: their pid still exists. A dead writer's
+    pid reused by an unrelated process only delays the removal to a later call.
+    Returns the removed paths.
+    """
+    prefix = _prefix(dest)
+    removed: list[Path] = []
+    legacy: list[Path] = []
+    try:
+        entries = list(os.scandir(dest.parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        owner = entry.name[len(prefix) :]
+        path = Path(entry.path)
+        if _owner_is_gone(owner):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            removed.append(path)
+        elif _LEGACY.fullmatch(owner):
+            legacy.append(path)
+    if removed:
+        logger.info(f"Removed {len(removed)} stale temporary folder(s) of {dest}")
+    if legacy:
+        logger.warning(
+            f"Found temporary folder(s) of {dest} left by an earlier adadsf_modifier "
+            f"version, which cannot tell whether their writer still runs: "
+            f"{[str(p) for p in legacy]}; delete them if no save is running."
+        )
+    return removed
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if
+    unavailable."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                          ctypes.c_char_p, ctypes.c_uint]  # fmt: skip
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(
+        err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}"
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def publish_dir(tmp: Path, dest: Path) -> None:
+    """Put the finished folder ``tmp`` at ``dest`` in one step, replacing any previous
+    folder.
+
+    An existing ``dest`` is swapped with ``renameat2(RENAME_EXCHANGE)`` where the
+    kernel and filesystem support it, so ``dest`` never disappears; elsewhere the
+    previous folder is moved aside first and put back if the second rename fails.
+    """
+    if not dest.exists() and not dest.is_symlink():
+        os.rename(tmp, dest)
+    elif _rename_exchange(tmp, dest):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous folder
+    else:
+        old = (
+            dest.parent
+            / f"{_prefix(dest, _OLD_TAG)}{os.getpid()}-{secrets.token_hex(4)}"
+        )
+        os.rename(dest, old)
+        try:
+            os.rename(tmp, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(dest.parent)  # persist the rename itself
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty temporary folder that replaces ``dest`` when the block succeeds.
+
+    If the block raises (or the process dies), ``dest`` stays exactly as it was and the
+    temporary folder is removed (by this call, or by the next writer of ``dest``). The
+    caller must not create ``dest`` itself; a symbolic link at ``dest`` is followed
+    (see :func:`resolve_destination`).
+    """
+    dest = resolve_destination(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(dest)
+    tmp = make_temp_dir(dest)
+    try:
+        yield tmp
+        publish_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text_durably(path: Path, text: str) -> None:
+    """Write ``text`` and fsync it: a completeness marker must not reach the disk
+    before its own content."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def give_files_folder_mode(folder: Path) -> None:
+    """Give every file directly in ``folder`` the folder's permissions minus execute.
+
+    safetensors (through transformers' save) writes 0600 files; in a folder that others
+    may read (a cache shared through ``$ADADSF_CACHE``) they must be readable as well.
+    Reading the mode off the folder, which :func:`make_temp_dir` created with the
+    umask applied, avoids flipping the process-wide umask to read it.
+    """
+    mode = stat.S_IMODE(folder.stat().st_mode) & 0o666
+    for item in folder.iterdir():
+        if item.is_file() and not item.is_symlink():
+            item.chmod(mode)

@@ -1,0 +1,205 @@
+"""Saving a routed model: every ``save_pretrained`` writes a complete, atomic AdaDSF
+checkpoint.
+
+The routed model is an ordinary Hugging Face causal LM whose decoder layers had their
+class swapped and a ``router`` child added, so llm-compressor's compressed-tensors
+``save_pretrained`` wrapper writes it as an ordinary checkpoint with the router weights
+as plain tensors under ``<layer>.router.fc1.weight`` etc. The hook installed here wraps
+that save:
+
+1. everything that can fail without touching the disk first (a quantized router, a
+   model whose sidecar would not validate);
+2. the inner save into a temporary sibling of the destination
+   (:func:`adadsf_modifier.atomic.atomic_directory`);
+3. the router tensors read back and checked (present, full precision, right shapes);
+4. files of an existing destination that a model save does not own (a tokenizer, a
+   README) carried over;
+5. the sidecar, last: it marks the folder a complete AdaDSF checkpoint;
+6. one rename puts the folder in place. A failure at any point leaves the destination
+   exactly as it was; a SIGKILL leaves a temporary folder that the next save removes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import weakref
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+from torch import nn
+
+from adadsf_modifier.atomic import atomic_directory, resolve_destination
+from adadsf_modifier.checkpoint._compat import make_recipe_safe, single_decompress_hook
+from adadsf_modifier.checkpoint.sidecar import (
+    METADATA_ATTR,
+    SIDECAR_NAME,
+    AdaDSFCheckpointError,
+    sidecar_for_model,
+    write_sidecar,
+)
+from adadsf_modifier.checkpoint.tensors import read_router_tensors
+from adadsf_modifier.recipe_checks import ROUTER_HINT
+
+__all__ = ["attach_checkpoint_support", "install_save_hook"]
+
+
+def _modifier_settings(modifier: Any) -> dict[str, Any]:
+    """The modifier's own recipe fields (not llm-compressor's base ``Modifier``
+    fields), as JSON."""
+    from llmcompressor.modifiers import Modifier
+
+    own = {k for k in type(modifier).model_fields if k not in Modifier.model_fields}
+    # model_dump honours `exclude=True` fields (e.g. align_dataset, a Python object)
+    settings = modifier.model_dump(include=own)
+    return json.loads(json.dumps(settings, default=str))
+
+
+def attach_checkpoint_support(
+    model: nn.Module, modifier: Any = None, similarities: Any = None
+) -> None:
+    """Record AdaDSF metadata on ``model`` and make every ``save_pretrained`` write it.
+
+    Called by :class:`AdaDSFModifier` right after routing (so before any later modifier
+    runs and before oneshot's ``post_process`` saves), and by
+    :func:`~adadsf_modifier.checkpoint.from_pretrained`.
+    """
+    meta = dict(getattr(model, METADATA_ATTR, None) or {})
+    if modifier is not None:
+        meta["modifier"] = {
+            "class": type(modifier).__name__,
+            "settings": _modifier_settings(modifier),
+        }
+        if similarities is None:
+            similarities = modifier.similarities
+    if similarities is not None:
+        meta["similarities"] = [float(s) for s in similarities]
+    # object.__setattr__: a plain attribute, never a submodule/parameter/buffer.
+    object.__setattr__(model, METADATA_ATTR, meta)
+    install_save_hook(model)
+
+
+def install_save_hook(model: nn.Module) -> None:
+    """Wrap ``model.save_pretrained`` (once) so that every save is AdaDSF-complete and
+    atomic.
+
+    The wrapped function is llm-compressor's compressed-tensors ``save_pretrained``
+    wrapper (``modify_save_pretrained``, applied here if oneshot has not applied it
+    yet), so ``save_compressed`` / ``quantization_format`` keep working. Ours carries
+    ``_overridden = True`` (copied by ``functools.wraps``), so a later
+    ``modify_save_pretrained`` (e.g. a second oneshot on the same model) leaves it in
+    place instead of wrapping it.
+    """
+    if getattr(model.save_pretrained, "_adadsf_save_hook", False):
+        return
+    from llmcompressor.transformers.compression.compressed_tensors_utils import (
+        modify_save_pretrained,
+    )
+
+    modify_save_pretrained(model)  # no-op when oneshot already wrapped it
+    inner = model.save_pretrained
+    model_ref = weakref.ref(model)
+
+    @functools.wraps(inner)
+    def save_pretrained(save_directory, *args, **kwargs):
+        model = model_ref()
+        if model is None:
+            raise RuntimeError(
+                "the model this save_pretrained belonged to no longer exists"
+            )
+        return _atomic_save(model, save_directory, inner, *args, **kwargs)
+
+    save_pretrained._adadsf_save_hook = True
+    save_pretrained._overridden = True
+    model.save_pretrained = save_pretrained
+
+
+def _is_source_process() -> bool:
+    try:
+        from compressed_tensors.distributed import is_source_process
+
+        return is_source_process()
+    except Exception:
+        return True
+
+
+def _check_model_routers_unquantized(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if ".router" in name and scheme is not None:
+            raise AdaDSFCheckpointError(
+                f"the AdaDSF router `{name}` was quantized ({scheme}); routers must "
+                f"stay in full precision: {ROUTER_HINT} and run the recipe again"
+            )
+
+
+def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> None:
+    if kwargs.get("push_to_hub"):
+        raise NotImplementedError(
+            "AdaDSF checkpoints are saved atomically through a temporary folder; "
+            "push_to_hub is not supported: save locally, then upload the folder"
+        )
+    if not _is_source_process():
+        # llm-compressor's wrapper writes only on the source rank; the others just
+        # take part in its collective steps, so they need neither a temporary folder
+        # nor a sidecar.
+        return inner(save_directory, *args, **kwargs)
+
+    dest = resolve_destination(save_directory)  # a symlink: replace its target
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(
+            f"cannot save a checkpoint to {dest}: it exists and is a file"
+        )
+    # Everything that can fail without touching the disk, first.
+    _check_model_routers_unquantized(model)
+    sidecar = sidecar_for_model(model)
+
+    with atomic_directory(dest) as tmp:
+        with single_decompress_hook(model):
+            inner(str(tmp), *args, **kwargs)
+        make_recipe_safe(tmp / "recipe.yaml")
+        read_router_tensors(tmp, sidecar)  # on disk, full precision, right shapes
+        if dest.is_dir():
+            _carry_over(dest, tmp)
+        write_sidecar(tmp, sidecar)  # last: the completeness marker
+    n_routed = len(sidecar.routed_layers)
+    logger.info(f"AdaDSF: saved {n_routed} routed layers and their routers to {dest}")
+
+
+# Files a model save (re)writes; everything else already in the destination (a tokenizer
+# saved before the model, a README, ...) is carried over into the new checkpoint, as an
+# in-place `save_pretrained` would have left it.
+_MODEL_ARTIFACTS = re.compile(
+    r"(.*\.safetensors|.*\.safetensors\.index\.json|.*\.bin|.*\.bin\.index\.json|"
+    r"config\.json|generation_config\.json|recipe\.yaml|"
+    + re.escape(SIDECAR_NAME)
+    + r")"
+)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # same filesystem: free, and leaves the old folder untouched
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    for entry in old.iterdir():
+        target = new / entry.name
+        if (
+            target.exists()
+            or target.is_symlink()
+            or _MODEL_ARTIFACTS.fullmatch(entry.name)
+        ):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), target)
+        elif entry.is_dir():
+            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(target))

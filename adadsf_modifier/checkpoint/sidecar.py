@@ -1,0 +1,363 @@
+"""The ``adadsf_config.json`` sidecar: its typed schema, how it is built, read and
+written.
+
+A plain compressed-tensors checkpoint cannot say *which* decoder layers are routed and
+how; that lives in this versioned sidecar next to ``config.json``. A sidecar (instead of
+fields in ``config.json``) survives llm-compressor's ``resave_config``, which rewrites
+``config.json`` from the original model's file at save time, and it leaves
+``config.json`` loadable by vLLM / plain transformers.
+
+Format (``format_version`` 1)::
+
+    {
+      "format": "adadsf",
+      "format_version": 1,
+      "adadsf_modifier_version": "0.1.0",
+      "model_type": "llama",        # must equal config.json's model_type on reload
+      "num_hidden_layers": 4,
+      "hidden_size": 32,
+      "layers_path": "model.layers",
+      "router_dtype": "float32",    # informative; reload casts routers to model dtype
+      "layers": [                   # one entry per decoder layer, in order
+        {"index": 0, "name": "model.layers.0", "routed": true,
+         "retention_ratio": 1.0, "similarity": 0.93,
+         "router_hidden_size": 64, "router_eps": 1e-06,
+         "causal_threshold": null,  # null = none; a number, "inf" or "-inf"
+         "routing_mode": "auto"},   # "auto", "topk" or "causal"
+        ...
+      ],
+      "modifier": {"class": "AdaDSFModifier", "settings": {"retention": 0.8, ...}}
+    }
+
+Readers reject any ``format_version`` they do not know; additive changes (new keys,
+which readers ignore) keep the version, anything that changes the meaning of an
+existing key bumps it. The whole file is validated against :class:`AdaDSFSidecar`
+before any weight is read, so a bad value fails with the file and field named instead
+of after a long load or, worse, in the model's behaviour (a NaN threshold would keep no
+token but the first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    model_validator,
+)
+from torch import nn
+
+from adadsf_modifier.atomic import write_text_durably
+from adadsf_modifier.routing import ROUTING_MODES, RoutedLayer, decoder_layers
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_ATTR",
+    "SIDECAR_NAME",
+    "SUPPORTED_FORMAT_VERSIONS",
+    "AdaDSFCheckpointError",
+    "AdaDSFSidecar",
+    "LayerEntry",
+    "ModifierRecord",
+    "adadsf_config",
+    "package_version",
+    "read_adadsf_config",
+    "read_sidecar",
+    "sidecar_for_model",
+    "write_sidecar",
+]
+
+SIDECAR_NAME = "adadsf_config.json"
+FORMAT_NAME = "adadsf"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+METADATA_ATTR = "adadsf_metadata"
+"""Attribute on the model holding what the routed layers themselves do not know
+(similarities, modifier settings). Set by :class:`AdaDSFModifier` after routing and by
+:func:`~adadsf_modifier.checkpoint.from_pretrained`."""
+
+
+class AdaDSFCheckpointError(ValueError):
+    """A checkpoint (or a model about to be saved) is not a valid AdaDSF checkpoint."""
+
+
+def package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("adadsf-modifier")
+    except Exception:  # not installed as a distribution (a source checkout)
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------
+# Schema
+# ------------------------------------------------------------------------------------
+
+
+def _threshold_in(value: Any) -> Any:
+    """JSON has no infinities: a layer that keeps every (-inf) or no (inf) token says
+    so in text. NaN (a bare ``NaN`` token, or ``"nan"``) is refused: compared with it,
+    every score is False, so the layer would silently run only the first token."""
+    if isinstance(value, str):
+        if value in ("inf", "-inf"):
+            return float(value)
+        if value.strip().lower().lstrip("+-") != "nan":
+            raise ValueError("must be a number, 'inf', '-inf' or null")
+        value = math.nan
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError("must not be NaN (use null for no threshold)")
+    return value
+
+
+def _threshold_out(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return "inf" if value > 0 else "-inf"
+
+
+Threshold = Annotated[
+    float | None,
+    BeforeValidator(_threshold_in),
+    PlainSerializer(_threshold_out, when_used="json"),
+]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(gt=0)]
+RoutingMode = Literal[ROUTING_MODES]  # type: ignore[valid-type]
+
+
+class _Schema(BaseModel):
+    # strict: no "0.5" -> 0.5 or true -> 1 coercion; ignore: additive keys of a later
+    # writer keep the format version readable.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class LayerEntry(_Schema):
+    """One decoder layer, in model order."""
+
+    index: Annotated[int, Field(ge=0)]
+    name: Annotated[str, Field(min_length=1)]
+    routed: bool
+    retention_ratio: Ratio
+    similarity: FiniteFloat | None = None
+    router_hidden_size: PositiveInt | None
+    router_eps: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    causal_threshold: Threshold = None
+    routing_mode: RoutingMode | None = None
+
+    @model_validator(mode="after")
+    def _routed_needs_a_router(self) -> LayerEntry:
+        if self.routed and self.router_hidden_size is None:
+            raise ValueError("a routed layer needs router_hidden_size")
+        return self
+
+
+class ModifierRecord(_Schema):
+    """The modifier that routed the model: its class name and recipe settings."""
+
+    class_name: str = Field(alias="class")
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class AdaDSFSidecar(_Schema):
+    """The whole sidecar file (see the module docstring for the format)."""
+
+    format: Literal[FORMAT_NAME]  # type: ignore[valid-type]
+    format_version: Literal[SUPPORTED_FORMAT_VERSIONS]  # type: ignore[valid-type]
+    adadsf_modifier_version: str = "unknown"
+    model_type: Annotated[str, Field(min_length=1)]
+    num_hidden_layers: PositiveInt
+    hidden_size: PositiveInt
+    layers_path: str | None = None
+    router_dtype: str | None = None
+    layers: list[LayerEntry]
+    modifier: ModifierRecord | None = None
+
+    @model_validator(mode="after")
+    def _layers_match(self) -> AdaDSFSidecar:
+        if len(self.layers) != self.num_hidden_layers:
+            raise ValueError(
+                f"`layers` must list all {self.num_hidden_layers} decoder layers, "
+                f"found {len(self.layers)}"
+            )
+        for i, entry in enumerate(self.layers):
+            if entry.index != i:
+                raise ValueError(f"layers[{i}] has index {entry.index}, expected {i}")
+        if not any(entry.routed for entry in self.layers):
+            raise ValueError("it lists no routed layer")
+        return self
+
+    @property
+    def routed_layers(self) -> list[LayerEntry]:
+        return [entry for entry in self.layers if entry.routed]
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The file's content as plain JSON data (infinities as ``"inf"`` /
+        ``"-inf"``)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def _describe(error: ValidationError) -> str:
+    """One line naming every offending field, its problem and (scalars) its value."""
+    parts = []
+    for e in error.errors(include_url=False):
+        msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"]:
+            parts.append(msg)
+            continue
+        scalar = not isinstance(e["input"], (dict, list))
+        got = f" (got {repr(e['input'])[:60]})" if scalar else ""
+        parts.append(f"field `{_field(e['loc'])}`: {msg}{got}")
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------
+# Building, reading, writing
+# ------------------------------------------------------------------------------------
+
+
+def _float_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> dict:
+    entry: dict[str, Any] = {
+        "index": index, "name": name, "routed": False, "retention_ratio": 1.0,
+        "similarity": _float_or_none(similarity), "router_hidden_size": None,
+    }  # fmt: skip
+    if isinstance(layer, RoutedLayer):
+        threshold = getattr(layer, "causal_threshold", None)
+        entry.update(
+            routed=True,
+            retention_ratio=float(layer.retention_ratio),
+            router_hidden_size=int(layer.router.router_hidden_size),
+            router_eps=float(layer.router.eps),
+            # Causal routing mode: the layer's inference threshold (None: not
+            # calibrated, so top-k over the whole sequence) and its mode setting.
+            causal_threshold=None if threshold is None else float(threshold),
+            routing_mode=getattr(layer, "routing_mode", None),
+        )
+    return entry
+
+
+def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
+    """The sidecar for ``model``, read off its routed layers and its AdaDSF metadata.
+
+    Validated like a file being read, so a model that could not be reloaded as it is
+    (a NaN threshold, an unknown routing mode) is refused before anything is written.
+    """
+    spec, layers = decoder_layers(model)
+    routed = [layer for _, layer in layers if isinstance(layer, RoutedLayer)]
+    if not routed:
+        raise AdaDSFCheckpointError(
+            f"{type(model).__name__} has no routed decoder layers: nothing "
+            "AdaDSF-specific to save"
+        )
+    meta = getattr(model, METADATA_ATTR, None) or {}
+    sims = meta.get("similarities") or [None] * len(layers)
+    if len(sims) != len(layers):
+        sims = [None] * len(layers)
+    data = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "adadsf_modifier_version": package_version(),
+        "model_type": spec.model_type,
+        "num_hidden_layers": len(layers),
+        "hidden_size": int(model.config.hidden_size),
+        "layers_path": spec.layers_path,
+        "router_dtype": str(next(routed[0].router.parameters()).dtype).removeprefix(
+            "torch."
+        ),
+        "layers": [
+            _layer_entry(i, name, layer, sims[i])
+            for i, (name, layer) in enumerate(layers)
+        ],
+        "modifier": meta.get("modifier"),
+    }
+    try:
+        return AdaDSFSidecar.model_validate(data)
+    except ValidationError as e:
+        raise AdaDSFCheckpointError(
+            f"cannot save {type(model).__name__} as an AdaDSF checkpoint: "
+            f"{_describe(e)}"
+        ) from None
+
+
+def adadsf_config(model: nn.Module) -> dict[str, Any]:
+    """The sidecar for ``model`` as the JSON data the file holds."""
+    return sidecar_for_model(model).to_json_dict()
+
+
+def write_sidecar(folder: Path, sidecar: AdaDSFSidecar) -> None:
+    """Write ``folder/adadsf_config.json`` (fsynced: it marks a complete checkpoint)."""
+    text = json.dumps(sidecar.to_json_dict(), indent=2, allow_nan=False) + "\n"
+    write_text_durably(folder / SIDECAR_NAME, text)
+
+
+def read_sidecar(path: str | os.PathLike[str]) -> AdaDSFSidecar:
+    """Read and fully validate ``PATH/adadsf_config.json``, without touching any
+    weight.
+
+    :raises AdaDSFCheckpointError: no folder, no sidecar, not JSON, unknown format
+        version, or any field off (the message names the file and the field)
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise AdaDSFCheckpointError(
+            f"no AdaDSF data in {path}: it is not a local checkpoint folder"
+        )
+    file = path / SIDECAR_NAME
+    if not file.is_file():
+        raise AdaDSFCheckpointError(
+            f"no AdaDSF data in {path} ({SIDECAR_NAME} not found): save the routed "
+            "model with oneshot(..., output_dir=...) or model.save_pretrained(...) "
+            "after AdaDSFModifier ran"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdaDSFCheckpointError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise AdaDSFCheckpointError(
+            f"{file} is not an AdaDSF sidecar (missing format: 'adadsf')"
+        )
+    version = data.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
+        raise AdaDSFCheckpointError(
+            f"unknown AdaDSF format_version {version!r} in {file}; this "
+            f"adadsf_modifier ({package_version()}) reads format_version "
+            f"{list(SUPPORTED_FORMAT_VERSIONS)}: upgrade adadsf_modifier"
+        )
+    try:
+        return AdaDSFSidecar.model_validate(data)
+    except ValidationError as e:
+        raise AdaDSFCheckpointError(
+            f"{file}: invalid AdaDSF sidecar: {_describe(e)}"
+        ) from None
+
+
+def read_adadsf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate ``PATH/adadsf_config.json``; returns its content as JSON
+    data."""
+    return read_sidecar(path).to_json_dict()

@@ -1,0 +1,78 @@
+"""Recipe checks that :class:`~adadsf_modifier.AdaDSFModifier` runs before any work.
+
+Routers must stay in full precision. A quantized router would silently change which
+tokens run each layer (its ``fc2`` has a single output row, so one rounding step moves
+every score), and the routers are a rounding error of the model's size anyway. A
+quantization modifier later in the recipe resolves its targets when it initialises,
+which is after AdaDSF added the routers, so a broad target such as ``Linear`` would
+pick them up; this module refuses such a recipe before calibration instead of after.
+
+Quantization modifiers are recognised by llm-compressor's own base class
+(:class:`QuantizationMixin`: GPTQ, QuantizationModifier, AutoRound, ...), and "later in
+the recipe" by llm-compressor's own ``initialized`` flag, so nothing here needs to
+import (or name) the AdaDSF modifier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ROUTER_HINT", "check_recipe_keeps_routers_unquantized"]
+
+ROUTER_HINT = "add 're:.*router.*' to the quantization modifier's `ignore` list"
+"""How to fix a recipe that would quantize the routers (used in every such error)."""
+
+
+def _active_recipe_modifiers() -> list[Any] | None:
+    try:
+        from llmcompressor.core import active_session
+
+        return list(active_session().lifecycle.recipe.modifiers)
+    except Exception:  # no session (direct use outside oneshot): nothing to check
+        return None
+
+
+def check_recipe_keeps_routers_unquantized(
+    layer_names: Sequence[str], modifiers: Iterable[Any] | None = None
+) -> None:
+    """Raise ``ValueError`` if a quantization modifier would quantize a router of
+    ``layer_names``.
+
+    ``modifiers`` defaults to the active llm-compressor session's recipe. Only
+    modifiers that have not initialised yet are checked: one that initialised earlier
+    (placed before AdaDSF in the recipe) attached its schemes before the routers
+    existed, so it cannot reach them. Called by :class:`AdaDSFModifier` with the names
+    of the layers it is about to route.
+    """
+    if modifiers is None:
+        modifiers = _active_recipe_modifiers()
+        if modifiers is None:
+            return
+    from compressed_tensors.utils import is_match
+    from llmcompressor.modifiers.quantization.quantization.mixin import (
+        QuantizationMixin,
+    )
+
+    probe = nn.Linear(
+        1, 1
+    )  # routers are made of nn.Linear; class-name targets match it
+    for mod in modifiers:
+        if not isinstance(mod, QuantizationMixin) or getattr(mod, "initialized", False):
+            continue
+        try:
+            targets = mod.resolved_targets
+            ignore = list(mod.ignore or [])
+        except Exception:  # let the modifier report its own configuration error later
+            continue
+        for layer in layer_names:
+            for part in ("fc1", "fc2"):
+                name = f"{layer}.router.{part}"
+                if is_match(name, probe, targets, ignore):
+                    raise ValueError(
+                        f"{type(mod).__name__} (targets={sorted(targets)}, "
+                        f"ignore={ignore}) would quantize the AdaDSF router `{name}`; "
+                        f"routers must stay in full precision: {ROUTER_HINT}"
+                    )
