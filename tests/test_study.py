@@ -312,3 +312,45 @@ def test_markdown_numbers_come_from_results_json():
     runs[0]["ppl_test"] = 49.0  # mean of 49, 41, 42
     md2 = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
     assert "44.00 ±" in md2 and "41.00 ±" not in md2
+
+
+def test_render_with_nothing_finished():
+    settings = StudySettings().model_dump(mode="json")
+    meta = {
+        "command": "adadsf study",
+        "date": "d",
+        "hardware": {"summary": "h"},
+        "model": {"name": "m", "fingerprint": "0" * 64},
+        "runtime": {
+            "this_invocation_s": 0.0,
+            "sum_of_runs_s": 0.0,
+            "runs_total": 81,
+            "runs_computed": 0,
+            "runs_cached": 0,
+        },  # fmt: skip
+        "pending": ["main:adadsf@0.8/seed0"],
+    }
+    md = render_markdown(build_results(None, [], [], TUNED.__dict__, settings, meta))
+    assert "no paired comparison is available yet" in md
+    assert "pending: main:adadsf@0.8/seed0" in md
+
+
+# ------------------------------------------------------------------------ the cache
+def test_cache_round_trip_is_atomic_strict_json_and_keyed(tmp_path):
+    from adadsf_modifier.study.cache import RunCache
+
+    cache = RunCache(tmp_path)
+    spec = RunSpec.create("main", "uniform", 0.8, 1, {"modifier": {"retention": 0.8}})
+    assert cache.get(spec) is None
+    path = cache.put(spec, {"ppl_test": float("nan"), "tasks": {"piqa": 0.5}})
+    assert path.name == f"{spec.key}.json" and path.parent.name == "uniform"
+    assert "NaN" not in path.read_text()  # strict JSON: non-finite -> null
+    assert cache.get(spec) == {"ppl_test": None, "tasks": {"piqa": 0.5}}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
+    other = RunSpec.create("main", "uniform", 0.8, 1, {"modifier": {"retention": 0.7}})
+    assert cache.get(other) is None
+    # a file under the right name but holding another configuration is not trusted
+    cache.path_for(other).write_text(path.read_text())
+    assert cache.get(other) is None
+    path.write_text("{truncated")
+    assert cache.get(spec) is None

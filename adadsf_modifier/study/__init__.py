@@ -8,7 +8,7 @@ which order), :mod:`.cache` (finished runs on disk), :mod:`.runner` and
 :mod:`.aggregate` (``results.json``), :mod:`.render` / :mod:`.plots` (Markdown, PNG),
 :mod:`.cost` (up-front estimate), :mod:`.study` (orchestration), :mod:`.command` (CLI).
 
-Importing this package is cheap: the heavy modules load when a study runs.
+The heavy modules (runner, measurements, lm-eval) load only when a study runs.
 """
 
 from adadsf_modifier.study.command import (

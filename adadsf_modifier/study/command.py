@@ -44,7 +44,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="one seed and small limits: checks the pipeline, proves nothing",
+        help="one seed, budget 0.8, tiny limits (~20 min on 2 CPU cores): checks "
+        "the pipeline, proves nothing",
     )
     parser.add_argument(
         "--methods",

@@ -290,8 +290,10 @@ class StudySettings(BaseModel):
 
 def quick_settings(**overrides: Any) -> StudySettings:
     """One seed, budget 0.8 and tiny limits: every method through the whole pipeline
-    in about 15 minutes on a 2-core CPU (a smoke test; its numbers are not evidence of
-    anything). ``overrides`` (e.g. ``budgets``) replace any of it."""
+    (12 runs on SmolLM2; about 20 minutes on the project's shared 2-core CPU, from
+    smoke runs of 40-350 s each, the W8A8 run being the slowest). A smoke test: its
+    numbers are not evidence of anything. ``overrides`` (e.g. ``budgets``) replace any
+    of it."""
     base: dict[str, Any] = dict(
         seeds=1,
         budgets=(0.8,),
