@@ -1,0 +1,34 @@
+"""The results study (``adadsf study``): every compared method under the same data,
+alignment budget and seeds, at several budgets, with 95% intervals and paired
+differences, rendered to ``docs/RESULTS.md`` + ``docs/results.json`` + plots.
+
+Modules: :mod:`.spec` (methods, settings, run identity), :mod:`.plan` (which runs, in
+which order), :mod:`.cache` (finished runs on disk), :mod:`.runner` and
+:mod:`.measure` (one run), :mod:`.stats` (intervals, paired differences),
+:mod:`.aggregate` (``results.json``), :mod:`.render` / :mod:`.plots` (Markdown, PNG),
+:mod:`.cost` (up-front estimate), :mod:`.study` (orchestration), :mod:`.command` (CLI).
+
+The heavy modules (runner, measurements, lm-eval) load only when a study runs.
+"""
+
+from adadsf_modifier.study.command import (
+    add_study_arguments,
+    build_settings,
+    run_study_command,
+)
+from adadsf_modifier.study.settings import (
+    METHODS,
+    StudyInputError,
+    StudySettings,
+    quick_settings,
+)
+
+__all__ = [
+    "METHODS",
+    "StudyInputError",
+    "StudySettings",
+    "add_study_arguments",
+    "build_settings",
+    "quick_settings",
+    "run_study_command",
+]

@@ -1,0 +1,108 @@
+"""Finished study runs on disk: one JSON file per run, named by its configuration key.
+
+Each file holds the run's full configuration next to its record, so a cache folder is
+self-describing and can be copied between machines or sessions. Writes are atomic
+(temporary file in the same folder, ``fsync``, ``os.replace``): an interrupted study
+leaves either the finished run or nothing, never half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from adadsf_modifier.study.spec import RunSpec
+
+__all__ = ["RunCache", "atomic_write_text", "json_text"]
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(data: Any) -> str:
+    """Strict JSON (non-finite numbers, e.g. a diverged run's perplexity, become
+    ``null``: ``NaN`` is not JSON)."""
+    return json.dumps(_finite(data), indent=1, sort_keys=True, allow_nan=False)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class RunCache:
+    """``root/<method>/<key>.json`` for every finished run."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+
+    def path_for(self, spec: RunSpec) -> Path:
+        return self.root / spec.phase / spec.method / f"{spec.key}.json"
+
+    def get(self, spec: RunSpec) -> dict[str, Any] | None:
+        """The cached record of ``spec``, or None (a missing, unreadable or mismatching
+        file is treated as not run; a mismatch cannot happen short of a SHA-256
+        collision or a hand-edited file, and is logged)."""
+        path = self.path_for(spec)
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            logger.warning(f"study cache: ignoring unreadable {path}: {err}")
+            return None
+        if data.get("config") != spec.config:
+            logger.warning(f"study cache: {path} holds another configuration; ignored")
+            return None
+        return data["record"]
+
+    def put(self, spec: RunSpec, record: dict[str, Any]) -> Path:
+        """Store a finished run atomically; returns its file."""
+        path = self.path_for(spec)
+        payload = {
+            "key": spec.key,
+            "label": spec.label,
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "config": spec.config,
+            "notes": spec.notes,
+            "record": record,
+        }
+        atomic_write_text(path, json_text(payload))
+        return path
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Every readable cached run (``{"key", "config", "record", ...}``)."""
+        if not self.root.is_dir():
+            return
+        for path in sorted(self.root.rglob("*.json")):
+            try:
+                yield json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue

@@ -1,0 +1,234 @@
+"""``adadsf study``: the command-line face of the results study.
+
+    adadsf study                       # the full study -> docs/RESULTS.md, results.json
+    adadsf study --quick               # one seed, small limits: a smoke test (minutes)
+    adadsf study --plan                # print the runs and their estimated cost only
+    adadsf study --methods adadsf,uniform --budgets 0.8 --seeds 3
+    adadsf study --max-hours 5         # stop starting runs after 5 h; rerun to resume
+    adadsf study --set task_limit=200 --set speed=false
+
+``cli.py`` wires it with :func:`add_study_arguments` and :func:`run_study_command`;
+``python -m adadsf_modifier.study`` runs it without the rest of the CLI. Bad input
+raises :class:`~adadsf_modifier.study.settings.StudyInputError` (one line) before any
+heavy work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import typing
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from adadsf_modifier.study.settings import (
+    METHODS,
+    StudyInputError,
+    StudySettings,
+    quick_settings,
+)
+
+__all__ = ["add_study_arguments", "build_settings", "main", "run_study_command"]
+
+
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the study's options to ``parser`` (the ``study`` subparser of ``adadsf``)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local model folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one seed, budget 0.8, tiny limits (~20 min on 2 CPU cores): checks "
+        "the pipeline, proves nothing",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="methods to run, comma or space separated (default all: "
+        f"{', '.join(METHODS)})",
+    )
+    parser.add_argument(
+        "--budgets",
+        nargs="+",
+        default=None,
+        help="retention budgets in (0, 1] (default 0.9 0.8 0.7)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="number of seeds, 0..N-1 (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default="outputs/study_cache",
+        help="finished runs, one JSON per run (default outputs/study_cache)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="docs",
+        help="where RESULTS.md, results.json and the plots go (default docs)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any study setting (YAML value; lists comma separated), e.g. "
+        "--set task_limit=200; --list-settings shows them",
+    )
+    parser.add_argument(
+        "--max-hours",
+        type=float,
+        default=None,
+        help="start no new run after this many hours (rerun later to resume)",
+    )
+    parser.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="compute at most this many new runs in this invocation",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the run count and estimated cost, run nothing",
+    )
+    parser.add_argument(
+        "--list-settings",
+        action="store_true",
+        help="print every setting with its value and exit",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace RESULTS.md / results.json not written by a study",
+    )
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    if values is None:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def _parse_value(key: str, raw: str) -> Any:
+    field = StudySettings.model_fields[key]
+    value = yaml.safe_load(raw) if raw.strip() else None
+    if typing.get_origin(field.annotation) is tuple:
+        if isinstance(value, str):
+            value = [yaml.safe_load(v) for v in _split([value]) or []]
+        elif not isinstance(value, list):
+            value = [value]
+    return value
+
+
+def _validation_message(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    msg = str(first.get("msg", err)).removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
+
+
+def build_settings(args: argparse.Namespace) -> StudySettings:
+    """The study settings from the parsed arguments: ``--quick`` preset (or the full
+    defaults), then ``--methods/--budgets/--seeds``, then each ``--set``."""
+    fields: dict[str, Any] = {}
+    methods = _split(args.methods)
+    if methods is not None:
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown or not methods:
+            raise StudyInputError(
+                f"unknown method(s) {unknown}; known: {', '.join(METHODS)}"
+            )
+        fields["methods"] = methods
+    budgets = _split(args.budgets)
+    if budgets is not None:
+        try:
+            values = [float(b) for b in budgets]
+        except ValueError as err:
+            raise StudyInputError(f"--budgets: not a number: {err}") from err
+        bad = [b for b in values if not (0.0 < b <= 1.0)]
+        if bad or not values:
+            raise StudyInputError(f"--budgets: {bad or values} outside (0, 1]")
+        fields["budgets"] = values
+    if args.seeds is not None:
+        if args.seeds < 1:
+            raise StudyInputError(f"--seeds must be >= 1, got {args.seeds}")
+        fields["seeds"] = args.seeds
+    for item in args.overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in StudySettings.model_fields:
+            raise StudyInputError(
+                f"--set {item!r}: expected KEY=VALUE with KEY one of "
+                f"{', '.join(StudySettings.model_fields)}"
+            )
+        try:
+            fields[key] = _parse_value(key, raw)
+        except yaml.YAMLError as err:
+            raise StudyInputError(f"--set {item!r}: {err}") from err
+    try:
+        return quick_settings(**fields) if args.quick else StudySettings(**fields)
+    except ValidationError as err:
+        raise StudyInputError(_validation_message(err)) from err
+
+
+def run_study_command(args: argparse.Namespace) -> dict:
+    """Entry point of ``adadsf study``: returns the results dict (or the settings with
+    ``--list-settings``, the plan with ``--plan``)."""
+    settings = build_settings(args)
+    if args.list_settings:
+        dump = settings.model_dump(mode="json")
+        for k, v in dump.items():
+            print(f"{k} = {v}")
+        return dump
+    if args.max_runs is not None and args.max_runs < 0:
+        raise StudyInputError(f"--max-runs must be >= 0, got {args.max_runs}")
+    if args.max_hours is not None and args.max_hours <= 0:
+        raise StudyInputError(f"--max-hours must be > 0, got {args.max_hours}")
+    from adadsf_modifier.study.study import run_study
+
+    command = getattr(args, "command_line", None) or "adadsf study " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:] if a != "study"
+    )
+    return run_study(
+        settings,
+        args.model,
+        args.output_dir,
+        args.cache_dir,
+        command=command,
+        overwrite=args.overwrite,
+        max_hours=args.max_hours,
+        max_runs=args.max_runs,
+        plan_only=args.plan,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m adadsf_modifier.study [options]``: exit 2 with one line on bad
+    input."""
+    parser = argparse.ArgumentParser(
+        prog="adadsf study",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_study_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = "adadsf study " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    try:
+        run_study_command(args)
+    except StudyInputError as err:
+        print(f"adadsf study: error: {err}", file=sys.stderr)
+        return 2
+    return 0

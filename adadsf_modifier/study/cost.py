@@ -1,0 +1,90 @@
+"""Up-front cost estimate of a study, so a heavy study can be planned over sessions.
+
+Two sources, best first: the measured seconds of finished runs of the same study (the
+cache), and otherwise a simple model whose per-token constants were measured on this
+project's CPU machine (1 thread, SmolLM2-135M, float32), scaled by the model's
+parameter count. The GPU factor is a guess until a GPU run is cached; the estimate is
+printed as such.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adadsf_modifier.study.settings import METHODS, StudySettings
+
+__all__ = ["TASK_SIZES", "estimate_run_seconds", "model_params", "planned_task_n"]
+
+# Measured on the project's CPU machine (docs/results.md sections 3-5 and the study's
+# SmolLM2 smoke runs; the machine was shared, so these lean pessimistic).
+_CPU_FORWARD_S_PER_TOKEN = 2.8e-3  # SmolLM2-135M prefill, fp32, 1 thread
+_CPU_ALIGN_S_PER_TOKEN = 11e-3  # routers_and_layers, fp32, with the dense teacher
+_CPU_ALIGN_S_PER_STEP = 3.0  # AdamW update and clipping over ~100M parameters
+_CPU_LM_EVAL_S_PER_REQUEST = 0.08
+_CPU_DECODE_STEP_S = {1: 0.04, 8: 0.07}
+_LM_EVAL_OVERHEAD_S = 20.0
+_RUN_OVERHEAD_S = 15.0  # load model, text, warm start, bookkeeping
+_GPTQ_S = 150.0  # GPTQ W8A8 over SmolLM2 (8 x 128 calibration tokens)
+_GPU_SPEEDUP_GUESS = 30.0
+_REFERENCE_PARAMS = 135e6
+
+# Validation examples shipped per task, and lm-eval requests (choices) per example.
+TASK_SIZES = {"piqa": 1838, "arc_easy": 570, "arc_challenge": 299, "hellaswag": 10042,
+              "winogrande": 1267, "openbookqa": 500, "boolq": 3270}  # fmt: skip
+_TASK_CHOICES = {"piqa": 2, "arc_easy": 4, "arc_challenge": 4, "hellaswag": 4,
+                 "winogrande": 2, "openbookqa": 4, "boolq": 2}  # fmt: skip
+
+
+def planned_task_n(s: StudySettings) -> dict[str, int]:
+    """Examples each task will score under ``task_limit``."""
+    return {t: min(s.task_limit or TASK_SIZES[t], TASK_SIZES[t]) for t in s.tasks}
+
+
+def model_params(model_path: str) -> float:
+    """Approximate parameter count from ``config.json`` (the reference size if it is
+    unreadable)."""
+    try:
+        c = json.loads((Path(model_path) / "config.json").read_text())
+        h, n = c["hidden_size"], c["num_hidden_layers"]
+        inter = c.get("intermediate_size", 4 * h)
+        return float(n * (4 * h * h + 3 * h * inter) + c["vocab_size"] * h)
+    except (OSError, KeyError, ValueError, TypeError):
+        return _REFERENCE_PARAMS
+
+
+def estimate_run_seconds(
+    s: StudySettings, phase: str, method: str, params: float, device: str
+) -> float:
+    """Estimated wall-clock seconds of one run (see the module docstring)."""
+    scale = params / _REFERENCE_PARAMS
+    fwd = _CPU_FORWARD_S_PER_TOKEN * scale
+    m = METHODS[method]
+    secs = _RUN_OVERHEAD_S
+    window = s.ppl_max_length / max(s.ppl_stride, 1)
+    if m.allocation is not None:
+        secs += s.calib_samples * s.calib_seq_len * fwd * (1 + s.threshold_passes)
+        if m.align:
+            tokens = s.align_steps * s.align_batch_size * s.align_seq_len
+            per_token = _CPU_ALIGN_S_PER_TOKEN / (2.0 if s.align_bf16 else 1.0)
+            secs += (tokens * per_token + s.align_steps * _CPU_ALIGN_S_PER_STEP) * scale
+        if m.quantize:
+            secs += _GPTQ_S * scale
+    secs += s.ppl_val_tokens * window * fwd + 2 * s.flops_batch * s.flops_seq_len * fwd
+    if phase == "main":
+        secs += 2 * s.ppl_tokens * window * fwd
+        if s.tasks:
+            reqs = sum(n * _TASK_CHOICES[t] for t, n in planned_task_n(s).items())
+            secs += _LM_EVAL_OVERHEAD_S + reqs * _CPU_LM_EVAL_S_PER_REQUEST * scale
+        if s.speed and m.allocation is not None and not m.quantize:
+            share = min(s.speed_seeds, s.seeds) / s.seeds
+            speed = 10.0 * scale
+            for b in s.speed_batch_sizes:
+                speed += (s.speed_repeats + 1) * 2 * b * s.speed_seq_len * fwd
+                step = _CPU_DECODE_STEP_S.get(b, 0.04 + 0.005 * b) * scale
+                reps = max(7, s.speed_repeats) + 1
+                speed += reps * 2 * (s.decode_prompt * b * fwd + s.decode_tokens * step)
+            secs += share * speed
+    if device == "cuda":
+        secs = _RUN_OVERHEAD_S + (secs - _RUN_OVERHEAD_S) / _GPU_SPEEDUP_GUESS
+    return secs

@@ -1,0 +1,332 @@
+"""Which runs a study consists of, in which order, and what each one's configuration is.
+
+Order matters twice: the main runs use the hyper-parameters the *tune* runs chose on
+the validation split, and the layer-removal runs keep as many layers as matches the
+*measured* FLOPs of the AdaDSF runs at the same budget. So the main runs are produced
+lazily (:func:`main_specs` is a generator that reads finished records as it goes),
+while their number is known up front (:func:`count_runs`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from adadsf_modifier.study.settings import METHODS, StudySettings
+from adadsf_modifier.study.spec import RunSpec
+
+__all__ = [
+    "Context",
+    "budgets_of",
+    "Tuned",
+    "choose_best",
+    "count_runs",
+    "layer_drop_retention",
+    "main_specs",
+    "modifier_fields",
+    "quantization_fields",
+    "tune_specs",
+]
+
+# The GPTQ stage of recipes/adadsf_w8a8.yaml, used when the recipe file is not next to
+# the package (an installed wheel); read from the file whenever it is there.
+_W8A8_FALLBACK = {
+    "targets": ["Linear"],
+    "scheme": "W8A8",
+    "ignore": ["lm_head", "re:.*router.*"],
+    "dampening_frac": 0.01,
+}
+_W8A8_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "adadsf_w8a8.yaml"
+_LIFECYCLE_FIELDS = {
+    "index",
+    "group",
+    "start",
+    "end",
+    "update",
+    "initialized_",
+    "finalized_",
+    "started_",
+    "ended_",
+    "requires_calibration_data",
+}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every run of one study shares (identity only; no loaded objects)."""
+
+    model_name: str
+    fingerprint: str
+    versions: dict[str, str]
+    device: str  # "cpu" or "cuda"
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """Hyper-parameters the main runs use, and where they came from."""
+
+    align_lr: float
+    temperature: float
+    beta: float
+    source: str  # "validation split" or "settings (tuning off)"
+
+
+def quantization_fields() -> dict[str, Any]:
+    """``GPTQModifier`` arguments of the W8A8 stage of ``recipes/adadsf_w8a8.yaml``."""
+    if _W8A8_RECIPE.is_file():
+        recipe = yaml.safe_load(_W8A8_RECIPE.read_text())
+        for stage in recipe.values():
+            for group in stage.values():
+                if isinstance(group, dict) and "GPTQModifier" in group:
+                    return dict(group["GPTQModifier"])
+    return dict(_W8A8_FALLBACK)
+
+
+def modifier_fields(
+    s: StudySettings,
+    method: str,
+    retention: float,
+    seed: int,
+    tuned: Tuned,
+) -> dict[str, Any]:
+    """Every ``AdaDSFModifier`` field of ``method`` at ``retention`` (defaults
+    included, so a changed default changes the run's key)."""
+    from adadsf_modifier import AdaDSFModifier
+
+    m = METHODS[method]
+    kwargs: dict[str, Any] = dict(
+        retention=retention,
+        temperature=tuned.temperature,
+        beta=tuned.beta,
+        allocation=m.allocation,
+        ignore=list(s.ignore),
+        router_hidden_size=s.router_hidden_size,
+        seed=seed,
+        threshold_passes=s.threshold_passes,
+        router_init="similarity",
+        router_init_steps=s.router_init_steps,
+        router_init_tokens=s.router_init_tokens,
+        align_steps=s.align_steps if m.align else 0,
+        align_lr=tuned.align_lr,
+        align_batch_size=s.align_batch_size,
+        align_seq_len=s.align_seq_len,
+        align_trainable=s.align_trainable,
+        align_seed=seed,
+        align_bf16=s.align_bf16,
+    )
+    if m.lm_loss_only:
+        kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
+    dump = AdaDSFModifier(**kwargs).model_dump()
+    return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
+
+
+def _data(s: StudySettings, seed: int, aligned: bool) -> dict[str, Any]:
+    return {
+        "calib_samples": s.calib_samples,
+        "calib_seq_len": s.calib_seq_len,
+        "text_seed": seed,
+        # one pass over fresh rows: steps x batch rows of align_seq_len tokens
+        "align_rows": s.align_steps * s.align_batch_size if aligned else 0,
+        "align_seq_len": s.align_seq_len if aligned else 0,
+    }
+
+
+def _eval_main(s: StudySettings, ctx: Context, speed: bool) -> dict[str, Any]:
+    return {
+        "ppl_tokens": s.ppl_tokens,
+        "ppl_val_tokens": s.ppl_val_tokens,
+        "ppl_max_length": s.ppl_max_length,
+        "ppl_stride": s.ppl_stride,
+        "tasks": list(s.tasks),
+        "task_limit": s.task_limit,
+        "task_batch_size": s.task_batch_size or (16 if ctx.device == "cuda" else 1),
+        "flops_batch": s.flops_batch,
+        "flops_seq_len": s.flops_seq_len,
+        "speed": (
+            {
+                "seq_len": s.speed_seq_len,
+                "batch_sizes": list(s.speed_batch_sizes),
+                "repeats": s.speed_repeats,
+                "decode_prompt": s.decode_prompt,
+                "decode_tokens": s.decode_tokens,
+            }
+            if speed
+            else None
+        ),
+    }
+
+
+def _eval_tune(s: StudySettings) -> dict[str, Any]:
+    return {
+        "ppl_val_tokens": s.ppl_val_tokens,
+        "ppl_max_length": s.ppl_max_length,
+        "ppl_stride": s.ppl_stride,
+        "flops_batch": s.flops_batch,
+        "flops_seq_len": s.flops_seq_len,
+        "validation_only": True,
+    }
+
+
+def _spec(
+    ctx: Context,
+    phase: str,
+    method: str,
+    budget: float,
+    seed: int,
+    modifier: dict | None,
+    s: StudySettings,
+    eval_cfg: dict,
+    notes: dict | None = None,
+) -> RunSpec:
+    aligned = bool(modifier and modifier.get("align_steps", 0) > 0)
+    config = {
+        "model": {"name": ctx.model_name, "fingerprint": ctx.fingerprint},
+        "device": ctx.device,
+        "dtype": ctx.dtype,
+        "versions": ctx.versions,
+        "modifier": modifier,
+        "quantization": quantization_fields() if METHODS[method].quantize else None,
+        "data": _data(s, seed, aligned) if modifier is not None else None,
+        "eval": eval_cfg,
+    }
+    return RunSpec.create(phase, method, budget, seed, config, notes)
+
+
+# --------------------------------------------------------------------------------------
+# tuning (validation split)
+
+
+def tune_specs(
+    s: StudySettings, ctx: Context, best_lr: float | None = None
+) -> list[RunSpec]:
+    """Stage 1 (``best_lr is None``): AdaDSF at ``tune_budget`` for each learning rate,
+    with the default ``temperature``/``beta``. Stage 2: each (temperature, beta) with
+    the best learning rate. A stage-2 run equal to a stage-1 run has the same key and is
+    therefore not run twice."""
+    if not s.tune:
+        return []
+    if best_lr is None:
+        grid = [(lr, s.temperature, s.beta) for lr in s.tune_lrs]
+    else:
+        grid = [(best_lr, t, b) for t in s.tune_temperatures for b in s.tune_betas]
+    out = []
+    for lr, tau, beta in grid:
+        tuned = Tuned(lr, tau, beta, "tuning")
+        mod = modifier_fields(s, "adadsf", s.tune_budget, s.tune_seed, tuned)
+        out.append(
+            _spec(
+                ctx, "tune", "adadsf", s.tune_budget, s.tune_seed, mod, s, _eval_tune(s)
+            )
+        )
+    return out
+
+
+def choose_best(records: list[dict]) -> dict:
+    """The tune record with the lowest validation perplexity (ties: first)."""
+    finite = [r for r in records if math.isfinite(r.get("ppl_val") or math.inf)]
+    if not finite:
+        raise RuntimeError("no tuning run finished with a finite validation perplexity")
+    return min(finite, key=lambda r: r["ppl_val"])
+
+
+def tune_count(s: StudySettings) -> int:
+    if not s.tune:
+        return 0
+    stage2 = len(s.tune_temperatures) * len(s.tune_betas)
+    default_in_grid = s.temperature in s.tune_temperatures and s.beta in s.tune_betas
+    return len(s.tune_lrs) + stage2 - (1 if default_in_grid else 0)
+
+
+# --------------------------------------------------------------------------------------
+# main runs (test split)
+
+
+def budgets_of(s: StudySettings, method: str) -> list[float]:
+    if method == "dense":
+        return [1.0]
+    if METHODS[method].quantize:
+        return list(s.w8a8_budgets)
+    return list(s.budgets)
+
+
+def count_runs(s: StudySettings) -> dict[str, int]:
+    """``{"tune": n, "main": n}`` for the whole plan (cached runs included)."""
+    main = 0
+    for m in s.methods:
+        main += 1 if m == "dense" else len(budgets_of(s, m)) * s.seeds
+    return {"tune": tune_count(s), "main": main}
+
+
+def layer_drop_retention(
+    target_flops: float, num_layers: int, num_routed: int
+) -> tuple[float, int]:
+    """Retention for ``allocation: layer_drop`` keeping the number of layers whose
+    FLOPs come closest to ``target_flops`` (a fraction of the dense decoder stack).
+
+    Layers not routed always stay; ``layer_drop`` keeps ``floor(retention *
+    num_routed)`` routed layers, so ``retention = k / num_routed`` keeps exactly
+    ``k``. Returns ``(retention, k)``.
+    """
+    fixed = num_layers - num_routed
+    k = round(target_flops * num_layers) - fixed
+    k = min(max(k, 1), num_routed)
+    return k / num_routed, k
+
+
+def main_specs(
+    s: StudySettings,
+    ctx: Context,
+    tuned: Tuned,
+    reference: Callable[[float], dict | None],
+) -> Iterator[RunSpec]:
+    """Main runs in dependency order: dense, then per budget AdaDSF first (layer
+    removal matches its measured FLOPs), the other methods, layer removal last.
+
+    ``reference(budget)`` returns ``{"flops": mean measured normalized FLOPs of the
+    finished AdaDSF runs at that budget, "num_layers": L, "num_routed": n}`` or None;
+    without it layer removal uses the nominal budget.
+    """
+    methods = list(s.methods)
+    if "dense" in methods:
+        yield _spec(ctx, "main", "dense", 1.0, 0, None, s, _eval_main(s, ctx, False))
+    order = sorted(
+        (m for m in methods if m != "dense"),
+        key=lambda m: (m != "adadsf", METHODS[m].match_flops),
+    )
+    budgets = sorted({b for m in order for b in budgets_of(s, m)}, reverse=True)
+    for budget in budgets:
+        for method in order:
+            if budget not in budgets_of(s, method):
+                continue
+            m = METHODS[method]
+            for i, seed in enumerate(s.seed_list):
+                retention, notes = budget, {}
+                if m.match_flops:
+                    ref = reference(budget)
+                    if ref is not None:
+                        retention, _ = layer_drop_retention(
+                            ref["flops"], ref["num_layers"], ref["num_routed"]
+                        )
+                        notes["flops_target"] = ref["flops"]
+                    notes["matched_to"] = (
+                        "AdaDSF measured FLOPs" if ref else "nominal budget"
+                    )
+                mod = modifier_fields(s, method, retention, seed, tuned)
+                speed = s.speed and i < s.speed_seeds and not m.quantize
+                yield _spec(
+                    ctx,
+                    "main",
+                    method,
+                    budget,
+                    seed,
+                    mod,
+                    s,
+                    _eval_main(s, ctx, speed),
+                    notes,
+                )

@@ -1,0 +1,89 @@
+"""The study's two figures, drawn from ``results.json``'s summary (matplotlib, Agg).
+
+* ``results_ppl_vs_flops.png``: test perplexity (causal routing) against *measured*
+  normalized FLOPs, one line per method over the budgets, 95% intervals as whiskers in
+  both directions: the Pareto picture (lower left is better).
+* ``results_acc_vs_speedup.png``: 7-task mean accuracy against measured prefill speedup
+  (batch 1), for the runs whose speed was measured.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PLOT_FILES", "write_plots"]
+
+PLOT_FILES = ("results_ppl_vs_flops.png", "results_acc_vs_speedup.png")
+
+
+def _xy(row: dict, x: str, y: str) -> tuple[float, float, float, float] | None:
+    mx, my = row["metrics"].get(x), row["metrics"].get(y)
+    if not mx or not my or mx["n"] == 0 or my["n"] == 0:
+        return None
+    return mx["mean"], my["mean"], mx["ci95"] or 0.0, my["ci95"] or 0.0
+
+
+def _draw(ax, rows: list[dict], x: str, y: str) -> int:
+    by_method: dict[str, list[tuple]] = {}
+    labels: dict[str, str] = {}
+    for row in rows:
+        pt = _xy(row, x, y)
+        if pt is not None:
+            by_method.setdefault(row["method"], []).append(pt)
+            labels[row["method"]] = row["label"]
+    for method, pts in by_method.items():
+        pts.sort()
+        xs, ys, ex, ey = zip(*pts)
+        marker = "*" if method == "dense" else "o"
+        ax.errorbar(
+            xs, ys, xerr=ex, yerr=ey, marker=marker, capsize=3, label=labels[method]
+        )
+    return len(by_method)
+
+
+def _save(fig, path: Path) -> None:
+    """Atomically: a reader never sees half a PNG."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=120, format="png")
+    os.replace(tmp, path)
+
+
+def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["summary"]
+    model = results.get("model", {}).get("name", "")
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    n = _draw(ax, rows, "normalized_flops", "ppl_test")
+    ax.set_xlabel("measured normalized FLOPs (decoder stack + routers)")
+    ax.set_ylabel("test perplexity (causal routing)")
+    if n:
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    ax.set_title(f"{model}: perplexity vs measured FLOPs (95% CI over seeds)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / PLOT_FILES[0])
+    _save(fig, paths[-1])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    n = _draw(ax, rows, "prefill_speedup", "task_mean")
+    ax.set_xlabel("measured prefill speedup vs the dense twin (batch 1)")
+    ax.set_ylabel("mean accuracy over the lm-eval tasks")
+    if n:
+        ax.legend(fontsize=8)
+    ax.set_title(f"{model}: accuracy vs measured speedup")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / PLOT_FILES[1])
+    _save(fig, paths[-1])
+    plt.close(fig)
+    return paths

@@ -1,0 +1,324 @@
+"""The study's methods and settings: what is compared and every knob of how.
+
+``StudySettings`` holds everything a study can vary (methods, budgets, seeds, data and
+alignment sizes, tuning grids, evaluation limits); ``adadsf study --set KEY=VALUE``
+overrides any field, and pydantic validation turns bad values into one-line errors
+(:class:`StudyInputError`) before any work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+__all__ = [
+    "ALL_TASKS",
+    "METHODS",
+    "Method",
+    "StudyInputError",
+    "StudySettings",
+    "quick_settings",
+]
+
+ALL_TASKS = (
+    "piqa",
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "winogrande",
+    "openbookqa",
+    "boolq",
+)
+"""The 7 lm-eval tasks (the project's offline copies; each task's validation split)."""
+
+
+class StudyInputError(ValueError):
+    """Bad study input: reported as one line before any heavy work."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One arm of the study: how the dense model is turned into the compared model."""
+
+    name: str
+    label: str
+    allocation: str | None  # None: the dense model, untouched
+    align: bool = True
+    lm_loss_only: bool = False
+    quantize: bool = False
+    match_flops: bool = False  # layer removal: keep as many layers as AdaDSF's FLOPs
+    description: str = ""
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("dense", "dense", None, align=False, description="the dense model"),
+        Method(
+            "adadsf",
+            "AdaDSF (similarity)",
+            "similarity",
+            description="similarity allocation + feature alignment (the paper)",
+        ),
+        Method(
+            "uniform", "uniform (MoD)", "uniform", description="same ratio per layer"
+        ),
+        Method(
+            "reversed",
+            "reversed",
+            "reversed",
+            description="similarity ranking inverted",
+        ),
+        Method(
+            "random",
+            "random",
+            "random",
+            description="similarity ratios, seeded random layer order",
+        ),
+        Method(
+            "layer_drop",
+            "layer removal (ShortGPT)",
+            "layer_drop",
+            align=False,
+            match_flops=True,
+            description="lowest Block-Influence layers removed, no training",
+        ),
+        Method(
+            "layer_drop_healed",
+            "layer removal + healing",
+            "layer_drop",
+            match_flops=True,
+            description="layer removal, then the same alignment as AdaDSF",
+        ),
+        Method(
+            "adadsf_no_align",
+            "AdaDSF, no alignment",
+            "similarity",
+            align=False,
+            description="similarity allocation, warm-started routers, no training",
+        ),
+        Method(
+            "adadsf_lm_only",
+            "AdaDSF, LM loss only",
+            "similarity",
+            lm_loss_only=True,
+            description="alignment with the causal-LM loss instead of KL + hidden",
+        ),
+        Method(
+            "adadsf_w8a8",
+            "AdaDSF + GPTQ W8A8",
+            "similarity",
+            quantize=True,
+            description="AdaDSF, then GPTQ W8A8 (recipes/adadsf_w8a8.yaml stage)",
+        ),
+    )
+}
+
+
+def _positive(v: int, name: str) -> int:
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def _check_budget(b: float, what: str = "budget") -> float:
+    if not (math.isfinite(b) and 0.0 < b <= 1.0):
+        raise ValueError(f"{what} {b} is outside (0, 1]")
+    return round(float(b), 6)
+
+
+class StudySettings(BaseModel):
+    """Every knob of the study. Defaults are the full study (sized for a GPU);
+    :func:`quick_settings` shrinks them for a CPU smoke test. ``adadsf study --set
+    KEY=VALUE`` overrides any field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- what runs
+    methods: tuple[str, ...] = tuple(METHODS)
+    budgets: tuple[float, ...] = (0.9, 0.8, 0.7)
+    seeds: int = 3  # seeds 0 .. seeds-1 (calibration sample, router init, data order)
+    w8a8_budgets: tuple[float, ...] = (0.8,)
+    # ---- calibration and AdaDSF fields (the same for every method)
+    calib_samples: int = 128
+    calib_seq_len: int = 512
+    ignore: tuple[str, ...] = ("re:.*layers\\.0$",)
+    temperature: float = 0.05  # replaced by the validation-split choice when tune
+    beta: float = 10.0
+    router_hidden_size: int = 64
+    router_init_steps: int = 100
+    router_init_tokens: int = 2048
+    threshold_passes: int = 2
+    # ---- alignment (the same budget for every aligned method)
+    align_steps: int = 200
+    align_batch_size: int = 8
+    align_seq_len: int = 512
+    align_lr: float = 3e-4  # replaced by the validation-split choice when tune
+    align_trainable: str = "routers_and_layers"
+    align_bf16: bool = False
+    # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
+    tune: bool = True
+    tune_budget: float = 0.8
+    tune_seed: int = 0
+    tune_lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
+    tune_temperatures: tuple[float, ...] = (0.25, 0.1, 0.05)
+    tune_betas: tuple[float, ...] = (10.0,)
+    # ---- evaluation
+    ppl_tokens: int = 32768  # test split
+    ppl_val_tokens: int = 16384  # validation split
+    ppl_max_length: int = 512
+    ppl_stride: int = 256
+    tasks: tuple[str, ...] = ALL_TASKS
+    task_limit: int | None = 1000  # examples per task (None: the whole split)
+    task_batch_size: int | None = None  # None: 1 on CPU, 16 on a GPU
+    flops_batch: int = 4
+    flops_seq_len: int = 512
+    speed: bool = True
+    speed_seeds: int = 1  # speed is measured for the first speed_seeds seeds
+    speed_seq_len: int = 1024
+    speed_batch_sizes: tuple[int, ...] = (1, 8)
+    speed_repeats: int = 3
+    decode_prompt: int = 128
+    decode_tokens: int = 32
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [m for m in v if m not in METHODS]
+        if unknown:
+            raise ValueError(
+                f"unknown method(s) {unknown}; known: {', '.join(METHODS)}"
+            )
+        if not v:
+            raise ValueError(f"no method given; known: {', '.join(METHODS)}")
+        return tuple(dict.fromkeys(v))
+
+    @field_validator("budgets", "w8a8_budgets")
+    @classmethod
+    def _budgets(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(dict.fromkeys(_check_budget(b) for b in v))
+
+    @field_validator("tune_budget")
+    @classmethod
+    def _tune_budget(cls, v: float) -> float:
+        return _check_budget(v, "tune_budget")
+
+    @field_validator(
+        "seeds",
+        "calib_samples",
+        "calib_seq_len",
+        "router_hidden_size",
+        "router_init_steps",
+        "router_init_tokens",
+        "threshold_passes",
+        "align_batch_size",
+        "align_seq_len",
+        "ppl_tokens",
+        "ppl_val_tokens",
+        "flops_batch",
+        "flops_seq_len",
+        "speed_seq_len",
+        "speed_repeats",
+        "decode_prompt",
+        "decode_tokens",
+    )
+    @classmethod
+    def _positive_ints(cls, v: int, info) -> int:
+        return _positive(v, info.field_name)
+
+    @field_validator("align_steps", "speed_seeds")
+    @classmethod
+    def _non_negative(cls, v: int, info) -> int:
+        if v < 0:
+            raise ValueError(f"{info.field_name} must be >= 0, got {v}")
+        return v
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [t for t in v if t not in ALL_TASKS]
+        if unknown:
+            raise ValueError(
+                f"unknown task(s) {unknown}; known: {', '.join(ALL_TASKS)}"
+            )
+        return tuple(dict.fromkeys(v))
+
+    @field_validator("task_limit", "task_batch_size")
+    @classmethod
+    def _limit(cls, v: int | None, info) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"{info.field_name} must be >= 1 or null, got {v}")
+        return v
+
+    @field_validator("speed_batch_sizes")
+    @classmethod
+    def _batches(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or any(b < 1 for b in v):
+            raise ValueError(f"speed_batch_sizes must be >= 1, got {list(v)}")
+        return v
+
+    @field_validator("tune_lrs", "tune_temperatures")
+    @classmethod
+    def _grid(cls, v: tuple[float, ...], info) -> tuple[float, ...]:
+        if not v or any(not (math.isfinite(x) and x > 0) for x in v):
+            raise ValueError(f"{info.field_name} must be positive numbers, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "StudySettings":
+        if self.ppl_stride > self.ppl_max_length:
+            raise ValueError(
+                f"ppl_stride ({self.ppl_stride}) must not exceed ppl_max_length "
+                f"({self.ppl_max_length})"
+            )
+        if self.ppl_max_length < 2:
+            raise ValueError("ppl_max_length must be >= 2")
+        if self.align_trainable not in ("routers", "routers_and_layers"):
+            raise ValueError(
+                "align_trainable must be 'routers' or 'routers_and_layers', got "
+                f"{self.align_trainable!r}"
+            )
+        return self
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.seeds))
+
+
+def quick_settings(**overrides: Any) -> StudySettings:
+    """One seed, budget 0.8 and tiny limits: every method through the whole pipeline
+    (12 runs on SmolLM2; about 20 minutes on the project's shared 2-core CPU, from
+    smoke runs of 40-350 s each, the W8A8 run being the slowest). A smoke test: its
+    numbers are not evidence of anything. ``overrides`` (e.g. ``budgets``) replace any
+    of it."""
+    base: dict[str, Any] = dict(
+        seeds=1,
+        budgets=(0.8,),
+        calib_samples=8,
+        calib_seq_len=128,
+        router_init_steps=20,
+        router_init_tokens=256,
+        threshold_passes=1,
+        align_steps=2,
+        align_batch_size=1,
+        align_seq_len=64,
+        tune_lrs=(3e-4, 1e-3),
+        tune_temperatures=(0.05,),
+        ppl_tokens=1024,
+        ppl_val_tokens=512,
+        ppl_max_length=256,
+        ppl_stride=256,
+        task_limit=2,
+        flops_batch=1,
+        flops_seq_len=256,
+        speed_seq_len=128,
+        speed_batch_sizes=(1,),
+        speed_repeats=1,
+        decode_prompt=32,
+        decode_tokens=2,
+    )
+    base.update(overrides)
+    return StudySettings(**base)

@@ -1,0 +1,171 @@
+"""Identity of one study run: its full configuration and a stable key.
+
+A run is identified by everything that can change its numbers (model identity, method,
+budget, seed, every ``AdaDSFModifier`` field, data sizes, evaluation limits, library
+versions and a digest of the package's run-relevant source), hashed into a stable key.
+The cache (:mod:`.cache`) stores finished runs under that key, so an interrupted study
+resumes and a changed setting recomputes exactly the runs it affects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FORMAT_VERSION",
+    "RunSpec",
+    "canonical_json",
+    "code_versions",
+    "model_fingerprint",
+    "source_digest",
+]
+
+FORMAT_VERSION = 1
+"""Bump when the meaning of a cached run record changes (forces recomputation)."""
+
+
+# --------------------------------------------------------------------------------------
+# identity of a run
+
+
+def canonical_json(data: Any) -> str:
+    """Deterministic JSON (sorted keys, no spaces, floats as Python repr)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _file_digest(path: Path, h: "hashlib._Hash", chunk: int = 4 << 20) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(chunk))
+        if size > 2 * chunk:
+            f.seek(size - chunk)
+            h.update(f.read(chunk))
+        elif size > chunk:
+            h.update(f.read())
+
+
+def model_fingerprint(path: str) -> str:
+    """Identity of a local model folder: ``config.json`` plus each weight file's name,
+    size, first and last 4 MiB (fast, and changes when the weights do). A hub id is
+    identified by its name only."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return "name:" + str(path)
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            h.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    weights = sorted(
+        p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")
+    )
+    for p in weights:
+        _file_digest(p, h)
+    return h.hexdigest()
+
+
+# Modules whose code cannot change a run's numbers (presentation and command line).
+_PRESENTATION = {
+    "cli.py",
+    "study/__init__.py",
+    "study/__main__.py",
+    "study/aggregate.py",
+    "study/command.py",
+    "study/plots.py",
+    "study/render.py",
+    "study/stats.py",
+}
+
+
+def source_digest() -> str:
+    """SHA-256 over the package's run-relevant ``.py`` files (paths and contents)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if rel in _PRESENTATION or "__pycache__" in rel:
+            continue
+        h.update(rel.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def code_versions() -> dict[str, str]:
+    """Versions of everything that computes a run, plus the package source digest."""
+    out = {"python": ".".join(platform.python_version_tuple()[:2])}
+    for dist in (
+        "adadsf-modifier",
+        "torch",
+        "transformers",
+        "llmcompressor",
+        "compressed-tensors",
+        "lm_eval",
+        "datasets",
+    ):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "absent"
+    out["adadsf_source"] = source_digest()
+    out["study_format"] = str(FORMAT_VERSION)
+    return out
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: ``config`` holds everything that determines its result (and nothing
+    else), so ``key`` is stable across processes, machines and sessions."""
+
+    phase: str  # "tune" or "main"
+    method: str
+    budget: float
+    seed: int
+    config_json: str  # canonical JSON of the configuration (the key's input)
+    notes_json: str = "{}"  # facts about the run that do not change it (not keyed)
+
+    @classmethod
+    def create(
+        cls,
+        phase: str,
+        method: str,
+        budget: float,
+        seed: int,
+        config: dict,
+        notes: dict | None = None,
+    ) -> "RunSpec":
+        full = {
+            "phase": phase,
+            "method": method,
+            "budget": budget,
+            "seed": seed,
+            **config,
+        }
+        return cls(
+            phase,
+            method,
+            budget,
+            seed,
+            canonical_json(full),
+            canonical_json(notes or {}),
+        )
+
+    @property
+    def notes(self) -> dict[str, Any]:
+        return json.loads(self.notes_json)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return json.loads(self.config_json)
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(self.config_json.encode()).hexdigest()
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase}:{self.method}@{self.budget:g}/seed{self.seed}"

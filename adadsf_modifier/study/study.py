@@ -1,0 +1,363 @@
+"""The study end to end: check inputs, plan, tune on validation, run (or reuse) every
+run, aggregate, write ``RESULTS.md``, ``results.json`` and the plots.
+
+Runs are cached as they finish (:mod:`.cache`), so the study can stop at any point
+(``max_hours``, ``max_runs``, Ctrl-C) and a later invocation with the same settings
+continues where it stopped; the final invocation, with nothing left to run, only
+renders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+from tqdm.auto import tqdm
+
+# Project APIs used here (one place, so a module move needs one edit).
+from adadsf_modifier.evaluation import calibration_dataset, resolve_model
+from adadsf_modifier.study.aggregate import build_results
+from adadsf_modifier.study.cache import RunCache, atomic_write_text, json_text
+from adadsf_modifier.study.cost import (
+    estimate_run_seconds,
+    model_params,
+    planned_task_n,
+)
+from adadsf_modifier.study.measure import TokenStreams
+from adadsf_modifier.study.plan import (
+    Context,
+    Tuned,
+    budgets_of,
+    choose_best,
+    count_runs,
+    main_specs,
+    tune_specs,
+)
+from adadsf_modifier.study.plots import PLOT_FILES, write_plots
+from adadsf_modifier.study.render import MARKER, render_markdown
+from adadsf_modifier.study.runner import RunEnv, execute_run
+from adadsf_modifier.study.settings import METHODS, StudyInputError, StudySettings
+from adadsf_modifier.study.spec import RunSpec, code_versions, model_fingerprint
+from adadsf_modifier.study.stats import resolvable_task_mean_difference
+
+__all__ = ["check_output_dir", "hardware", "run_study"]
+
+OUTPUT_FILES = ("RESULTS.md", "results.json", *PLOT_FILES)
+
+
+def check_output_dir(path: Path, overwrite: bool, what: str = "output") -> Path:
+    """Create ``path`` if needed and prove it writable; refuse to replace files that
+    an earlier study did not write (unless ``overwrite``)."""
+    if path.exists() and not path.is_dir():
+        raise StudyInputError(f"{what} path exists and is not a directory: {path}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".adadsf_write_test"):
+            pass
+    except OSError as err:
+        raise StudyInputError(
+            f"{what} directory {path} is not writable: {err}"
+        ) from err
+    if what == "output" and not overwrite:
+        md, js = path / "RESULTS.md", path / "results.json"
+        if md.exists() and not md.read_text(errors="replace").startswith(MARKER):
+            raise StudyInputError(
+                f"{md} exists and was not written by `adadsf study` (use --overwrite)"
+            )
+        if js.exists():
+            try:
+                ours = json.loads(js.read_text()).get("generator") == "adadsf study"
+            except (OSError, ValueError, AttributeError):
+                ours = False
+            if not ours:
+                raise StudyInputError(
+                    f"{js} exists and was not written by `adadsf study` "
+                    "(use --overwrite)"
+                )
+    return path
+
+
+def hardware(device: str) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "device": device,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    gpu = f", GPU {info['gpu']}" if "gpu" in info else ", no GPU"
+    info["summary"] = (
+        f"{cpu}, {info['cpu_count']} CPUs, torch threads {info['torch_threads']}{gpu}"
+    )
+    return info
+
+
+def _preflight_data(s: StudySettings, tok: Any) -> None:
+    """The calibration split must hold what the largest run asks for: fail now, not
+    after hours of other runs."""
+    try:
+        calibration_dataset(tok, s.calib_samples, s.calib_seq_len, seed=0)
+        aligned = any(METHODS[m].align for m in s.methods)
+        if aligned and s.align_steps:
+            calibration_dataset(
+                tok, s.align_steps * s.align_batch_size, s.align_seq_len, seed=0
+            )
+    except ValueError as err:
+        raise StudyInputError(f"calibration data: {err}") from err
+
+
+class _Runner:
+    """Runs specs through the cache with one progress bar and a time/run budget."""
+
+    def __init__(self, cache, env, total, deadline, max_runs, executor):
+        self.cache, self.env, self.executor = cache, env, executor
+        self.deadline, self.max_runs = deadline, max_runs
+        self.computed = self.cached = 0
+        self.failed: list[str] = []
+        self.pending: list[str] = []
+        self.bar = tqdm(total=total, desc="study runs", unit="run")
+
+    @property
+    def stopped(self) -> bool:
+        over_time = self.deadline is not None and time.time() > self.deadline
+        over_runs = self.max_runs is not None and self.computed >= self.max_runs
+        return over_time or over_runs
+
+    def run(self, spec: RunSpec) -> dict | None:
+        record = self.cache.get(spec)
+        if record is not None:
+            self.cached += 1
+            self.bar.total -= 1  # the bar (and its ETA) counts runs still to compute
+            self.bar.refresh()
+            return record
+        if self.stopped:
+            self.pending.append(spec.label)
+            return None
+        self.bar.set_postfix_str(spec.label)
+        try:
+            record = self.executor(spec, self.env)
+        except Exception as err:  # one broken run must not lose the others
+            logger.error(f"{spec.label} failed: {err}\n{traceback.format_exc()}")
+            self.failed.append(f"{spec.label}: {type(err).__name__}: {err}")
+            self.bar.update(1)
+            return None
+        self.cache.put(spec, record)
+        record = json.loads(json_text(record))  # exactly what a later resume reads
+        self.computed += 1
+        self.bar.update(1)
+        return record
+
+
+def _reference(records: list[dict]) -> Callable[[float], dict | None]:
+    def ref(budget: float) -> dict | None:
+        rs = [
+            r
+            for r in records
+            if r["method"] == "adadsf" and r["budget"] == budget and "num_routed" in r
+        ]
+        if not rs:
+            return None
+        return {
+            "flops": sum(r["normalized_flops"] for r in rs) / len(rs),
+            "num_layers": rs[0]["num_layers"],
+            "num_routed": rs[0]["num_routed"],
+        }
+
+    return ref
+
+
+def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None, list]:
+    """Stage 1 picks the learning rate, stage 2 tau and beta, each by the lowest
+    validation perplexity. ``None`` when the runs are not all finished (stopped by the
+    time or run budget, or failed)."""
+    if not s.tune:
+        return Tuned(s.align_lr, s.temperature, s.beta, "settings (tuning off)"), []
+    records: dict[str, dict] = {}
+    stage1 = tune_specs(s, ctx)
+    for spec in stage1:
+        if (r := runner.run(spec)) is not None:
+            records[spec.key] = r
+    if len(records) < len(stage1) and runner.stopped:
+        return None, list(records.values())
+    try:  # a failed (e.g. diverged) setting simply loses
+        best_lr = choose_best(list(records.values()))["align_lr"]
+        stage2 = tune_specs(s, ctx, best_lr)
+        for spec in stage2:
+            if spec.key not in records and (r := runner.run(spec)) is not None:
+                records[spec.key] = r
+        if any(spec.key not in records for spec in stage2) and runner.stopped:
+            return None, list(records.values())
+        best = choose_best([records[x.key] for x in stage2 if x.key in records])
+    except RuntimeError as err:
+        runner.failed.append(f"tuning: {err}")
+        return None, list(records.values())
+    tuned = Tuned(best_lr, best["temperature"], best["beta"], "validation split")
+    return tuned, list(records.values())
+
+
+def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) -> float:
+    """Seconds for the whole plan: measured means of this model's finished runs on this
+    device where the cache has them, else the cost model."""
+    seen: dict[tuple[str, str], list[float]] = {}
+    for entry in cache:
+        cfg = entry.get("config", {})
+        if cfg.get("model", {}).get("fingerprint") == ctx.fingerprint and (
+            cfg.get("device") == ctx.device
+        ):
+            key = (cfg.get("phase"), cfg.get("method"))
+            seen.setdefault(key, []).append(entry["record"].get("seconds", 0.0))
+
+    def one(phase: str, method: str) -> float:
+        done = seen.get((phase, method))
+        if done:
+            return sum(done) / len(done)
+        return estimate_run_seconds(s, phase, method, params, ctx.device)
+
+    counts = count_runs(s)
+    total = counts["tune"] * one("tune", "adadsf")
+    for m in s.methods:
+        n = 1 if m == "dense" else s.seeds * len(budgets_of(s, m))
+        total += n * one("main", m)
+    return total
+
+
+def run_study(
+    settings: StudySettings,
+    model: str | None,
+    output_dir: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str],
+    command: str = "adadsf study",
+    overwrite: bool = False,
+    max_hours: float | None = None,
+    max_runs: int | None = None,
+    executor: Callable[[RunSpec, RunEnv], dict] = execute_run,
+    plan_only: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) the study and write its outputs; returns ``results.json``'s
+    dict, whose ``"runtime"`` counts the runs computed now and reused from the cache
+    (``runs_computed`` is 0 when everything was cached). ``plan_only``: check the
+    inputs, print the plan and its estimated cost, run and write nothing."""
+    t0 = time.time()
+    out = check_output_dir(Path(output_dir), overwrite)
+    cache_root = check_output_dir(Path(cache_dir), True, "cache")
+    try:
+        model_path = resolve_model(model)
+    except FileNotFoundError as err:
+        raise StudyInputError(str(err)) from err
+    if not Path(model_path).is_dir():
+        raise StudyInputError(f"model {model!r} is not a local model folder")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    _preflight_data(settings, tok)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    embedded = model is None or str(model).strip().lower() in ("smollm2", "embedded")
+    name = "SmolLM2-135M-Instruct (embedded)" if embedded else Path(model_path).name
+    ctx = Context(name, model_fingerprint(model_path), code_versions(), device)
+    counts = count_runs(settings)
+    total = counts["tune"] + counts["main"]
+    cache = RunCache(cache_root)
+    est = _estimate(settings, ctx, cache, model_params(model_path))
+    print(
+        f"adadsf study: {total} runs ({counts['tune']} tuning on validation, "
+        f"{counts['main']} main), model {name}, device {device}; estimated "
+        f"{est / 3600:.2f} h of compute for all of them (runs already cached are "
+        "reused, not recomputed)"
+    )
+    task_n = planned_task_n(settings)
+    resolvable = resolvable_task_mean_difference(task_n)
+    if task_n:
+        print(
+            f"adadsf study: lm-eval examples per task {task_n}: one comparison of "
+            f"two runs resolves a difference of about {resolvable:.3f} in the mean "
+            "accuracy (95%, worst case; paired seeds resolve finer)"
+        )
+    plan = {
+        "runs": counts,
+        "estimated_s": est,
+        "device": device,
+        "model": name,
+        "task_n": task_n,
+        "resolvable_task_mean_difference": resolvable,
+    }
+    if plan_only:
+        for m in settings.methods:
+            n = 1 if m == "dense" else settings.seeds * len(budgets_of(settings, m))
+            print(f"  {m:20s} {n:3d} runs  ({METHODS[m].description})")
+        return {"plan": plan}
+    env = RunEnv(model_path, device, tok, TokenStreams(tok))
+    deadline = t0 + max_hours * 3600 if max_hours else None
+    runner = _Runner(cache, env, total, deadline, max_runs, executor)
+    tuned, tuning = _tune(settings, ctx, runner)
+    dense, runs = None, []
+    if tuned is not None:
+        for spec in main_specs(settings, ctx, tuned, _reference(runs)):
+            record = runner.run(spec)
+            if record is None:
+                continue
+            if spec.method == "dense":
+                dense = record
+            else:
+                runs.append(record)
+    else:
+        runner.pending.append("all main runs (hyper-parameter tuning not finished)")
+        tuned = Tuned(settings.align_lr, settings.temperature, settings.beta, "pending")
+    runner.bar.close()
+    meta = {
+        "command": command,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": hardware(device),
+        "model": {"name": name, "path": model_path, "fingerprint": ctx.fingerprint},
+        "versions": ctx.versions,
+        "runtime": {
+            "this_invocation_s": time.time() - t0,
+            "sum_of_runs_s": sum(
+                r.get("seconds", 0.0)
+                for r in ([dense] if dense else []) + runs + tuning
+            ),
+            "runs_total": total,
+            "runs_computed": runner.computed,
+            "runs_cached": runner.cached,
+            "estimated_s": est,
+        },
+        "pending": runner.pending,
+        "failed": runner.failed,
+    }
+    results = build_results(
+        dense,
+        runs,
+        tuning,
+        {k: v for k, v in tuned.__dict__.items()},
+        settings.model_dump(mode="json"),
+        meta,
+    )
+    results["runtime"]["this_invocation_s"] = time.time() - t0
+    atomic_write_text(out / "results.json", json_text(results))
+    write_plots(results, out)
+    atomic_write_text(out / "RESULTS.md", render_markdown(results))
+    print(
+        f"adadsf study: {runner.computed} runs computed, {runner.cached} reused, "
+        f"{len(runner.pending)} pending, {len(runner.failed)} failed; wrote "
+        f"{out / 'RESULTS.md'}"
+    )
+    return results

@@ -1,0 +1,356 @@
+"""The results study's pieces without running a model: statistics against hand-computed
+values, run identity, the plan, input checks and rendering from results.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from adadsf_modifier.study.aggregate import build_results
+from adadsf_modifier.study.command import add_study_arguments, build_settings
+from adadsf_modifier.study.plan import (
+    Context,
+    Tuned,
+    count_runs,
+    layer_drop_retention,
+    main_specs,
+    modifier_fields,
+    tune_specs,
+)
+from adadsf_modifier.study.render import MARKER, render_markdown
+from adadsf_modifier.study.settings import StudyInputError, StudySettings
+from adadsf_modifier.study.spec import RunSpec
+from adadsf_modifier.study.stats import (
+    mean_ci,
+    paired_difference,
+    resolvable_task_mean_difference,
+    t_quantile,
+    verdict,
+)
+from adadsf_modifier.study.study import check_output_dir
+
+CTX = Context("tiny", "f" * 64, {"torch": "x"}, "cpu")
+TUNED = Tuned(3e-4, 0.05, 10.0, "validation split")
+
+
+# ------------------------------------------------------------------------ statistics
+def test_t_quantiles_match_tables():
+    assert t_quantile(1) == pytest.approx(12.7062047, abs=1e-6)
+    assert t_quantile(2) == pytest.approx(4.3026527, abs=1e-6)
+    assert t_quantile(3) == pytest.approx(3.1824463, abs=1e-6)
+    with pytest.raises(ValueError):
+        t_quantile(0)
+
+
+def test_mean_ci_hand_computed():
+    # mean 2.5, sd = sqrt(5/3), half-width = t(0.975, 3) * sd / sqrt(4)
+    m = mean_ci([1.0, 2.0, 3.0, 4.0])
+    assert m.mean == 2.5 and m.n == 4
+    assert m.sd == pytest.approx(math.sqrt(5 / 3))
+    assert m.ci95 == pytest.approx(3.1824463 * math.sqrt(5 / 3) / 2, abs=1e-6)
+    assert m.ci95 == pytest.approx(2.05426026, abs=1e-6)
+    one = mean_ci([7.0])
+    assert one.mean == 7.0 and one.ci95 is None and one.n == 1
+    # missing and non-finite values are left out, not averaged in
+    assert mean_ci([1.0, None, math.nan, 3.0]).mean == 2.0
+    assert mean_ci([]).n == 0
+
+
+def test_paired_difference_hand_computed_and_only_common_seeds():
+    a = {0: 10.0, 1: 12.0, 2: 11.0, 3: 99.0}  # seed 3 has no partner: ignored
+    b = {0: 9.0, 1: 10.0, 2: 12.0}
+    d = paired_difference(a, b)
+    assert d.seeds == (0, 1, 2) and d.diffs == (1.0, 2.0, -1.0)
+    assert d.mean_diff == pytest.approx(2 / 3)
+    # sd = sqrt(7/3); half = t(0.975, 2) * sd / sqrt(3)
+    assert d.ci95 == pytest.approx(
+        4.3026527 * math.sqrt(7 / 3) / math.sqrt(3), abs=1e-6
+    )
+    assert d.ci95 == pytest.approx(3.79458303, abs=1e-6)
+    assert d.p_value == pytest.approx(0.52859548, abs=1e-6)
+    assert d.significant is False
+    # a constant shift is significant with any number of seeds >= 2
+    shifted = paired_difference({0: 5.0, 1: 6.0}, {0: 4.0, 1: 5.0})
+    assert shifted.mean_diff == 1.0 and shifted.ci95 == 0.0 and shifted.significant
+    assert paired_difference({0: 1.0}, {1: 1.0}) is None
+    single = paired_difference({0: 3.0}, {0: 1.0})
+    assert (
+        single.mean_diff == 2.0 and single.ci95 is None and single.significant is None
+    )
+
+
+def test_paired_differs_from_unpaired():
+    """Paired: the shared seed-to-seed variation cancels (here entirely)."""
+    a = {0: 10.0, 1: 20.0, 2: 30.0}
+    b = {s: v + 1.0 for s, v in a.items()}
+    d = paired_difference(a, b)
+    assert d.mean_diff == -1.0 and d.ci95 == 0.0 and d.significant
+    assert mean_ci(list(a.values())).ci95 > 20  # unpaired intervals overlap widely
+
+
+def test_verdict_sentences_both_directions():
+    d = paired_difference({0: 30.0, 1: 31.0, 2: 29.0}, {0: 33.0, 1: 34.0, 2: 32.5})
+    text = verdict("AdaDSF", "uniform", 0.8, "ppl_test", d, lower_is_better=True)
+    assert text.startswith("AdaDSF vs uniform at 0.8: test PPL -3.17 ± 0.72 (3 seeds)")
+    assert text.endswith("significant: AdaDSF is better")
+    text = verdict("uniform", "AdaDSF", 0.8, "ppl_test", paired_difference(
+        {0: 33.0, 1: 34.0, 2: 32.5}, {0: 30.0, 1: 31.0, 2: 29.0}), True)  # fmt: skip
+    assert text.endswith("significant: AdaDSF is better")
+    acc = paired_difference({0: 0.5, 1: 0.6}, {0: 0.55, 1: 0.45})
+    text = verdict("a", "b", 0.7, "task_mean", acc, lower_is_better=False)
+    assert "(2 seeds), not significant" in text and "mean accuracy +0.050" in text
+    one = verdict("a", "b", 0.9, "ppl_test", paired_difference({0: 2}, {0: 1}), True)
+    assert "1 seed" in one and "no verdict" in one
+    assert "no paired runs" in verdict("a", "b", 0.9, "ppl_test", None, True)
+
+
+def test_resolvable_difference():
+    # one task, n = 100, p = 0.5: 1.96 * sqrt(2) * sqrt(0.25 / 100)
+    assert resolvable_task_mean_difference({"t": 100}) == pytest.approx(0.13859038)
+    # seven tasks of 1000: sqrt(7 * 0.25 / 1000) / 7 * 1.96 * sqrt(2)
+    seven = {f"t{i}": 1000 for i in range(7)}
+    expect = 1.959964 * math.sqrt(2) * math.sqrt(7 * 0.25 / 1000) / 7
+    assert resolvable_task_mean_difference(seven) == pytest.approx(expect, rel=1e-5)
+    assert resolvable_task_mean_difference({"t": 100}, {"t": 0.9}) == pytest.approx(
+        1.959964 * math.sqrt(2) * math.sqrt(0.09 / 100), rel=1e-5
+    )
+    assert resolvable_task_mean_difference({}) is None
+
+
+# ------------------------------------------------------------------------ identity
+def test_run_key_is_stable_and_covers_every_field():
+    s = StudySettings()
+    fields = modifier_fields(s, "adadsf", 0.8, 0, TUNED)
+    a = RunSpec.create("main", "adadsf", 0.8, 0, {"modifier": fields})
+    b = RunSpec.create("main", "adadsf", 0.8, 0, {"modifier": dict(fields)})
+    assert a.key == b.key and len(a.key) == 64
+    changed = dict(fields, router_init_steps=fields["router_init_steps"] + 1)
+    assert RunSpec.create("main", "adadsf", 0.8, 0, {"modifier": changed}).key != a.key
+    assert RunSpec.create("main", "adadsf", 0.8, 1, {"modifier": fields}).key != a.key
+    noted = RunSpec.create("main", "adadsf", 0.8, 0, {"modifier": fields}, {"x": 1})
+    assert noted.key == a.key  # notes describe a run, they do not define it
+    # every AdaDSFModifier field is in the configuration, lifecycle state is not
+    assert {"retention", "temperature", "align_w_kl", "router_init_tokens"} <= set(
+        fields
+    )
+    assert "initialized_" not in fields and "align_dataset" not in fields
+
+
+def test_method_fields():
+    s = StudySettings()
+    lm = modifier_fields(s, "adadsf_lm_only", 0.8, 1, TUNED)
+    assert (lm["align_w_kl"], lm["align_w_hidden"], lm["align_w_lm"]) == (0, 0, 1)
+    assert lm["seed"] == 1 and lm["align_seed"] == 1
+    assert modifier_fields(s, "layer_drop", 0.8, 0, TUNED)["align_steps"] == 0
+    healed = modifier_fields(s, "layer_drop_healed", 0.8, 0, TUNED)
+    assert (
+        healed["align_steps"] == s.align_steps and healed["allocation"] == "layer_drop"
+    )
+    assert modifier_fields(s, "adadsf_no_align", 0.8, 0, TUNED)["align_steps"] == 0
+    for m in ("uniform", "reversed", "random", "adadsf"):
+        f = modifier_fields(s, m, 0.8, 0, TUNED)
+        assert f["align_lr"] == 3e-4 and f["align_steps"] == s.align_steps
+
+
+# ------------------------------------------------------------------------ the plan
+def test_count_runs_default_study():
+    # dense 1 + 8 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 76 main;
+    # tuning: 3 learning rates + 3 temperatures - the shared default = 5
+    assert count_runs(StudySettings()) == {"tune": 5, "main": 76}
+    quick = StudySettings(methods=("dense", "adadsf"), budgets=(0.8,), seeds=2)
+    assert count_runs(quick) == {"tune": 5, "main": 3}
+    assert count_runs(StudySettings(tune=False))["tune"] == 0
+
+
+def test_layer_drop_retention_matches_measured_flops():
+    # SmolLM2: 30 layers, layer 0 never routed; AdaDSF measured 0.787 -> keep 24 of 30
+    assert layer_drop_retention(0.787, 30, 29) == (23 / 29, 23)
+    assert layer_drop_retention(0.70, 30, 29) == (20 / 29, 20)
+    assert layer_drop_retention(0.0, 30, 29)[1] == 1  # at least one routed layer
+    assert layer_drop_retention(1.2, 30, 29) == (1.0, 29)
+
+
+def test_main_specs_order_and_layer_drop_matching():
+    s = StudySettings(methods=("layer_drop", "uniform", "adadsf", "dense"), seeds=2,
+                      budgets=(0.8, 0.9))  # fmt: skip
+    refs = {0.8: {"flops": 0.787, "num_layers": 30, "num_routed": 29}}
+    specs = list(main_specs(s, CTX, TUNED, refs.get))
+    assert specs[0].method == "dense"
+    labels = [(x.budget, x.method) for x in specs[1:]]
+    assert (
+        labels[:6]
+        == [(0.9, "adadsf")] * 2 + [(0.9, "uniform")] * 2 + [(0.9, "layer_drop")] * 2
+    )
+    drop08 = [x for x in specs if x.method == "layer_drop" and x.budget == 0.8]
+    assert drop08[0].config["modifier"]["retention"] == pytest.approx(23 / 29)
+    assert drop08[0].notes["matched_to"] == "AdaDSF measured FLOPs"
+    drop09 = [x for x in specs if x.method == "layer_drop" and x.budget == 0.9]
+    assert drop09[0].config["modifier"]["retention"] == 0.9  # no reference: nominal
+    assert drop09[0].notes["matched_to"] == "nominal budget"
+    # speed is measured for the first speed_seeds seeds only
+    uni = [x for x in specs if x.method == "uniform" and x.budget == 0.8]
+    assert uni[0].config["eval"]["speed"] and uni[1].config["eval"]["speed"] is None
+    assert len({x.key for x in specs}) == len(specs)
+
+
+def test_tune_specs_two_stages():
+    s = StudySettings(tune_lrs=(1e-4, 3e-4), tune_temperatures=(0.1, 0.05))
+    stage1 = tune_specs(s, CTX)
+    assert [x.config["modifier"]["align_lr"] for x in stage1] == [1e-4, 3e-4]
+    assert {x.config["eval"]["validation_only"] for x in stage1} == {True}
+    stage2 = tune_specs(s, CTX, best_lr=3e-4)
+    assert [x.config["modifier"]["temperature"] for x in stage2] == [0.1, 0.05]
+    assert stage2[1].key == stage1[1].key  # the default (tau 0.05) is not run twice
+
+
+# ------------------------------------------------------------------------ input checks
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    add_study_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "adadsf,nope"], "unknown method(s) ['nope']"),
+        (["--budgets", "0.8", "1.5"], "outside (0, 1]"),
+        (["--budgets", "0"], "outside (0, 1]"),
+        (["--budgets", "abc"], "not a number"),
+        (["--seeds", "0"], "--seeds must be >= 1"),
+        (["--set", "nope=1"], "expected KEY=VALUE"),
+        (["--set", "tasks=piqa,mmlu"], "unknown task(s) ['mmlu']"),
+        (["--set", "ppl_stride=1024"], "must not exceed ppl_max_length"),
+        (["--quick", "--set", "task_limit=0"], "task_limit must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, message):
+    with pytest.raises(StudyInputError) as err:
+        build_settings(parse(*argv))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_settings_from_arguments():
+    s = build_settings(parse("--quick", "--methods", "dense", "uniform", "--budgets",
+                             "0.9,0.7", "--set", "task_limit=null", "--set",
+                             "speed_batch_sizes=1,2"))  # fmt: skip
+    assert s.methods == ("dense", "uniform") and s.budgets == (0.9, 0.7)
+    assert s.seeds == 1 and s.task_limit is None and s.speed_batch_sizes == (1, 2)
+    assert build_settings(parse()).seeds == 3
+
+
+def test_output_dir_checks(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StudyInputError, match="not a directory"):
+        check_output_dir(blocker, False)
+    with pytest.raises(StudyInputError, match="not writable"):
+        check_output_dir(blocker / "sub", False)
+    theirs = tmp_path / "docs"
+    theirs.mkdir()
+    (theirs / "RESULTS.md").write_text("# hand-written\n")
+    with pytest.raises(StudyInputError, match="--overwrite"):
+        check_output_dir(theirs, False)
+    assert (theirs / "RESULTS.md").read_text() == "# hand-written\n"
+    check_output_dir(theirs, True)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "RESULTS.md").write_text(MARKER + "\nold\n")
+    (ours / "results.json").write_text(json.dumps({"generator": "adadsf study"}))
+    assert check_output_dir(ours, False) == ours  # a study may re-render its own
+
+
+# ------------------------------------------------------------------------ rendering
+def record(method, budget, seed, ppl, acc, flops):
+    return {"method": method, "budget": budget, "seed": seed, "ppl_test": ppl,
+            "ppl_test_topk": ppl + 1, "ppl_val": ppl - 1, "task_mean": acc,
+            "tasks": {"piqa": acc}, "task_n": {"piqa": 200}, "normalized_flops": flops,
+            "normalized_flops_with_lm_head": flops + 0.01, "seconds": 10.0,
+            "align_seconds": 5.0}  # fmt: skip
+
+
+def test_markdown_numbers_come_from_results_json():
+    settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
+    runs = [record("adadsf", 0.8, s, 40.0 + s, 0.5, 0.787) for s in range(3)]
+    runs += [record("uniform", 0.8, s, 43.5 + s, 0.48, 0.791) for s in range(3)]
+    meta = {
+        "command": "adadsf study --test",
+        "date": "2026-11-30",
+        "hardware": {"summary": "test box"},
+        "model": {"name": "tiny", "fingerprint": "ab" * 32},
+        "runtime": {
+            "this_invocation_s": 1.0,
+            "sum_of_runs_s": 60.0,
+            "runs_total": 6,
+            "runs_computed": 6,
+            "runs_cached": 0,
+        },  # fmt: skip
+    }
+    res = build_results(None, runs, [], TUNED.__dict__, settings, meta)
+    json.dumps(res)  # JSON-able as it stands
+    cmp = [c for c in res["comparisons"] if c["metric"] == "ppl_test"][0]
+    assert (cmp["a"], cmp["b"], cmp["budget"], cmp["n_seeds"]) == (
+        "adadsf",
+        "uniform",
+        0.8,
+        3,
+    )
+    assert cmp["mean_diff"] == pytest.approx(-3.5) and cmp["ci95"] == 0.0
+    md = render_markdown(res)
+    assert md.startswith(MARKER)
+    assert (
+        "AdaDSF (similarity) vs uniform (MoD) at 0.8: test PPL -3.50 ± 0.00 (3 seeds)"
+        in md
+    )
+    assert "adadsf study --test" in md and "test box" in md
+    # the adadsf row: FLOPs 0.787 (all seeds equal: ± 0.000), PPL 41.00 ± 2.48
+    ppl = res["summary"][0]["metrics"]["ppl_test"]
+    assert f"41.00 ± {ppl['ci95']:.2f}" in md
+    runs[0]["ppl_test"] = 49.0  # mean of 49, 41, 42
+    md2 = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
+    assert "44.00 ±" in md2 and "41.00 ±" not in md2
+
+
+def test_render_with_nothing_finished():
+    settings = StudySettings().model_dump(mode="json")
+    meta = {
+        "command": "adadsf study",
+        "date": "d",
+        "hardware": {"summary": "h"},
+        "model": {"name": "m", "fingerprint": "0" * 64},
+        "runtime": {
+            "this_invocation_s": 0.0,
+            "sum_of_runs_s": 0.0,
+            "runs_total": 81,
+            "runs_computed": 0,
+            "runs_cached": 0,
+        },  # fmt: skip
+        "pending": ["main:adadsf@0.8/seed0"],
+    }
+    md = render_markdown(build_results(None, [], [], TUNED.__dict__, settings, meta))
+    assert "no paired comparison is available yet" in md
+    assert "pending: main:adadsf@0.8/seed0" in md
+
+
+# ------------------------------------------------------------------------ the cache
+def test_cache_round_trip_is_atomic_strict_json_and_keyed(tmp_path):
+    from adadsf_modifier.study.cache import RunCache
+
+    cache = RunCache(tmp_path)
+    spec = RunSpec.create("main", "uniform", 0.8, 1, {"modifier": {"retention": 0.8}})
+    assert cache.get(spec) is None
+    path = cache.put(spec, {"ppl_test": float("nan"), "tasks": {"piqa": 0.5}})
+    assert path.name == f"{spec.key}.json" and path.parent.name == "uniform"
+    assert "NaN" not in path.read_text()  # strict JSON: non-finite -> null
+    assert cache.get(spec) == {"ppl_test": None, "tasks": {"piqa": 0.5}}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
+    other = RunSpec.create("main", "uniform", 0.8, 1, {"modifier": {"retention": 0.7}})
+    assert cache.get(other) is None
+    # a file under the right name but holding another configuration is not trusted
+    cache.path_for(other).write_text(path.read_text())
+    assert cache.get(other) is None
+    path.write_text("{truncated")
+    assert cache.get(spec) is None

@@ -1,0 +1,171 @@
+"""``adadsf study`` end to end on a tiny config-built Llama (real oneshot, perplexity,
+FLOPs, lm-eval and speed plumbing, every limit shrunk), and the orchestration (tuning
+choice, FLOPs matching, failures, resume) with a stand-in executor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_models import save_tiny_model
+
+from adadsf_modifier.study.command import main
+from adadsf_modifier.study.settings import StudySettings
+from adadsf_modifier.study.study import run_study
+
+TINY = [
+    "--set", "calib_samples=4", "--set", "calib_seq_len=32",
+    "--set", "router_hidden_size=4", "--set", "router_init_steps=5",
+    "--set", "router_init_tokens=64", "--set", "align_steps=2",
+    "--set", "align_seq_len=32", "--set", "tune_lrs=1e-3",
+    "--set", "tune_temperatures=0.05", "--set", "ppl_tokens=128",
+    "--set", "ppl_val_tokens=96", "--set", "ppl_max_length=64",
+    "--set", "ppl_stride=32", "--set", "tasks=piqa", "--set", "task_limit=2",
+    "--set", "flops_seq_len=32", "--set", "speed_seq_len=32",
+    "--set", "speed_batch_sizes=1", "--set", "decode_prompt=8",
+    "--set", "decode_tokens=2",
+]  # fmt: skip
+
+
+RUN_KEYS = ("method", "budget", "seed", "normalized_flops",
+            "normalized_flops_with_lm_head", "ppl_test", "ppl_val", "tasks", "task_n",
+            "align_seconds", "prefill_speedup", "decode_speedup")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model("llama", str(tmp_path_factory.mktemp("study") / "m"), 8)
+
+
+def cache_files(root):
+    return {p: p.stat().st_mtime_ns for p in root.rglob("*.json")}
+
+
+def test_quick_study_end_to_end_resumes_and_reuses_the_cache(
+    tiny_dir, tmp_path, capsys
+):
+    out, cache = tmp_path / "docs", tmp_path / "cache"
+    argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(cache), "--output-dir",
+            str(out), "--methods", "dense,adadsf,uniform,layer_drop", "--budgets",
+            "0.8", "--seeds", "2", *TINY]  # fmt: skip
+    # 1 tuning run + dense + 3 methods x 2 seeds = 8; stop after 3 (an interruption)
+    assert main([*argv, "--max-runs", "3"]) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert first["runtime"]["runs_computed"] == 3 and first["pending"]
+    assert "8 runs (1 tuning on validation, 7 main)" in capsys.readouterr().out
+    assert len(cache_files(cache)) == 3
+
+    assert main(argv) == 0  # resumes: only the 5 missing runs are computed
+    res = json.loads((out / "results.json").read_text())
+    assert res["runtime"]["runs_computed"] == 5 and res["runtime"]["runs_cached"] == 3
+    assert not res["pending"] and not res["failed"]
+    before = cache_files(cache)
+    assert len(before) == 8
+
+    assert main(argv) == 0  # everything cached: renders only, rewrites no run
+    again = json.loads((out / "results.json").read_text())
+    assert (
+        again["runtime"]["runs_computed"] == 0 and again["runtime"]["runs_cached"] == 8
+    )
+    assert cache_files(cache) == before
+
+    # results.json: the documented shape, numbers from the runs
+    assert {"dense", "runs", "comparisons", "command", "date", "hardware"} <= set(res)
+    assert res["dense"]["normalized_flops"] == pytest.approx(1.0)
+    assert len(res["runs"]) == 6
+    for run in res["runs"]:
+        for key in RUN_KEYS:
+            assert key in run, key
+        assert run["task_n"] == {"piqa": 2}
+        assert 0.0 < run["normalized_flops"] < 1.0
+    speed = {(r["method"], r["seed"]): r["prefill_speedup"] for r in res["runs"]}
+    assert speed[("adadsf", 0)] > 0 and speed[("adadsf", 1)] is None  # speed_seeds=1
+    drop = [r for r in res["runs"] if r["method"] == "layer_drop"]
+    assert all(r["matched_to"] == "AdaDSF measured FLOPs" for r in drop)
+    assert all(r["layers_kept"] < r["num_layers"] for r in drop)
+    assert res["tuned"]["source"] == "validation split"
+    assert [r["align_lr"] for r in res["tuning"]] == [1e-3]
+    assert {r["align_lr"] for r in res["runs"] if r["method"] != "layer_drop"} == {1e-3}
+    pairs = {(c["a"], c["b"], c["metric"]) for c in res["comparisons"]}
+    assert ("adadsf", "uniform", "ppl_test") in pairs
+    assert ("adadsf", "layer_drop", "task_mean") in pairs
+    assert all(c["n_seeds"] == 2 for c in res["comparisons"])
+    md = (out / "RESULTS.md").read_text()
+    for c in res["comparisons"]:
+        assert c["verdict"] in md
+    for name in ("results_ppl_vs_flops.png", "results_acc_vs_speedup.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def fake_executor(calls, fail=()):
+    """Stand-in run: PPL depends on lr and method, FLOPs on the retention."""
+
+    def run(spec, env):
+        calls.append(spec.label)
+        if spec.method in fail:
+            raise RuntimeError("boom")
+        mod = spec.config["modifier"] or {}
+        lr = mod.get("align_lr", 0.0)
+        ppl = 30.0 + abs(lr - 3e-4) * 1e4 + (spec.method == "uniform") + spec.seed
+        return {
+            "phase": spec.phase, "method": spec.method, "budget": spec.budget,
+            "seed": spec.seed, "ppl_val": ppl, "ppl_test": ppl, "align_lr": lr,
+            "temperature": mod.get("temperature"), "beta": mod.get("beta"),
+            "normalized_flops": mod.get("retention", 1.0) - 0.013, "num_layers": 30,
+            "num_routed": 29, "tasks": {}, "task_n": {}, "task_mean": None,
+            "seconds": 1.0, **spec.notes,
+        }  # fmt: skip
+
+    return run
+
+
+def test_orchestration_tuning_matching_and_failures(tiny_dir, tmp_path):
+    s = StudySettings(methods=("dense", "adadsf", "uniform", "layer_drop"),
+                      budgets=(0.8,), seeds=2, tune_lrs=(1e-4, 3e-4, 1e-3),
+                      tune_temperatures=(0.1, 0.05), calib_samples=2,
+                      calib_seq_len=16, align_steps=2, align_batch_size=1,
+                      align_seq_len=16)  # fmt: skip
+    calls: list[str] = []
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls, fail=("uniform",)))  # fmt: skip
+    # stage 1: three learning rates; stage 2: tau 0.1 with the best lr (0.05 reused)
+    assert calls[:4] == ["tune:adadsf@0.8/seed0"] * 4
+    assert (
+        res["tuned"]["align_lr"] == 3e-4
+        and res["tuned"]["source"] == "validation split"
+    )
+    drop = [r for r in res["runs"] if r["method"] == "layer_drop"]
+    # AdaDSF measured 0.787 -> 24 of 30 layers -> retention 23/29
+    assert [r["flops_target"] for r in drop] == pytest.approx([0.787, 0.787])
+    assert {round(r["normalized_flops"] + 0.013, 6) for r in drop} == {
+        round(23 / 29, 6)
+    }
+    assert len(res["failed"]) == 2 and all("uniform" in f for f in res["failed"])
+    assert (tmp_path / "o" / "RESULTS.md").is_file()
+    # the failed runs are retried next time; the others come from the cache
+    calls.clear()
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls))  # fmt: skip
+    assert calls == ["main:uniform@0.8/seed0", "main:uniform@0.8/seed1"]
+    assert not res["failed"] and res["runtime"]["runs_cached"] == 9
+
+
+def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
+    calls: list[str] = []
+    res = run_study(StudySettings(), tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls), plan_only=True)  # fmt: skip
+    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 76}
+    assert res["plan"]["estimated_s"] > 0
+    assert "81 runs (5 tuning on validation, 76 main)" in capsys.readouterr().out
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_bad_model_path_fails_before_work(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    code = main(["--model", missing, "--output-dir", str(tmp_path / "o"),
+                 "--cache-dir", str(tmp_path / "c")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and err.startswith("adadsf study: error:") and "does not exist" in err
+    )
+    assert err.count("\n") == 1
