@@ -1,5 +1,5 @@
-"""Alignment on half-precision models, its up-front support check, the divergence advice,
-and one declaration of every alignment setting's constraint."""
+"""Alignment on half-precision models, its up-front support check, the divergence
+advice, and one declaration of every alignment setting's constraint."""
 
 from __future__ import annotations
 
