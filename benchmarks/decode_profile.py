@@ -83,14 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
     import tempfile
 
+    from _common import build_routed_checkpoint
     from transformers import AutoTokenizer
 
     from adadsf_modifier.evaluation import load_text_splits, resolve_model
-    from adadsf_modifier.evaluation.speed import (
-        _decode_loop,
-        build_routed_checkpoint,
-        load_pair,
-    )
+    from adadsf_modifier.evaluation.speed import _decode_loop, load_pair
 
     torch.set_num_threads(args.threads)
     path = args.routed

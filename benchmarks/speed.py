@@ -58,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
 
+    from _common import build_routed_checkpoint
+
     from adadsf_modifier.evaluation import load_text_splits, resolve_model
     from adadsf_modifier.evaluation.speed import (
-        build_routed_checkpoint,
         format_table,
         load_pair,
         run_speed_benchmark,

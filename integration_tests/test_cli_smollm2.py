@@ -1,12 +1,15 @@
 """The CLI end to end on the real SmolLM2-135M, kept short: compress (AdaDSF + W8A8) ->
-reload -> perplexity against dense -> one lm-eval task offline. Runs in CI."""
+reload -> perplexity against dense -> one lm-eval task offline -> `run` on that
+checkpoint. Runs in CI."""
 
 import json
 import math
+import shutil
 
 import pytest
 import yaml
 
+import adadsf_modifier.cli.commands as commands
 from adadsf_modifier import RoutedLayer, from_pretrained
 from adadsf_modifier.cli import main
 
@@ -69,7 +72,7 @@ def test_compress_writes_a_reloadable_quantized_sparse_checkpoint(compressed):
     model = from_pretrained(out)
     routed = [m for m in model.modules() if isinstance(m, RoutedLayer)]
     assert len(routed) == model.config.num_hidden_layers - 1  # layer 0 ignored
-    assert all(l.causal_threshold is not None for l in routed if l.retention_ratio < 1)
+    assert all(r.causal_threshold is not None for r in routed if r.retention_ratio < 1)
 
 
 def test_eval_perplexity_is_finite_and_near_dense(compressed):
@@ -121,3 +124,29 @@ def test_one_lm_eval_task_runs_offline_on_the_sparse_model(compressed):
     )
     piqa = json.loads(res.read_text())["tasks"]["piqa"]
     assert piqa["n"] == 10 and 0.0 <= piqa["acc"] <= 1.0
+
+
+def test_run_overwrite_swaps_in_complete_results(compressed, monkeypatch):
+    root, sparse_dir = compressed
+    out = root / "main"
+    out.mkdir()
+    (out / "stale.txt").write_text("earlier run")
+
+    def reuse(model_path, recipe, target, *args):  # compress itself: the fixture
+        shutil.copytree(sparse_dir, target)
+
+    monkeypatch.setattr(commands, "compress", reuse)
+    argv = ["run", "--recipe", root / "recipe.yaml", "--output-dir", out]
+    argv += ["--overwrite", "--tasks", "", "--ppl-tokens", "128"]  # lm-eval: above
+    argv += ["--bench-seq-lens", "32", "--bench-repeats", "1", "--decode-tokens", "2"]
+    assert main([str(a) for a in argv]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert "stale.txt" not in names
+    assert {"sparse_w8a8", "eval_dense.json", "eval_sparse.json"} <= names
+    assert {"speed.json", "report.json", "report.png"} <= names
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
+    sparse = json.loads((out / "eval_sparse.json").read_text())
+    assert sparse["model"] == str(out / "sparse_w8a8") and sparse["routed"]
+    assert json.loads((out / "speed.json").read_text())["model"] == sparse["model"]
+    report = json.loads((out / "report.json").read_text())
+    assert [row["label"] for row in report["rows"]] == ["dense", "AdaDSF+W8A8"]

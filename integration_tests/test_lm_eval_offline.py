@@ -107,9 +107,9 @@ def test_routed_tiny_llama_uses_causal_routing(no_network):
     assert seen_modes and set(seen_modes) == {"causal"}
 
 
-# --------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 # The real model
-# --------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 
 # Bounds for SmolLM2-135M-Instruct (dense, float32, 0-shot) on the first 40 validation
 # documents. lm-eval's `limit` takes the *first* N documents and the CPU forward is

@@ -65,7 +65,8 @@ def test_non_empty_output_dir_is_refused_and_untouched(capsys, tmp_path):
 def test_recipe_that_does_not_parse(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        "sparsity_stage:\n  sparsity_modifiers:\n    AdaDSFModifier:\n      retention: 2.0\n"
+        "sparsity_stage:\n  sparsity_modifiers:\n    AdaDSFModifier:\n"
+        "      retention: 2.0\n"
     )
     code, err = run(
         capsys,

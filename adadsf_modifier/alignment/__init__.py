@@ -1,34 +1,41 @@
 """Feature-preserving alignment: fine-tune the routed model against its frozen dense
 teacher.
 
+* :mod:`~adadsf_modifier.alignment.config` - settings, loss weights, report, errors
+  (every constraint declared once).
 * :mod:`~adadsf_modifier.alignment.losses` - the loss terms (KL, hidden alignment,
   causal LM).
+* :mod:`~adadsf_modifier.alignment.data` - training rows and their seeded re-batching.
+* :mod:`~adadsf_modifier.alignment.teacher` - the frozen dense teacher.
+* :mod:`~adadsf_modifier.alignment.params` - what trains, fp32 master copies, and
+  :func:`check_alignment_supported`.
 * :mod:`~adadsf_modifier.alignment.trainer` - the training loop (:func:`align_model`).
 * :mod:`~adadsf_modifier.alignment.fields` - the ``align_*`` recipe fields of
   ``AdaDSFModifier``.
 """
 
+from adadsf_modifier.alignment.config import (
+    TRAINABLE_SETS,
+    AlignmentConfig,
+    AlignmentDivergedError,
+    AlignmentLossWeights,
+    AlignmentReport,
+)
+from adadsf_modifier.alignment.data import RowBatcher, training_rows
 from adadsf_modifier.alignment.fields import AlignmentFields
 from adadsf_modifier.alignment.losses import (
     AlignmentLossTerms,
-    AlignmentLossWeights,
     alignment_loss,
     causal_lm_loss,
     hidden_alignment_loss,
     kl_divergence_loss,
 )
-from adadsf_modifier.alignment.trainer import (
-    TRAINABLE_SETS,
-    AlignmentConfig,
-    AlignmentDivergedError,
-    AlignmentReport,
-    RowBatcher,
-    align_model,
-    make_teacher,
-    release_memory,
+from adadsf_modifier.alignment.params import (
+    check_alignment_supported,
     select_trainable,
-    training_rows,
 )
+from adadsf_modifier.alignment.teacher import make_teacher, release_memory
+from adadsf_modifier.alignment.trainer import align_model
 
 __all__ = [
     "TRAINABLE_SETS",
@@ -42,6 +49,7 @@ __all__ = [
     "align_model",
     "alignment_loss",
     "causal_lm_loss",
+    "check_alignment_supported",
     "hidden_alignment_loss",
     "kl_divergence_loss",
     "make_teacher",

@@ -9,18 +9,19 @@ bases. The mixin declares no ``model_config``, so the modifier keeps llm-compres
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from adadsf_modifier.alignment.losses import AlignmentLossWeights
-from adadsf_modifier.alignment.trainer import (
+from adadsf_modifier.alignment.config import (
     AlignmentConfig,
-    check_grad_clip,
-    check_lr,
-    check_non_negative,
-    check_positive_int,
-    check_steps,
+    AlignmentLossWeights,
+    GradClip,
+    LearningRate,
+    NonNegativeFloat,
+    PositiveInt,
+    Steps,
+    Trainable,
 )
 
 __all__ = ["AlignmentFields"]
@@ -33,13 +34,13 @@ class AlignmentFields(BaseModel):
     AdaDSFModifier:
       retention: 0.8
       align_steps: 200        # 0 (default) skips the stage
-      align_lr: 3.0e-3        # routers only; ~3e-4 with align_trainable:
-      routers_and_layers align_batch_size: 4
+      align_lr: 3.0e-3        # routers; ~3e-4 with routers_and_layers
+      align_batch_size: 4
       align_seq_len: 256
       align_w_kl: 1.0         # KL(P_dense || P_sparse)
       align_w_hidden: 1.0     # per-layer softmax(h) L2 alignment
-      align_w_lm: 0.0         # causal-LM loss ("LM loss only": w_kl=0, w_hidden=0,
-      w_lm=1) align_trainable: routers
+      align_w_lm: 0.0         # causal LM ("LM loss only": w_kl=0, w_hidden=0, w_lm=1)
+      align_trainable: routers
     ```
 
     :param align_steps: optimizer steps; 0 skips the stage (no teacher is built)
@@ -67,45 +68,20 @@ class AlignmentFields(BaseModel):
         not serialised into the saved ``recipe.yaml``
     """
 
-    align_steps: int = 0
-    align_lr: float = 3e-3
-    align_batch_size: int = 4
-    align_seq_len: int = 512
-    align_w_kl: float = 1.0
-    align_w_hidden: float = 1.0
-    align_w_lm: float = 0.0
-    align_trainable: Literal["routers", "routers_and_layers"] = "routers"
-    align_grad_clip: float = 1.0
-    align_weight_decay: float = 0.0
+    align_steps: Steps = 0
+    align_lr: LearningRate = 3e-3
+    align_batch_size: PositiveInt = 4
+    align_seq_len: PositiveInt = 512
+    align_w_kl: NonNegativeFloat = 1.0
+    align_w_hidden: NonNegativeFloat = 1.0
+    align_w_lm: NonNegativeFloat = 0.0
+    align_trainable: Trainable = "routers"
+    align_grad_clip: GradClip = 1.0
+    align_weight_decay: NonNegativeFloat = 0.0
     align_seed: int = 0
     align_bf16: bool = False
     align_gradient_checkpointing: bool = False
     align_dataset: Any = Field(default=None, exclude=True, repr=False)
-
-    @field_validator("align_steps")
-    @classmethod
-    def _check_align_steps(cls, v: int) -> int:
-        return check_steps(v, "align_steps")
-
-    @field_validator("align_lr")
-    @classmethod
-    def _check_align_lr(cls, v: float) -> float:
-        return check_lr(v, "align_lr")
-
-    @field_validator("align_batch_size", "align_seq_len")
-    @classmethod
-    def _check_align_positive(cls, v: int, info) -> int:
-        return check_positive_int(v, info.field_name)
-
-    @field_validator("align_w_kl", "align_w_hidden", "align_w_lm", "align_weight_decay")
-    @classmethod
-    def _check_align_non_negative(cls, v: float, info) -> float:
-        return check_non_negative(v, info.field_name)
-
-    @field_validator("align_grad_clip")
-    @classmethod
-    def _check_align_grad_clip(cls, v: float) -> float:
-        return check_grad_clip(v, "align_grad_clip")
 
     @field_validator("align_dataset")
     @classmethod
@@ -115,22 +91,19 @@ class AlignmentFields(BaseModel):
         columns = getattr(v, "column_names", None)
         if columns is not None and "input_ids" not in columns:
             raise ValueError(
-                f"align_dataset needs an `input_ids` column (tokenize it first), got {columns}"
+                "align_dataset needs an `input_ids` column (tokenize it first), got "
+                f"{columns}"
             )
         if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
             raise ValueError(
-                "align_dataset must be an iterable of rows or batches with `input_ids` (e.g. a "
-                f"tokenized datasets.Dataset), got {type(v).__name__}"
+                "align_dataset must be an iterable of rows or batches with `input_ids` "
+                f"(e.g. a tokenized datasets.Dataset), got {type(v).__name__}"
             )
         return v
 
     @model_validator(mode="after")
-    def _check_align_weights(self):
-        if self.align_w_kl == 0 and self.align_w_hidden == 0 and self.align_w_lm == 0:
-            raise ValueError(
-                "align_w_kl, align_w_hidden and align_w_lm are all 0: the alignment loss would be "
-                "empty; set at least one of them > 0"
-            )
+    def _check_align_weights(self) -> AlignmentFields:
+        self.alignment_weights()  # the weights refuse all-zero values
         return self
 
     # ------------------------------------------------------------------ helpers for the
@@ -144,7 +117,13 @@ class AlignmentFields(BaseModel):
     def align_needs_teacher(self) -> bool:
         """True when the stage runs and a loss term compares against the dense
         teacher."""
-        return self.align_enabled and (self.align_w_kl > 0 or self.align_w_hidden > 0)
+        return self.align_enabled and self.alignment_weights().needs_teacher
+
+    def alignment_weights(self) -> AlignmentLossWeights:
+        """The loss weights ``align_w_kl``, ``align_w_hidden``, ``align_w_lm``."""
+        return AlignmentLossWeights(
+            kl=self.align_w_kl, hidden=self.align_w_hidden, lm=self.align_w_lm
+        )
 
     def alignment_config(self, show_progress: bool = True) -> AlignmentConfig:
         """The trainer's :class:`AlignmentConfig` built from these fields."""
@@ -153,9 +132,7 @@ class AlignmentFields(BaseModel):
             lr=self.align_lr,
             batch_size=self.align_batch_size,
             seq_len=self.align_seq_len,
-            weights=AlignmentLossWeights(
-                kl=self.align_w_kl, hidden=self.align_w_hidden, lm=self.align_w_lm
-            ),
+            weights=self.alignment_weights(),
             trainable=self.align_trainable,
             grad_clip=self.align_grad_clip,
             weight_decay=self.align_weight_decay,

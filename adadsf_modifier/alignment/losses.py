@@ -14,12 +14,13 @@ distributions).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from adadsf_modifier.alignment.config import AlignmentLossWeights
 
 __all__ = [
     "AlignmentLossWeights",
@@ -29,41 +30,6 @@ __all__ = [
     "hidden_alignment_loss",
     "kl_divergence_loss",
 ]
-
-
-@dataclass(frozen=True)
-class AlignmentLossWeights:
-    """Weights of the three terms; a weight of 0 means the term is not even computed.
-
-    ``kl`` and ``hidden`` need the dense teacher, ``lm`` does not: with ``kl == hidden
-    == 0`` (the paper's "LM loss only" ablation) the trainer skips the teacher's forward
-    pass entirely.
-    """
-
-    kl: float = 1.0
-    hidden: float = 1.0
-    lm: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("kl", "hidden", "lm"):
-            value = getattr(self, name)
-            if not (
-                isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
-            ):
-                raise ValueError(
-                    f"loss weight `{name}` must be a finite number >= 0, got {value!r}"
-                )
-        if self.kl == 0 and self.hidden == 0 and self.lm == 0:
-            raise ValueError(
-                "all alignment loss weights are zero (kl=0, hidden=0, lm=0): nothing to train; "
-                "set at least one of them > 0"
-            )
-
-    @property
-    def needs_teacher(self) -> bool:
-        """True when a term compares against the dense teacher (KL or hidden
-        alignment)."""
-        return self.kl > 0 or self.hidden > 0
 
 
 @dataclass(frozen=True)
@@ -156,7 +122,8 @@ def hidden_alignment_loss(
     """
     if len(student_hidden) != len(teacher_hidden):
         raise ValueError(
-            f"student has {len(student_hidden)} hidden states, teacher {len(teacher_hidden)}"
+            f"student has {len(student_hidden)} hidden states, teacher "
+            f"{len(teacher_hidden)}"
         )
     if len(student_hidden) == 0:
         raise ValueError(
@@ -167,7 +134,8 @@ def hidden_alignment_loss(
     for h_s, h_t in zip(student_hidden, teacher_hidden):
         if h_s.shape != h_t.shape:
             raise ValueError(
-                f"hidden state shapes differ: student {tuple(h_s.shape)}, teacher {tuple(h_t.shape)}"
+                f"hidden state shapes differ: student {tuple(h_s.shape)}, teacher "
+                f"{tuple(h_t.shape)}"
             )
         diff = F.softmax(h_s.float(), dim=-1) - F.softmax(h_t.float(), dim=-1)
         per_layer.append(
@@ -188,7 +156,8 @@ def causal_lm_loss(
     """
     if student_logits.shape[:-1] != input_ids.shape:
         raise ValueError(
-            f"logits {tuple(student_logits.shape)} do not match input_ids {tuple(input_ids.shape)}"
+            f"logits {tuple(student_logits.shape)} do not match input_ids "
+            f"{tuple(input_ids.shape)}"
         )
     real = _real_mask(mask, input_ids.shape, student_logits.device)
     logits = student_logits[:, :-1, :].float()
@@ -232,7 +201,5 @@ def alignment_loss(
     if weights.lm > 0:
         terms["lm"] = causal_lm_loss(student_logits, input_ids, attention_mask)
     total = sum(getattr(weights, name) * value for name, value in terms.items())
-    assert isinstance(
-        total, torch.Tensor
-    )  # at least one weight is > 0 (checked by the weights)
+    assert isinstance(total, torch.Tensor)  # a weight is > 0 (checked by the weights)
     return AlignmentLossTerms(total=total, **terms)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,7 +120,3 @@ def evaluate_model(
     record.flops_tokens = int(ids.numel())
     record.seconds = time.perf_counter() - t0
     return record
-
-
-def is_adadsf_checkpoint(path: str | Path) -> bool:
-    return Path(path, SIDECAR_NAME).is_file()

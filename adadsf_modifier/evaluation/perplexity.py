@@ -7,11 +7,11 @@ silently wrong when windows score different numbers of tokens). We only ask the 
 for logits and sum the negative log-likelihood ourselves, so ``tokens`` is exact and
 ``nll`` is the true mean over every scored token.
 
-The windowing follows the Hugging Face recipe (https://huggingface.co/docs/transformers/perplexity):
-the text is tokenized once, windows of ``max_length`` tokens start every ``stride``
-tokens, and only the tokens not scored by an earlier window are scored, each with at
-least ``max_length - stride`` tokens of context. Every token except the first is scored
-exactly once.
+The windowing follows the Hugging Face recipe
+(https://huggingface.co/docs/transformers/perplexity): the text is tokenized once,
+windows of ``max_length`` tokens start every ``stride`` tokens, and only the tokens not
+scored by an earlier window are scored, each with at least ``max_length - stride``
+tokens of context. Every token except the first is scored exactly once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from loguru import logger
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
+
+from adadsf_modifier.utils import model_device
 
 __all__ = ["PerplexityResult", "perplexity", "sliding_windows"]
 
@@ -69,14 +72,15 @@ def _validate(
 ) -> None:
     if max_length < 2:
         raise ValueError(
-            f"max_length must be at least 2 (one context + one scored token), got {max_length}"
+            "max_length must be at least 2 (one context + one scored token), got "
+            f"{max_length}"
         )
     if stride <= 0:
         raise ValueError(f"stride must be positive, got {stride}")
     if stride > max_length:
         raise ValueError(
-            f"stride ({stride}) must not exceed max_length ({max_length}): tokens between windows "
-            "would never be scored"
+            f"stride ({stride}) must not exceed max_length ({max_length}): tokens "
+            "between windows would never be scored"
         )
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -115,11 +119,23 @@ def _token_stream(
     return encoded["input_ids"][0]
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
+def _window_batch(
+    ids: torch.Tensor, group: Sequence[tuple[int, int, int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, target)`` for a group of windows, right-padded.
+
+    ``target[b, j]`` is the token at position ``j + 1`` when window ``b`` scores it,
+    else -100: a window scores its last ``trg_len`` tokens, never its first (no
+    context).
+    """
+    rows = [ids[begin:end] for begin, end, _ in group]
+    batch = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+    lengths = torch.tensor([r.numel() for r in rows])
+    first = (lengths - torch.tensor([t for _, _, t in group])).clamp(min=1)
+    position = torch.arange(1, batch.shape[1])
+    scored = (position >= first[:, None]) & (position < lengths[:, None])
+    return batch, mask, batch[:, 1:].masked_fill(~scored, -100)
 
 
 def perplexity(
@@ -138,21 +154,22 @@ def perplexity(
 
     Args:
         model: any causal LM callable as ``model(input_ids=..., attention_mask=...,
-        use_cache=False)``
-            returning ``.logits`` (or a tuple whose first item is the logits).
-        tokenizer: tokenizes the joined text once (default special tokens, as in the HF
-        recipe).
-            May be ``None`` when ``input_ids`` is given.
+            use_cache=False)`` returning ``.logits`` (or a tuple whose first item is
+            the logits).
+        tokenizer: tokenizes the joined text once (default special tokens, as in the
+            HF recipe). May be ``None`` when ``input_ids`` is given.
         texts: documents to score; a single string is accepted.
-        max_length: window length in tokens (the model's attention span during scoring).
+        max_length: window length in tokens (the model's attention span during
+            scoring).
         stride: distance between window starts; scored tokens get at least
             ``max_length - stride`` tokens of context. ``stride == max_length`` means
             non-overlapping windows (one token of overlap is kept so no token goes
             unscored).
         max_tokens: keep only the first ``max_tokens`` tokens of the stream (quick
-        runs). batch_size: windows per forward pass. The last, shorter window is
-        right-padded and masked,
-            which cannot change earlier positions' logits in a causal model.
+            runs).
+        batch_size: windows per forward pass. The last, shorter window is
+            right-padded and masked, which cannot change earlier positions' logits in
+            a causal model.
         input_ids: pre-tokenized 1-D stream to score instead of ``texts``.
         show_progress: show a tqdm bar over windows.
 
@@ -160,9 +177,8 @@ def perplexity(
         :class:`PerplexityResult` with ``tokens == min(len(stream), max_tokens) - 1``.
 
     Raises:
-        ValueError: ``stride <= 0``, ``stride > max_length``, ``max_length < 2``, empty
-        text, or a
-            stream of fewer than two tokens.
+        ValueError: ``stride <= 0``, ``stride > max_length``, ``max_length < 2``,
+            empty text, or a stream of fewer than two tokens.
     """
     _validate(max_length, stride, batch_size, max_tokens)
     ids = _token_stream(tokenizer, texts, input_ids)
@@ -173,7 +189,7 @@ def perplexity(
         raise ValueError(f"need at least 2 tokens to score, the stream has {n}")
 
     windows = list(sliding_windows(n, max_length, stride))
-    device = _model_device(model)
+    device = model_device(model)
     pad_id = 0
     was_training = model.training
     model.eval()
@@ -189,20 +205,7 @@ def perplexity(
             )
             for first in range(0, len(windows), batch_size):
                 group = windows[first : first + batch_size]
-                width = max(end - begin for begin, end, _ in group)
-                batch = torch.full((len(group), width), pad_id, dtype=torch.long)
-                mask = torch.zeros((len(group), width), dtype=torch.long)
-                # target[b, j] is the token at position j + 1, or -100 if not scored
-                # here.
-                target = torch.full((len(group), width - 1), -100, dtype=torch.long)
-                for row, (begin, end, trg_len) in enumerate(group):
-                    length = end - begin
-                    batch[row, :length] = ids[begin:end]
-                    mask[row, :length] = 1
-                    first_scored = max(length - trg_len, 1)  # position 0 has no context
-                    target[row, first_scored - 1 : length - 1] = ids[
-                        begin + first_scored : end
-                    ]
+                batch, mask, target = _window_batch(ids, group, pad_id)
                 out = model(
                     input_ids=batch.to(device),
                     attention_mask=mask.to(device),
@@ -227,9 +230,7 @@ def perplexity(
     finally:
         model.train(was_training)
 
-    if (
-        scored != n - 1
-    ):  # invariant of sliding_windows; cheap insurance against future edits
+    if scored != n - 1:  # invariant of sliding_windows; insurance against future edits
         raise RuntimeError(f"scored {scored} tokens, expected {n - 1}")
     nll = nll_sum / scored
     result = PerplexityResult(ppl=math.exp(nll), nll=nll, tokens=scored)

@@ -11,7 +11,65 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_report", "summary_table", "plot_report", "write_report"]
+from pydantic import TypeAdapter, ValidationError
+
+__all__ = [
+    "build_report",
+    "plot_report",
+    "read_eval_record",
+    "read_speed_results",
+    "summary_table",
+    "write_report",
+]
+
+
+def _read_json(path: str | Path, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a directory, not a JSON file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {path} is not JSON: {e}") from None
+
+
+def _first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    where = ".".join(str(p) for p in e["loc"])
+    return f"{where}: {e['msg']}" if where else e["msg"]
+
+
+def read_eval_record(path: str | Path) -> dict[str, Any]:
+    """One ``adadsf eval`` record from ``path``, checked against
+    :class:`~adadsf_modifier.evaluation.evaluate.EvalRecord` (``ValueError`` if it is
+    not one), so a wrong file fails here in one line rather than deep in the report."""
+    from adadsf_modifier.evaluation.evaluate import EvalRecord
+
+    data = _read_json(path, "evaluation file")
+    try:
+        TypeAdapter(EvalRecord).validate_python(data)
+    except ValidationError as e:
+        raise ValueError(
+            f"evaluation file {path} is not an `adadsf eval` record ({_first_error(e)})"
+        ) from None
+    return data
+
+
+def read_speed_results(path: str | Path) -> list[dict[str, Any]]:
+    """The ``results`` rows of an ``adadsf bench`` JSON file, each checked against
+    :class:`~adadsf_modifier.evaluation.speed.SpeedResult` (``ValueError`` if not)."""
+    from adadsf_modifier.evaluation.speed import SpeedResult
+
+    data = _read_json(path, "speed file")
+    results = data.get("results") if isinstance(data, dict) else None
+    try:
+        TypeAdapter(list[SpeedResult]).validate_python(results)
+    except ValidationError as e:
+        raise ValueError(
+            f"speed file {path} is not an `adadsf bench` result ({_first_error(e)})"
+        ) from None
+    return results
 
 
 def _mean_acc(tasks: dict[str, dict[str, Any]]) -> float | None:
@@ -83,15 +141,21 @@ def summary_table(report: dict[str, Any]) -> str:
     h = report["headline"]
     if h.get("decode_speedup") is not None:
         lines.append(
-            f"\ndecode speedup (batch 1): {h['decode_speedup']:.3f}x; prefill speedup at "
-            f"seq {h['prefill_seq_len']}: {h['prefill_speedup']:.3f}x"
+            f"\ndecode speedup (batch 1): {h['decode_speedup']:.3f}x; prefill "
+            f"speedup at seq {h['prefill_seq_len']}: {h['prefill_speedup']:.3f}x"
         )
     return "\n".join(lines)
 
 
 def plot_report(report: dict[str, Any], png: str | Path) -> None:
     """Two panels: quality vs normalized FLOPs, quality vs measured speedup."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "matplotlib is not installed; the report plot needs the evaluation extra: "
+            "pip install 'adadsf-modifier[eval]'"
+        ) from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

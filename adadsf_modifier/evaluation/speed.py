@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.utils import model_device
 
 __all__ = [
     "SpeedResult",
@@ -30,7 +31,6 @@ __all__ = [
     "format_table",
     "is_dispatched",
     "load_pair",
-    "build_routed_checkpoint",
 ]
 
 
@@ -43,9 +43,7 @@ class SpeedResult:
     dense_s: float  # median seconds per prefill, or per decode step
     routed_s: float
     speedup: float  # dense_s / routed_s
-    flops_ideal: (
-        float  # 1 / normalized FLOPs (decoder layers + routers, lm_head excluded)
-    )
+    flops_ideal: float  # 1 / normalized FLOPs (decoder layers + routers, no lm_head)
     flops_ideal_with_lm_head: float
     normalized_flops: float
     dense_runs: list[float] = field(default_factory=list)
@@ -88,10 +86,6 @@ def _interleaved(
     return dense, routed
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 @torch.inference_mode()
 def measure_prefill(
     dense: nn.Module,
@@ -102,7 +96,7 @@ def measure_prefill(
 ) -> SpeedResult:
     """Median latency of one forward over ``input_ids`` (``[batch, seq]``), KV cache
     on."""
-    device = _device_of(dense)
+    device = model_device(dense)
     input_ids = input_ids.to(device)
 
     def timed(model: nn.Module) -> Callable[[], float]:
@@ -129,7 +123,7 @@ def _decode_loop(
 ) -> tuple[float, list[torch.Tensor]]:
     """Prefill (untimed), then ``new_tokens`` greedy steps; seconds per step and the
     tokens fed."""
-    device = _device_of(model)
+    device = model_device(model)
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     token = out.logits[:, -1:].argmax(-1)
@@ -172,7 +166,7 @@ def measure_decode(
     warmup: int = 1,
 ) -> SpeedResult:
     """Median seconds per greedy decoding step after a prompt (prefill not timed)."""
-    prompt = prompt.to(_device_of(dense))
+    prompt = prompt.to(model_device(dense))
     fed: list[torch.Tensor] = []
 
     def routed_run() -> float:
@@ -222,36 +216,6 @@ def _result(kind, b, n, new, d, r, report) -> SpeedResult:
         dense_runs=d,
         routed_runs=r,
     )
-
-
-def build_routed_checkpoint(
-    model_path: str,
-    output_dir: str,
-    retention: float = 0.8,
-    calibration_samples: int = 16,
-    seq_len: int = 256,
-    dtype: torch.dtype = torch.float32,
-) -> str:
-    """AdaDSF at ``retention`` (no alignment) on ``model_path``, saved to
-    ``output_dir``.
-
-    What the speed benchmarks time: speed depends on how many tokens run each layer, not
-    on how well the routers were trained.
-    """
-    from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from adadsf_modifier.evaluation.assets import calibration_dataset
-    from adadsf_modifier.modifier import AdaDSFModifier
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    oneshot(
-        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype),
-        dataset=calibration_dataset(tok, calibration_samples, seq_len),
-        recipe=[AdaDSFModifier(retention=retention)],
-        output_dir=output_dir,
-    )
-    return output_dir
 
 
 def load_pair(
@@ -315,9 +279,10 @@ def run_speed_benchmark(
     if is_dispatched(dense) != is_dispatched(routed):
         which = "routed" if is_dispatched(routed) else "dense"
         raise ValueError(
-            f"the {which} model carries compressed-tensors offload wrappers (left by oneshot) and "
-            "the other does not, so their speeds are not comparable: call "
-            "compressed_tensors.offload.remove_dispatch(model, onload_tensors=True) first"
+            f"the {which} model carries compressed-tensors offload wrappers (left by "
+            "oneshot) and the other does not, so their speeds are not comparable: call "
+            "compressed_tensors.offload.remove_dispatch(model, onload_tensors=True) "
+            "first"
         )
     dense.eval()
     routed.eval()
@@ -354,24 +319,25 @@ def _row(r: SpeedResult) -> str:
     what = f"{r.kind:7s} b={r.batch_size:<2d} n={r.seq_len:<5d}"
     unit = "ms/step" if r.kind == "decode" else "ms"
     return (
-        f"{what} dense {r.dense_s * 1e3:9.2f} {unit:7s} routed {r.routed_s * 1e3:9.2f} "
-        f"speedup {r.speedup:5.3f}x  FLOPs ideal {r.flops_ideal:5.3f}x "
-        f"(with lm_head {r.flops_ideal_with_lm_head:5.3f}x)  achieved {r.fraction_of_ideal:5.2f} "
-        "of ideal"
+        f"{what} dense {r.dense_s * 1e3:9.2f} {unit:7s} routed "
+        f"{r.routed_s * 1e3:9.2f} speedup {r.speedup:5.3f}x  FLOPs ideal "
+        f"{r.flops_ideal:5.3f}x (with lm_head {r.flops_ideal_with_lm_head:5.3f}x)  "
+        f"achieved {r.fraction_of_ideal:5.2f} of ideal"
     )
 
 
 def format_table(results: list[SpeedResult]) -> str:
     head = (
-        "| kind | batch | seq | dense | routed | speedup | FLOPs ideal | ideal w/ lm_head "
-        "| speedup / ideal |\n|---|---|---|---|---|---|---|---|---|"
+        "| kind | batch | seq | dense | routed | speedup | FLOPs ideal "
+        "| ideal w/ lm_head | speedup / ideal |\n|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for r in results:
         unit = "ms/step" if r.kind == "decode" else "ms"
         rows.append(
-            f"| {r.kind} | {r.batch_size} | {r.seq_len} | {r.dense_s * 1e3:.2f} {unit} | "
-            f"{r.routed_s * 1e3:.2f} {unit} | {r.speedup:.3f}x | {r.flops_ideal:.3f}x | "
-            f"{r.flops_ideal_with_lm_head:.3f}x | {r.fraction_of_ideal:.2f} |"
+            f"| {r.kind} | {r.batch_size} | {r.seq_len} | {r.dense_s * 1e3:.2f} {unit} "
+            f"| {r.routed_s * 1e3:.2f} {unit} | {r.speedup:.3f}x "
+            f"| {r.flops_ideal:.3f}x | {r.flops_ideal_with_lm_head:.3f}x "
+            f"| {r.fraction_of_ideal:.2f} |"
         )
     return "\n".join([head, *rows])

@@ -1,0 +1,204 @@
+"""What the alignment stage is told and what it reports: settings, loss weights, errors.
+
+Every setting's constraint is declared once, as an annotated type below, and used by
+both the recipe fields (:class:`~adadsf_modifier.alignment.fields.AlignmentFields`,
+``align_`` prefix) and the Python API (:class:`AlignmentConfig`,
+:class:`AlignmentLossWeights`), so the two can never disagree and their messages are
+the same. Pydantic runs the checks; the validators only word the messages (the field's
+name, the rule and the value given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+
+__all__ = [
+    "TRAINABLE_SETS",
+    "AlignmentConfig",
+    "AlignmentDivergedError",
+    "AlignmentLossWeights",
+    "AlignmentReport",
+    "GradClip",
+    "LearningRate",
+    "NonNegativeFloat",
+    "PositiveInt",
+    "Steps",
+    "Trainable",
+]
+
+TRAINABLE_SETS = ("routers", "routers_and_layers")
+"""``routers``: router parameters only. ``routers_and_layers``: plus the routed layers'
+weights."""
+
+
+def _steps(value: int, info: ValidationInfo) -> int:
+    if value < 0:
+        raise ValueError(
+            f"{info.field_name} must be an integer >= 0 (0 skips the alignment stage), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _positive(value: int, info: ValidationInfo) -> int:
+    if value <= 0:
+        raise ValueError(f"{info.field_name} must be an integer > 0, got {value!r}")
+    return value
+
+
+def _learning_rate(value: float, info: ValidationInfo) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{info.field_name} (learning rate) must be a finite number > 0, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _non_negative(value: float, info: ValidationInfo) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"`{info.field_name}` must be a finite number >= 0, got {value!r}"
+        )
+    return value
+
+
+def _grad_clip(value: float, info: ValidationInfo) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"{info.field_name} (max gradient norm) must be a finite number > 0, or 0 "
+            f"to disable clipping, got {value!r}"
+        )
+    return value
+
+
+def _trainable(value: object, info: ValidationInfo) -> object:
+    if value not in TRAINABLE_SETS:
+        raise ValueError(
+            f"{info.field_name} must be one of {list(TRAINABLE_SETS)}, got {value!r}"
+        )
+    return value
+
+
+Steps = Annotated[int, AfterValidator(_steps)]
+"""Optimizer steps, ``>= 0`` (0 skips the stage)."""
+PositiveInt = Annotated[int, AfterValidator(_positive)]
+LearningRate = Annotated[float, AfterValidator(_learning_rate)]
+NonNegativeFloat = Annotated[float, AfterValidator(_non_negative)]
+GradClip = Annotated[float, AfterValidator(_grad_clip)]
+"""Max global gradient norm; 0 disables clipping."""
+Trainable = Annotated[
+    Literal["routers", "routers_and_layers"], BeforeValidator(_trainable)
+]
+
+
+@dataclass(frozen=True)
+class AlignmentLossWeights:
+    """Weights of the three loss terms; a weight of 0 means the term is not computed.
+
+    ``kl`` and ``hidden`` need the dense teacher, ``lm`` does not: with ``kl == hidden
+    == 0`` (the paper's "LM loss only" ablation) the trainer skips the teacher's forward
+    pass entirely. The one place that refuses all-zero weights (the recipe fields build
+    their weights through this class).
+    """
+
+    kl: NonNegativeFloat = 1.0
+    hidden: NonNegativeFloat = 1.0
+    lm: NonNegativeFloat = 0.0
+
+    @model_validator(mode="after")
+    def _not_all_zero(self) -> AlignmentLossWeights:
+        if self.kl == 0 and self.hidden == 0 and self.lm == 0:
+            raise ValueError(
+                "all alignment loss weights are zero (kl = hidden = lm = 0; in a "
+                "recipe: align_w_kl, align_w_hidden and align_w_lm are all 0): nothing "
+                "to train; set at least one of them > 0"
+            )
+        return self
+
+    @property
+    def needs_teacher(self) -> bool:
+        """True when a term compares against the dense teacher (KL or hidden
+        alignment)."""
+        return self.kl > 0 or self.hidden > 0
+
+
+class AlignmentConfig(BaseModel):
+    """Everything the loop needs; the modifier builds it from its ``align_*`` fields.
+
+    :param steps: optimizer steps (0: nothing happens)
+    :param lr: AdamW learning rate (constant)
+    :param batch_size: rows per step (capped at the number of rows available)
+    :param seq_len: rows are truncated to their first ``seq_len`` real tokens
+    :param weights: loss weights (KL, hidden alignment, causal LM)
+    :param trainable: one of :data:`TRAINABLE_SETS`
+    :param grad_clip: max global gradient norm; 0 or ``None``: no clipping
+    :param weight_decay: AdamW weight decay
+    :param seed: data order and any other randomness of the loop
+    :param bf16: run forward passes under bf16 autocast (losses stay float32)
+    :param gradient_checkpointing: recompute decoder layers in backward to save
+        activation memory
+    :param show_progress: show a tqdm bar with the running loss
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: Steps = 0
+    lr: LearningRate = 3e-3
+    batch_size: PositiveInt = 4
+    seq_len: PositiveInt = 512
+    weights: AlignmentLossWeights = Field(default_factory=AlignmentLossWeights)
+    trainable: Trainable = "routers"
+    grad_clip: GradClip | None = 1.0
+    weight_decay: NonNegativeFloat = 0.0
+    seed: int = 0
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    show_progress: bool = True
+
+
+@dataclasses.dataclass
+class AlignmentReport:
+    """What the stage did: per-step losses (weighted total and unweighted terms), time,
+    memory."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    losses: list[float] = dataclasses.field(default_factory=list)
+    terms: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    num_trainable: int = 0
+    trainable: str = "routers"
+    num_rows: int = 0
+    peak_memory_mb: float = 0.0
+    memory_kind: str = "peak RSS"
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.losses[0] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+class AlignmentDivergedError(FloatingPointError):
+    """A non-finite loss, gradient or parameter; the trainable parameters were
+    restored."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step

@@ -1,0 +1,117 @@
+"""What the alignment stage trains: which parameters, in which precision, and whether
+this model can train them at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from adadsf_modifier.alignment.config import AlignmentConfig
+from adadsf_modifier.routing import decoder_layers, routed_layers
+
+__all__ = ["TrainableParams", "check_alignment_supported", "select_trainable"]
+
+
+def check_alignment_supported(model: nn.Module, config: AlignmentConfig) -> None:
+    """Refuse, before any calibration, an alignment stage this ``model`` cannot run.
+
+    Call it with the dense model before routing (the modifier does so first thing in
+    ``on_initialize``); ``align_model`` calls it again. Checks that gradient
+    checkpointing, when asked for, is supported, and that the decoder layers' weights
+    are floating point when ``routers_and_layers`` would train them (a model loaded
+    with integer-quantized weights cannot be fine-tuned). fp16 and bf16 models are
+    supported (see :class:`TrainableParams`).
+    """
+    if config.steps == 0:
+        return
+    if config.gradient_checkpointing and not getattr(
+        model, "supports_gradient_checkpointing", False
+    ):
+        raise ValueError(
+            f"align_gradient_checkpointing: {type(model).__name__} does not support "
+            "gradient checkpointing; set align_gradient_checkpointing to false"
+        )
+    if config.trainable == "routers_and_layers":
+        _, layers = decoder_layers(model)
+        frozen = sorted(
+            {
+                str(p.dtype)
+                for _, layer in layers
+                for p in layer.parameters()
+                if not p.is_floating_point()
+            }
+        )
+        if frozen:
+            raise ValueError(
+                f"align_trainable=routers_and_layers needs floating-point decoder "
+                f"layer weights, this model has {', '.join(frozen)} ones (quantized?); "
+                "use align_trainable=routers"
+            )
+
+
+def select_trainable(
+    model: nn.Module, trainable: str
+) -> list[tuple[str, nn.Parameter]]:
+    """Named parameters that train under ``trainable`` (``routers`` or
+    ``routers_and_layers``)."""
+    trainable = AlignmentConfig(trainable=trainable).trainable
+    names = {id(p): n for n, p in model.named_parameters()}
+    chosen: dict[int, tuple[str, nn.Parameter]] = {}
+    for layer in routed_layers(model):
+        source = layer.router if trainable == "routers" else layer
+        for param in source.parameters():
+            chosen.setdefault(id(param), (names[id(param)], param))
+    if not chosen:
+        raise ValueError(
+            "AdaDSF alignment found no routed layers to train: route the model before "
+            "aligning it"
+        )
+    return list(chosen.values())
+
+
+class TrainableParams:
+    """The trainable parameters, the float32 tensors the optimizer updates, and a copy
+    of the last good values (the NaN guard's fallback).
+
+    A float32 (or float64) parameter is its own master; a fp16/bf16 one gets a float32
+    master copy whose gradient is the parameter's, upcast.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.params = list(params)
+        self.masters = [
+            p if torch.finfo(p.dtype).bits >= 32 else p.detach().float()
+            for p in self.params
+        ]
+        self.good = [p.detach().clone() for p in self.params]
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = m.grad = None
+
+    def grads_to_masters(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+
+    @torch.no_grad()
+    def masters_to_params(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
+    def all_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    @torch.no_grad()
+    def keep(self) -> None:
+        for p, c in zip(self.params, self.good):
+            c.copy_(p)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, c in zip(self.params, self.good):
+            p.copy_(c)

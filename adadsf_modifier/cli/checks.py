@@ -1,0 +1,217 @@
+"""The CLI's argument types, input checks and output helpers: whatever can be wrong
+must fail here, in one line, before any heavy work (see :mod:`adadsf_modifier.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from loguru import logger
+
+EVAL_EXTRA = "pip install 'adadsf-modifier[eval]'"
+REPORT_FILES = ("report.json", "report.png")
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class UsageError(CLIError):
+    """An argument that does not parse; the message already names the command."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line (``adadsf CMD: error: ...``) instead of argparse's usage block."""
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+# ------------------------------------------------------------------ argument types
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            want = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+token_count = _int_at_least(2)  # perplexity scores n - 1 tokens: at least one
+
+
+def model_name(text: str) -> str:
+    """A model folder, ``embedded``/``smollm2``, or a hub id already in the local
+    Hugging Face cache. Anything path-like (a separator, or a leading ``.``/``~``)
+    must exist: there is no hub to fall back on."""
+    if os.path.exists(os.path.expanduser(text)):
+        return text
+    path_like = text.startswith((".", "~")) or "/" in text or os.sep in text
+    if path_like and not _in_hub_cache(text):
+        raise argparse.ArgumentTypeError(f"model path does not exist: {text}")
+    return text
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+# ------------------------------------------------------------------ input checks
+def default_recipe() -> str:
+    candidate = Path(__file__).resolve().parents[2] / "recipes" / "adadsf_w8a8.yaml"
+    if not candidate.is_file():
+        raise CLIError("no default recipe found next to the package; pass --recipe")
+    return str(candidate)
+
+
+def check_recipe(path: str) -> str:
+    from llmcompressor.recipe import Recipe
+
+    import adadsf_modifier  # noqa: F401  (registers AdaDSFModifier for the recipe parser)
+
+    if not os.path.isfile(path):
+        raise CLIError(f"recipe file not found: {path}")
+    try:
+        recipe = Recipe.create_instance(path)
+    except Exception as e:  # yaml errors, unknown modifiers, pydantic validation errors
+        lines = [line.strip() for line in str(e).splitlines()[:4] if line.strip()]
+        raise CLIError(f"recipe {path} does not parse: {' '.join(lines)}") from e
+    if not recipe.modifiers:
+        raise CLIError(
+            f"recipe {path} defines no modifiers (groups must end in _stage / "
+            "_modifiers)"
+        )
+    return path
+
+
+def check_tasks(tasks: str | None) -> list[str]:
+    """The task names (none when not given); lm-eval must be installed for any."""
+    if not tasks or not tasks.strip():
+        return []
+    from adadsf_modifier.evaluation.lm_eval_tasks import check_tasks
+
+    try:
+        names = check_tasks(tasks)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    require("lm_eval", "--tasks")
+    return names
+
+
+def require(module: str, what: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise CLIError(f"{what} needs {module}, which is not installed: {EVAL_EXTRA}")
+
+
+def check_model(name: str | None) -> str:
+    from adadsf_modifier.evaluation import resolve_model
+
+    try:
+        return resolve_model(name)
+    except FileNotFoundError as e:
+        raise CLIError(str(e)) from e
+
+
+def check_parent(out: Path) -> None:
+    """The nearest existing folder above ``out`` must be a folder (else mkdir fails
+    only after the work is done)."""
+    for parent in out.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CLIError(f"cannot create {out}: {parent} is not a directory")
+            return
+
+
+def check_output_dir(path: str, overwrite: bool, keep: Sequence[str] = ()) -> Path:
+    """``keep``: for a folder that may hold other files, the only names that count as
+    an earlier output (all of them when empty)."""
+    out = Path(path)
+    check_parent(out)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"output path exists and is not a directory: {out}")
+    if overwrite or not out.is_dir():
+        return out
+    taken = [out / n for n in keep if (out / n).exists()]
+    if taken:
+        raise CLIError(f"{taken[0]} exists (use --overwrite)")
+    if not keep and any(out.iterdir()):
+        raise CLIError(
+            f"output directory {out} exists and is not empty (use --overwrite)"
+        )
+    return out
+
+
+def check_output_file(path: str | None, overwrite: bool) -> Path | None:
+    if path is None:
+        return None
+    out = Path(path)
+    check_parent(out)
+    if out.is_dir():
+        raise CLIError(f"output path is a directory, not a file: {out}")
+    if out.exists() and not overwrite:
+        raise CLIError(f"output file {out} exists (use --overwrite)")
+    return out
+
+
+def check_routed(path: str) -> None:
+    from adadsf_modifier.checkpoint import SIDECAR_NAME
+
+    if not Path(path, SIDECAR_NAME).is_file():
+        raise CLIError(
+            f"{path} is not an AdaDSF checkpoint (no {SIDECAR_NAME}); --routed takes "
+            "the output of `adadsf compress`"
+        )
+
+
+def write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        print(json.dumps(data, indent=2))
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+    logger.info(f"wrote {path}")
+
+
+def sibling_dir(out: Path, suffix: str) -> Path:
+    """A new empty folder next to ``out`` (same file system: a rename swaps it in),
+    with the permissions a plain mkdir gives (``mkdtemp`` makes 0700)."""
+    path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    return path
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Put the complete folder ``new`` (next to ``out``) in place of ``out``; the
+    earlier results are deleted only once the new ones are in place."""
+    old = sibling_dir(out, ".old") if out.exists() else None
+    if old is not None:
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

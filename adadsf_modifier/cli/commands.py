@@ -1,0 +1,290 @@
+"""The CLI's commands: each checks its arguments first (:mod:`.checks`), then works."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from adadsf_modifier.cli.checks import (
+    REPORT_FILES,
+    CLIError,
+    check_model,
+    check_output_dir,
+    check_output_file,
+    check_recipe,
+    check_routed,
+    check_tasks,
+    default_recipe,
+    require,
+    sibling_dir,
+    swap_in,
+    write_json,
+)
+
+__all__ = ["bench", "compress", "evaluate"]
+
+
+def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
+    recipe = check_recipe(args.recipe or default_recipe())
+    out = check_output_dir(args.output_dir, args.overwrite)
+    model_path = check_model(args.model)
+    return compress(
+        model_path, recipe, out, args.calibration_samples, args.seq_len, args.seed
+    )
+
+
+def compress(
+    model_path: str, recipe: str, out: Path, samples: int, seq_len: int, seed: int
+) -> dict[str, Any]:
+    import torch
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adadsf_modifier.evaluation import calibration_dataset
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    try:  # before the model loads: too little text, or no rows at all
+        data = calibration_dataset(tok, samples, seq_len, seed=seed)
+    except ValueError as e:
+        raise CLIError(f"calibration data: {e}") from e
+    if len(data) == 0:
+        raise CLIError("calibration data: the calibration set is empty (0 rows)")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if out.is_dir() and any(out.iterdir()):  # the atomic save replaces it in one step
+        logger.warning(f"--overwrite: replacing the checkpoint in {out}")
+    oneshot(
+        model=model,
+        processor=tok,
+        dataset=data,
+        recipe=recipe,
+        output_dir=str(out),
+        num_calibration_samples=samples,
+        max_seq_length=seq_len,
+    )
+    seconds = time.perf_counter() - t0
+    logger.info(f"compressed {model_path} with {recipe} into {out} in {seconds:.0f}s")
+    return {
+        "model": model_path,
+        "recipe": recipe,
+        "output_dir": str(out),
+        "seconds": seconds,
+    }
+
+
+def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    tasks = check_tasks(args.tasks)
+    out = check_output_file(args.output, args.overwrite)
+    model_path = check_model(args.model)
+    record = evaluate(
+        model_path,
+        args.label,
+        tasks,
+        args.limit,
+        not args.no_ppl,
+        args.ppl_tokens,
+        args.routing_mode,
+    )
+    write_json(out, record)
+    return record
+
+
+def evaluate(
+    model_path: str,
+    label: str | None,
+    tasks: list[str],
+    limit: int | None,
+    ppl: bool,
+    ppl_tokens: int | None,
+    routing_mode: str,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """One evaluation record; ``name`` is the model's name in it (default the path)."""
+    from adadsf_modifier.evaluation.evaluate import evaluate_model, load_for_eval
+
+    model, tok, routed = load_for_eval(model_path)
+    record = evaluate_model(
+        model,
+        tok,
+        label=label or ("sparse" if routed else "dense"),
+        model_name=name or model_path,
+        ppl=ppl,
+        ppl_max_tokens=ppl_tokens,
+        tasks=tasks,
+        limit=limit,
+        routing_mode=routing_mode,
+    )
+    return record.as_dict()
+
+
+def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    out = check_output_file(args.output, args.overwrite)
+    routed_path = check_model(args.routed)
+    check_routed(routed_path)
+    result = bench(
+        routed_path,
+        args.seq_lens,
+        args.batch_sizes,
+        args.repeats,
+        args.decode_tokens,
+        args.threads,
+    )
+    write_json(out, result)
+    return result
+
+
+def bench(
+    routed_path: str,
+    seq_lens: Sequence[int],
+    batch_sizes: Sequence[int],
+    repeats: int,
+    decode_tokens: int,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Routed checkpoint vs the same checkpoint with routing removed (identical
+    weights)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from adadsf_modifier.evaluation import load_text_splits
+    from adadsf_modifier.evaluation.speed import (
+        format_table,
+        load_pair,
+        run_speed_benchmark,
+    )
+
+    if threads:
+        torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(routed_path)
+    dense, routed = load_pair(routed_path, dtype=torch.float32)
+    text = "\n\n".join(load_text_splits()["test"]["text"])
+    stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+    results = run_speed_benchmark(
+        dense,
+        routed,
+        stream,
+        seq_lens=tuple(seq_lens),
+        batch_sizes=tuple(batch_sizes),
+        decode_tokens=decode_tokens,
+        repeats=repeats,
+    )
+    table = format_table(results)
+    print(table)
+    return {
+        "model": routed_path,
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "results": [r.as_dict() for r in results],
+        "table": table,
+    }
+
+
+def cmd_report(args: argparse.Namespace) -> dict[str, Any]:
+    from adadsf_modifier.evaluation.report import (
+        build_report,
+        read_eval_record,
+        read_speed_results,
+        summary_table,
+        write_report,
+    )
+
+    require("matplotlib", "the report plot")
+    try:
+        records = [read_eval_record(p) for p in args.inputs]
+        speed = read_speed_results(args.speed) if args.speed else []
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    out = check_output_dir(args.output_dir, args.overwrite, keep=REPORT_FILES)
+    report = build_report(records, speed)
+    js, png = write_report(report, out)
+    print(summary_table(report))
+    print(f"\nreport: {js}  plot: {png}")
+    return report
+
+
+def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The README main job: compress (AdaDSF + W8A8) -> eval dense and sparse -> bench
+    -> report, written to a folder next to the output and swapped in at the end."""
+    from adadsf_modifier.evaluation.report import summary_table
+
+    recipe = check_recipe(args.recipe or default_recipe())
+    tasks = check_tasks(args.tasks)
+    require("matplotlib", "the report plot")
+    out = check_output_dir(args.output_dir, args.overwrite)
+    model_path = check_model(args.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = sibling_dir(out, ".new")
+    try:
+        report = _main_job(args, recipe, tasks, model_path, work, out)
+        swap_in(work, out)
+    except BaseException:
+        logger.error(f"`adadsf run` failed; {out} is left as it was")
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    minutes = report["meta"]["timings"]["total_s"] / 60
+    js, png = (out / name for name in REPORT_FILES)
+    print("\n" + summary_table(report))
+    print(f"\nwall-clock {minutes:.1f} min; report: {js}  plot: {png}")
+    return report
+
+
+def _main_job(
+    args: argparse.Namespace,
+    recipe: str,
+    tasks: list[str],
+    model_path: str,
+    work: Path,
+    out: Path,
+) -> dict[str, Any]:
+    """Everything ``run`` does, written into ``work``; paths in the records name
+    ``out``, where the files end up."""
+    from adadsf_modifier.evaluation.report import build_report, write_report
+
+    t0 = time.perf_counter()
+    sparse = "sparse_w8a8"
+    timings = {}
+    step = time.perf_counter()
+    samples, seq_len = args.calibration_samples, args.seq_len
+    compress(model_path, recipe, work / sparse, samples, seq_len, args.seed)
+    timings["compress_s"] = time.perf_counter() - step
+    records = []
+    for label, path, name in (
+        ("dense", model_path, model_path),
+        ("AdaDSF+W8A8", str(work / sparse), str(out / sparse)),
+    ):
+        step = time.perf_counter()
+        rec = evaluate(
+            path, label, tasks, args.limit, True, args.ppl_tokens, "causal", name
+        )
+        write_json(work / f"eval_{'dense' if label == 'dense' else 'sparse'}.json", rec)
+        records.append(rec)
+        timings[f"eval_{label}_s"] = time.perf_counter() - step
+    step = time.perf_counter()
+    speed = bench(
+        str(work / sparse),
+        args.bench_seq_lens,
+        [1],
+        args.bench_repeats,
+        args.decode_tokens,
+    )
+    speed["model"] = str(out / sparse)
+    write_json(work / "speed.json", speed)
+    timings["bench_s"] = time.perf_counter() - step
+    timings["total_s"] = time.perf_counter() - t0
+    meta = {
+        "model": model_path,
+        "recipe": recipe,
+        "tasks": tasks,
+        "limit": args.limit,
+        "ppl_tokens": args.ppl_tokens,
+        "timings": timings,
+    }
+    report = build_report(records, speed["results"], meta)
+    write_report(report, work)
+    return report

@@ -1,0 +1,35 @@
+"""Helpers shared by the benchmark scripts (not part of the installed package)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_routed_checkpoint(
+    model_path: str,
+    output_dir: str,
+    retention: float = 0.8,
+    calibration_samples: int = 16,
+    seq_len: int = 256,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """AdaDSF at ``retention`` (no alignment) on ``model_path``, saved to
+    ``output_dir``.
+
+    What the speed benchmarks time: speed depends on how many tokens run each layer, not
+    on how well the routers were trained.
+    """
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adadsf_modifier import AdaDSFModifier
+    from adadsf_modifier.evaluation import calibration_dataset
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    oneshot(
+        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype),
+        dataset=calibration_dataset(tok, calibration_samples, seq_len),
+        recipe=[AdaDSFModifier(retention=retention)],
+        output_dir=output_dir,
+    )
+    return output_dir
