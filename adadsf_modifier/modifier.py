@@ -28,6 +28,7 @@ from adadsf_modifier.alignment import (
     AlignmentFields,
     AlignmentReport,
     align_model,
+    check_alignment_supported,
     make_teacher,
     release_memory,
 )
@@ -227,6 +228,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         model = state.model
         spec, layers = decoder_layers(model)
         self._check_not_routed(layers)
+        check_alignment_supported(model, self.alignment_config())
         targeted = self._targeted_layers(layers)
         # An impossible allocation (wrong list length, layer_drop below one layer)
         # fails here, before calibration.

@@ -104,11 +104,6 @@ def test_recipe_field_and_config_share_one_rule_and_message(name, value):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs AdaDSFModifier.on_initialize to call check_alignment_supported "
-    "first (modifier.py, not in this branch); drop this mark with that change",
-)
 def test_modifier_refuses_unsupported_alignment_before_touching_the_model(tmp_path):
     from llmcompressor import oneshot
     from tiny_models import save_tiny_model

@@ -5,6 +5,7 @@
     adadsf eval --model out/sparse --tasks piqa,arc_easy --limit 50 --output out/s.json
     adadsf bench --routed out/sparse --output out/speed.json
     adadsf report --inputs out/d.json out/s.json --speed out/speed.json --output-dir out
+    adadsf study --quick                      # the results study (docs/RESULTS.md)
 
 Every command checks its arguments (numbers, model path, recipe, task names, input
 files, output location) before any heavy work and exits with status 2 and a one-line
@@ -37,6 +38,11 @@ from adadsf_modifier.cli.commands import (
     cmd_run,
     compress,
     evaluate,
+)
+from adadsf_modifier.study import (
+    StudyInputError,
+    add_study_arguments,
+    run_study_command,
 )
 
 __all__ = ["main", "CLIError", "build_parser", "compress", "evaluate", "bench"]
@@ -124,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--decode-tokens", type=positive_int, default=32)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--overwrite", action="store_true")
+
+    st = add(
+        "study",
+        "results study -> docs/RESULTS.md, docs/results.json and plots",
+        run_study_command,
+    )
+    add_study_arguments(st)
     return p
 
 
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
-    except CLIError as e:
+    except (CLIError, StudyInputError) as e:
         print(f"adadsf {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
