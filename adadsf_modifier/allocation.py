@@ -24,7 +24,6 @@ __all__ = [
     "layer_drop_ratios",
     "explicit_ratios",
     "allocate",
-    "tokens_to_keep",
 ]
 
 #: Names accepted by the modifier's ``allocation`` field (besides an explicit list of
@@ -224,14 +223,3 @@ def allocate(
     if allocation == "reversed":
         return reversed_ratios(ratios, similarities)
     return random_ratios(ratios, seed)
-
-
-def tokens_to_keep(ratio: float, real_length: int) -> int:
-    """``K = max(1, floor(r * n))`` real tokens of a sequence with ``n`` real tokens.
-
-    A tiny epsilon absorbs float error (0.29 * 100 = 28.999999999999996 must give 29). A
-    sequence with no real token keeps none; a ratio of 0 (a dropped layer) keeps none.
-    """
-    if real_length <= 0 or ratio <= 0:
-        return 0
-    return max(1, int(math.floor(ratio * real_length + 1e-6)))
