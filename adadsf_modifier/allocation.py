@@ -12,8 +12,12 @@ from __future__ import annotations
 import math
 import random as _random
 from collections.abc import Sequence
+from typing import Annotated
+
+from adadsf_modifier.constraints import UnitInterval, constrained
 
 __all__ = [
+    "Allocation",
     "ALLOCATIONS",
     "similarity_ratios",
     "rescale_to_budget",
@@ -25,12 +29,20 @@ __all__ = [
     "explicit_ratios",
     "allocate",
     "check_allocation",
-    "tokens_to_keep",
 ]
 
 #: Names accepted by the modifier's ``allocation`` field (besides an explicit list of
 # floats).
 ALLOCATIONS = ("similarity", "uniform", "reversed", "random", "layer_drop")
+
+#: The modifier's ``allocation`` field: a strategy name or one ratio per routed layer.
+Allocation = Annotated[
+    str | list[UnitInterval],
+    constrained(
+        lambda v: v in ALLOCATIONS if isinstance(v, str) else len(v) > 0,
+        f"one of {list(ALLOCATIONS)} or a non-empty list of per-layer ratios in (0, 1]",
+    ),
+]
 
 
 def _sigmoid(x: float) -> float:
@@ -254,14 +266,3 @@ def allocate(
     if allocation == "reversed":
         return reversed_ratios(ratios, similarities)
     return random_ratios(ratios, seed)
-
-
-def tokens_to_keep(ratio: float, real_length: int) -> int:
-    """``K = max(1, floor(r * n))`` real tokens of a sequence with ``n`` real tokens.
-
-    A tiny epsilon absorbs float error (0.29 * 100 = 28.999999999999996 must give 29). A
-    sequence with no real token keeps none; a ratio of 0 (a dropped layer) keeps none.
-    """
-    if real_length <= 0 or ratio <= 0:
-        return 0
-    return max(1, int(math.floor(ratio * real_length + 1e-6)))

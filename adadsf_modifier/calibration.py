@@ -95,6 +95,7 @@ class SimilarityAccumulator:
     def similarities(self) -> list[float]:
         if any(c == 0 for c in self.counts):
             raise ValueError(
-                "calibration saw no real tokens: the calibration set is empty or all padding"
+                "calibration saw no real tokens: the calibration set is empty or all "
+                "padding"
             )
         return [s / c for s, c in zip(self.sums, self.counts)]

@@ -22,7 +22,7 @@ from compressed_tensors.utils import is_match
 from llmcompressor.core import State
 from llmcompressor.modifiers import Modifier
 from loguru import logger
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from adadsf_modifier.alignment import (
     AlignmentFields,
@@ -32,7 +32,7 @@ from adadsf_modifier.alignment import (
     make_teacher,
     release_memory,
 )
-from adadsf_modifier.allocation import ALLOCATIONS, allocate, check_allocation
+from adadsf_modifier.allocation import Allocation, allocate, check_allocation
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.checkpoint import attach_checkpoint_support
 from adadsf_modifier.constraints import (
@@ -47,6 +47,7 @@ from adadsf_modifier.routing import (
     ThresholdReport,
     TokenRouter,
     calibrate_thresholds,
+    check_calibration_rows,
     decoder_layers,
     route_layer,
     routed_layers,
@@ -114,7 +115,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
     :param threshold_passes: calibration passes fitting the causal-routing thresholds
-        (the first under top-k routing, the rest under causal routing upstream)
+        before the first measurement (the first under top-k routing, the rest under
+        causal routing upstream); more follow until the kept fractions reach their
+        targets
     :param align_*: the alignment fine-tune stage, see
         :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the
         default, skips it)
@@ -123,8 +126,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     retention: UnitInterval = 0.8
     temperature: PositiveFloat = 0.05
     beta: NonNegativeFloat = 10.0
-    min_retention: float | None = None
-    allocation: str | list[float] = "similarity"
+    min_retention: UnitInterval | None = None
+    allocation: Allocation = "similarity"
     targets: str | list[str] | None = None
     ignore: list[str] = Field(default_factory=list)
     router_hidden_size: PositiveInt = 64
@@ -143,56 +146,32 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
 
     # ------------------------------------------------------------------ validation
-    @field_validator("allocation")
-    @classmethod
-    def _check_allocation(cls, v: str | list[float]) -> str | list[float]:
-        if isinstance(v, str):
-            if v not in ALLOCATIONS:
-                raise ValueError(
-                    f"allocation must be one of {list(ALLOCATIONS)} or a list of "
-                    "per-layer "
-                    f"ratios in (0, 1], got {v!r}"
-                )
-            return v
-        if len(v) == 0:
-            raise ValueError("allocation: an explicit list of ratios must not be empty")
-        for r in v:
-            if not (math.isfinite(r) and 0.0 < r <= 1.0):
-                raise ValueError(
-                    f"allocation: every explicit ratio must be in (0, 1], got {r}"
-                )
-        return v
-
     @model_validator(mode="after")
     def _check_min_retention(self) -> "AdaDSFModifier":
-        if self.min_retention is not None:
-            m = self.min_retention
-            if not (math.isfinite(m) and 0.0 < m <= self.retention):
-                raise ValueError(
-                    f"min_retention must be in (0, retention={self.retention}], got {m}"
-                )
+        if self.min_retention is not None and self.min_retention > self.retention:
+            raise ValueError(
+                f"min_retention must be in (0, retention={self.retention}], got "
+                f"{self.min_retention}"
+            )
         return self
 
     # ------------------------------------------------------------------ results
+    def _ready(self, value: Any, name: str) -> Any:
+        if value is None:
+            raise RuntimeError(
+                f"{name} is available after the modifier has initialized"
+            )
+        return value
+
     @property
     def similarities(self) -> list[float]:
-        """Dense input/output cosine similarity of every decoder layer, in layer
-        order."""
-        if self._similarities is None:
-            raise RuntimeError(
-                "similarities are available after the modifier has initialized"
-            )
-        return list(self._similarities)
+        """Dense input/output cosine similarity of every decoder layer, in order."""
+        return list(self._ready(self._similarities, "similarities"))
 
     @property
     def retention_ratios(self) -> list[float]:
-        """Retention ratio of every decoder layer in layer order (1.0 for layers not
-        routed)."""
-        if self._retention_ratios is None:
-            raise RuntimeError(
-                "retention_ratios are available after the modifier has initialized"
-            )
-        return list(self._retention_ratios)
+        """Retention ratio of every decoder layer, in order (1.0: not routed)."""
+        return list(self._ready(self._retention_ratios, "retention_ratios"))
 
     @property
     def alignment_report(self) -> AlignmentReport | None:
@@ -209,11 +188,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
     def threshold_report(self) -> ThresholdReport:
         """Causal-routing thresholds, measured kept fractions and agreement with
         top-k."""
-        if self._threshold_report is None:
-            raise RuntimeError(
-                "threshold_report is available after the modifier has initialized"
-            )
-        return self._threshold_report
+        return self._ready(self._threshold_report, "threshold_report")
 
     @property
     def resolved_min_retention(self) -> float:
@@ -262,6 +237,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             min_retention=self.resolved_min_retention,
             seed=self.seed,
         )
+        # Rows too short for causal thresholds to reach these ratios are refused now,
+        # before routing, warm start and alignment.
+        check_calibration_rows(ratios, calib)
         full = [1.0] * len(layers)
         for (i, _, _), r in zip(targeted, ratios):
             full[i] = r
@@ -396,7 +374,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
                 )
         self._warm_start = results
         if results:
-            corr = sum(r.heldout_rank_corr for r in results) / len(results)
+            # Samples under 8 tokens have no held-out split (NaN correlation).
+            corrs = [c for r in results if math.isfinite(c := r.heldout_rank_corr)]
+            corr = sum(corrs) / len(corrs) if corrs else float("nan")
             logger.info(
                 f"AdaDSF router warm start: {len(results)} routers fit to per-token "
                 "similarity; "

@@ -10,8 +10,8 @@ from adadsf_modifier.allocation import (
     clip_to_budget,
     layer_drop_ratios,
     similarity_ratios,
-    tokens_to_keep,
 )
+from adadsf_modifier.routing.selection import tokens_to_keep
 
 SIMS = [0.62, 0.91, 0.95, 0.97, 0.88, 0.99, 0.93, 0.80]
 

@@ -110,7 +110,7 @@ def test_batched_decode_step_runs_only_the_rows_that_pass(attn):
             steps.append((passes, (output != x).any(-1)[:, 0]))
 
     handles = [
-        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+        li.register_forward_hook(hook, with_kwargs=True) for li in routed_layers(model)
     ]
     with torch.no_grad():
         full = model(
@@ -159,7 +159,7 @@ def test_routed_cache_holds_only_tokens_that_ran_the_layer():
         ran[module.layer_index] = int((output != x).any(-1).sum())
 
     handles = [
-        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+        li.register_forward_hook(hook, with_kwargs=True) for li in routed_layers(model)
     ]
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
@@ -186,7 +186,7 @@ def test_token_below_threshold_is_untouched():
         records.append((module, x, output))
 
     handles = [
-        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+        li.register_forward_hook(hook, with_kwargs=True) for li in routed_layers(model)
     ]
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
@@ -294,7 +294,7 @@ def test_first_token_always_runs_unless_disabled():
         records.append((module, (output != x).any(-1)))
 
     handles = [
-        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+        li.register_forward_hook(hook, with_kwargs=True) for li in routed_layers(model)
     ]
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, use_cache=False)

@@ -38,9 +38,9 @@ def tiny_llama_config():
     )
 
 
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Hand counts (written out term by term, independent of the implementation)
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 
 # One llama layer, per token:
 #   q_proj 8 -> 8  : 2 * 8 * 8 = 128
@@ -222,9 +222,9 @@ def test_normalized_is_one_when_everything_is_kept_and_no_router():
     assert rep.memory_traffic_bytes == 0
 
 
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Observed kept counts on real (tiny) routed models
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 
 RATIOS = [None, 0.5, 0.75, 0.0]  # layer 0 stays dense, layer 3 is removed
 
@@ -357,10 +357,21 @@ def test_dense_model_and_ratio_one_routing(arch):
     assert rep.normalized == 1.0 and rep.router == 0 and rep.memory_traffic_bytes == 0
     routed = route(copy.deepcopy(dense), [1.0] * 4)
     rep1 = normalized_flops(routed, batch)
+    # At inference a ratio-1 layer runs unchanged and never evaluates its router
+    # (only its gradient matters), so no router cost is counted.
     assert rep1.dense == rep.dense
-    assert rep1.routed == rep.dense + rep1.router
-    assert rep1.router == 4 * 19 * 2 * (32 * 8 + 8)
+    assert rep1.router == 0 and rep1.routed == rep.dense
     assert rep1.memory_traffic_bytes == 0
+
+
+def test_layer_removal_costs_exactly_the_kept_layers():
+    # ShortGPT-style allocation: half the layers removed, the rest at ratio 1. The
+    # measured FLOPs must be exactly half the decoder stack (no router cost).
+    dense = tiny_model("llama")
+    batch = padded_batch()
+    rep = normalized_flops(route(copy.deepcopy(dense), [1.0, 0.0, 1.0, 0.0]), batch)
+    assert rep.router == 0
+    assert rep.normalized == pytest.approx(0.5, abs=1e-12)
 
 
 def test_observed_keys_under_a_sliding_window():
@@ -372,9 +383,9 @@ def test_observed_keys_under_a_sliding_window():
     lens = [6, 4, 9]
     assert obs.dense_keys[0] == [causal_key_count(n, 0, 3) for n in lens]
     # kept tokens keep their positions: within the window at most min(i, 3) keys each
-    for l in (1, 2):
-        for b, k in enumerate(obs.kept[l]):
-            assert k <= obs.attended_keys[l][b] <= causal_key_count(k, 0, 3)
+    for li in (1, 2):
+        for b, k in enumerate(obs.kept[li]):
+            assert k <= obs.attended_keys[li][b] <= causal_key_count(k, 0, 3)
 
 
 def set_median_thresholds(model, batch):
@@ -382,22 +393,22 @@ def set_median_thresholds(model, batch):
     batch."""
     from adadsf_modifier.routing import routed_layers
 
-    layers = [l for l in routed_layers(model) if 0 < l.retention_ratio < 1]
+    layers = [li for li in routed_layers(model) if 0 < li.retention_ratio < 1]
     scores = {}
     handles = [
-        l.router.register_forward_hook(
-            lambda m, a, out, i=l.layer_index: scores.__setitem__(i, out)
+        li.router.register_forward_hook(
+            lambda m, a, out, i=li.layer_index: scores.__setitem__(i, out)
         )
-        for l in layers
+        for li in layers
     ]
     with torch.no_grad():
         model(**batch, use_cache=False)
     for h in handles:
         h.remove()
     real = batch["attention_mask"].bool()
-    for l in layers:
-        l.causal_threshold = float(scores[l.layer_index][real].median())
-        l.routing_mode = "causal"
+    for li in layers:
+        li.causal_threshold = float(scores[li.layer_index][real].median())
+        li.routing_mode = "causal"
 
 
 @pytest.mark.skipif(
@@ -420,8 +431,8 @@ def test_observed_counts_in_causal_mode_with_kv_cache_decoding():
     assert obs.kept == expect
     assert obs.routed_layers == {1, 2}
     assert obs.attended_keys[0] == obs.dense_keys[0] == [21, 10, 45]
-    for l in (1, 2):  # causal among the kept tokens
-        assert obs.attended_keys[l] == [k * (k + 1) // 2 for k in obs.kept[l]]
+    for li in (1, 2):  # causal among the kept tokens
+        assert obs.attended_keys[li] == [k * (k + 1) // 2 for k in obs.kept[li]]
     prefill_kept = obs.kept
 
     # one decoding step: the new token sees the cached tokens that ran the layer, plus
@@ -440,9 +451,9 @@ def test_observed_counts_in_causal_mode_with_kv_cache_decoding():
     obs = observe_routing(model, step)
     assert obs.seq_lens == [1, 1, 1]
     assert obs.dense_keys == [[7, 5, 10]] * 4  # past real tokens + 1
-    for l in (1, 2):
-        assert obs.attended_keys[l] == [
-            k * (p + 1) for k, p in zip(obs.kept[l], prefill_kept[l])
+    for li in (1, 2):
+        assert obs.attended_keys[li] == [
+            k * (p + 1) for k, p in zip(obs.kept[li], prefill_kept[li])
         ]
     rep = normalized_flops(model, dict(step, past_key_values=cache_before_step))
     assert rep.kept == tuple(tuple(k) for k in obs.kept)
@@ -490,12 +501,12 @@ def test_observed_counts_when_decoding_one_sequence_token_by_token():
         assert (
             step.gather_layers == frozenset()
         )  # the batch-1 fast path runs the layer in place
-        for l in (1, 2):
-            k = step.kept[l][0]
+        for li in (1, 2):
+            k = step.kept[li][0]
             assert k in (0, 1)
-            assert step.attended_keys[l] == [k * (cached[l] + 1)]
-            cached[l] += k
+            assert step.attended_keys[li] == [k * (cached[li] + 1)]
+            cached[li] += k
     # the same token-by-token decisions as one causal forward over the whole sequence
     full = observe_routing(model, dict(input_ids=ids[:, :9]))
-    assert [full.kept[l][0] for l in (1, 2)] == [cached[1], cached[2]]
+    assert [full.kept[li][0] for li in (1, 2)] == [cached[1], cached[2]]
     assert full.kept[0] == [9] and full.kept[3] == [0]

@@ -91,7 +91,7 @@ def _record_layers(model):
         records.append((module, x.detach().clone(), y.detach().clone()))
 
     handles = [
-        l.register_forward_hook(hook, with_kwargs=True) for l in routed_layers(model)
+        li.register_forward_hook(hook, with_kwargs=True) for li in routed_layers(model)
     ]
     return records, handles
 

@@ -5,8 +5,11 @@ from adadsf_modifier.routing.architectures import (
     SUPPORTED_ARCHITECTURES,
     ArchitectureSpec,
     UnsupportedArchitectureError,
+    architecture_for_config,
     architecture_of,
     decoder_layers,
+    original_class,
+    sliding_windows,
 )
 from adadsf_modifier.routing.cache import RoutedCacheLayer
 from adadsf_modifier.routing.modes import (
@@ -15,16 +18,21 @@ from adadsf_modifier.routing.modes import (
     routing_mode,
     set_routing_mode,
 )
+from adadsf_modifier.routing.recorder import LayerRecord, RoutingRecorder
 from adadsf_modifier.routing.routed_layer import (
     RoutedLayer,
     route_layer,
     routed_class_for,
+    routed_layers,
     unroute_layer,
 )
 from adadsf_modifier.routing.router import TokenRouter
+from adadsf_modifier.routing.selection import tokens_to_keep
 from adadsf_modifier.routing.thresholds import (
+    ThresholdCalibrationError,
     ThresholdReport,
     calibrate_thresholds,
+    check_calibration_rows,
     threshold_for_ratio,
 )
 
@@ -32,8 +40,13 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ArchitectureSpec",
     "UnsupportedArchitectureError",
+    "architecture_for_config",
     "architecture_of",
     "decoder_layers",
+    "original_class",
+    "sliding_windows",
+    "LayerRecord",
+    "RoutingRecorder",
     "RoutedCacheLayer",
     "ROUTING_MODES",
     "get_routing_modes",
@@ -44,13 +57,11 @@ __all__ = [
     "routed_class_for",
     "unroute_layer",
     "TokenRouter",
+    "tokens_to_keep",
+    "ThresholdCalibrationError",
     "ThresholdReport",
     "calibrate_thresholds",
+    "check_calibration_rows",
     "threshold_for_ratio",
     "routed_layers",
 ]
-
-
-def routed_layers(model) -> list[RoutedLayer]:
-    """All routed decoder layers of ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, RoutedLayer)]

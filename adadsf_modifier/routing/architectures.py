@@ -1,16 +1,18 @@
-"""Where each supported architecture keeps its decoder layers and how they take the KV
-cache.
+"""Every per-architecture fact AdaDSF uses, one :class:`ArchitectureSpec` per model
+type.
 
 Routing itself is architecture-agnostic (it calls the original layer on a compacted
-batch); all it needs to know is which modules are the decoder layers, that they take
-rotary ``position_embeddings`` plus a 4D attention mask, and the keyword of the cache
-argument.
+batch); it needs to know which modules are the decoder layers, that they take rotary
+``position_embeddings`` plus a 4D attention mask, and the keyword of the cache
+argument. The FLOPs model needs the MLP kind and where the config keeps the number of
+key/value heads. Adding an architecture is one entry in :data:`SUPPORTED_ARCHITECTURES`.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -18,9 +20,15 @@ __all__ = [
     "ArchitectureSpec",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedArchitectureError",
+    "architecture_for_config",
     "architecture_of",
     "decoder_layers",
+    "original_class",
+    "sliding_windows",
 ]
+
+#: Set on the routing mixin: classes carrying it were made by routing, not the model.
+ROUTED_CLASS_MARKER = "_adadsf_routed_class"
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -29,12 +37,35 @@ class UnsupportedArchitectureError(ValueError):
 
 @dataclass(frozen=True)
 class ArchitectureSpec:
+    """Where an architecture keeps its decoder layers and what they compute.
+
+    ``layers_path``: dotted attribute path from the ``*ForCausalLM`` model to the
+    ``ModuleList`` of decoder layers; ``layer_class``: their class name;
+    ``cache_kwarg``: keyword under which a decoder layer receives the KV cache;
+    ``gated_mlp``: a gated (SwiGLU: gate, up, down) MLP rather than a plain two-matmul
+    one; ``kv_heads_attr``: the config attribute holding the number of key/value heads
+    (``None``: full multi-head attention, as many as query heads).
+    """
+
     model_type: str
-    layers_path: (
-        str  # dotted attribute path from the *ForCausalLM model to the ModuleList
-    )
+    layers_path: str
     layer_class: str
-    cache_kwarg: str  # keyword under which the decoder layer receives the KV cache
+    cache_kwarg: str
+    gated_mlp: bool = True
+    kv_heads_attr: str | None = "num_key_value_heads"
+
+    @property
+    def mlp_matmuls(self) -> int:
+        """Matrix multiplications of one MLP: 3 when gated, 2 otherwise."""
+        return 3 if self.gated_mlp else 2
+
+    def num_kv_heads(self, config: Any) -> int:
+        """Key/value heads of ``config`` (query heads when the architecture has no
+        GQA)."""
+        heads = int(config.num_attention_heads)
+        if self.kv_heads_attr is None:
+            return heads
+        return int(getattr(config, self.kv_heads_attr, None) or heads)
 
 
 SUPPORTED_ARCHITECTURES: dict[str, ArchitectureSpec] = {
@@ -47,32 +78,87 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "mistral": ArchitectureSpec(
         "mistral", "model.layers", "MistralDecoderLayer", "past_key_values"
     ),
+    # GPT-NeoX: fused qkv of width 3h (full multi-head attention), MLP h -> 4h -> h
     "gpt_neox": ArchitectureSpec(
-        "gpt_neox", "gpt_neox.layers", "GPTNeoXLayer", "layer_past"
+        "gpt_neox",
+        "gpt_neox.layers",
+        "GPTNeoXLayer",
+        "layer_past",
+        gated_mlp=False,
+        kv_heads_attr=None,
     ),
 }
 
 _REQUIRED_LAYER_ARGS = ("attention_mask", "position_ids", "position_embeddings")
 
 
-def architecture_of(model: nn.Module) -> ArchitectureSpec:
-    """The spec for ``model``, or an error naming what was missing."""
-    config = getattr(model, "config", None)
+def architecture_for_config(config: Any) -> ArchitectureSpec:
+    """The spec for a Hugging Face config (or a model carrying one), or an error naming
+    what was missing."""
+    config = getattr(config, "config", config)  # accept a model as well
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         raise UnsupportedArchitectureError(
-            f"AdaDSF could not find `config.model_type` on {type(model).__name__}; "
-            "pass a Hugging Face causal LM (supported model types: "
+            f"AdaDSF could not find `model_type` on {type(config).__name__}; "
+            "pass a Hugging Face causal LM or its config (supported model types: "
             f"{sorted(SUPPORTED_ARCHITECTURES)})"
         )
     spec = SUPPORTED_ARCHITECTURES.get(model_type)
     if spec is None:
         raise UnsupportedArchitectureError(
-            f"AdaDSF does not support model_type {model_type!r} ({type(model).__name__}): "
-            f"could not find a decoder-layer spec for it; supported model types: "
+            f"AdaDSF does not support model_type {model_type!r}: could not find a "
+            "decoder-layer spec for it; supported model types: "
             f"{sorted(SUPPORTED_ARCHITECTURES)}"
         )
     return spec
+
+
+def architecture_of(model: nn.Module) -> ArchitectureSpec:
+    """The spec for ``model``, or an error naming what was missing."""
+    if getattr(model, "config", None) is None:
+        raise UnsupportedArchitectureError(
+            f"AdaDSF could not find `config.model_type` on {type(model).__name__}; "
+            "pass a Hugging Face causal LM (supported model types: "
+            f"{sorted(SUPPORTED_ARCHITECTURES)})"
+        )
+    try:
+        return architecture_for_config(model.config)
+    except UnsupportedArchitectureError as err:
+        raise UnsupportedArchitectureError(f"{err} ({type(model).__name__})") from None
+
+
+def sliding_windows(config: Any) -> tuple[int | None, ...]:
+    """The attention window of each decoder layer (keys per query at most), ``None``
+    for full causal attention.
+
+    Read the way transformers builds its masks and caches: per-layer ``layer_types``
+    when the config has them (Qwen2 and newer configs; Qwen2 only sets them to sliding
+    with ``use_sliding_window``), else ``sliding_window`` for every layer (Mistral).
+    """
+    config = getattr(config, "config", config)
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(
+            int(window) if (t == "sliding_attention" and window) else None
+            for t in list(layer_types)[:num_layers]
+        )
+    if getattr(config, "use_sliding_window", None) is False:
+        window = None
+    return tuple(int(window) if window else None for _ in range(num_layers))
+
+
+def original_class(layer_class: type) -> type:
+    """The model's own class behind a (possibly routed) decoder-layer class.
+
+    Routing swaps a layer's class for ``Routed<Name>(RoutedLayer, <Name>)``; this walks
+    the MRO past every class routing made. A class routing never touched is returned
+    as is.
+    """
+    return next(
+        c for c in layer_class.__mro__ if not getattr(c, ROUTED_CLASS_MARKER, False)
+    )
 
 
 def decoder_layers(
@@ -95,10 +181,8 @@ def decoder_layers(
         )
     layers = []
     for i, layer in enumerate(obj):
-        original = next(
-            (c for c in type(layer).__mro__ if c.__name__ == spec.layer_class), None
-        )
-        if original is None:
+        original = original_class(type(layer))
+        if not any(c.__name__ == spec.layer_class for c in original.__mro__):
             raise UnsupportedArchitectureError(
                 f"AdaDSF expected {spec.layer_class} at `{spec.layers_path}.{i}`, "
                 f"found {type(layer).__name__}"
@@ -110,7 +194,8 @@ def decoder_layers(
         if missing:
             raise UnsupportedArchitectureError(
                 f"AdaDSF could not find argument(s) {missing} in "
-                f"{original.__name__}.forward; this transformers version is not supported"
+                f"{original.__name__}.forward; this transformers version is not "
+                "supported"
             )
         layers.append((f"{spec.layers_path}.{i}", layer))
     return spec, layers

@@ -1,12 +1,18 @@
 """KV cache of a routed layer: only the tokens that ran the layer leave keys and values.
 
-A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` of a routed decoder layer
-inside any transformers ``DynamicCache`` (so ``generate()`` works with its default
-cache). It stores the keys and values of the *selected* tokens, compacted per step into
-``[batch, slots, ...]`` with a ``slot_valid`` mask (rows of a batch select different
-numbers of tokens), and it reports the true number of positions seen, because
-transformers derives positions and mask sizes from ``cache.get_seq_length()`` and
-``get_mask_sizes()`` of layer 0.
+A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` (or, for a sliding-window
+layer, the ``DynamicSlidingWindowLayer``) of a routed decoder layer inside any
+transformers ``DynamicCache`` (so ``generate()`` works with its default cache). It
+stores the keys and values of the *selected* tokens, compacted per step into ``[batch,
+slots, ...]`` with a ``slot_valid`` mask (rows of a batch select different numbers of
+tokens), and it reports the true number of positions seen, because transformers derives
+positions and mask sizes from ``cache.get_seq_length()`` and ``get_mask_sizes()``.
+
+Under a sliding window of ``w`` keys a query at sequence index ``q`` sees the keys at
+indices ``> q - w``. Compacted slots no longer sit at their index, so a windowed layer
+also keeps each slot's sequence index and masks the slots that left the window; whole
+steps whose slots every later query has left behind are dropped (no host sync: the
+bounds are known per step).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 __all__ = ["RoutedCacheLayer", "routed_cache_layer"]
 
@@ -27,13 +33,23 @@ class RoutedCacheLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, **kwargs: Any):
+    def __init__(
+        self, sliding_window: int | None = None, is_sliding: bool = False, **kwargs: Any
+    ):
+        """``sliding_window``: the routed layer's attention window (masks cached slots);
+        ``is_sliding``: this replaces a ``DynamicSlidingWindowLayer``, whose mask sizes
+        (and ``is_sliding`` flag, which transformers reads) it keeps."""
         super().__init__(**kwargs)
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.is_sliding = bool(is_sliding and self.sliding_window)
         self.seen_tokens = 0  # positions processed by this layer, selected or not
         self.num_slots = 0  # cached (compacted) key/value slots
-        self._slot_valid: torch.Tensor | None = (
-            None  # [batch, slots]; None while all are valid
-        )
+        # [batch, slots]; None while all are valid
+        self._slot_valid: torch.Tensor | None = None
+        # windowed layers: [batch, slots] sequence index of each slot's token, and per
+        # step (slots appended, lowest index, highest index), oldest first
+        self._slot_pos: torch.Tensor | None = None
+        self._steps: list[tuple[int, int, int]] = []
         self._rows: tuple[torch.Tensor, int] | None = None  # see only_rows()
 
     @contextmanager
@@ -75,13 +91,34 @@ class RoutedCacheLayer(DynamicLayer):
         return self.seen_tokens
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen_tokens + query_length, 0
+        """``(kv_length, kv_offset)`` of the model's mask: those of the dense layer this
+        cache replaced (a sliding-window layer keeps the last ``w - 1`` keys), so every
+        layer that shares the model's mask reads it the same way."""
+        if not self.is_sliding:
+            return self.seen_tokens + query_length, 0
+        w = self.sliding_window
+        return min(self.seen_tokens, w - 1) + query_length, max(
+            self.seen_tokens - w + 1, 0
+        )
 
     @property
     def all_slots_valid(self) -> bool:
         """True while every cached slot holds a real token (always so at batch size
         1)."""
         return self._slot_valid is None
+
+    def past_fully_visible(self, query_length: int) -> bool:
+        """Whether the next ``query_length`` queries may attend to every cached slot:
+        no filler slot and, under a sliding window, none out of any query's window.
+
+        Decided on the host (no device sync), so it is cheap to ask every step.
+        """
+        if self._slot_valid is not None:
+            return False
+        if self.sliding_window is None or not self._steps:
+            return True
+        last_query = self.seen_tokens + query_length - 1
+        return self._steps[0][1] > last_query - self.sliding_window
 
     def slot_valid(self, batch: int, device: torch.device) -> torch.Tensor:
         """``[batch, num_slots]`` bool: which cached slots hold a token (the rest are
@@ -90,18 +127,53 @@ class RoutedCacheLayer(DynamicLayer):
             return torch.ones(batch, self.num_slots, dtype=torch.bool, device=device)
         return self._slot_valid
 
+    def visible_slots(
+        self,
+        batch: int,
+        device: torch.device,
+        query_offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Which cached slots each new query may attend to.
+
+        ``query_offsets [batch, K]``: positions of the queries within the step
+        (``None``: one query, the step's only token). Returns ``[batch, num_slots]``
+        without a sliding window (every query sees every valid slot) and ``[batch, K,
+        num_slots]`` (``K = 1`` for ``None``) with one.
+        """
+        valid = self.slot_valid(batch, device)
+        if self.sliding_window is None:
+            return valid
+        if query_offsets is None:
+            query_offsets = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        lowest = self.seen_tokens + query_offsets - self.sliding_window  # [batch, K]
+        pos = self._slot_pos
+        if pos is None:  # nothing cached yet
+            pos = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        in_window = pos.unsqueeze(1) > lowest.unsqueeze(-1)
+        return valid.unsqueeze(1) & in_window
+
     def record_step(
-        self, query_length: int, valid: torch.Tensor | None = None, appended: int = 0
+        self,
+        query_length: int,
+        valid: torch.Tensor | None = None,
+        appended: int = 0,
+        index: torch.Tensor | None = None,
     ) -> None:
         """After a forward over ``query_length`` tokens that appended ``appended``
         slots.
 
         ``valid [batch, appended]`` marks which appended slots are real; ``None`` means
-        all.
+        all. ``index [batch, appended]``: the position within the step of each appended
+        slot's token (``None``: the step's first token); only a windowed layer uses it.
         """
+        start = self.seen_tokens
         self.seen_tokens += query_length
-        if appended == 0:
-            return
+        if appended:
+            self._append_slots(start, query_length, valid, appended, index)
+        if self.sliding_window is not None:
+            self._evict(self.seen_tokens - self.sliding_window)
+
+    def _append_slots(self, start, query_length, valid, appended, index) -> None:
         if valid is not None and self._slot_valid is None and not bool(valid.all()):
             self._slot_valid = torch.ones(
                 valid.shape[0], self.num_slots, dtype=torch.bool, device=valid.device
@@ -116,40 +188,74 @@ class RoutedCacheLayer(DynamicLayer):
                 )
             self._slot_valid = torch.cat([self._slot_valid, valid], dim=1)
         self.num_slots += appended
+        if self.sliding_window is None:
+            return
+        batch = self.keys.shape[0]
+        if index is None:
+            pos = torch.full((batch, appended), start, device=self.keys.device)
+        else:
+            pos = start + index.to(self.keys.device).expand(batch, appended)
+        old = self._slot_pos if self._slot_pos is not None else pos[:, :0]
+        self._slot_pos = torch.cat([old, pos], dim=1)
+        self._steps.append((appended, start, start + query_length - 1))
+
+    def _evict(self, lowest: int) -> None:
+        """Drop the oldest steps whose slots no query at index ``> lowest + w - 1``
+        sees."""
+        drop = 0
+        while self._steps and self._steps[0][2] <= lowest:
+            drop += self._steps.pop(0)[0]
+        if not drop:
+            return
+        self.keys = self.keys[:, :, drop:]
+        self.values = self.values[:, :, drop:]
+        self._slot_pos = self._slot_pos[:, drop:]
+        if self._slot_valid is not None:
+            self._slot_valid = self._slot_valid[:, drop:]
+        self.num_slots -= drop
 
     # batch manipulations used by generate() (beam search, num_return_sequences)
+    def _per_row(self, fn) -> None:
+        if self._slot_valid is not None:
+            self._slot_valid = fn(self._slot_valid)
+        if self._slot_pos is not None:
+            self._slot_pos = fn(self._slot_pos)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.num_slots:
             super().reorder_cache(beam_idx)
-            if self._slot_valid is not None:
-                self._slot_valid = self._slot_valid.index_select(
-                    0, beam_idx.to(self._slot_valid.device)
-                )
+            self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.num_slots:
             super().batch_repeat_interleave(repeats)
-            if self._slot_valid is not None:
-                self._slot_valid = self._slot_valid.repeat_interleave(repeats, dim=0)
+            self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.num_slots:
             super().batch_select_indices(indices)
-            if self._slot_valid is not None:
-                self._slot_valid = self._slot_valid[indices, ...]
+            self._per_row(lambda t: t[indices, ...])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
-            "AdaDSF routed caches cannot be cropped (assisted/speculative decoding is not supported)"
+            "AdaDSF routed caches cannot be cropped (assisted/speculative decoding is "
+            "not supported)"
         )
 
 
-def routed_cache_layer(cache: Any, layer_idx: int) -> RoutedCacheLayer:
+def routed_cache_layer(
+    cache: Any, layer_idx: int, sliding_window: int | None = None
+) -> RoutedCacheLayer:
     """The routed cache layer for ``layer_idx`` inside ``cache``, installing it on first
-    use."""
+    use.
+
+    ``sliding_window``: the routed layer's attention window (from its config); a
+    ``DynamicSlidingWindowLayer`` there must have the same one.
+    """
     if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
         raise TypeError(
-            f"AdaDSF routing supports transformers' DynamicCache, got {type(cache).__name__}"
+            "AdaDSF routing supports transformers' DynamicCache, got "
+            f"{type(cache).__name__}"
         )
     layers = cache.layers
     replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
@@ -158,16 +264,26 @@ def routed_cache_layer(cache: Any, layer_idx: int) -> RoutedCacheLayer:
     current = layers[layer_idx]
     if isinstance(current, RoutedCacheLayer):
         return current
-    if type(current) is not DynamicLayer:
+    if type(current) is DynamicSlidingWindowLayer:
+        if current.sliding_window != sliding_window:
+            raise TypeError(
+                f"cache layer {layer_idx} has a sliding window of "
+                f"{current.sliding_window} tokens, the routed decoder layer "
+                f"{sliding_window}: build the cache from this model's config"
+            )
+    elif type(current) is not DynamicLayer:
         raise TypeError(
-            f"AdaDSF routing needs a plain DynamicLayer at cache layer {layer_idx}, found "
-            f"{type(current).__name__} (sliding-window, static and offloaded caches are not "
-            "supported by routed layers)"
+            "AdaDSF routing needs a DynamicLayer or DynamicSlidingWindowLayer at "
+            f"cache layer {layer_idx}, found {type(current).__name__} (static, "
+            "quantized and offloaded caches are not supported by routed layers)"
         )
     if current.is_initialized and current.get_seq_length() > 0:
         raise RuntimeError(
-            f"cache layer {layer_idx} already holds {current.get_seq_length()} dense tokens: "
-            "a routed model cannot continue from a cache filled by another model"
+            f"cache layer {layer_idx} already holds {current.get_seq_length()} dense "
+            "tokens: a routed model cannot continue from a cache filled by another "
+            "model"
         )
-    layers[layer_idx] = routed = RoutedCacheLayer()
+    layers[layer_idx] = routed = RoutedCacheLayer(
+        sliding_window, is_sliding=type(current) is DynamicSlidingWindowLayer
+    )
     return routed

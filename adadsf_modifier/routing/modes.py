@@ -18,15 +18,15 @@ from typing import Iterator
 
 from torch import nn
 
+from adadsf_modifier.routing.routed_layer import routed_layers
+
 __all__ = ["ROUTING_MODES", "set_routing_mode", "routing_mode", "get_routing_modes"]
 
 ROUTING_MODES = ("auto", "topk", "causal")
 
 
 def _routed(model: nn.Module):
-    from adadsf_modifier.routing.routed_layer import RoutedLayer
-
-    layers = [m for m in model.modules() if isinstance(m, RoutedLayer)]
+    layers = routed_layers(model)
     if not layers:
         raise ValueError("the model has no routed layers (run AdaDSFModifier first)")
     return layers
@@ -42,14 +42,14 @@ def set_routing_mode(model: nn.Module, mode: str) -> None:
     layers = _routed(model)
     if mode == "causal":
         missing = [
-            l.layer_index
-            for l in layers
-            if l.causal_threshold is None and 0 < l.retention_ratio < 1
+            m.layer_index
+            for m in layers
+            if m.causal_threshold is None and 0 < m.retention_ratio < 1
         ]
         if missing:
             raise ValueError(
-                f"causal routing needs calibrated thresholds; layers {missing} have none "
-                "(run adadsf_modifier.routing.calibrate_thresholds)"
+                f"causal routing needs calibrated thresholds; layers {missing} have "
+                "none (run adadsf_modifier.routing.calibrate_thresholds)"
             )
     for layer in layers:
         layer.routing_mode = mode
@@ -57,14 +57,14 @@ def set_routing_mode(model: nn.Module, mode: str) -> None:
 
 def get_routing_modes(model: nn.Module) -> list[str]:
     """The mode each routed layer would use right now (``auto`` resolved)."""
-    return [l.resolved_routing_mode() for l in _routed(model)]
+    return [m.resolved_routing_mode() for m in _routed(model)]
 
 
 @contextmanager
 def routing_mode(model: nn.Module, mode: str) -> Iterator[None]:
     """Temporarily use ``mode`` (restores each layer's previous setting)."""
     layers = _routed(model)
-    before = [l.routing_mode for l in layers]
+    before = [m.routing_mode for m in layers]
     set_routing_mode(model, mode)
     try:
         yield

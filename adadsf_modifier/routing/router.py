@@ -3,6 +3,9 @@ layer."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +36,42 @@ class TokenRouter(nn.Module):
         self.eps = eps
         self.fc1 = nn.Linear(hidden_size, router_hidden_size)
         self.fc2 = nn.Linear(router_hidden_size, 1)
+
+    @staticmethod
+    def flops_for(tokens: int, hidden_size: int, router_hidden_size: int) -> int:
+        """``2 n (h r + r)``: the two linear layers (``h -> r -> 1``) on ``n`` tokens.
+
+        Matmuls only, like the rest of the FLOPs model (the norm, GELU and biases are
+        not counted). A static method so the FLOPs model can count routers from a
+        config and a width alone.
+        """
+        r = int(router_hidden_size)
+        return 2 * int(tokens) * (int(hidden_size) * r + r)
+
+    def shape_fields(self) -> dict[str, Any]:
+        """What, besides the model's hidden size, rebuilds this router's shape (the
+        fields a checkpoint stores next to its tensors)."""
+        return {
+            "router_hidden_size": int(self.router_hidden_size),
+            "router_eps": self.eps,
+        }
+
+    @classmethod
+    def from_shape_fields(
+        cls, hidden_size: int, fields: Mapping[str, Any]
+    ) -> TokenRouter:
+        """A freshly initialised router of the shape :meth:`shape_fields` described
+        (``router_eps`` optional: older checkpoints lack it)."""
+        eps = fields.get("router_eps")
+        return cls(
+            int(hidden_size),
+            int(fields["router_hidden_size"]),
+            eps=1e-6 if eps is None else float(eps),
+        )
+
+    def flops(self, tokens: int) -> int:
+        """:meth:`flops_for` this router's shape."""
+        return self.flops_for(tokens, self.hidden_size, self.router_hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[batch, seq, hidden] -> [batch, seq]`` router logits (float32 for stable

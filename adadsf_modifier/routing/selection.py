@@ -10,6 +10,7 @@ back.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -17,12 +18,17 @@ from adadsf_modifier.utils import allowed_by_mask
 
 __all__ = [
     "is_causal_padding_mask",
+    "keep_counts",
+    "tokens_to_keep",
     "tokens_to_keep_per_row",
     "select_topk",
     "select_by_mask",
     "gather_tokens",
     "gather_position_embeddings",
     "compact_attention_mask",
+    "selected_attention_mask",
+    "attended_pairs",
+    "attention_mask_kwargs",
     "to_attention_dtype",
     "scatter_tokens",
 ]
@@ -66,18 +72,32 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
     return verdict
 
 
-def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
-    """``K_b = max(1, floor(ratio * n_b))`` per row (0 for an all-padding row or ratio
-    0).
+#: Absorbs float error in ``ratio * n`` (0.29 * 100 = 28.999999999999996 must keep 29).
+_KEEP_EPS = 1e-6
 
-    Same rule as :func:`adadsf_modifier.allocation.tokens_to_keep`, vectorised in
-    float64.
+
+def keep_counts(real_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The keep-count rule: ``K = max(1, floor(ratio * n))`` for each real length ``n``.
+
+    The one place the rule lives (top-k routing, :func:`tokens_to_keep` and the FLOPs
+    model's planned counts all call it). A sequence with no real token keeps none, and
+    a ratio of 0 (a removed layer) keeps none. Computed in float64.
     """
-    n = real.sum(dim=1)
+    n = real_lengths
     if ratio <= 0:
         return torch.zeros_like(n)
-    k = torch.floor(n.to(torch.float64) * ratio + 1e-6).to(n.dtype)
+    k = torch.floor(n.to(torch.float64) * ratio + _KEEP_EPS).to(n.dtype)
     return torch.where(n > 0, k.clamp(min=1), torch.zeros_like(n))
+
+
+def tokens_to_keep(ratio: float, real_length: int) -> int:
+    """:func:`keep_counts` for one sequence of ``real_length`` real tokens."""
+    return int(keep_counts(torch.tensor([int(real_length)]), float(ratio))[0])
+
+
+def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
+    """:func:`keep_counts` of each row of a ``[batch, seq]`` real-token mask."""
+    return keep_counts(real.sum(dim=1), ratio)
 
 
 def select_topk(
@@ -89,10 +109,17 @@ def select_topk(
     ``seq_len``, one past the end, so they sort last and scatter into a discarded slot)
     and ``valid [batch, k_max]``. Padding gets ``-inf`` and is never chosen while a real
     token remains (``keep <= n_real``).
+
+    Equal scores are common (a repeated token that skipped the earlier layers has the
+    same hidden state, hence the same score, at every occurrence), so ties are broken
+    explicitly: the earlier token wins. A stable sort does that, and because padding
+    never reorders the real tokens of a row, a prompt selects the same tokens alone and
+    inside a padded batch (``topk`` breaks ties by memory layout instead).
     """
     batch, seq_len = scores.shape
     masked = scores.masked_fill(~real, float("-inf"))
-    top = masked.topk(k_max, dim=1, sorted=True).indices  # rank order, best first
+    order = masked.sort(dim=1, descending=True, stable=True).indices
+    top = order[:, :k_max]  # rank order, best first
     slot = torch.arange(k_max, device=scores.device).expand(batch, k_max)
     valid_rank = slot < keep.unsqueeze(1)
     top = torch.where(valid_rank, top, torch.full_like(top, seq_len))
@@ -146,10 +173,11 @@ def compact_attention_mask(
 
     Among the new tokens it is read off the layer's own 4D mask at the selected (query,
     key) positions, so causality, padding and any sliding window carry over; ``None``
-    means plain causal. Cached slots (``past_valid [batch, past_slots]``, all earlier
-    positions) are visible where valid. Unused slots are masked as keys, and each slot
-    may attend to itself so no row is fully masked (SDPA would return NaN; those rows
-    are discarded anyway).
+    means plain causal. Cached slots are visible where ``past_valid`` says so: ``[batch,
+    past_slots]`` (the same for every query) or ``[batch, K, past_slots]`` (per query,
+    under a sliding window). Unused slots are masked as keys, and each slot may attend
+    to itself so no row is fully masked (SDPA would return NaN; those rows are
+    discarded anyway).
     """
     batch, k = index.shape
     device = index.device
@@ -170,10 +198,107 @@ def compact_attention_mask(
     allowed = (allowed & valid.unsqueeze(1)) | torch.eye(
         k, dtype=torch.bool, device=device
     )
-    if past_valid is not None and past_valid.shape[1] > 0:
-        past = past_valid.unsqueeze(1).expand(batch, k, past_valid.shape[1])
+    if past_valid is not None and past_valid.shape[-1] > 0:
+        if past_valid.dim() == 2:
+            past_valid = past_valid.unsqueeze(1)
+        past = past_valid.expand(batch, k, past_valid.shape[-1])
         allowed = torch.cat([past, allowed], dim=-1)
     return allowed.unsqueeze(1)
+
+
+def selected_attention_mask(
+    attention_mask: torch.Tensor | None,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    cache_layer: Any,
+    impl: str,
+) -> torch.Tensor | None:
+    """The mask the selected tokens attend with: ``None`` when the attention kernel's
+    own behaviour is exact, else :func:`compact_attention_mask`.
+
+    Without a cached past, SDPA's causal kernel is exact whenever the layer's own mask
+    is plain causal + padding: the selected tokens of a row sit in position order,
+    padding is never selected, and unused slots trail every used one (so no used slot
+    sees them). That keeps the fast causal kernel (it skips the upper triangle) for
+    rows that keep different numbers of tokens. One query whose cached past is all
+    visible may see everything. ``cache_layer``: the layer's
+    :class:`~adadsf_modifier.routing.cache.RoutedCacheLayer` or ``None``.
+    """
+    batch, k = index.shape
+    num_past = cache_layer.num_slots if cache_layer is not None else 0
+    if num_past == 0 and impl != "eager" and is_causal_padding_mask(attention_mask):
+        return None
+    if (
+        k == 1
+        and attention_mask is None
+        and (cache_layer is None or cache_layer.past_fully_visible(1))
+    ):
+        return None
+    return compact_attention_mask(
+        attention_mask, index, valid, _past(cache_layer, index)
+    )
+
+
+def attended_pairs(
+    attention_mask: torch.Tensor | None,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    cache_layer: Any,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[batch]`` (query, key) pairs the selected tokens attend to, cached keys
+    included.
+
+    ``allowed``: what :func:`selected_attention_mask` returned (rebuilt explicitly when
+    it is ``None``, i.e. when the kernel's own causal mask ran).
+    """
+    if allowed is None:
+        allowed = compact_attention_mask(
+            attention_mask, index, valid, _past(cache_layer, index)
+        )
+    return (allowed[:, 0] & valid.unsqueeze(-1)).sum((1, 2))
+
+
+def _past(cache_layer: Any, index: torch.Tensor) -> torch.Tensor | None:
+    if cache_layer is None or cache_layer.num_slots == 0:
+        return None
+    return cache_layer.visible_slots(index.shape[0], index.device, index)
+
+
+def attention_mask_kwargs(
+    allowed: torch.Tensor | None,
+    dtype: torch.dtype,
+    impl: str,
+    grouped_query: bool,
+    float_mask: bool = False,
+) -> dict[str, Any]:
+    """The decoder-layer keyword(s) that apply the boolean mask ``allowed`` (``None``:
+    no mask).
+
+    transformers' SDPA path gives up grouped-query attention whenever an
+    ``attention_mask`` is passed and copies every cached key and value ``num_heads /
+    num_kv_heads`` times (``repeat_kv``), which on SmolLM2 costs more than the layers a
+    token skips. Its ``position_bias`` argument (an additive mask applied inside the
+    same SDPA call, made for T5-style biases) keeps ``enable_gqa``, so grouped-query
+    layers (``grouped_query``) get the mask that way; others get the usual boolean
+    (SDPA) or additive (eager, or ``float_mask``: the model passed an additive one)
+    mask.
+    """
+    if allowed is None:
+        return {"attention_mask": None}
+    if impl == "sdpa" and grouped_query:
+        # is_causal=False: the mask is complete; transformers would otherwise add a
+        # top-left causal mask and crop the keys to the query length.
+        return {
+            "attention_mask": None,
+            "is_causal": False,
+            "position_bias": to_attention_dtype(allowed, dtype, False),
+        }
+    return {
+        "attention_mask": to_attention_dtype(
+            allowed, dtype, impl != "eager" and not float_mask
+        )
+    }
 
 
 def to_attention_dtype(

@@ -1,15 +1,25 @@
 """Calibrate the per-layer thresholds of causal routing on calibration data.
 
-Causal routing keeps a token at layer ``i`` iff its router score exceeds ``theta_i``. We
-pick ``theta_i`` as the ``(1 - r_i)`` quantile of the scores real calibration tokens
-produce at that layer, so the expected kept fraction is ``r_i``. Scores at layer ``i``
-depend on how the layers before it routed, so the first pass runs top-k routing (the
-training-time behaviour) and each further pass re-estimates every threshold under causal
-routing upstream.
+Causal routing keeps a token at layer ``i`` iff its router score exceeds ``theta_i``
+(the first real token of a row runs regardless: the attention sink). ``theta_i`` is set
+so that the kept fraction of real calibration tokens, forced tokens included, is
+``r_i``: forced tokens are left out of the quantile, and the remaining ones get the
+ratio that makes up the difference. Calibration rows too short for that (every token of
+a 1-token row is forced) are refused before any forward pass.
+
+Scores at layer ``i`` depend on how the layers before it routed, so the first pass runs
+top-k routing (the training-time behaviour) and each further pass re-fits every
+threshold under causal routing upstream. Fitting stops when every layer's measured
+kept fraction is within ``tolerance`` of its target (or as close as tied scores allow);
+that is reached after at most one pass per routed layer (layer ``j``'s inputs stop
+moving once the ``j`` layers above it have settled), else
+:class:`ThresholdCalibrationError` is raised. Cuts between tied scores go to the
+closest reachable count instead of dropping every tied token.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +29,20 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier.routing.modes import routing_mode
-from adadsf_modifier.routing.routed_layer import RoutedLayer
+from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.utils import real_token_mask, run_calibration_batches
 
-__all__ = ["ThresholdReport", "calibrate_thresholds", "threshold_for_ratio"]
+__all__ = [
+    "ThresholdCalibrationError",
+    "ThresholdReport",
+    "calibrate_thresholds",
+    "check_calibration_rows",
+    "threshold_for_ratio",
+]
+
+
+class ThresholdCalibrationError(ValueError):
+    """Causal thresholds cannot reproduce the layers' retention ratios on this data."""
 
 
 @dataclass
@@ -35,54 +55,140 @@ class ThresholdReport:
     target_ratios: list[float] = field(default_factory=list)
     kept_fraction: list[float] = field(default_factory=list)
     topk_agreement: list[float] = field(default_factory=list)
+    #: the kept fraction closest to the target that a threshold could reach on the
+    #: last pass's scores (one token is the granularity, tied scores coarsen it)
+    reachable: list[float] = field(default_factory=list)
     num_tokens: int = 0
+    passes: int = 0  # calibration forwards run, the measuring one included
+    #: |kept - target| allowed beyond what the scores' granularity forces
+    tolerance: float = 0.0
 
 
 def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
-    """A threshold with ``mean(scores > t) ~= ratio`` (midway between neighbouring
-    scores)."""
+    """A threshold with ``mean(scores > t) ~= ratio``, midway between neighbouring
+    distinct scores.
+
+    Equal scores fall on the same side of any threshold, so with ties the cut goes to
+    the gap between distinct values whose kept count is closest to ``ratio * n``.
+    """
+    return _cut(scores, ratio)[0]
+
+
+def _cut(scores: torch.Tensor, ratio: float) -> tuple[float, int]:
+    """``(threshold, scores kept by it)`` for :func:`threshold_for_ratio`."""
+    n = scores.numel()
     if ratio >= 1.0:
-        return float("-inf")
-    if ratio <= 0.0 or scores.numel() == 0:
-        return float("inf")
+        return float("-inf"), n
+    if ratio <= 0.0 or n == 0:
+        return float("inf"), 0
     s = scores.flatten().double().sort(descending=True).values
-    n_keep = int(round(ratio * s.numel()))
-    if n_keep <= 0:
-        return float(s[0]) + 1.0
-    if n_keep >= s.numel():
-        return float(s[-1]) - 1.0
-    return float(0.5 * (s[n_keep - 1] + s[n_keep]))
+    n_keep = int(round(ratio * n))
+    gaps = (s[:-1] > s[1:]).nonzero().flatten() + 1  # keeping c tokens is possible
+    cuts = torch.cat([gaps.new_tensor([0]), gaps, gaps.new_tensor([n])])
+    best = int(cuts[(cuts - n_keep).abs().argmin()])
+    if best == 0:
+        return float(s[0]) + 1.0, 0
+    if best == n:
+        return float(s[-1]) - 1.0, n
+    hi, lo = float(s[best - 1]), float(s[best])
+    mid = 0.5 * (hi + lo)
+    # scores are compared in their own dtype: a midpoint that rounds onto ``hi`` there
+    # would drop the tokens at ``hi``, so fall back to ``lo`` (kept: exactly ``> lo``)
+    as_scored = float(torch.tensor(mid, dtype=scores.dtype))
+    return (mid if lo <= as_scored < hi else lo), best
+
+
+def check_calibration_rows(
+    ratios: Iterable[float],
+    batches: Iterable[Mapping[str, Any]],
+    tolerance: float = 0.02,
+    keep_first_token: bool = True,
+) -> None:
+    """Refuse calibration data whose forced tokens alone exceed a routed layer's target.
+
+    The first real token of every row runs every layer (``keep_first_token``), so
+    ``R`` rows of ``N`` real tokens keep at least ``R / N`` of them whatever the
+    thresholds. Reads only the batches' ``attention_mask`` (or ``input_ids`` shape): no
+    forward pass. Raises :class:`ThresholdCalibrationError` naming the minimum mean row
+    length, ``1 / r``, for the smallest ratio ``r`` in ``(0, 1)``.
+    """
+    if not keep_first_token:
+        return
+    targets = [float(r) for r in ratios if 0.0 < float(r) < 1.0]
+    if not targets:
+        return
+    rows = tokens = 0
+    for batch in batches:
+        mask = batch.get("attention_mask")
+        if mask is None:
+            ids = torch.as_tensor(batch["input_ids"])
+            ids = ids if ids.dim() == 2 else ids.view(1, -1)
+            rows, tokens = rows + ids.shape[0], tokens + ids.numel()
+        else:
+            real = torch.as_tensor(mask).bool()
+            real = real if real.dim() == 2 else real.view(1, -1)
+            lengths = real.sum(1)
+            rows, tokens = rows + int((lengths > 0).sum()), tokens + int(lengths.sum())
+    if tokens == 0:
+        raise ThresholdCalibrationError(
+            "threshold calibration saw no real tokens: the calibration set is empty or "
+            "all padding"
+        )
+    floor, lowest = rows / tokens, min(targets)
+    if floor > lowest + tolerance:
+        raise ThresholdCalibrationError(
+            f"causal thresholds cannot reach a retention ratio of {lowest:.3f}: the "
+            f"first real token of each row always runs, so these {rows} calibration "
+            f"rows of {tokens} real tokens ({tokens / rows:.1f} per row) keep at least "
+            f"{floor:.3f} of them at every layer. Use calibration rows of at least "
+            f"{math.ceil(1 / lowest)} real tokens on average (1 / {lowest:.3f})"
+        )
 
 
 class _ScoreRecorder:
+    """Forward pre-hooks: each layer's non-forced real-token scores and token counts,
+    and (``measure``) its causal kept count and agreement with top-k."""
+
     def __init__(self, layers: list[RoutedLayer], measure: bool):
         self.layers = layers
-        self.measure = measure  # agreement with top-k: only the final pass reports it
-        self.scores: dict[int, list[torch.Tensor]] = {id(l): [] for l in layers}
-        self.agree: dict[int, list[int]] = {
-            id(l): [0, 0, 0] for l in layers
-        }  # agree, kept, total
+        self.measure = measure
+        self.scores: dict[int, list[torch.Tensor]] = {id(m): [] for m in layers}
+        # per layer: [agree, kept, real tokens, forced tokens]
+        self.counts: dict[int, list[int]] = {id(m): [0, 0, 0, 0] for m in layers}
         self.handles = [
-            l.register_forward_pre_hook(self._hook, with_kwargs=True) for l in layers
+            m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in layers
         ]
 
     def _hook(self, module: RoutedLayer, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs["hidden_states"]
         batch, seq_len = x.shape[:2]
-        real = real_token_mask(kwargs.get("attention_mask"), batch, seq_len, x.device)
+        mask = kwargs.get("attention_mask")
+        real = real_token_mask(mask, batch, seq_len, x.device)
+        forced = module.forced_tokens(real)
+        free = real if forced is None else real & ~forced
         scores = module.router(x).float()
-        self.scores[id(module)].append(scores[real].cpu())
-        thr = module.causal_threshold
-        if not self.measure:
-            return
-        stats = self.agree[id(module)]
-        stats[2] += int(real.sum())
-        if thr is not None and 0.0 < module.retention_ratio < 1.0:
-            mask = kwargs.get("attention_mask")
+        self.scores[id(module)].append(scores[free].cpu())
+        counts = self.counts[id(module)]
+        counts[2] += int(real.sum())
+        counts[3] += 0 if forced is None else int(forced.sum())
+        if self.measure and 0.0 < module.retention_ratio < 1.0:
             topk = module.selected_mask(x, mask, mode="topk", scores=scores)
             causal = module.selected_mask(x, mask, mode="causal", scores=scores)
-            stats[0] += int(((causal == topk) & real).sum())
-            stats[1] += int(causal.sum())
+            counts[0] += int(((causal == topk) & real).sum())
+            counts[1] += int(causal.sum())
+
+    def fit(self, layer: RoutedLayer) -> tuple[float, float]:
+        """``(threshold, kept fraction)``: the threshold at which ``layer`` keeps the
+        closest fraction to ``r`` of the real tokens seen (ties and the forced tokens
+        can make ``r`` itself unreachable), and that fraction."""
+        _, _, total, forced = self.counts[id(layer)]
+        ratio = float(layer.retention_ratio)
+        if total == forced:  # every token is forced: nothing left to choose
+            return (float("inf") if ratio < 1.0 else float("-inf")), 1.0
+        free_ratio = (ratio * total - forced) / (total - forced)
+        scores = torch.cat(self.scores[id(layer)])
+        threshold, kept = _cut(scores, min(max(free_ratio, 0.0), 1.0))
+        return threshold, (kept + forced) / total
 
     def remove(self) -> None:
         for h in self.handles:
@@ -90,27 +196,39 @@ class _ScoreRecorder:
 
 
 def calibrate_thresholds(
-    model: nn.Module, batches: Iterable[Mapping[str, Any]], passes: int = 2
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    passes: int = 2,
+    tolerance: float = 0.02,
 ) -> ThresholdReport:
     """Set ``causal_threshold`` on every routed layer of ``model``; returns what was
     measured.
 
-    ``passes`` >= 1: pass 1 under top-k routing, then ``passes - 1`` refinements under
-    causal routing. A final measuring pass reports the kept fraction and how often the
-    causal decision agrees with top-k membership on the same inputs.
+    ``passes`` >= 1: fitting passes before the first measurement (pass 1 under top-k
+    routing, the rest under causal routing). Each measuring pass also re-fits, and more
+    follow (at most one per routed layer) until every layer's kept fraction of real
+    calibration tokens is within ``tolerance`` of its retention ratio, or as close as
+    its scores allow (a threshold moves whole tokens, and tied scores together; see
+    :attr:`ThresholdReport.reachable`). Raises :class:`ThresholdCalibrationError`
+    before any forward when the rows are too short to reach a target
+    (:func:`check_calibration_rows`), and after the last pass if a layer still misses.
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    layers = [m for m in model.modules() if isinstance(m, RoutedLayer)]
+    layers = routed_layers(model)
     if not layers:
         raise ValueError("the model has no routed layers")
     batches = list(batches)
     if not batches:
         raise ValueError("threshold calibration needs at least one calibration batch")
+    check_calibration_rows(
+        [m.retention_ratio for m in layers if m.keep_first_token], batches, tolerance
+    )
     base = getattr(model, "base_model", model)
-    for p in range(passes + 1):
+    limit = passes + len(layers)
+    for p in range(limit + 1):
         mode = "topk" if p == 0 else "causal"
-        recorder = _ScoreRecorder(layers, measure=p == passes)
+        recorder = _ScoreRecorder(layers, measure=p >= passes)
         try:
             with routing_mode(model, mode):
                 run_calibration_batches(
@@ -118,15 +236,41 @@ def calibrate_thresholds(
                 )
         finally:
             recorder.remove()
-        if p == passes:
-            break
-        for layer in layers:
-            scores = torch.cat(recorder.scores[id(layer)])
-            layer.causal_threshold = threshold_for_ratio(scores, layer.retention_ratio)
+        fits = [recorder.fit(layer) for layer in layers]
+        if p >= passes:
+            report = _report(layers, recorder, p + 1, tolerance, fits)
+            if not _missed(report) or p == limit:
+                break
+        for layer, (threshold, _) in zip(layers, fits):
+            layer.causal_threshold = threshold
+    logger.info(
+        f"AdaDSF causal thresholds ({report.passes} passes): kept fraction "
+        f"[{', '.join(f'{k:.3f}' for k in report.kept_fraction)}] (targets "
+        f"[{', '.join(f'{r:.3f}' for r in report.target_ratios)}]); top-k agreement "
+        f"[{', '.join(f'{a:.3f}' for a in report.topk_agreement)}]"
+    )
+    missed = _missed(report)
+    if missed:
+        raise ThresholdCalibrationError(
+            f"causal thresholds miss their targets by more than {report.tolerance:.3f} "
+            f"(and more than the scores allow) after {report.passes} passes on layers "
+            + ", ".join(
+                f"{report.layer_indices[i]} (kept {report.kept_fraction[i]:.3f}, "
+                f"target {report.target_ratios[i]:.3f})"
+                for i in missed
+            )
+            + ": the thresholds did not settle on this calibration set"
+        )
+    return report
 
-    report = ThresholdReport(num_tokens=recorder.agree[id(layers[0])][2])
-    for layer in layers:
-        agree, kept, total = recorder.agree[id(layer)]
+
+def _report(layers, recorder: _ScoreRecorder, passes: int, tolerance: float, fits):
+    report = ThresholdReport(num_tokens=recorder.counts[id(layers[0])][2])
+    report.passes = passes
+    report.tolerance = tolerance
+    for layer, (_, reachable) in zip(layers, fits):
+        report.reachable.append(reachable)
+        agree, kept, total, _ = recorder.counts[id(layer)]
         report.layer_indices.append(layer.layer_index)
         report.thresholds.append(float(layer.causal_threshold))
         report.target_ratios.append(float(layer.retention_ratio))
@@ -136,10 +280,16 @@ def calibrate_thresholds(
         else:
             report.kept_fraction.append(float(layer.retention_ratio))
             report.topk_agreement.append(1.0)
-    logger.info(
-        "AdaDSF causal thresholds: kept fraction "
-        f"[{', '.join(f'{k:.3f}' for k in report.kept_fraction)}] (targets "
-        f"[{', '.join(f'{r:.3f}' for r in report.target_ratios)}]); top-k agreement "
-        f"[{', '.join(f'{a:.3f}' for a in report.topk_agreement)}]"
-    )
     return report
+
+
+def _missed(report: ThresholdReport) -> list[int]:
+    """Layers whose kept fraction misses the target by more than ``tolerance`` and by
+    more than the closest reachable fraction does."""
+    return [
+        i
+        for i, (kept, target, best) in enumerate(
+            zip(report.kept_fraction, report.target_ratios, report.reachable)
+        )
+        if abs(kept - target) > max(report.tolerance, abs(best - target)) + 1e-9
+    ]

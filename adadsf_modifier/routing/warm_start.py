@@ -21,11 +21,16 @@ import torch
 from adadsf_modifier.routing.router import TokenRouter
 
 __all__ = [
+    "MIN_HELDOUT_SAMPLE",
     "WarmStartResult",
     "importance_target",
     "warm_start_router",
     "rank_correlation",
 ]
+
+
+#: Sampled tokens from which a quarter is held out for the reported rank correlation.
+MIN_HELDOUT_SAMPLE = 8
 
 
 @dataclass
@@ -41,8 +46,13 @@ class WarmStartResult:
 
 
 def importance_target(similarity: torch.Tensor) -> torch.Tensor:
-    """Standardised ``log(1 - cos)``: larger = the layer changes this token more."""
+    """Standardised ``log(1 - cos)``: larger = the layer changes this token more.
+
+    A single token has no spread to standardise by: its target is 0.
+    """
     t = torch.log((1.0 - similarity.double()).clamp(min=1e-6))
+    if t.numel() < 2:
+        return torch.zeros_like(t, dtype=torch.float32)
     return ((t - t.mean()) / t.std().clamp(min=1e-6)).float()
 
 
@@ -70,15 +80,21 @@ def warm_start_router(
 
     Trains a float32 copy (bf16 Adam updates would be lost to rounding) and copies it
     back in the router's own dtype. A quarter of the sample is held out to report rank
-    correlation honestly.
+    correlation honestly; with fewer than :data:`MIN_HELDOUT_SAMPLE` tokens (a small
+    ``router_init_tokens``, or a tiny calibration set) every token is fit and the
+    held-out correlation is NaN. Any sample of at least one token works.
     """
-    if inputs.shape[0] != similarity.shape[0] or inputs.shape[0] < 8:
+    n = inputs.shape[0]
+    if n != similarity.shape[0]:
         raise ValueError(
-            f"layer {layer_index}: need >= 8 sampled tokens, got {inputs.shape[0]}"
+            f"layer {layer_index}: {n} sampled inputs but {similarity.shape[0]} "
+            "similarities"
         )
+    if n < 1:
+        raise ValueError(f"layer {layer_index}: no sampled tokens to fit the router on")
     g = torch.Generator().manual_seed(seed + layer_index)
-    perm = torch.randperm(inputs.shape[0], generator=g)
-    n_hold = max(2, inputs.shape[0] // 4)
+    perm = torch.randperm(n, generator=g)
+    n_hold = max(2, n // 4) if n >= MIN_HELDOUT_SAMPLE else 0
     hold, fit = perm[:n_hold], perm[n_hold:]
     target = importance_target(similarity)
     device = next(router.parameters()).device

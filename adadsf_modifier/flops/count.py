@@ -1,0 +1,206 @@
+"""Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from adadsf_modifier.flops.formulas import (
+    FlopsReport,
+    LayerFlops,
+    causal_key_count,
+    layer_shape,
+)
+from adadsf_modifier.routing.selection import tokens_to_keep
+
+__all__ = ["planned_kept", "count_flops"]
+
+
+def planned_kept(ratios: Sequence[float], seq_lens: Sequence[int]) -> list[list[int]]:
+    """Kept counts a routed model *would* use: ``max(1, floor(r_l * n_b))`` (0 for ``r_l
+    = 0``).
+
+    For planning without a model (e.g. the worked example in ``docs/flops.md``); a ratio
+    of 1 keeps every real token. The routed layers' own rule:
+    :func:`adadsf_modifier.routing.selection.tokens_to_keep`.
+    """
+    return [
+        [int(n) if r >= 1.0 else tokens_to_keep(float(r), int(n)) for n in seq_lens]
+        for r in ratios
+    ]
+
+
+def _as_table(values: Any, num_layers: int, batch: int, name: str) -> list[list[int]]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    table = [[int(v) for v in row] for row in values]
+    if len(table) != num_layers:
+        raise ValueError(f"{name} has {len(table)} layers, the config has {num_layers}")
+    for i, row in enumerate(table):
+        if len(row) != batch:
+            raise ValueError(
+                f"{name}[{i}] has {len(row)} sequences, seq_lens has {batch}"
+            )
+    return table
+
+
+def _per_row(value: int | Sequence[int] | None, batch: int, name: str) -> list[int]:
+    if value is None:
+        return [0] * batch
+    if isinstance(value, int):
+        return [value] * batch
+    out = [int(v) for v in value]
+    if len(out) != batch:
+        raise ValueError(f"{name} has {len(out)} entries, seq_lens has {batch}")
+    return out
+
+
+def count_flops(
+    config: Any,
+    kept: Sequence[Sequence[int]] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    routed_layers: Iterable[int] = (),
+    router_hidden_size: int | Mapping[int, int] = 64,
+    *,
+    past_lens: int | Sequence[int] | None = None,
+    routed_past_lens: Sequence[Sequence[int]] | torch.Tensor | None = None,
+    attended_keys: Sequence[Sequence[int]] | torch.Tensor | None = None,
+    dense_keys: Sequence[Sequence[int]] | torch.Tensor | None = None,
+    gather_layers: Iterable[int] | None = None,
+    dtype_bytes: int = 2,
+) -> FlopsReport:
+    """Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts.
+
+    :param config: a llama / qwen2 / mistral / gpt_neox config (or a model carrying one)
+    :param kept: ``kept[l][b]`` = tokens of sequence ``b`` that ran decoder layer ``l``
+        (all real tokens for a dense layer, 0 for a removed one); a ``[layers, batch]``
+        tensor works too
+    :param seq_lens: real (non-padding) new tokens per sequence; the dense model runs
+        all of them through every layer
+    :param routed_layers: indices of the layers whose router runs (it scores every real
+        token of the sequence, whatever it then keeps)
+    :param router_hidden_size: the routers' hidden width ``r`` (one int, or ``{layer:
+        r}``)
+    :param past_lens: cached tokens per sequence before this batch (decode / chunked
+        prefill; default 0): query ``i`` then sees ``past + i`` keys
+    :param routed_past_lens: ``[l][b]`` cached entries of each layer in the routed model
+        (a routed layer caches only the tokens that ran it); default: ``past_lens`` for
+        every layer. Kept query ``i`` then sees ``routed_past + i`` keys
+    :param attended_keys: exact (query, key) pair counts ``[l][b]`` of the routed model,
+        overriding the formula ``causal_key_count(kept, past, window)`` (which is exact
+        without a sliding window and an upper bound with one, since kept tokens keep
+        their original positions);
+        :func:`observe_routing` measures them
+    :param dense_keys: the same for the dense reference (default: the formula with
+        ``seq_lens``)
+    :param gather_layers: layers that gather/scatter (memory traffic); default: the
+        routed layers where some sequence kept ``0 < k < n`` tokens
+    :param dtype_bytes: bytes per hidden-state element for the memory-traffic estimate
+    """
+    shape = layer_shape(config)
+    lens = [
+        int(n)
+        for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+    ]
+    batch, L = len(lens), shape.num_layers
+    kept_t = _as_table(kept, L, batch, "kept")
+    past = _per_row(past_lens, batch, "past_lens")
+    r_past = (
+        _as_table(routed_past_lens, L, batch, "routed_past_lens")
+        if routed_past_lens is not None
+        else [past] * L
+    )
+    routed = frozenset(int(i) for i in routed_layers)
+    if any(not 0 <= i < L for i in routed):
+        raise ValueError(f"routed_layers {sorted(routed)} out of range for {L} layers")
+    for li, row in enumerate(kept_t):
+        for b, (k, n) in enumerate(zip(row, lens)):
+            if not 0 <= k <= n:
+                raise ValueError(
+                    f"kept[{li}][{b}] = {k} is not within [0, seq_len = {n}]"
+                )
+    att = (
+        _as_table(attended_keys, L, batch, "attended_keys")
+        if attended_keys is not None
+        else None
+    )
+    dk = (
+        _as_table(dense_keys, L, batch, "dense_keys")
+        if dense_keys is not None
+        else None
+    )
+    if gather_layers is None:
+        gathers = frozenset(
+            li for li in routed if any(0 < k < n for k, n in zip(kept_t[li], lens))
+        )
+    else:
+        gathers = frozenset(int(i) for i in gather_layers)
+
+    def r_of(layer: int) -> int:
+        if isinstance(router_hidden_size, Mapping):
+            return int(router_hidden_size[layer])
+        return int(router_hidden_size)
+
+    real_tokens = sum(lens)
+    dense_layers, routed_layers_flops, traffic = [], [], []
+    h = shape.hidden_size
+    for li in range(L):
+        window = shape.sliding_windows[li] if li < len(shape.sliding_windows) else None
+        d_pairs = (
+            sum(dk[li])
+            if dk is not None
+            else sum(causal_key_count(n, p, window) for n, p in zip(lens, past))
+        )
+        dense_layers.append(
+            LayerFlops(
+                projections=shape.projection_flops(real_tokens),
+                attention=shape.attention_flops(d_pairs),
+                mlp=shape.mlp_flops(real_tokens),
+            )
+        )
+        k_tokens = sum(kept_t[li])
+        r_pairs = (
+            sum(att[li])
+            if att is not None
+            else sum(
+                causal_key_count(k, p, window) for k, p in zip(kept_t[li], r_past[li])
+            )
+        )
+        routed_layers_flops.append(
+            LayerFlops(
+                projections=shape.projection_flops(k_tokens),
+                attention=shape.attention_flops(r_pairs),
+                mlp=shape.mlp_flops(k_tokens),
+                router=shape.router_flops(real_tokens, r_of(li)) if li in routed else 0,
+            )
+        )
+        # gather in (k h) + scatter out (k h) + the copy of the hidden states scatter
+        # writes into
+        traffic.append(
+            (2 * k_tokens * h + real_tokens * h) * int(dtype_bytes)
+            if li in gathers
+            else 0
+        )
+
+    return FlopsReport(
+        shape=shape,
+        kept=tuple(tuple(row) for row in kept_t),
+        seq_lens=tuple(lens),
+        routed_layers=routed,
+        dense_per_layer=tuple(dense_layers),
+        routed_per_layer=tuple(routed_layers_flops),
+        lm_head=shape.lm_head_flops(real_tokens),
+        memory_traffic_per_layer=tuple(traffic),
+        dtype_bytes=int(dtype_bytes),
+        notes=(
+            "multiply-add = 2 FLOPs; matmuls only (norms, activations, softmax, "
+            "rotary, biases, residual adds and the routing gate ignored); real tokens "
+            "only",
+            "attention counted over causally allowed (query, key) pairs",
+            "normalized excludes lm_head; normalized_with_lm_head includes it",
+            "memory_traffic_bytes: gather/scatter bytes written (2 k h + n h) per "
+            "gathering layer; not FLOPs",
+        ),
+    )

@@ -1,0 +1,256 @@
+"""The FLOPs formulas: one decoder layer's terms, and the report of a batch.
+
+See :mod:`adadsf_modifier.flops` for the conventions and ``docs/flops.md`` for the
+derivations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from adadsf_modifier.routing.architectures import (
+    architecture_for_config,
+    sliding_windows,
+)
+from adadsf_modifier.routing.router import TokenRouter
+
+__all__ = [
+    "LayerShape",
+    "LayerFlops",
+    "FlopsReport",
+    "layer_shape",
+    "causal_key_count",
+]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the FLOPs of one decoder layer depend on, read from a Hugging Face config.
+
+    ``q_dim = num_heads * head_dim`` is the width of the query projection (and of the
+    input of the output projection); ``kv_dim = num_kv_heads * head_dim`` the width of
+    each of the key and value projections (smaller than ``q_dim`` under grouped-query
+    attention). ``mlp_matmuls`` is 3 for a gated (SwiGLU) MLP -- gate, up, down -- and 2
+    for a plain MLP (GPT-NeoX: h->4h, 4h->h). ``sliding_windows[l]`` is the attention
+    window of layer ``l`` (keys per query at most), or ``None`` for full causal
+    attention.
+    """
+
+    model_type: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    mlp_matmuls: int
+    num_layers: int
+    vocab_size: int
+    sliding_windows: tuple[int | None, ...]
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projection_flops(self, tokens: int) -> int:
+        """``2 n (h q_dim + 2 h kv_dim + q_dim h)``: Q, K, V and output projections of n
+        tokens."""
+        h = self.hidden_size
+        return 2 * tokens * (h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h)
+
+    def attention_flops(self, key_pairs: int) -> int:
+        """``2 * 2 * heads * head_dim * P``: ``Q K^T`` and ``A V`` over ``P`` (query,
+        key) pairs."""
+        return 4 * self.num_heads * self.head_dim * key_pairs
+
+    def mlp_flops(self, tokens: int) -> int:
+        """``2 n * mlp_matmuls * h * intermediate``."""
+        return 2 * tokens * self.mlp_matmuls * self.hidden_size * self.intermediate_size
+
+    def router_flops(self, tokens: int, router_hidden_size: int) -> int:
+        """The router's FLOPs on ``n`` tokens: :meth:`TokenRouter.flops_for`."""
+        return TokenRouter.flops_for(tokens, self.hidden_size, router_hidden_size)
+
+    def lm_head_flops(self, tokens: int) -> int:
+        """``2 n h V``."""
+        return 2 * tokens * self.hidden_size * self.vocab_size
+
+
+def layer_shape(config: Any) -> LayerShape:
+    """The :class:`LayerShape` of a supported config (or a model carrying one).
+
+    Every per-architecture fact (MLP kind, where the key/value heads are) comes from the
+    :class:`~adadsf_modifier.routing.architectures.ArchitectureSpec` of the model type.
+    """
+    config = getattr(config, "config", config)  # accept a model as well
+    spec = architecture_for_config(config)
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    return LayerShape(
+        model_type=spec.model_type,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=spec.num_kv_heads(config),
+        head_dim=head_dim,
+        intermediate_size=int(config.intermediate_size),
+        mlp_matmuls=spec.mlp_matmuls,
+        num_layers=int(config.num_hidden_layers),
+        vocab_size=int(config.vocab_size),
+        sliding_windows=sliding_windows(config),
+    )
+
+
+def causal_key_count(queries: int, past: int = 0, window: int | None = None) -> int:
+    """(query, key) pairs of ``queries`` new tokens under a causal mask after ``past``
+    cached ones.
+
+    Query ``i`` (1-based) sees ``past + i`` keys, at most ``window`` under a sliding
+    window: ``sum_{j=past+1}^{past+n} min(j, w)``. A prefill (``past = 0``) gives ``n (n
+    + 1) / 2``.
+    """
+    n, p = int(queries), int(past)
+    if n <= 0:
+        return 0
+    lo, hi = p + 1, p + n
+    if window is None or window >= hi:
+        return (lo + hi) * n // 2
+    w = int(window)
+    if w <= 0:
+        raise ValueError(f"sliding window must be positive, got {window}")
+    below_hi = min(
+        hi, w
+    )  # terms j in [lo, below_hi] contribute j, the rest contribute w
+    full = (lo + below_hi) * (below_hi - lo + 1) // 2 if below_hi >= lo else 0
+    capped = hi - max(lo - 1, w)
+    return full + w * capped
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """FLOPs of one decoder layer over the whole batch, by term."""
+
+    projections: int
+    attention: int
+    mlp: int
+    router: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.projections + self.attention + self.mlp + self.router
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "projections": self.projections,
+            "attention": self.attention,
+            "mlp": self.mlp,
+            "router": self.router,
+            "total": self.total,
+        }
+
+
+@dataclass(frozen=True)
+class FlopsReport:
+    """Dense vs routed FLOPs of one batch.
+
+    ``dense_per_layer`` / ``routed_per_layer`` hold a :class:`LayerFlops` per decoder
+    layer (the routed one includes that layer's router). ``dense`` and ``routed`` are
+    the decoder-stack totals (without ``lm_head``); ``normalized = routed / dense``. The
+    ``*_with_lm_head`` variants add the ``lm_head`` term to both.
+    ``memory_traffic_bytes`` (not FLOPs) is the gather/scatter traffic of the routed
+    layers, per layer in ``memory_traffic_per_layer``.
+    """
+
+    shape: LayerShape
+    kept: tuple[tuple[int, ...], ...]
+    seq_lens: tuple[int, ...]
+    routed_layers: frozenset[int]
+    dense_per_layer: tuple[LayerFlops, ...]
+    routed_per_layer: tuple[LayerFlops, ...]
+    lm_head: int
+    memory_traffic_per_layer: tuple[int, ...]
+    dtype_bytes: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def dense(self) -> int:
+        return sum(layer.total for layer in self.dense_per_layer)
+
+    @property
+    def routed(self) -> int:
+        return sum(layer.total for layer in self.routed_per_layer)
+
+    @property
+    def router(self) -> int:
+        """Router overhead (already included in :attr:`routed`)."""
+        return sum(layer.router for layer in self.routed_per_layer)
+
+    @property
+    def dense_with_lm_head(self) -> int:
+        return self.dense + self.lm_head
+
+    @property
+    def routed_with_lm_head(self) -> int:
+        return self.routed + self.lm_head
+
+    @property
+    def normalized(self) -> float:
+        """Routed / dense FLOPs of the decoder stack (router included, ``lm_head``
+        excluded)."""
+        return self.routed / self.dense if self.dense else float("nan")
+
+    @property
+    def normalized_with_lm_head(self) -> float:
+        d = self.dense_with_lm_head
+        return self.routed_with_lm_head / d if d else float("nan")
+
+    @property
+    def memory_traffic_bytes(self) -> int:
+        return sum(self.memory_traffic_per_layer)
+
+    def _by_term(self, layers: Iterable[LayerFlops]) -> dict[str, int]:
+        layers = list(layers)
+        return {
+            "projections": sum(x.projections for x in layers),
+            "attention": sum(x.attention for x in layers),
+            "mlp": sum(x.mlp for x in layers),
+            "router": sum(x.router for x in layers),
+        }
+
+    @property
+    def dense_by_term(self) -> dict[str, int]:
+        return self._by_term(self.dense_per_layer)
+
+    @property
+    def routed_by_term(self) -> dict[str, int]:
+        return self._by_term(self.routed_per_layer)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (totals, ratios, per-term and per-layer breakdowns)."""
+        return {
+            "model_type": self.shape.model_type,
+            "seq_lens": list(self.seq_lens),
+            "kept": [list(k) for k in self.kept],
+            "routed_layers": sorted(self.routed_layers),
+            "dense_flops": self.dense,
+            "routed_flops": self.routed,
+            "router_flops": self.router,
+            "lm_head_flops": self.lm_head,
+            "dense_flops_with_lm_head": self.dense_with_lm_head,
+            "routed_flops_with_lm_head": self.routed_with_lm_head,
+            "normalized_flops": self.normalized,
+            "normalized_flops_with_lm_head": self.normalized_with_lm_head,
+            "dense_by_term": self.dense_by_term,
+            "routed_by_term": self.routed_by_term,
+            "dense_per_layer": [x.as_dict() for x in self.dense_per_layer],
+            "routed_per_layer": [x.as_dict() for x in self.routed_per_layer],
+            "memory_traffic_bytes": self.memory_traffic_bytes,
+            "memory_traffic_per_layer": list(self.memory_traffic_per_layer),
+            "dtype_bytes": self.dtype_bytes,
+            "notes": list(self.notes),
+        }

@@ -1,0 +1,89 @@
+"""What routed layers did in a forward pass, written by the layers themselves.
+
+A routed layer that has a :class:`RoutingRecorder` attached reports, for every call,
+the path it took, how many tokens of each row ran it and how many (query, key) pairs
+its attention computed. The FLOPs model (:func:`adadsf_modifier.flops.observe_routing`)
+reads these records instead of re-deriving the layer's decisions, so what is counted is
+what ran. With no recorder attached the layer only checks one attribute: the counts are
+computed (with their host syncs) only while recording.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["LayerRecord", "RoutingRecorder", "PATHS"]
+
+#: The paths a routed layer takes through one call.
+#: ``removed``: ratio 0, the input passes through and the router is not evaluated;
+#: ``full``: ratio 1, the unchanged layer runs every token (its own attention);
+#: ``skipped``: the router ran and no token was selected;
+#: ``gather``: the selected tokens (or rows, when decoding) were gathered into a
+#: compacted batch and scattered back;
+#: ``in_place``: decoding one token per row, every row ran the layer in place.
+PATHS = ("removed", "full", "skipped", "gather", "in_place")
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One call of one routed layer.
+
+    ``kept [batch]``: tokens of each row that ran the layer; ``attended [batch]``:
+    (query, key) pairs its attention computed for each row, cached keys included. Both
+    are ``None`` for ``full`` (the layer's own, dense, computation) and zero for
+    ``removed`` / ``skipped``.
+    """
+
+    path: str
+    kept: torch.Tensor | None
+    attended: torch.Tensor | None
+    #: whether the layer evaluated its router in this call (its cost is counted)
+    router_ran: bool = True
+
+
+class RoutingRecorder:
+    """Collects :class:`LayerRecord` s per layer index (see :meth:`attached`)."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, list[LayerRecord]] = {}
+
+    def record(
+        self,
+        layer_index: int,
+        path: str,
+        kept: torch.Tensor | None = None,
+        attended: torch.Tensor | None = None,
+        batch: int = 0,
+        router_ran: bool | None = None,
+    ) -> None:
+        """Called by a routed layer; ``removed`` / ``skipped`` may give ``batch``
+        instead of zero counts."""
+        if path not in PATHS:
+            raise ValueError(f"unknown routing path {path!r}; expected one of {PATHS}")
+        if path in ("removed", "skipped") and kept is None:
+            kept = attended = torch.zeros(batch, dtype=torch.long)
+        if kept is not None:
+            kept, attended = kept.long().cpu(), attended.long().cpu()
+        if router_ran is None:
+            router_ran = path != "removed"
+        self.records.setdefault(int(layer_index), []).append(
+            LayerRecord(path, kept, attended, router_ran)
+        )
+
+    @contextmanager
+    def attached(self, layers: Iterable[nn.Module]) -> Iterator[RoutingRecorder]:
+        """Attach to ``layers`` (routed decoder layers) for the duration of the
+        block."""
+        layers = list(layers)
+        for layer in layers:
+            layer.routing_recorder = self
+        try:
+            yield self
+        finally:
+            for layer in layers:
+                layer.__dict__.pop("routing_recorder", None)
