@@ -14,6 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+# The 7 lm-eval tasks (the project's offline copies; each task's validation split).
+from adadsf_modifier.evaluation.lm_eval_tasks import SUPPORTED_TASKS as ALL_TASKS
+
 __all__ = [
     "ALL_TASKS",
     "METHODS",
@@ -22,17 +25,6 @@ __all__ = [
     "StudySettings",
     "quick_settings",
 ]
-
-ALL_TASKS = (
-    "piqa",
-    "arc_easy",
-    "arc_challenge",
-    "hellaswag",
-    "winogrande",
-    "openbookqa",
-    "boolq",
-)
-"""The 7 lm-eval tasks (the project's offline copies; each task's validation split)."""
 
 
 class StudyInputError(ValueError):
