@@ -15,6 +15,7 @@ from pydantic import AfterValidator
 
 __all__ = [
     "FiniteFloat",
+    "NonNegativeInt",
     "NonNegativeFloat",
     "PositiveFloat",
     "PositiveInt",
@@ -52,3 +53,5 @@ NonNegativeFloat = Annotated[
 FiniteFloat = Annotated[float, constrained(_finite, "a finite number")]
 #: Sizes and counts.
 PositiveInt = Annotated[int, constrained(lambda v: v >= 1, "a positive integer")]
+#: Counts where 0 means "none" (e.g. training steps).
+NonNegativeInt = Annotated[int, constrained(lambda v: v >= 0, "an integer >= 0")]

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from adadsf_modifier.constraints import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 
 # The 7 lm-eval tasks (the project's offline copies; each task's validation split).
 from adadsf_modifier.evaluation.lm_eval_tasks import SUPPORTED_TASKS as ALL_TASKS
@@ -110,12 +117,6 @@ METHODS: dict[str, Method] = {
 }
 
 
-def _positive(v: int, name: str) -> int:
-    if v < 1:
-        raise ValueError(f"{name} must be >= 1, got {v}")
-    return v
-
-
 def _check_budget(b: float, what: str = "budget") -> float:
     if not (math.isfinite(b) and 0.0 < b <= 1.0):
         raise ValueError(f"{what} {b} is outside (0, 1]")
@@ -132,49 +133,61 @@ class StudySettings(BaseModel):
     # ---- what runs
     methods: tuple[str, ...] = tuple(METHODS)
     budgets: tuple[float, ...] = (0.9, 0.8, 0.7)
-    seeds: int = 3  # seeds 0 .. seeds-1 (calibration sample, router init, data order)
+    seeds: PositiveInt = (
+        3  # seeds 0 .. seeds-1 (calibration sample, router init, data order)
+    )
     w8a8_budgets: tuple[float, ...] = (0.8,)
     # ---- calibration and AdaDSF fields (the same for every method)
-    calib_samples: int = 128
-    calib_seq_len: int = 512
+    calib_samples: PositiveInt = 128
+    calib_seq_len: PositiveInt = 512
     ignore: tuple[str, ...] = ("re:.*layers\\.0$",)
-    temperature: float = 0.05  # replaced by the validation-split choice when tune
-    beta: float = 10.0
-    router_hidden_size: int = 64
-    router_init_steps: int = 100
-    router_init_tokens: int = 2048
-    threshold_passes: int = 2
+    temperature: PositiveFloat = (
+        0.05  # replaced by the validation-split choice when tune
+    )
+    beta: NonNegativeFloat = 10.0
+    router_hidden_size: PositiveInt = 64
+    router_init_steps: PositiveInt = 100
+    router_init_tokens: PositiveInt = 2048
+    threshold_passes: PositiveInt = 2
     # ---- alignment (the same budget for every aligned method)
-    align_steps: int = 200
-    align_batch_size: int = 8
-    align_seq_len: int = 512
-    align_lr: float = 3e-4  # replaced by the validation-split choice when tune
-    align_trainable: str = "routers_and_layers"
+    align_steps: NonNegativeInt = 200
+    align_batch_size: PositiveInt = 8
+    align_seq_len: PositiveInt = 512
+    align_lr: PositiveFloat = 3e-4  # replaced by the validation-split choice when tune
+    align_trainable: Literal["routers", "routers_and_layers"] = "routers_and_layers"
     align_bf16: bool = False
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
     tune: bool = True
     tune_budget: float = 0.8
     tune_seed: int = 0
-    tune_lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
-    tune_temperatures: tuple[float, ...] = (0.25, 0.1, 0.05)
+    tune_lrs: Annotated[tuple[PositiveFloat, ...], Field(min_length=1)] = (
+        1e-4,
+        3e-4,
+        1e-3,
+    )
+    tune_temperatures: Annotated[tuple[PositiveFloat, ...], Field(min_length=1)] = (
+        0.25,
+        0.1,
+        0.05,
+    )
     tune_betas: tuple[float, ...] = (10.0,)
     # ---- evaluation
-    ppl_tokens: int = 32768  # test split
-    ppl_val_tokens: int = 16384  # validation split
+    ppl_tokens: PositiveInt = 32768  # test split
+    ppl_val_tokens: PositiveInt = 16384  # validation split
     ppl_max_length: int = 512
     ppl_stride: int = 256
     tasks: tuple[str, ...] = ALL_TASKS
-    task_limit: int | None = 1000  # examples per task (None: the whole split)
-    task_batch_size: int | None = None  # None: 1 on CPU, 16 on a GPU
-    flops_batch: int = 4
-    flops_seq_len: int = 512
+    task_limit: PositiveInt | None = 1000  # examples per task (None: the whole split)
+    task_batch_size: PositiveInt | None = None  # None: 1 on CPU, 16 on a GPU
+    flops_batch: PositiveInt = 4
+    flops_seq_len: PositiveInt = 512
     speed: bool = True
-    speed_seeds: int = 1  # speed is measured for the first speed_seeds seeds
-    speed_seq_len: int = 1024
-    speed_batch_sizes: tuple[int, ...] = (1, 8)
-    speed_repeats: int = 3
-    decode_prompt: int = 128
-    decode_tokens: int = 32
+    speed_seeds: NonNegativeInt = 1  # speed is measured for the first speed_seeds seeds
+    speed_seq_len: PositiveInt = 1024
+    speed_batch_sizes: Annotated[tuple[PositiveInt, ...], Field(min_length=1)] = (1, 8)
+    speed_repeats: PositiveInt = 3
+    decode_prompt: PositiveInt = 128
+    decode_tokens: PositiveInt = 32
 
     @field_validator("methods")
     @classmethod
@@ -198,36 +211,6 @@ class StudySettings(BaseModel):
     def _tune_budget(cls, v: float) -> float:
         return _check_budget(v, "tune_budget")
 
-    @field_validator(
-        "seeds",
-        "calib_samples",
-        "calib_seq_len",
-        "router_hidden_size",
-        "router_init_steps",
-        "router_init_tokens",
-        "threshold_passes",
-        "align_batch_size",
-        "align_seq_len",
-        "ppl_tokens",
-        "ppl_val_tokens",
-        "flops_batch",
-        "flops_seq_len",
-        "speed_seq_len",
-        "speed_repeats",
-        "decode_prompt",
-        "decode_tokens",
-    )
-    @classmethod
-    def _positive_ints(cls, v: int, info) -> int:
-        return _positive(v, info.field_name)
-
-    @field_validator("align_steps", "speed_seeds")
-    @classmethod
-    def _non_negative(cls, v: int, info) -> int:
-        if v < 0:
-            raise ValueError(f"{info.field_name} must be >= 0, got {v}")
-        return v
-
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -238,27 +221,6 @@ class StudySettings(BaseModel):
             )
         return tuple(dict.fromkeys(v))
 
-    @field_validator("task_limit", "task_batch_size")
-    @classmethod
-    def _limit(cls, v: int | None, info) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"{info.field_name} must be >= 1 or null, got {v}")
-        return v
-
-    @field_validator("speed_batch_sizes")
-    @classmethod
-    def _batches(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if not v or any(b < 1 for b in v):
-            raise ValueError(f"speed_batch_sizes must be >= 1, got {list(v)}")
-        return v
-
-    @field_validator("tune_lrs", "tune_temperatures")
-    @classmethod
-    def _grid(cls, v: tuple[float, ...], info) -> tuple[float, ...]:
-        if not v or any(not (math.isfinite(x) and x > 0) for x in v):
-            raise ValueError(f"{info.field_name} must be positive numbers, got {v}")
-        return v
-
     @model_validator(mode="after")
     def _consistent(self) -> "StudySettings":
         if self.ppl_stride > self.ppl_max_length:
@@ -268,11 +230,6 @@ class StudySettings(BaseModel):
             )
         if self.ppl_max_length < 2:
             raise ValueError("ppl_max_length must be >= 2")
-        if self.align_trainable not in ("routers", "routers_and_layers"):
-            raise ValueError(
-                "align_trainable must be 'routers' or 'routers_and_layers', got "
-                f"{self.align_trainable!r}"
-            )
         return self
 
     @property
