@@ -53,12 +53,13 @@ from adadsf_modifier.routing import (
     routed_layers,
     unroute_layer,
 )
+from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_router
 
 __all__ = ["AdaDSFModifier"]
 
 
-class AdaDSFModifier(Modifier, AlignmentFields):
+class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields):
     """
     Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the
     tokens a small router ranks highest; layers that change their input little get fewer
@@ -83,8 +84,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         - validate the recipe against the model (before touching it)
         - dense calibration: cosine similarity of each decoder layer's input and output
         - allocation: per-layer retention ratios with mean ``retention``
-        - routing: each targeted decoder layer becomes a ``RoutedLayer`` with its own
-          router
+        - routing: each targeted decoder layer becomes a ``RoutedLayer`` (own router)
+        - skip paths (``skip_path: ridge``): closed-form fit, see ``SkipPathFields``
         - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense
           model taken just before routing (``align_*`` fields: see ``AlignmentFields``)
         - causal thresholds: per-layer router-score thresholds for eval / generate()
@@ -118,6 +119,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         before the first measurement (the first under top-k routing, the rest under
         causal routing upstream); more follow until the kept fractions reach their
         targets
+    :param skip_path*, skipped_tokens_kv: what skipped tokens get (default: nothing,
+        as in the paper), see :class:`~adadsf_modifier.routing.SkipPathFields`
     :param align_*: the alignment fine-tune stage, see
         :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the
         default, skips it)
@@ -192,11 +195,8 @@ class AdaDSFModifier(Modifier, AlignmentFields):
 
     @property
     def resolved_min_retention(self) -> float:
-        return (
-            self.min_retention
-            if self.min_retention is not None
-            else min(0.1, self.retention)
-        )
+        low = self.min_retention
+        return low if low is not None else min(0.1, self.retention)
 
     # ------------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
@@ -213,8 +213,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         if calib is None:
             raise ValueError(
                 "AdaDSFModifier needs calibration data: pass `dataset=` (and a "
-                "tokenizer) to "
-                "oneshot"
+                "tokenizer) to oneshot"
             )
         try:
             n_batches = len(calib)
@@ -226,6 +225,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         # A quantization modifier later in the recipe must not quantize the routers:
         # fail now, not after calibration (see adadsf_modifier.recipe_checks).
         check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
+        self.check_skip_path(model, [name for _, name, _ in targeted])
         self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]
         ratios = allocate(
@@ -256,7 +256,9 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             f"[{', '.join(f'{r:.3f}' for r in full)}]"
         )
         self._warm_start_routers(model)
+        self.fit_skip_paths_of(model, calib)
         self._align(model, calib)
+        self.fit_skip_paths_of(model, calib, after_alignment=True)
         # Causal routing (the eval-mode default) needs thresholds fitted to the final
         # routers.
         self._threshold_report = calibrate_thresholds(
@@ -282,8 +284,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
                 f"{' ...' if len(routed) > 3 else ''} are already routed (a second "
                 "AdaDSFModifier in the recipe, oneshot run twice on one model, or a "
                 "model loaded with adadsf_modifier.from_pretrained); route a dense "
-                "model "
-                "once"
+                "model once"
             )
 
     def _targeted_layers(self, layers: list[tuple[str, torch.nn.Module]]):
@@ -304,8 +305,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
         if not chosen:
             raise ValueError(
                 f"AdaDSFModifier: targets={self.targets!r} / ignore={self.ignore!r} "
-                "match no "
-                f"decoder layer (first layer is `{layers[0][0]}`)"
+                f"match no decoder layer (first layer is `{layers[0][0]}`)"
             )
         return chosen
 
@@ -379,8 +379,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
             corr = sum(corrs) / len(corrs) if corrs else float("nan")
             logger.info(
                 f"AdaDSF router warm start: {len(results)} routers fit to per-token "
-                "similarity; "
-                f"mean held-out rank correlation {corr:.3f}"
+                f"similarity; mean held-out rank correlation {corr:.3f}"
             )
 
     def _route(self, model, cache_kwarg: str, targeted, ratios: list[float]) -> None:
@@ -392,6 +391,7 @@ class AdaDSFModifier(Modifier, AlignmentFields):
                 for (i, name, layer), r in zip(targeted, ratios):
                     router = TokenRouter(hidden, self.router_hidden_size)
                     route_layer(layer, router, r, i, cache_kwarg, model.config)
+                    self.configure_routed_layer(layer)
                     done.append(layer)
         except Exception:
             for layer in done:

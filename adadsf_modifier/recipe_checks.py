@@ -11,6 +11,10 @@ Quantization modifiers are recognised by llm-compressor's own base class
 (:class:`QuantizationMixin`: GPTQ, QuantizationModifier, AutoRound, ...), and "later in
 the recipe" by llm-compressor's own ``initialized`` flag, so nothing here needs to
 import (or name) the AdaDSF modifier.
+
+The same holds for the fitted skip paths (``skip_path: ridge``): closed-form maps fitted
+to float activations, a rounding error of the model's size. They are not ``Linear``
+modules, so a ``Linear`` target never reaches them; a name pattern could.
 """
 
 from __future__ import annotations
@@ -20,10 +24,17 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ROUTER_HINT", "check_recipe_keeps_routers_unquantized"]
+__all__ = [
+    "ROUTER_HINT",
+    "SKIP_PATH_HINT",
+    "check_recipe_keeps_routers_unquantized",
+    "check_recipe_keeps_skip_paths_unquantized",
+]
 
 ROUTER_HINT = "add 're:.*router.*' to the quantization modifier's `ignore` list"
 """How to fix a recipe that would quantize the routers (used in every such error)."""
+SKIP_PATH_HINT = "add 're:.*skip_path.*' to the quantization modifier's `ignore` list"
+"""How to fix a recipe that would quantize the skip paths."""
 
 
 def _active_recipe_modifiers() -> list[Any] | None:
@@ -47,6 +58,30 @@ def check_recipe_keeps_routers_unquantized(
     existed, so it cannot reach them. Called by :class:`AdaDSFModifier` with the names
     of the layers it is about to route.
     """
+    probe = nn.Linear(1, 1)  # routers are made of nn.Linear; class targets match it
+    names = [
+        f"{layer}.router.{part}" for layer in layer_names for part in ("fc1", "fc2")
+    ]
+    _refuse_matches(names, probe, "router", ROUTER_HINT, modifiers)
+
+
+def check_recipe_keeps_skip_paths_unquantized(
+    layer_names: Sequence[str], probe: nn.Module, modifiers: Iterable[Any] | None = None
+) -> None:
+    """:func:`check_recipe_keeps_routers_unquantized` for the ``skip_path`` modules
+    (``skip_path: ridge``) of ``layer_names``; ``probe``: a module of their class
+    (class-name targets match it)."""
+    names = [f"{layer}.skip_path" for layer in layer_names]
+    _refuse_matches(names, probe, "skip path", SKIP_PATH_HINT, modifiers)
+
+
+def _refuse_matches(
+    names: list[str],
+    probe: nn.Module,
+    what: str,
+    hint: str,
+    modifiers: Iterable[Any] | None,
+) -> None:
     if modifiers is None:
         modifiers = _active_recipe_modifiers()
         if modifiers is None:
@@ -56,9 +91,6 @@ def check_recipe_keeps_routers_unquantized(
         QuantizationMixin,
     )
 
-    probe = nn.Linear(
-        1, 1
-    )  # routers are made of nn.Linear; class-name targets match it
     for mod in modifiers:
         if not isinstance(mod, QuantizationMixin) or getattr(mod, "initialized", False):
             continue
@@ -67,12 +99,10 @@ def check_recipe_keeps_routers_unquantized(
             ignore = list(mod.ignore or [])
         except Exception:  # let the modifier report its own configuration error later
             continue
-        for layer in layer_names:
-            for part in ("fc1", "fc2"):
-                name = f"{layer}.router.{part}"
-                if is_match(name, probe, targets, ignore):
-                    raise ValueError(
-                        f"{type(mod).__name__} (targets={sorted(targets)}, "
-                        f"ignore={ignore}) would quantize the AdaDSF router `{name}`; "
-                        f"routers must stay in full precision: {ROUTER_HINT}"
-                    )
+        for name in names:
+            if is_match(name, probe, targets, ignore):
+                raise ValueError(
+                    f"{type(mod).__name__} (targets={sorted(targets)}, "
+                    f"ignore={ignore}) would quantize the AdaDSF {what} `{name}`; "
+                    f"{what}s must stay in full precision: {hint}"
+                )

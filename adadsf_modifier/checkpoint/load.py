@@ -27,6 +27,7 @@ from adadsf_modifier.checkpoint.sidecar import (
 from adadsf_modifier.checkpoint.tensors import read_router_tensors
 from adadsf_modifier.routing import (
     RoutedLayer,
+    SkipPath,
     TokenRouter,
     decoder_layers,
     route_layer,
@@ -96,18 +97,26 @@ def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) 
             int(entry.router_hidden_size),
             eps=entry.router_eps or 1e-6,
         )
-        prefix = f"{entry.name}.router."
-        router.load_state_dict(
-            {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        )
+        router.load_state_dict(_tensors_of(tensors, f"{entry.name}.router."))
+        skip = None
+        if entry.skip_path != "identity":
+            skip = SkipPath(model.config.hidden_size, entry.skip_path_rank)
+            skip.load_state_dict(_tensors_of(tensors, f"{entry.name}.skip_path."))
         route_layer(layer, router, entry.retention_ratio, entry.index,
-                    spec.cache_kwarg, model.config)  # fmt: skip
+                    spec.cache_kwarg, model.config, skip,
+                    entry.skipped_tokens_kv)  # fmt: skip
         layer.router.to(dtype=dtype)
+        if skip is not None:
+            skip.to(dtype=dtype)
         if entry.causal_threshold is not None:
             layer.causal_threshold = entry.causal_threshold
         if entry.routing_mode is not None:
             layer.routing_mode = entry.routing_mode
     return layers
+
+
+def _tensors_of(tensors: dict, prefix: str) -> dict:
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
@@ -121,9 +130,10 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     decompresses them on the first forward pass (pass
     ``quantization_config=CompressedTensorsConfig(dequantize=True)`` to dequantize at
     load time instead). The decoder layers listed as routed in ``adadsf_config.json``
-    are then routed again with their saved retention ratios and router sizes, and the
-    router tensors (which transformers does not know about) are read from the
-    safetensors files with shape checks.
+    are then routed again with their saved retention ratios, router sizes, skip paths
+    and ``skipped_tokens_kv`` settings, and the router and skip-path tensors (which
+    transformers does not know about) are read from the safetensors files with shape
+    checks.
 
     Top-k routing chooses over the whole sequence and cannot continue from a KV cache:
     if any routed layer would route top-k in eval mode (no causal-mode threshold saved),
@@ -150,7 +160,7 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
 
     names = "|".join(re.escape(e.name) for e in sidecar.routed_layers)
     model = load_with_expected_extra_keys(
-        base_cls, [rf"^({names})\.router\."], path, config=config, **kwargs
+        base_cls, [rf"^({names})\.(router|skip_path)\."], path, config=config, **kwargs
     )
     layers = _route(model, path, sidecar, router_tensors)
     model.eval()

@@ -43,7 +43,7 @@ from adadsf_modifier.checkpoint.sidecar import (
     write_sidecar,
 )
 from adadsf_modifier.checkpoint.tensors import read_router_tensors
-from adadsf_modifier.recipe_checks import ROUTER_HINT
+from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 
 __all__ = ["attach_checkpoint_support", "install_save_hook"]
 
@@ -130,11 +130,16 @@ def _is_source_process() -> bool:
 def _check_model_routers_unquantized(model: nn.Module) -> None:
     for name, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)
-        if ".router" in name and scheme is not None:
-            raise AdaDSFCheckpointError(
-                f"the AdaDSF router `{name}` was quantized ({scheme}); routers must "
-                f"stay in full precision: {ROUTER_HINT} and run the recipe again"
-            )
+        if scheme is None:
+            continue
+        kinds = ((".router", "router", ROUTER_HINT),
+                 (".skip_path", "skip path", SKIP_PATH_HINT))  # fmt: skip
+        for part, what, hint in kinds:
+            if part in name:
+                raise AdaDSFCheckpointError(
+                    f"the AdaDSF {what} `{name}` was quantized ({scheme}); {what}s "
+                    f"must stay in full precision: {hint} and run the recipe again"
+                )
 
 
 def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> None:

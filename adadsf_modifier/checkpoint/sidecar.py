@@ -7,11 +7,11 @@ fields in ``config.json``) survives llm-compressor's ``resave_config``, which re
 ``config.json`` from the original model's file at save time, and it leaves
 ``config.json`` loadable by vLLM / plain transformers.
 
-Format (``format_version`` 1)::
+Format (``format_version`` 1, or 2 when a layer uses a field marked *v2*)::
 
     {
       "format": "adadsf",
-      "format_version": 1,
+      "format_version": 2,
       "adadsf_modifier_version": "0.1.0",
       "model_type": "llama",        # must equal config.json's model_type on reload
       "num_hidden_layers": 4,
@@ -23,7 +23,9 @@ Format (``format_version`` 1)::
          "retention_ratio": 1.0, "similarity": 0.93,
          "router_hidden_size": 64, "router_eps": 1e-06,
          "causal_threshold": null,  # null = none; a number, "inf" or "-inf"
-         "routing_mode": "auto"},   # "auto", "topk" or "causal"
+         "routing_mode": "auto",    # "auto", "topk" or "causal"
+         "skip_path": "ridge", "skip_path_rank": null,  # v2: default "identity", null
+         "skipped_tokens_kv": true},  # v2 (default false)
         ...
       ],
       "modifier": {"class": "AdaDSFModifier", "settings": {"retention": 0.8, ...}}
@@ -31,10 +33,11 @@ Format (``format_version`` 1)::
 
 Readers reject any ``format_version`` they do not know; additive changes (new keys,
 which readers ignore) keep the version, anything that changes the meaning of an
-existing key bumps it. The whole file is validated against :class:`AdaDSFSidecar`
-before any weight is read, so a bad value fails with the file and field named instead
-of after a long load or, worse, in the model's behaviour (a NaN threshold would keep no
-token but the first).
+existing key bumps it. The *v2* fields change the model if ignored, so a sidecar using
+them is version 2 (older readers refuse it); others stay version 1. The whole file is
+validated against :class:`AdaDSFSidecar` before any weight is read, so a bad value
+fails with the file and field named instead of after a long load or, worse, in the
+model's behaviour (a NaN threshold would keep no token but the first).
 """
 
 from __future__ import annotations
@@ -58,12 +61,14 @@ from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
 from adadsf_modifier.routing import ROUTING_MODES, RoutedLayer, decoder_layers
+from adadsf_modifier.routing.skip_path import SKIP_PATHS, skip_path_of
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "METADATA_ATTR",
     "SIDECAR_NAME",
+    "SKIP_PATH_FORMAT_VERSION",
     "SUPPORTED_FORMAT_VERSIONS",
     "AdaDSFCheckpointError",
     "AdaDSFSidecar",
@@ -79,8 +84,9 @@ __all__ = [
 
 SIDECAR_NAME = "adadsf_config.json"
 FORMAT_NAME = "adadsf"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 1  # written for a model that needs nothing newer
+SKIP_PATH_FORMAT_VERSION = 2  # written when a layer has a skip path or keeps K/V
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 METADATA_ATTR = "adadsf_metadata"
 """Attribute on the model holding what the routed layers themselves do not know
 (similarities, modifier settings). Set by :class:`AdaDSFModifier` after routing and by
@@ -135,6 +141,7 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 PositiveInt = Annotated[int, Field(gt=0)]
 RoutingMode = Literal[ROUTING_MODES]  # type: ignore[valid-type]
+SkipPathKind = Literal[SKIP_PATHS]  # type: ignore[valid-type]
 
 
 class _Schema(BaseModel):
@@ -155,12 +162,24 @@ class LayerEntry(_Schema):
     router_eps: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     causal_threshold: Threshold = None
     routing_mode: RoutingMode | None = None
+    skip_path: SkipPathKind = "identity"
+    skip_path_rank: PositiveInt | None = None
+    skipped_tokens_kv: bool = False
 
     @model_validator(mode="after")
     def _routed_needs_a_router(self) -> LayerEntry:
         if self.routed and self.router_hidden_size is None:
             raise ValueError("a routed layer needs router_hidden_size")
+        if not self.routed and self.needs_v2:
+            raise ValueError("only a routed layer has a skip path or keeps keys/values")
+        if self.skip_path == "identity" and self.skip_path_rank is not None:
+            raise ValueError("skip_path_rank needs skip_path 'ridge'")
         return self
+
+    @property
+    def needs_v2(self) -> bool:
+        """Uses a field of format version 2."""
+        return self.skip_path != "identity" or self.skipped_tokens_kv
 
 
 class ModifierRecord(_Schema):
@@ -196,6 +215,13 @@ class AdaDSFSidecar(_Schema):
                 raise ValueError(f"layers[{i}] has index {entry.index}, expected {i}")
         if not any(entry.routed for entry in self.layers):
             raise ValueError("it lists no routed layer")
+        if self.format_version < SKIP_PATH_FORMAT_VERSION and any(
+            e.needs_v2 for e in self.layers
+        ):
+            raise ValueError(
+                "skip_path / skipped_tokens_kv need format_version 2 (an older reader "
+                "would ignore them and load a different model)"
+            )
         return self
 
     @property
@@ -257,7 +283,11 @@ def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> di
             # calibrated, so top-k over the whole sequence) and its mode setting.
             causal_threshold=None if threshold is None else float(threshold),
             routing_mode=getattr(layer, "routing_mode", None),
+            skipped_tokens_kv=bool(getattr(layer, "skipped_tokens_kv", False)),
         )
+        skip = skip_path_of(layer)
+        if skip is not None:
+            entry.update(skip_path="ridge", skip_path_rank=skip.rank)
     return entry
 
 
@@ -278,9 +308,15 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
     sims = meta.get("similarities") or [None] * len(layers)
     if len(sims) != len(layers):
         sims = [None] * len(layers)
+    entries = [
+        _layer_entry(i, name, layer, sims[i]) for i, (name, layer) in enumerate(layers)
+    ]
+    v2 = any(
+        e.get("skip_path") == "ridge" or e.get("skipped_tokens_kv") for e in entries
+    )
     data = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": SKIP_PATH_FORMAT_VERSION if v2 else FORMAT_VERSION,
         "adadsf_modifier_version": package_version(),
         "model_type": spec.model_type,
         "num_hidden_layers": len(layers),
@@ -289,10 +325,7 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
         "router_dtype": str(next(routed[0].router.parameters()).dtype).removeprefix(
             "torch."
         ),
-        "layers": [
-            _layer_entry(i, name, layer, sims[i])
-            for i, (name, layer) in enumerate(layers)
-        ],
+        "layers": entries,
         "modifier": meta.get("modifier"),
     }
     try:

@@ -1,8 +1,10 @@
-"""Reading the router tensors of a checkpoint from its safetensors files.
+"""Reading the router (and skip-path) tensors of a checkpoint from its safetensors
+files.
 
-transformers does not know the routers, so it neither loads nor checks them; they are
-read here, by name, with their presence, shape and full precision checked against the
-sidecar. The same reader verifies a freshly written checkpoint before it is published.
+transformers does not know the routers and skip paths, so it neither loads nor checks
+them; they are read here, by name, with their presence, shape and full precision
+checked against the sidecar. The same reader verifies a freshly written checkpoint
+before it is published.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from adadsf_modifier.checkpoint.sidecar import (
     AdaDSFSidecar,
     LayerEntry,
 )
-from adadsf_modifier.recipe_checks import ROUTER_HINT
-from adadsf_modifier.routing import TokenRouter
+from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
+from adadsf_modifier.routing import SkipPath, TokenRouter
 
 __all__ = ["read_router_tensors", "safetensors_files"]
 
@@ -52,10 +54,13 @@ def safetensors_files(path: Path) -> dict[str, Path]:
 
 def _expected_shapes(entry: LayerEntry, hidden_size: int) -> dict[str, tuple]:
     with torch.device("meta"):  # shapes only: no memory, no random init
-        router = TokenRouter(hidden_size, int(entry.router_hidden_size))
+        modules = {"router": TokenRouter(hidden_size, int(entry.router_hidden_size))}
+        if entry.skip_path != "identity":
+            modules["skip_path"] = SkipPath(hidden_size, entry.skip_path_rank)
     return {
-        f"{entry.name}.router.{k}": tuple(v.shape)
-        for k, v in router.state_dict().items()
+        f"{entry.name}.{part}.{k}": tuple(v.shape)
+        for part, module in modules.items()
+        for k, v in module.state_dict().items()
     }
 
 
@@ -65,18 +70,24 @@ def _missing(key: str, entry: LayerEntry, path: Path, files: dict) -> Exception:
         for k in files
         if k.startswith(key.rsplit(".", 1)[0] + ".") and k.endswith(_QUANT_SUFFIXES)
     ]
-    extra = (
-        f" (found quantized tensors {quantized}: {ROUTER_HINT})" if quantized else ""
-    )
+    what, hint = _kind(key)
+    extra = f" (found quantized tensors {quantized}: {hint})" if quantized else ""
     return AdaDSFCheckpointError(
-        f"router tensor `{key}` of routed layer {entry.index} is missing from the "
+        f"{what} tensor `{key}` of routed layer {entry.index} is missing from the "
         f"safetensors files in {path}{extra}"
     )
 
 
+def _kind(key: str) -> tuple[str, str]:
+    """``("router", ROUTER_HINT)`` or ``("skip path", SKIP_PATH_HINT)`` for a key."""
+    if ".skip_path." in key:
+        return "skip path", SKIP_PATH_HINT
+    return "router", ROUTER_HINT
+
+
 def read_router_tensors(path: Path, sidecar: AdaDSFSidecar) -> dict[str, torch.Tensor]:
-    """Every routed layer's router tensors, checked for presence, shape and full
-    precision."""
+    """Every routed layer's router (and skip-path) tensors, checked for presence, shape
+    and full precision."""
     from safetensors import safe_open
 
     files = safetensors_files(path)
@@ -89,19 +100,22 @@ def read_router_tensors(path: Path, sidecar: AdaDSFSidecar) -> dict[str, torch.T
                 raise _missing(key, entry, path, files)
             with safe_open(str(file), framework="pt") as f:
                 tensor = f.get_tensor(key)
+            what, hint = _kind(key)
             if tuple(tensor.shape) != shape:
                 raise AdaDSFCheckpointError(
-                    f"router tensor `{key}` in {path} has shape {tuple(tensor.shape)}, "
-                    f"expected {shape} (hidden_size={hidden}, router_hidden_size="
-                    f"{entry.router_hidden_size})"
+                    f"{what} tensor `{key}` in {path} has shape "
+                    f"{tuple(tensor.shape)}, expected {shape} (hidden_size={hidden}, "
+                    f"router_hidden_size={entry.router_hidden_size}, skip_path_rank="
+                    f"{entry.skip_path_rank})"
                 )
             if not tensor.is_floating_point():
                 raise AdaDSFCheckpointError(
-                    f"router tensor `{key}` in {path} is {tensor.dtype}, not floating "
-                    f"point: routers must stay in full precision ({ROUTER_HINT})"
+                    f"{what} tensor `{key}` in {path} is {tensor.dtype}, not floating "
+                    f"point: {what}s must stay in full precision ({hint})"
                 )
             out[key] = tensor
     routed_names = {e.name for e in sidecar.routed_layers}
+    skip_names = {e.name for e in sidecar.routed_layers if e.skip_path != "identity"}
     all_names = {e.name for e in sidecar.layers}
     for key in files:
         m = re.fullmatch(r"(.*)\.router\.[^.]+\.[^.]+", key)
@@ -109,5 +123,11 @@ def read_router_tensors(path: Path, sidecar: AdaDSFSidecar) -> dict[str, torch.T
             raise AdaDSFCheckpointError(
                 f"{path} holds router tensor `{key}` but {SIDECAR_NAME} says layer "
                 f"`{m.group(1)}` is not routed"
+            )
+        m = re.fullmatch(r"(.*)\.skip_path\.[^.]+", key)
+        if m and m.group(1) not in skip_names and m.group(1) in all_names:
+            raise AdaDSFCheckpointError(
+                f"{path} holds skip path tensor `{key}` but {SIDECAR_NAME} gives layer "
+                f"`{m.group(1)}` no skip path"
             )
     return out

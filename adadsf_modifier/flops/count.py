@@ -70,6 +70,9 @@ def count_flops(
     dense_keys: Sequence[Sequence[int]] | torch.Tensor | None = None,
     gather_layers: Iterable[int] | None = None,
     dtype_bytes: int = 2,
+    skip_path_tokens: Sequence[Sequence[int]] | torch.Tensor | None = None,
+    skip_path_ranks: Mapping[int, int | None] | None = None,
+    kv_only_tokens: Sequence[Sequence[int]] | torch.Tensor | None = None,
 ) -> FlopsReport:
     """Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts.
 
@@ -98,6 +101,12 @@ def count_flops(
     :param gather_layers: layers that gather/scatter (memory traffic); default: the
         routed layers where some sequence kept ``0 < k < n`` tokens
     :param dtype_bytes: bytes per hidden-state element for the memory-traffic estimate
+    :param skip_path_tokens: ``[l][b]`` skipped tokens that went through layer ``l``'s
+        fitted skip path (default: none, the identity skip path)
+    :param skip_path_ranks: ``{layer: rank}`` of those skip paths (``None``: full rank;
+        a layer missing here counts as full rank)
+    :param kv_only_tokens: ``[l][b]`` skipped tokens whose keys/values layer ``l``
+        computed anyway (``skipped_tokens_kv``; default: none)
     """
     shape = layer_shape(config)
     lens = [
@@ -131,6 +140,25 @@ def count_flops(
         if dense_keys is not None
         else None
     )
+    skips = (
+        _as_table(skip_path_tokens, L, batch, "skip_path_tokens")
+        if skip_path_tokens is not None
+        else [[0] * batch] * L
+    )
+    kv_only = (
+        _as_table(kv_only_tokens, L, batch, "kv_only_tokens")
+        if kv_only_tokens is not None
+        else [[0] * batch] * L
+    )
+    for name, table in (("skip_path_tokens", skips), ("kv_only_tokens", kv_only)):
+        for li, row in enumerate(table):
+            for b, (s, k, n) in enumerate(zip(row, kept_t[li], lens)):
+                if not 0 <= s <= n - k:
+                    raise ValueError(
+                        f"{name}[{li}][{b}] = {s} is not within [0, seq_len - kept = "
+                        f"{n - k}]"
+                    )
+    ranks = dict(skip_path_ranks or {})
     if gather_layers is None:
         gathers = frozenset(
             li for li in routed if any(0 < k < n for k, n in zip(kept_t[li], lens))
@@ -174,6 +202,8 @@ def count_flops(
                 attention=shape.attention_flops(r_pairs),
                 mlp=shape.mlp_flops(k_tokens),
                 router=shape.router_flops(real_tokens, r_of(li)) if li in routed else 0,
+                skip_path=shape.skip_path_flops(sum(skips[li]), ranks.get(li)),
+                kv_only=shape.kv_only_flops(sum(kv_only[li])),
             )
         )
         # gather in (k h) + scatter out (k h) + the copy of the hidden states scatter
@@ -199,6 +229,8 @@ def count_flops(
             "rotary, biases, residual adds and the routing gate ignored); real tokens "
             "only",
             "attention counted over causally allowed (query, key) pairs",
+            "skip_path: fitted skip maps on skipped tokens; kv_only: keys/values of "
+            "skipped tokens (skipped_tokens_kv)",
             "normalized excludes lm_head; normalized_with_lm_head includes it",
             "memory_traffic_bytes: gather/scatter bytes written (2 k h + n h) per "
             "gathering layer; not FLOPs",

@@ -15,6 +15,7 @@ from adadsf_modifier.routing.architectures import (
     sliding_windows,
 )
 from adadsf_modifier.routing.router import TokenRouter
+from adadsf_modifier.routing.skip_path import SkipPath
 
 __all__ = [
     "LayerShape",
@@ -35,7 +36,8 @@ class LayerShape:
     attention). ``mlp_matmuls`` is 3 for a gated (SwiGLU) MLP -- gate, up, down -- and 2
     for a plain MLP (GPT-NeoX: h->4h, 4h->h). ``sliding_windows[l]`` is the attention
     window of layer ``l`` (keys per query at most), or ``None`` for full causal
-    attention.
+    attention. ``fused_qkv``: one fused query/key/value projection (GPT-NeoX), so the
+    keys/values of a skipped token cost the whole projection.
     """
 
     model_type: str
@@ -48,6 +50,7 @@ class LayerShape:
     num_layers: int
     vocab_size: int
     sliding_windows: tuple[int | None, ...]
+    fused_qkv: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -76,6 +79,17 @@ class LayerShape:
         """The router's FLOPs on ``n`` tokens: :meth:`TokenRouter.flops_for`."""
         return TokenRouter.flops_for(tokens, self.hidden_size, router_hidden_size)
 
+    def kv_only_flops(self, tokens: int) -> int:
+        """Keys/values of ``n`` tokens that skip the layer (``skipped_tokens_kv``):
+        ``2 n h (2 kv_dim)``, or the whole fused projection ``2 n h (q_dim + 2
+        kv_dim)``."""
+        width = 2 * self.kv_dim + (self.q_dim if self.fused_qkv else 0)
+        return 2 * tokens * self.hidden_size * width
+
+    def skip_path_flops(self, tokens: int, rank: int | None) -> int:
+        """A fitted skip path on ``n`` tokens: :meth:`SkipPath.flops_for`."""
+        return SkipPath.flops_for(tokens, self.hidden_size, rank)
+
     def lm_head_flops(self, tokens: int) -> int:
         """``2 n h V``."""
         return 2 * tokens * self.hidden_size * self.vocab_size
@@ -103,6 +117,7 @@ def layer_shape(config: Any) -> LayerShape:
         num_layers=int(config.num_hidden_layers),
         vocab_size=int(config.vocab_size),
         sliding_windows=sliding_windows(config),
+        fused_qkv=spec.fused_qkv is not None,
     )
 
 
@@ -139,10 +154,21 @@ class LayerFlops:
     attention: int
     mlp: int
     router: int = 0
+    #: the fitted skip path on the tokens that skipped the layer
+    skip_path: int = 0
+    #: keys/values of the tokens that skipped the layer (``skipped_tokens_kv``)
+    kv_only: int = 0
 
     @property
     def total(self) -> int:
-        return self.projections + self.attention + self.mlp + self.router
+        return (
+            self.projections
+            + self.attention
+            + self.mlp
+            + self.router
+            + self.skip_path
+            + self.kv_only
+        )
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -150,6 +176,8 @@ class LayerFlops:
             "attention": self.attention,
             "mlp": self.mlp,
             "router": self.router,
+            "skip_path": self.skip_path,
+            "kv_only": self.kv_only,
             "total": self.total,
         }
 
@@ -220,6 +248,8 @@ class FlopsReport:
             "attention": sum(x.attention for x in layers),
             "mlp": sum(x.mlp for x in layers),
             "router": sum(x.router for x in layers),
+            "skip_path": sum(x.skip_path for x in layers),
+            "kv_only": sum(x.kv_only for x in layers),
         }
 
     @property

@@ -14,6 +14,7 @@ from adadsf_modifier.flops.formulas import FlopsReport, layer_shape
 from adadsf_modifier.routing.architectures import decoder_layers, original_class
 from adadsf_modifier.routing.recorder import RoutingRecorder
 from adadsf_modifier.routing.routed_layer import RoutedLayer
+from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.utils import allowed_by_mask, model_device, real_token_mask
 
 __all__ = [
@@ -34,7 +35,10 @@ class ObservedRouting:
     ``routed_layers``: routed layers that were not removed (their router's cost is
     charged, also at ratio 1 where inference skips it); ``gather_layers``: layers that
     gathered/scattered a compacted batch; ``router_hidden_sizes``: ``{layer: r}``;
-    ``dtype_bytes``: element size of the hidden states.
+    ``dtype_bytes``: element size of the hidden states; ``skip_path_tokens``: skipped
+    tokens that went through the layer's fitted skip path, of rank
+    ``skip_path_ranks[layer]`` (``None``: full rank); ``kv_only_tokens``: skipped
+    tokens whose keys/values the layer computed (``skipped_tokens_kv``).
     """
 
     kept: list[list[int]]
@@ -45,6 +49,9 @@ class ObservedRouting:
     gather_layers: frozenset[int]
     router_hidden_sizes: dict[int, int]
     dtype_bytes: int
+    skip_path_tokens: list[list[int]] | None = None
+    skip_path_ranks: dict[int, int | None] | None = None
+    kv_only_tokens: list[list[int]] | None = None
 
 
 def _dense_pairs(
@@ -147,6 +154,8 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         )
     seq_lens = dense[0]["seq_lens"]
     kept, keys, routed, gathers, widths = [], [], set(), set(), {}
+    zeros = [0] * len(seq_lens)
+    skips, kv_only, ranks = [], [], {}
     for i, (_, layer) in enumerate(layers):
         if dense[i]["seq_lens"] != seq_lens:
             raise RuntimeError(
@@ -156,6 +165,9 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         record = None
         if isinstance(layer, RoutedLayer):
             widths[i] = int(layer.router.router_hidden_size)
+            skip_map = skip_path_of(layer)
+            if skip_map is not None:
+                ranks[i] = skip_map.rank
             records = recorder.records.get(layer.layer_index, [])
             if len(records) != 1:
                 raise RuntimeError(
@@ -172,6 +184,11 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         else:
             kept.append(record.kept.tolist())
             keys.append(record.attended.tolist())
+        for table, counts in (
+            (skips, None if record is None else record.skip_path),
+            (kv_only, None if record is None else record.kv_only),
+        ):
+            table.append(zeros if counts is None else counts.tolist())
     return ObservedRouting(
         kept=kept,
         seq_lens=list(seq_lens),
@@ -181,6 +198,9 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         gather_layers=frozenset(gathers),
         router_hidden_sizes=widths,
         dtype_bytes=int(dense[0]["dtype_bytes"]),
+        skip_path_tokens=skips,
+        skip_path_ranks=ranks,
+        kv_only_tokens=kv_only,
     )
 
 
@@ -213,4 +233,7 @@ def normalized_flops(model: nn.Module, batch: Any) -> FlopsReport:
         dense_keys=obs.dense_keys,
         gather_layers=obs.gather_layers,
         dtype_bytes=obs.dtype_bytes,
+        skip_path_tokens=obs.skip_path_tokens,
+        skip_path_ranks=obs.skip_path_ranks,
+        kv_only_tokens=obs.kv_only_tokens,
     )

@@ -1,5 +1,5 @@
-"""Token routing: the router, the routed decoder layer, routing modes, caches and
-thresholds."""
+"""Token routing: the router, the routed decoder layer, routing modes, caches,
+thresholds, and what skipped tokens get (skip paths, keys/values)."""
 
 from adadsf_modifier.routing.architectures import (
     SUPPORTED_ARCHITECTURES,
@@ -28,6 +28,9 @@ from adadsf_modifier.routing.routed_layer import (
 )
 from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.selection import tokens_to_keep
+from adadsf_modifier.routing.skip_fields import SkipPathFields
+from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
+from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
 from adadsf_modifier.routing.thresholds import (
     ThresholdCalibrationError,
     ThresholdReport,
@@ -58,6 +61,11 @@ __all__ = [
     "unroute_layer",
     "TokenRouter",
     "tokens_to_keep",
+    "SKIP_PATHS",
+    "SkipPath",
+    "SkipPathFields",
+    "SkipPathReport",
+    "fit_skip_paths",
     "ThresholdCalibrationError",
     "ThresholdReport",
     "calibrate_thresholds",

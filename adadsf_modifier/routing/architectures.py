@@ -5,7 +5,10 @@ Routing itself is architecture-agnostic (it calls the original layer on a compac
 batch); it needs to know which modules are the decoder layers, that they take rotary
 ``position_embeddings`` plus a 4D attention mask, and the keyword of the cache
 argument. The FLOPs model needs the MLP kind and where the config keeps the number of
-key/value heads. Adding an architecture is one entry in :data:`SUPPORTED_ARCHITECTURES`.
+key/value heads. Keeping the keys/values of skipped tokens
+(:mod:`adadsf_modifier.routing.kv_keep`) needs the names of the layer's input norm and
+key/value projections. Adding an architecture is one entry in
+:data:`SUPPORTED_ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ class ArchitectureSpec:
     ``gated_mlp``: a gated (SwiGLU: gate, up, down) MLP rather than a plain two-matmul
     one; ``kv_heads_attr``: the config attribute holding the number of key/value heads
     (``None``: full multi-head attention, as many as query heads).
+
+    The decoder layer's structure, for computing the keys/values of a token that skips
+    it (its input, after ``input_norm``, through the attention module's key/value
+    projections, rotated like the layer rotates them): ``input_norm`` and
+    ``attention`` name the layer's submodules; ``kv_projections`` the attention
+    module's separate key and value projections, or ``fused_qkv`` its single fused
+    query/key/value projection (GPT-NeoX: per head ``[q, k, v]``, so the queries are
+    computed too); ``head_dim_attr``: the attention module's head-size attribute.
     """
 
     model_type: str
@@ -53,6 +64,11 @@ class ArchitectureSpec:
     cache_kwarg: str
     gated_mlp: bool = True
     kv_heads_attr: str | None = "num_key_value_heads"
+    input_norm: str = "input_layernorm"
+    attention: str = "self_attn"
+    kv_projections: tuple[str, str] | None = ("k_proj", "v_proj")
+    fused_qkv: str | None = None
+    head_dim_attr: str = "head_dim"
 
     @property
     def mlp_matmuls(self) -> int:
@@ -86,6 +102,10 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureSpec] = {
         "layer_past",
         gated_mlp=False,
         kv_heads_attr=None,
+        attention="attention",
+        kv_projections=None,
+        fused_qkv="query_key_value",
+        head_dim_attr="head_size",
     ),
 }
 

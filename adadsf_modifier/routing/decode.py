@@ -4,6 +4,9 @@ Decoding one token per row in causal mode needs no gather/scatter along the sequ
 only the rows whose token passes the layer's threshold run it. Kept apart from
 :mod:`adadsf_modifier.routing.routed_layer` (which calls :func:`decode_step`) because
 it is the hot path of ``generate()``: one host sync per layer and step, none more.
+Rows that skip take the layer's skip path (:mod:`~adadsf_modifier.routing.skip_path`);
+a layer keeping skipped tokens' keys/values (:mod:`~adadsf_modifier.routing.kv_keep`)
+decodes with :func:`decode_step_keeping_kv` instead.
 """
 
 from __future__ import annotations
@@ -12,11 +15,77 @@ from typing import Any
 
 import torch
 
+from adadsf_modifier.routing.architectures import architecture_for_config
 from adadsf_modifier.routing.cache import RoutedCacheLayer
+from adadsf_modifier.routing.kv_keep import MergedKV, project_kv, stored_keys
 from adadsf_modifier.routing.selection import attention_mask_kwargs
-from adadsf_modifier.utils import real_token_mask
+from adadsf_modifier.routing.skip_path import skip_path_of
+from adadsf_modifier.utils import allowed_by_mask, real_token_mask
 
-__all__ = ["decode_step", "gated", "pass_through"]
+__all__ = ["decode_step", "decode_step_keeping_kv", "gated", "pass_through"]
+
+
+def _decide(
+    layer: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    first: bool,
+) -> tuple[Any, Any, Any, int, Any]:
+    """``(selected, rows, skip_rows, n, real)``: which rows run (``n`` of them, with
+    one host sync). ``rows`` / ``skip_rows`` (ascending) are ``None`` unless some rows
+    run and some skip; ``selected`` is ``None`` at batch size 1; ``real [batch]``: the
+    rows whose new token is not padding (``None``: all)."""
+    batch = x.shape[0]
+    real = None
+    if attention_mask is not None:
+        real = real_token_mask(attention_mask, batch, 1, x.device)[:, 0]
+    if batch == 1:  # one sync, no index ops
+        run = (first or float(scores) > layer.causal_threshold) and (
+            real is None or bool(real)
+        )
+        return None, None, None, int(run), real
+    selected = scores[:, 0] > layer.causal_threshold
+    if first:
+        selected = torch.ones_like(selected)
+    if real is not None:
+        selected = selected & real
+    n = int(selected.sum())  # the one host sync of this layer
+    if n in (0, batch):
+        return selected, None, None, n, real
+    order = torch.argsort((~selected).to(torch.int8), stable=True)
+    return selected, order[:n], order[n:], n, real
+
+
+def _skipping(
+    batch: int, skip_rows: torch.Tensor | None, real: torch.Tensor | None
+) -> torch.Tensor:
+    """``[batch]`` 1 for the real rows among ``skip_rows`` (``None``: every row)."""
+    count = torch.ones(batch, dtype=torch.long)
+    if skip_rows is not None:
+        count = torch.zeros(batch, dtype=torch.long).index_fill(0, skip_rows.cpu(), 1)
+    return count if real is None else count * real.cpu().long()
+
+
+def _skip_rows(
+    layer: Any, x: torch.Tensor, skip_rows: torch.Tensor | None, real: Any, rec: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` with the skip path applied to ``skip_rows`` (``None``: every row), and,
+    while recording, the ``[batch]`` count of real tokens that took it (``None``:
+    identity skip path)."""
+    skip_map = skip_path_of(layer)
+    if skip_map is None:
+        return x, None
+    count = _skipping(x.shape[0], skip_rows, real) if rec is not None else None
+    if skip_rows is None:
+        return x + skip_map(x), count
+    x_s = x.index_select(0, skip_rows)
+    return x.index_copy(0, skip_rows, x_s + skip_map(x_s)), count
+
+
+def _ran(selected: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    ran = torch.ones(batch, dtype=torch.bool) if selected is None else selected
+    return ran.to(device)
 
 
 def decode_step(
@@ -42,33 +111,15 @@ def decode_step(
     first = layer.keep_first_token and (
         cache_layer is None or cache_layer.seen_tokens == 0
     )
-    if attention_mask is None:
-        real = None
-    else:
-        real = real_token_mask(attention_mask, batch, 1, x.device)[:, 0]
     rec = layer.routing_recorder
-    rows = selected = None  # rows None: every row runs
-    if batch == 1:  # one sync, no index ops
-        run = (first or float(scores) > layer.causal_threshold) and (
-            real is None or bool(real)
-        )
-        if not run:
-            if rec is not None:
-                rec.record(layer.layer_index, "skipped", batch=1)
-            return pass_through(x, cache_layer)
-    else:
-        selected = scores[:, 0] > layer.causal_threshold
-        if first:
-            selected = torch.ones_like(selected)
-        if real is not None:
-            selected = selected & real
-        rows = selected.nonzero().squeeze(1)  # the one host sync of this layer
-        if rows.numel() == 0:
-            if rec is not None:
-                rec.record(layer.layer_index, "skipped", batch=batch)
-            return pass_through(x, cache_layer)
-        if rows.numel() == batch:
-            rows = None
+    selected, rows, skip_rows, n, real = _decide(
+        layer, x, scores, attention_mask, first
+    )
+    if n == 0:
+        out, skipped = _skip_rows(layer, x, None, real, rec)
+        if rec is not None:
+            rec.record(layer.layer_index, "skipped", batch=batch, skip_path=skipped)
+        return pass_through(out, cache_layer)
 
     inner = dict(kwargs)
     inner["attention_mask"] = None
@@ -94,12 +145,15 @@ def decode_step(
                 allowed[:, None, None, :], x.dtype, impl, layer.grouped_query_attention
             )
         )
+    base, skipped = x, None
+    if rows is not None:
+        base, skipped = _skip_rows(layer, x, skip_rows, real, rec)
     if rec is not None:
-        ran = torch.ones(batch, dtype=torch.bool) if selected is None else selected
-        ran = ran.to(x.device)
+        ran = _ran(selected, batch, x.device)
         visible = 1 + (past.sum(1) if past is not None else 0)
         path = "in_place" if rows is None else "gather"
-        rec.record(layer.layer_index, path, kept=ran, attended=ran * visible)
+        rec.record(layer.layer_index, path, kept=ran, attended=ran * visible,
+                   skip_path=skipped)  # fmt: skip
 
     if cache_layer is not None and rows is not None:
         with cache_layer.only_rows(rows, batch):
@@ -108,13 +162,86 @@ def decode_step(
         y = forward(x_in, **inner)
     y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
     if torch.is_grad_enabled():
-        y = gated(y, x_in, scores if rows is None else scores.index_select(0, rows))
+        y = _gated_step(layer, y, x_in, scores, rows)
     if rows is not None:
-        y = x.index_copy(0, rows, y)
+        y = base.index_copy(0, rows, y)
     if cache_layer is not None:
         valid = None if rows is None else selected.unsqueeze(1)
         cache_layer.record_step(1, valid, appended=1)
     return (y, *rest) if rest is not None else y
+
+
+def decode_step_keeping_kv(
+    layer: Any,
+    forward: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    cache: Any,
+) -> Any:
+    """:func:`decode_step` for a layer whose skipped tokens keep their keys/values.
+
+    Its cache layer is the model's dense one: a row that runs is a plain dense decoding
+    step (the model's own mask and cache); a row that skips still appends its keys and
+    values. When only some rows run, the skipping rows' keys/values are computed
+    separately and merged into the one cache update (:class:`MergedKV`).
+    """
+    batch = x.shape[0]
+    idx = layer.layer_index
+    first = layer.keep_first_token and stored_keys(cache, idx) == 0
+    rec = layer.routing_recorder
+    selected, rows, skip_rows, n, real = _decide(
+        layer, x, scores, attention_mask, first
+    )
+    spec = architecture_for_config(layer._adadsf_config)
+    pe = kwargs.get("position_embeddings")
+    if n == 0:
+        if cache is not None:
+            k, v = project_kv(layer, spec, x, pe)
+            cache.update(k, v, idx)
+        out, skipped = _skip_rows(layer, x, None, real, rec)
+        if rec is not None:
+            kv = _skipping(batch, None, real) if cache is not None else None
+            rec.record(idx, "skipped", batch=batch, skip_path=skipped, kv=kv)
+        return out
+    inner = dict(kwargs)
+    x_in, base, skipped, kv = x, x, None, None
+    if rows is not None:
+        x_in = x.index_select(0, rows)
+        k, v = project_kv(
+            layer, spec, x.index_select(0, skip_rows), _rows_of(pe, skip_rows, batch)
+        )
+        keys = k.new_zeros(batch, *k.shape[1:]).index_copy(0, skip_rows, k)
+        values = v.new_zeros(batch, *v.shape[1:]).index_copy(0, skip_rows, v)
+        inner[layer.cache_kwarg] = MergedKV(keys, values, None, 1, cache, rows=rows)
+        inner["use_cache"] = cache is not None
+        for key in ("position_embeddings", "position_ids", "attention_mask"):
+            inner[key] = _rows_of(kwargs.get(key), rows, batch)
+        base, skipped = _skip_rows(layer, x, skip_rows, real, rec)
+        kv = _skipping(batch, skip_rows, real) if rec is not None else None
+    if rec is not None:
+        ran = _ran(selected, batch, x.device)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            visible = allowed_by_mask(attention_mask[:, 0, -1, :]).sum(-1)
+        else:
+            visible = stored_keys(cache, idx) + 1
+        path = "in_place" if rows is None else "gather"
+        rec.record(idx, path, kept=ran, attended=ran * visible, skip_path=skipped,
+                   kv=kv)  # fmt: skip
+    y = forward(x_in, **inner)
+    y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
+    if torch.is_grad_enabled():
+        y = _gated_step(layer, y, x_in, scores, rows)
+    if rows is not None:
+        y = base.index_copy(0, rows, y)
+    return (y, *rest) if rest is not None else y
+
+
+def _gated_step(layer, y, x_in, scores, rows) -> torch.Tensor:
+    skip_map = skip_path_of(layer)
+    base = x_in if skip_map is None else x_in + skip_map(x_in)
+    return gated(y, base, scores if rows is None else scores.index_select(0, rows))
 
 
 def pass_through(x: torch.Tensor, cache_layer: RoutedCacheLayer | None) -> torch.Tensor:

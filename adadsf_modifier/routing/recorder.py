@@ -1,11 +1,13 @@
 """What routed layers did in a forward pass, written by the layers themselves.
 
 A routed layer that has a :class:`RoutingRecorder` attached reports, for every call,
-the path it took, how many tokens of each row ran it and how many (query, key) pairs
-its attention computed. The FLOPs model (:func:`adadsf_modifier.flops.observe_routing`)
-reads these records instead of re-deriving the layer's decisions, so what is counted is
-what ran. With no recorder attached the layer only checks one attribute: the counts are
-computed (with their host syncs) only while recording.
+the path it took, how many tokens of each row ran it, how many (query, key) pairs
+its attention computed, and the work done for the tokens that skipped it (a fitted skip
+path, keys/values of skipped tokens). The FLOPs model
+(:func:`adadsf_modifier.flops.observe_routing`) reads these records instead of
+re-deriving the layer's decisions, so what is counted is what ran. With no recorder
+attached the layer only checks one attribute: the counts are computed (with their host
+syncs) only while recording.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class LayerRecord:
     attended: torch.Tensor | None
     #: whether the layer evaluated its router in this call (its cost is counted)
     router_ran: bool = True
+    #: ``[batch]`` tokens of each row that went through the layer's fitted skip path
+    #: (``None``: none, e.g. the identity skip path)
+    skip_path: torch.Tensor | None = None
+    #: ``[batch]`` skipped tokens of each row whose keys/values the layer computed
+    #: (``skipped_tokens_kv``; ``None``: none)
+    kv_only: torch.Tensor | None = None
 
 
 class RoutingRecorder:
@@ -60,9 +68,11 @@ class RoutingRecorder:
         attended: torch.Tensor | None = None,
         batch: int = 0,
         router_ran: bool | None = None,
+        skip_path: torch.Tensor | None = None,
+        kv: torch.Tensor | None = None,
     ) -> None:
         """Called by a routed layer; ``removed`` / ``skipped`` may give ``batch``
-        instead of zero counts."""
+        instead of zero counts. ``skip_path`` / ``kv``: see :class:`LayerRecord`."""
         if path not in PATHS:
             raise ValueError(f"unknown routing path {path!r}; expected one of {PATHS}")
         if path in ("removed", "skipped") and kept is None:
@@ -71,8 +81,12 @@ class RoutingRecorder:
             kept, attended = kept.long().cpu(), attended.long().cpu()
         if router_ran is None:
             router_ran = path != "removed"
+        if skip_path is not None:
+            skip_path = skip_path.long().cpu()
+        if kv is not None:
+            kv = kv.long().cpu()
         self.records.setdefault(int(layer_index), []).append(
-            LayerRecord(path, kept, attended, router_ran)
+            LayerRecord(path, kept, attended, router_ran, skip_path, kv)
         )
 
     @contextmanager

@@ -23,19 +23,21 @@ from adadsf_modifier.routing.architectures import (
     sliding_windows,
 )
 from adadsf_modifier.routing.cache import routed_cache_layer
-from adadsf_modifier.routing.decode import decode_step, gated, pass_through
+from adadsf_modifier.routing.decode import (
+    decode_step,
+    decode_step_keeping_kv,
+    gated,
+    pass_through,
+)
+from adadsf_modifier.routing.kv_keep import stored_keys
+from adadsf_modifier.routing.paths import check_dense_cache, run_routed, skip_all
 from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.selection import (
-    attended_pairs,
-    attention_mask_kwargs,
-    gather_position_embeddings,
-    gather_tokens,
-    scatter_tokens,
     select_by_mask,
     select_topk,
-    selected_attention_mask,
     tokens_to_keep_per_row,
 )
+from adadsf_modifier.routing.skip_path import SkipPath, skip_path_of
 from adadsf_modifier.utils import real_token_mask
 
 __all__ = [
@@ -56,9 +58,14 @@ class RoutedLayer(nn.Module):
     The selected tokens (see :mod:`adadsf_modifier.routing.modes`) run the original
     layer, attending only among themselves (and, with a KV cache, to the earlier tokens
     that ran this layer) at their original positions; the others leave it bit-identical.
-    The update of a selected token is multiplied by a straight-through gate ``1 +
-    sigmoid(s) - sigmoid(s).detach()``: exactly 1 in value (so an untrained router at r
-    = 1 reproduces the dense layer exactly), while the router receives ``d loss / d out
+    Two variants (paper-faithful defaults off): a fitted ``skip_path`` child gives the
+    skipped tokens ``x + u(x)`` instead of ``x``
+    (:mod:`~adadsf_modifier.routing.skip_path`), and ``skipped_tokens_kv`` lets them
+    keep contributing keys/values, so the selected tokens attend to the full context
+    (:mod:`~adadsf_modifier.routing.kv_keep`). The update of a selected token is
+    multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``:
+    exactly 1 in value (so an untrained router at r = 1 reproduces the dense layer
+    exactly), while the router receives ``d loss / d out
     * (out - in) * sigmoid'(s)`` as gradient.
     """
 
@@ -71,6 +78,10 @@ class RoutedLayer(nn.Module):
     keep_first_token: bool = True
     #: keys per query of this layer's sliding-window attention (None: full causal)
     attention_window: int | None = None
+    #: skipped tokens still give keys/values to the attention of the tokens that run
+    #: (see :mod:`adadsf_modifier.routing.kv_keep`); their skip path itself is the
+    #: ``skip_path`` child module (:class:`SkipPath`), absent for the identity
+    skipped_tokens_kv: bool = False
     #: a :class:`~adadsf_modifier.routing.recorder.RoutingRecorder` while one is
     #: attached: the layer then reports what it ran (see ``recorder.py``)
     routing_recorder: Any = None
@@ -181,17 +192,25 @@ class RoutedLayer(nn.Module):
         ratio = float(self.retention_ratio)
         batch, q_len, _ = x.shape
         cache = kwargs.get(self.cache_kwarg)
+        # a layer keeping skipped tokens' keys/values caches every position densely
+        dense_cache = self.skipped_tokens_kv and ratio > 0.0
         cache_layer = (
             routed_cache_layer(cache, self.layer_index, self.attention_window)
-            if cache is not None and ratio < 1.0
+            if cache is not None and ratio < 1.0 and not dense_cache
             else None
         )
         rec = self.routing_recorder
 
         if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
+            real = None
+            if rec is not None or skip_path_of(self) is not None:
+                real = real_token_mask(kwargs.get("attention_mask"), batch, q_len,
+                                       x.device)  # fmt: skip
+            out, skipped = skip_all(self, x, real)
             if rec is not None:
-                rec.record(self.layer_index, "removed", batch=batch)
-            return pass_through(x, cache_layer)
+                rec.record(self.layer_index, "removed", batch=batch,
+                           skip_path=skipped)  # fmt: skip
+            return pass_through(out, cache_layer)
         impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
         if impl in _UNSUPPORTED_ATTENTION:
             raise NotImplementedError(
@@ -220,18 +239,19 @@ class RoutedLayer(nn.Module):
 
         mode = self.resolved_routing_mode()
         if mode == "causal" and q_len == 1 and self.causal_threshold is not None:
-            return decode_step(
-                self,
-                super().forward,
-                x,
-                scores,
-                attention_mask,
-                kwargs,
-                cache_layer,
-                impl,
-            )
+            if self.skipped_tokens_kv:
+                if cache is not None:
+                    check_dense_cache(cache, self.layer_index)
+                return decode_step_keeping_kv(
+                    self, super().forward, x, scores, attention_mask, kwargs, cache
+                )
+            return decode_step(self, super().forward, x, scores, attention_mask,
+                               kwargs, cache_layer, impl)  # fmt: skip
         real = real_token_mask(attention_mask, batch, q_len, x.device)
-        has_past = cache_layer is not None and cache_layer.seen_tokens > 0
+        if self.skipped_tokens_kv:
+            has_past = stored_keys(cache, self.layer_index) > 0
+        else:
+            has_past = cache_layer is not None and cache_layer.seen_tokens > 0
         if mode == "topk" and has_past:
             raise RuntimeError(
                 "AdaDSF top-k routing chooses tokens over the whole sequence and "
@@ -239,46 +259,9 @@ class RoutedLayer(nn.Module):
                 "decoding (model.eval() after threshold calibration, or "
                 "set_routing_mode(model, 'causal'))"
             )
-        index, valid, k_max = self.select_tokens(scores, real, mode, has_past)
-        if k_max == 0:
-            if rec is not None:
-                rec.record(self.layer_index, "skipped", batch=batch)
-            return pass_through(x, cache_layer)
-
-        inner = dict(kwargs)
-        inner["position_embeddings"] = gather_position_embeddings(
-            kwargs.get("position_embeddings"), index
-        )
-        if kwargs.get("position_ids") is not None:
-            inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
-        allowed = selected_attention_mask(
-            attention_mask, index, valid, cache_layer, impl
-        )
-        if rec is not None:
-            pairs = attended_pairs(attention_mask, index, valid, cache_layer, allowed)
-            rec.record(self.layer_index, "gather", valid.sum(1), pairs)
-        inner.update(
-            attention_mask_kwargs(
-                allowed,
-                x.dtype,
-                impl,
-                self.grouped_query_attention,
-                float_mask=attention_mask is not None
-                and attention_mask.dtype != torch.bool,
-            )
-        )
-        if cache_layer is None:
-            inner[self.cache_kwarg] = None
-            inner["use_cache"] = False
-        x_sel = gather_tokens(x, index)
-        y = super().forward(x_sel, **inner)
-        y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
-        if cache_layer is not None:
-            cache_layer.record_step(q_len, valid, appended=k_max, index=index)
-        if torch.is_grad_enabled():
-            y = gated(y, x_sel, scores.gather(1, index.clamp(max=q_len - 1)))
-        out = scatter_tokens(x, index, y)
-        return (out, *rest) if rest is not None else out
+        selection = self.select_tokens(scores, real, mode, has_past)
+        return run_routed(self, super().forward, x, scores, selection, real, kwargs,
+                          cache, cache_layer, impl)  # fmt: skip
 
     def extra_repr(self) -> str:
         thr = (
@@ -287,7 +270,8 @@ class RoutedLayer(nn.Module):
         ratio = f"{self.retention_ratio:.4f}"
         return (
             f"layer_index={self.layer_index}, retention_ratio={ratio}, "
-            f"routing_mode={self.routing_mode}, causal_threshold={thr}"
+            f"routing_mode={self.routing_mode}, causal_threshold={thr}, "
+            f"skipped_tokens_kv={self.skipped_tokens_kv}"
         )
 
 
@@ -317,21 +301,30 @@ def route_layer(
     layer_index: int,
     cache_kwarg: str,
     config: Any,
+    skip_path: SkipPath | None = None,
+    skipped_tokens_kv: bool = False,
 ) -> nn.Module:
     """Turn ``layer`` into a routed layer in place (same object, new class, router
-    added)."""
+    added).
+
+    ``skip_path``: what skipped tokens get added (``None``: nothing, the identity);
+    ``skipped_tokens_kv``: skipped tokens still contribute keys/values.
+    """
     if not 0.0 <= retention_ratio <= 1.0:
         raise ValueError(f"retention ratio must be in [0, 1], got {retention_ratio}")
     if isinstance(layer, RoutedLayer):
         raise ValueError(f"layer {layer_index} is already routed")
     param = next(layer.parameters(), None)
-    if param is not None:
-        router.to(
-            device=param.device,
-            dtype=param.dtype if param.is_floating_point() else None,
-        )
+    for module in (router, skip_path):
+        if param is not None and module is not None:
+            dtype = param.dtype if param.is_floating_point() else None
+            module.to(device=param.device, dtype=dtype)
     _swap_class(layer, routed_class_for(type(layer)))
     layer.add_module("router", router)
+    if skip_path is not None:
+        layer.add_module("skip_path", skip_path)
+    if skipped_tokens_kv:
+        layer.skipped_tokens_kv = True
     layer.retention_ratio = float(retention_ratio)
     layer.layer_index = int(layer_index)
     layer.cache_kwarg = cache_kwarg
@@ -350,7 +343,9 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
         return layer
     original = original_class(type(layer))
     del layer._modules["router"]
+    layer._modules.pop("skip_path", None)
     for attr in (
+        "skipped_tokens_kv",
         "retention_ratio",
         "layer_index",
         "cache_kwarg",

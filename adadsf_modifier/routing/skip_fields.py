@@ -1,0 +1,108 @@
+"""What skipped tokens get: the ``skip_path*`` and ``skipped_tokens_kv`` recipe fields,
+a pydantic mixin that :class:`~adadsf_modifier.AdaDSFModifier` inherits.
+
+Kept next to the code they configure (:mod:`~adadsf_modifier.routing.skip_path`,
+:mod:`~adadsf_modifier.routing.kv_keep`) so the modifier only wires them in. The mixin
+declares no ``model_config``: the modifier keeps llm-compressor's ``extra="forbid"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, PrivateAttr
+from torch import nn
+
+from adadsf_modifier.constraints import PositiveFloat, PositiveInt
+from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
+from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
+from adadsf_modifier.routing.skip_path import SkipPath
+
+__all__ = ["SkipPathFields"]
+
+
+class SkipPathFields(BaseModel):
+    """Variants of what a token that skips a routed layer gets (METHOD.md §3).
+
+    ```yaml
+    AdaDSFModifier:
+      retention: 0.8
+      skip_path: ridge          # identity (default, the paper) | ridge
+      skip_path_rank: 64        # null (default): full rank
+      skipped_tokens_kv: true   # default false (the paper)
+    ```
+
+    :param skip_path: ``identity`` (the paper: a skipped token passes unchanged) or
+        ``ridge``: it gets ``x + u(x)``, an affine map of its input fitted in closed
+        form (ridge regression of the layer's update ``layer(x) - x`` on ``[x, 1]``) on
+        the calibration data, layer by layer on the routed model's own activations,
+        after the router warm start; refitted after an alignment that trained the layers
+        (``align_trainable: routers_and_layers``). It costs ``2 h^2`` FLOPs (``4 h k``
+        at rank ``k``) per skipped token, counted by the FLOPs model
+    :param skip_path_rank: rank of the ridge map (``null``: full rank); in
+        ``[1, hidden_size - 1]``
+    :param skip_path_ridge: ridge penalty, relative to the mean input variance
+    :param skip_path_tokens: fit each map on the tokens its router skips (``skipped``)
+        or on every calibration token (``all``)
+    :param skipped_tokens_kv: skipped tokens still give the layer's attention their
+        keys/values (input norm + key/value projections), so the tokens that run it
+        see the full context; costs those projections per skipped token and the larger
+        attention, counted by the FLOPs model. Its KV cache then holds every position
+    """
+
+    skip_path: Literal["identity", "ridge"] = "identity"
+    skip_path_rank: PositiveInt | None = None
+    skip_path_ridge: PositiveFloat = 1e-3
+    skip_path_tokens: Literal["skipped", "all"] = "skipped"
+    skipped_tokens_kv: bool = False
+
+    _skip_path_report: SkipPathReport | None = PrivateAttr(default=None)
+
+    @property
+    def skip_path_report(self) -> SkipPathReport | None:
+        """Per layer: tokens fit on and fraction of the update explained (``R^2``) of
+        the last skip-path fit (``None``: identity skip path, or not fitted yet)."""
+        return self._skip_path_report
+
+    def check_skip_path(self, model: nn.Module, layer_names: Sequence[str]) -> None:
+        """Refuse, before any calibration, a rank the model cannot take and a later
+        quantization modifier that would quantize the skip paths."""
+        if self.skip_path == "identity":
+            return
+        hidden, rank = int(model.config.hidden_size), self.skip_path_rank
+        if rank is not None and rank >= hidden:
+            raise ValueError(
+                f"skip_path_rank must be below the hidden size {hidden} (null for full "
+                f"rank), got {rank}"
+            )
+        check_recipe_keeps_skip_paths_unquantized(layer_names, SkipPath(1))
+
+    def configure_routed_layer(self, layer: nn.Module) -> None:
+        """Give a freshly routed layer its skip path (zero, i.e. the identity, until
+        fitted) and its ``skipped_tokens_kv`` setting."""
+        layer.skipped_tokens_kv = bool(self.skipped_tokens_kv)
+        if self.skip_path != "identity" and layer.retention_ratio < 1.0:
+            param = next(layer.router.parameters())
+            skip = SkipPath(int(layer.router.hidden_size), self.skip_path_rank)
+            layer.add_module("skip_path", skip.to(param.device, param.dtype))
+
+    def fit_skip_paths_of(
+        self, model: nn.Module, batches: Iterable[Any], after_alignment: bool = False
+    ) -> SkipPathReport | None:
+        """Fit the skip paths (``ridge``) on ``batches``. After alignment only when it
+        trained the layers: a routers-only alignment leaves the layers' updates, hence
+        the fit's targets, as they were."""
+        if self.skip_path == "identity":
+            return None
+        trained = getattr(self, "align_trainable", "routers") != "routers"
+        if after_alignment and not (getattr(self, "align_steps", 0) > 0 and trained):
+            return None
+        self._skip_path_report = fit_skip_paths(
+            model,
+            batches,
+            rank=self.skip_path_rank,
+            ridge=self.skip_path_ridge,
+            tokens=self.skip_path_tokens,
+        )
+        return self._skip_path_report

@@ -1,0 +1,236 @@
+"""Fit every routed layer's skip path in closed form, layer by layer, on calibration
+data.
+
+:func:`fit_skip_paths` walks the decoder stack once. The inputs of every decoder layer
+for every calibration batch are those the *routed* model gives it: layers below have
+already been fitted and run routed (their skipped tokens take their fitted skip path,
+their kept tokens attend as routing lets them), so each fit sees the activations it
+will meet at inference, not the dense model's. For each routed layer it regresses the
+dense layer's update ``layer(x) - x`` (the layer run on every token of those inputs)
+on ``[x, 1]`` over the real tokens the router skips (``tokens="skipped"``, what the map
+is used for) or over every real token (``tokens="all"``), then runs the routed layer
+to produce the next layer's inputs.
+
+Cost: about two forward passes over the calibration data (each routed layer runs once
+densely for the targets and once routed), plus one cheap pass that only records every
+layer's keyword arguments (masks, rotary embeddings). Memory: one batch-set of hidden
+states and one layer's ``(h + 1)^2`` float64 statistics at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from loguru import logger
+from torch import nn
+
+from adadsf_modifier.routing.architectures import decoder_layers
+from adadsf_modifier.routing.routed_layer import RoutedLayer
+from adadsf_modifier.routing.skip_path import RidgeStats, SkipPath, fit_ridge
+from adadsf_modifier.utils import (
+    MODEL_INPUT_KEYS,
+    model_device,
+    real_token_mask,
+    tensors_to_device,
+)
+
+__all__ = ["SkipPathReport", "fit_skip_paths", "install_skip_paths"]
+
+
+@dataclass
+class SkipPathReport:
+    """Per fitted layer (in layer order): index, tokens fit on, and the fraction of
+    their update the map explains (``r2``; the identity skip path has 0)."""
+
+    layer_indices: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    r2: list[float] = field(default_factory=list)
+
+
+class _Stop(Exception):
+    """Ends the kwargs-recording pass after the last decoder layer's inputs."""
+
+
+def install_skip_paths(model: nn.Module, rank: int | None) -> list[RoutedLayer]:
+    """Give every routed layer below ratio 1 a zero :class:`SkipPath` (identity until
+    fitted) unless it has one of that rank; returns those layers."""
+    out = []
+    for layer in (m for m in model.modules() if isinstance(m, RoutedLayer)):
+        if layer.retention_ratio >= 1.0:
+            continue
+        current = layer._modules.get("skip_path")
+        if not isinstance(current, SkipPath) or current.rank != rank:
+            param = next(layer.router.parameters())
+            skip = SkipPath(int(model.config.hidden_size), rank)
+            layer.add_module("skip_path", skip.to(param.device, param.dtype))
+        out.append(layer)
+    return out
+
+
+def _layer_call(layer: nn.Module, x: torch.Tensor, call: tuple) -> torch.Tensor:
+    args, kwargs = call
+    out = layer(x, *args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@contextlib.contextmanager
+def _dense(layer: RoutedLayer):
+    """The layer runs every token (its own computation; its skip path unused)."""
+    ratio = layer.retention_ratio
+    layer.retention_ratio = 1.0
+    try:
+        yield
+    finally:
+        layer.retention_ratio = ratio
+
+
+def _record_calls(
+    model: nn.Module, layers: list[nn.Module], batches: list[Mapping[str, Any]]
+) -> tuple[list[torch.Tensor], list[list[tuple]]]:
+    """First decoder layer's input and every layer's other arguments, per batch.
+
+    Routed layers are switched to ratio 0 for this pass (they pass their input through),
+    so it costs about the dense layers that are left: the arguments (masks, rotary
+    embeddings, positions) do not depend on what the layers compute.
+    """
+    firsts: list[torch.Tensor] = []
+    calls: list[list[tuple]] = [[] for _ in layers]
+
+    def hook_for(i: int):
+        def hook(module, args, kwargs):
+            if i == 0:
+                firsts.append(args[0] if args else kwargs["hidden_states"])
+            rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            calls[i].append((tuple(args[1:]), rest))
+            if i == len(layers) - 1:
+                raise _Stop
+
+        return hook
+
+    routed = [m for m in layers if isinstance(m, RoutedLayer)]
+    ratios = [m.retention_ratio for m in routed]
+    handles = [
+        m.register_forward_pre_hook(hook_for(i), with_kwargs=True)
+        for i, m in enumerate(layers)
+    ]
+    try:
+        for m in routed:
+            m.retention_ratio = 0.0
+        device = model_device(model)
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
+            with contextlib.suppress(_Stop):
+                model(**tensors_to_device(inputs, device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, r in zip(routed, ratios):
+            m.retention_ratio = r
+    return firsts, calls
+
+
+@torch.no_grad()
+def fit_skip_paths(
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    rank: int | None = None,
+    ridge: float = 1e-3,
+    tokens: Literal["skipped", "all"] = "skipped",
+    inputs: Literal["routed", "dense"] = "routed",
+) -> SkipPathReport:
+    """Fit (installing where missing) the skip path of every routed layer below ratio 1.
+
+    :param rank: ``None`` full rank, else the rank of each map
+    :param ridge: ridge penalty relative to the mean input variance (see
+        :func:`~adadsf_modifier.routing.skip_path.fit_ridge`)
+    :param tokens: fit on the real tokens the router skips (in the layer's current
+        routing mode: causal once thresholds exist, else top-k) or on all real tokens;
+        a layer whose router skipped fewer tokens than the hidden size falls back to all
+    :param inputs: ``routed`` (each layer sees the routed model's activations, the
+        layers below already fitted) or ``dense`` (the dense model's, as a one-pass fit
+        on dense calibration activations would)
+    """
+    if tokens not in ("skipped", "all"):
+        raise ValueError(f"tokens must be 'skipped' or 'all', got {tokens!r}")
+    if inputs not in ("routed", "dense"):
+        raise ValueError(f"inputs must be 'routed' or 'dense', got {inputs!r}")
+    targets = install_skip_paths(model, rank)
+    report = SkipPathReport()
+    if not targets:
+        return report
+    batches = list(batches)
+    _, named = decoder_layers(model)
+    layers = [m for _, m in named]
+    base = getattr(model, "base_model", model)
+    was_training = model.training
+    model.eval()
+    try:
+        xs, calls = _record_calls(base, layers, batches)
+        last = max(i for i, m in enumerate(layers) if m in targets)
+        device = model_device(model)
+        for i, layer in enumerate(layers[: last + 1]):
+            fitted = layer in targets
+            ys = []
+            if fitted:
+                ys = _fit_layer(
+                    layer, xs, calls[i], rank, ridge, tokens, device, report
+                )
+            if inputs == "dense" and fitted:
+                xs = ys
+            else:
+                xs = [_layer_call(layer, x, c) for x, c in zip(xs, calls[i])]
+    finally:
+        model.train(was_training)
+    logger.info(
+        f"AdaDSF skip paths (rank {rank or 'full'}, {tokens} tokens, {inputs} "
+        f"inputs): R^2 [{', '.join(f'{r:.2f}' for r in report.r2)}]"
+    )
+    return report
+
+
+def _fit_layer(
+    layer: RoutedLayer,
+    xs: list[torch.Tensor],
+    calls: list[tuple],
+    rank: int | None,
+    ridge: float,
+    tokens: str,
+    device: torch.device,
+    report: SkipPathReport,
+) -> list[torch.Tensor]:
+    """Fit ``layer``'s skip path on ``xs``; returns the dense layer's outputs."""
+    hidden = xs[0].shape[-1]
+    skipped, every = RidgeStats(hidden, device), RidgeStats(hidden, device)
+    dense_out = []
+    for x, call in zip(xs, calls):
+        with _dense(layer):
+            y = _layer_call(layer, x, call)
+        dense_out.append(y)
+        mask = call[1].get("attention_mask")
+        real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
+        every.add(x[real], (y - x)[real])
+        if tokens == "skipped" and layer.retention_ratio > 0.0:
+            sel = layer.selected_mask(x, mask)
+            free = real & ~sel
+            skipped.add(x[free], (y - x)[free])
+    stats = every
+    if tokens == "skipped" and layer.retention_ratio > 0.0:
+        if skipped.n >= hidden:
+            stats = skipped
+        else:
+            logger.warning(
+                f"AdaDSF skip path of layer {layer.layer_index}: its router skipped "
+                f"{skipped.n} calibration tokens, fewer than the hidden size "
+                f"{hidden}; fitting on all {every.n} real tokens instead"
+            )
+    fit = fit_ridge(stats, rank, ridge)
+    layer.skip_path.load_fit(fit)
+    report.layer_indices.append(layer.layer_index)
+    report.tokens.append(fit.tokens)
+    report.r2.append(fit.r2 if math.isfinite(fit.r2) else float("nan"))
+    return dense_out

@@ -1,0 +1,203 @@
+"""What a token that skips a routed layer gets instead of the layer: a cheap affine map.
+
+Paper-faithful AdaDSF passes a skipped token through unchanged (``identity``). A
+:class:`SkipPath` instead adds ``u(x) = x W^T + b`` (full rank) or ``u(x) = (x D^T) U^T
++ b`` (rank ``k``), an approximation of the layer's update ``layer(x) - x`` fitted in
+closed form (ridge regression, :func:`fit_ridge`) on calibration activations: no
+gradient training. It runs on every token that skips the layer (the FLOPs model counts
+``2 h^2`` or ``4 h k`` per such token), never on the tokens that run it.
+
+The map is not an ``nn.Linear`` on purpose: a quantization recipe targeting ``Linear``
+cannot reach it (it is fitted to the float activations and is a rounding error of the
+model's size); :mod:`adadsf_modifier.recipe_checks` refuses recipes that name it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "SKIP_PATHS",
+    "RidgeStats",
+    "RidgeFit",
+    "SkipPath",
+    "fit_ridge",
+    "skip_path_of",
+]
+
+#: What a skipped token gets: ``identity`` (the input, as in the paper) or ``ridge``
+#: (the input plus a fitted affine map of it).
+SKIP_PATHS = ("identity", "ridge")
+
+
+class SkipPath(nn.Module):
+    """The affine update a skipped token receives: ``[.., h] -> [.., h]``.
+
+    ``rank=None``: full rank (``weight [h, h]``, ``bias [h]``); else ``down [k, h]``,
+    ``up [h, k]``, ``bias [h]``. Starts at zero, i.e. as the identity skip path.
+    """
+
+    def __init__(self, hidden_size: int, rank: int | None = None):
+        super().__init__()
+        if rank is not None and not 0 < int(rank) < int(hidden_size):
+            raise ValueError(
+                f"skip path rank must be in [1, hidden_size - 1 = {hidden_size - 1}] "
+                f"(null for full rank), got {rank}"
+            )
+        self.hidden_size = int(hidden_size)
+        self.rank = None if rank is None else int(rank)
+        h = self.hidden_size
+        if self.rank is None:
+            self.weight = nn.Parameter(torch.zeros(h, h))
+        else:
+            self.down = nn.Parameter(torch.zeros(self.rank, h))
+            self.up = nn.Parameter(torch.zeros(h, self.rank))
+        self.bias = nn.Parameter(torch.zeros(h))
+
+    @staticmethod
+    def flops_for(tokens: int, hidden_size: int, rank: int | None) -> int:
+        """``2 n h^2`` (full rank) or ``2 n 2 h k`` (rank ``k``): matmuls only."""
+        h = int(hidden_size)
+        per_token = h * h if rank is None else 2 * h * int(rank)
+        return 2 * int(tokens) * per_token
+
+    def flops(self, tokens: int) -> int:
+        """:meth:`flops_for` this map's shape."""
+        return self.flops_for(tokens, self.hidden_size, self.rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The update ``u(x)`` (not ``x + u(x)``), in ``x``'s dtype."""
+        dtype = x.dtype
+        if dtype != self.bias.dtype:
+            x = x.to(self.bias.dtype)
+        if self.rank is None:
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = F.linear(F.linear(x, self.down), self.up, self.bias)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    @torch.no_grad()
+    def load_fit(self, fit: RidgeFit) -> None:
+        """Copy a :class:`RidgeFit` of the same shape into this map."""
+        if fit.rank != self.rank or fit.bias.shape[0] != self.hidden_size:
+            raise ValueError(
+                f"a rank-{fit.rank} fit of width {fit.bias.shape[0]} does not fit a "
+                f"rank-{self.rank} skip path of width {self.hidden_size}"
+            )
+        self.bias.copy_(fit.bias)
+        if self.rank is None:
+            self.weight.copy_(fit.weight)
+        else:
+            self.down.copy_(fit.down)
+            self.up.copy_(fit.up)
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, rank={self.rank}"
+
+
+def skip_path_of(layer: nn.Module) -> SkipPath | None:
+    """The layer's :class:`SkipPath` child, or ``None`` (identity skip path)."""
+    module = layer._modules.get("skip_path")
+    return module if isinstance(module, SkipPath) else None
+
+
+class RidgeStats:
+    """Running sums (float64) for regressing updates ``y`` on inputs ``x``.
+
+    Enough for the centred normal equations, so no token is stored: ``n``, ``sum x``,
+    ``sum y``, ``sum x x^T``, ``sum x y^T`` and ``sum |y|^2``.
+    """
+
+    def __init__(self, hidden_size: int, device: torch.device | str = "cpu"):
+        h = int(hidden_size)
+        kw = {"dtype": torch.float64, "device": device}
+        self.n = 0
+        self.sx = torch.zeros(h, **kw)
+        self.sy = torch.zeros(h, **kw)
+        self.sxx = torch.zeros(h, h, **kw)
+        self.sxy = torch.zeros(h, h, **kw)
+        self.syy = 0.0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add tokens ``x [n, h]`` with targets ``y [n, h]``."""
+        if x.shape[0] == 0:
+            return
+        x = x.to(self.sx.device, torch.float64)
+        y = y.to(self.sx.device, torch.float64)
+        self.n += int(x.shape[0])
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.sxx += x.T @ x
+        self.sxy += x.T @ y
+        self.syy += float((y * y).sum())
+
+
+@dataclass
+class RidgeFit:
+    """A fitted skip path (float64): ``weight [h, h]`` or ``down``/``up``, and
+    ``bias``.
+
+    ``r2``: fraction of the fit tokens' update variance it explains (uncentred: the
+    identity skip path has ``r2 = 0``); ``tokens``: how many tokens it was fit on.
+    """
+
+    bias: torch.Tensor
+    weight: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    rank: int | None = None
+    r2: float = float("nan")
+    tokens: int = 0
+
+
+def fit_ridge(
+    stats: RidgeStats, rank: int | None = None, ridge: float = 1e-3
+) -> RidgeFit:
+    """Closed-form ridge regression of ``y`` on ``[x, 1]`` (unpenalised intercept).
+
+    ``lambda = ridge * mean(diag(C_xx))`` with ``C_xx`` the centred input covariance
+    sum, so ``ridge`` is scale-free (the residual stream's scale grows with depth).
+    With ``rank``: reduced-rank ridge regression, the full solution projected onto the
+    top-``rank`` principal directions of its fitted values (``W V_k V_k^T``), which is
+    the best rank-``k`` map for the same penalised fit.
+    """
+    if stats.n == 0:
+        raise ValueError("no tokens to fit a skip path on")
+    n = stats.n
+    mx, my = stats.sx / n, stats.sy / n
+    cxx = stats.sxx - n * torch.outer(mx, mx)
+    cxy = stats.sxy - n * torch.outer(mx, my)
+    h = cxx.shape[0]
+    lam = float(ridge) * float(cxx.diagonal().mean().clamp(min=1e-12))
+    eye = torch.eye(h, dtype=cxx.dtype, device=cxx.device)
+    w = torch.linalg.solve(cxx + lam * eye, cxy)  # [h_in, h_out]: y ~ (x - mx) w + my
+    down = up = None
+    if rank is not None:
+        fitted = w.T @ cxx @ w  # covariance of the fitted values
+        _, vecs = torch.linalg.eigh(0.5 * (fitted + fitted.T))
+        v = vecs[:, -int(rank) :]  # top-k directions (eigh sorts ascending)
+        w = w @ v @ v.T
+        down = (w @ v).T.contiguous()  # [k, h_in]
+        up = v.contiguous()  # [h_out, k]
+    bias = my - mx @ w
+    # residual sum of squares from the sums: y - x w - b = (y - my) - (x - mx) w
+    resid = (
+        stats.syy
+        - n * float(my @ my)
+        - 2 * float((w * cxy).sum())
+        + float((w * (cxx @ w)).sum())
+    )
+    r2 = 1.0 - resid / stats.syy if stats.syy > 0 else float("nan")
+    return RidgeFit(
+        bias=bias,
+        weight=None if rank is not None else w.T.contiguous(),
+        down=down,
+        up=up,
+        rank=None if rank is None else int(rank),
+        r2=r2,
+        tokens=n,
+    )
