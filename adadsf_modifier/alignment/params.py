@@ -104,7 +104,8 @@ class TrainableParams:
                 p.copy_(m)
 
     def all_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.params)
+        """On this rank's values (an FSDP parameter's local shard)."""
+        return all(bool(torch.isfinite(_local(p)).all()) for p in self.params)
 
     @torch.no_grad()
     def keep(self) -> None:
@@ -115,3 +116,9 @@ class TrainableParams:
     def restore(self) -> None:
         for p, c in zip(self.params, self.good):
             p.copy_(c)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2 parameter); any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
