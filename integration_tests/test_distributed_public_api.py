@@ -72,6 +72,7 @@ def observe(model, modifier) -> dict:
             if ".router." in n
         },
         "thresholds": [m.causal_threshold for m in routed_layers(model)],
+        "align_rows": modifier.alignment_report.num_rows,
         "logits": logits,
     }
 
@@ -87,7 +88,7 @@ def main(model_dir: str, out: Path) -> int:  # pragma: no cover - runs in torchr
     dist.all_gather_object(everyone, {k: v for k, v in mine.items()})
     differ = []
     for r, other in enumerate(everyone):
-        for key in ("similarities", "retention_ratios", "thresholds"):
+        for key in ("similarities", "retention_ratios", "thresholds", "align_rows"):
             if other[key] != everyone[0][key]:
                 differ.append((r, key))
         for name, w in other["routers"].items():
@@ -104,7 +105,7 @@ def main(model_dir: str, out: Path) -> int:  # pragma: no cover - runs in torchr
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, one_thread):
-    from test_distributed import torchrun
+    from test_distributed_torchrun import torchrun
 
     out = tmp_path_factory.mktemp("public_api")
     model_dir = save_tiny_model("llama", str(out / "tiny"))
@@ -128,6 +129,8 @@ def test_two_processes_agree_and_match_one_process(launched):
         atol=1e-5,
         rtol=0,
     )
+    # every calibration row trained once: the ranks' shares were not split again
+    assert two["align_rows"] == one["align_rows"] == 64
     assert two["routers"].keys() == one["routers"].keys()
     assert len(two["thresholds"]) == len(one["thresholds"]) == 4
 

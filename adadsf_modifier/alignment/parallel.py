@@ -13,9 +13,11 @@ weights are identical on every rank after every step. ``align_parallel`` chooses
   device together. Each decoder layer and the root of the teacher and of a *shell* of
   the student are sharded over the ranks. The shell is a structural copy of the student
   (new module objects, parameters aliasing the same storage), so the student itself is
-  never turned into an FSDP module: after the last step the trained parameters are
-  gathered (``full_tensor``) and copied into the student, and the shell is dropped.
-  The teacher is sharded in place (it is thrown away after the stage).
+  never turned into an FSDP module. While the shell trains, the student's own
+  parameters are emptied (each rank holds ``1/world`` of student and teacher); after
+  the last step every parameter is gathered (``full_tensor``) back into the student's
+  own ``nn.Parameter`` objects, where they were, and the shell is dropped. The teacher
+  is sharded in place (it is thrown away after the stage).
 
 Each rank's loss is weighted by its share of the step's real tokens, so the averaged
 gradient is the gradient of the mean over *all* ranks' tokens, the same as one process
@@ -74,11 +76,21 @@ class ParallelRun:
 
 
 def check_parallel_supported(model: nn.Module, mode: str) -> None:
-    """Refuse, before calibration, a parallel setting this model cannot train with."""
-    if mode != "fsdp" or not distributed.is_distributed():
+    """Refuse, before calibration, a parallel setting this model cannot train with
+    (called by :func:`~adadsf_modifier.alignment.check_alignment_supported`)."""
+    if not distributed.is_distributed():
         return
+    import torch.distributed as dist
+
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if mode == "ddp" and dist.get_backend() == "nccl" and on_cpu:
+        raise ValueError(
+            "align_parallel=ddp under NCCL needs the model on this rank's GPU "
+            "(model.to(f'cuda:{LOCAL_RANK}')); or keep it on the CPU and use "
+            "align_parallel=fsdp, which trains sharded copies on the GPUs"
+        )
     wrapped = [n for n, m in model.named_modules() if "forward" in vars(m)]
-    if wrapped:
+    if mode == "fsdp" and wrapped:
         raise ValueError(
             f"align_parallel=fsdp: module `{wrapped[0] or type(model).__name__}` has a "
             "per-instance forward (an offloaded or dispatched model), which FSDP2 "
@@ -117,8 +129,8 @@ def _ddp(student, teacher, params, device) -> Iterator[ParallelRun]:
     ddp = DistributedDataParallel(
         student,
         device_ids=[device.index] if device.type == "cuda" else None,
-        broadcast_buffers=False,
-        init_sync=False,
+        init_sync=False,  # no start-up broadcast of the whole model
+        forward_sync_buffers=False,
         find_unused_parameters=unused,
     )
     run = ParallelRun(ddp, teacher, params, device, distributed.world_size())
@@ -138,29 +150,36 @@ def _fsdp(student, teacher, params) -> Iterator[ParallelRun]:
     from adadsf_modifier.alignment.config import AlignmentDivergedError
 
     shell, aliases = _shell(student)
-    where = _locations(shell, [aliases[id(p)] for p in params])
+    own = list({id(p): p for p in student.parameters()}.values())  # tied: once
+    where = _locations(shell, [aliases[id(p)] for p in own])
+    del (
+        aliases
+    )  # FSDP replaces the shell's aliases with shards: nothing else holds them
     for model in (shell, teacher):
         if model is not None:
             for _, layer in decoder_layers(model)[1]:
                 fully_shard(layer)
             fully_shard(model)
-    sharded = [getattr(module, name) for module, name in where]
-    run = ParallelRun(
-        shell, teacher, sharded, sharded[0].device, distributed.world_size()
-    )
+    shards = {id(p): getattr(module, name) for p, (module, name) in zip(own, where)}
+    for p in own:  # the student's own copy is rebuilt from the shards afterwards
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    mine = [shards[id(p)] for p in params]
+    run = ParallelRun(shell, teacher, mine, mine[0].device, distributed.world_size())
     try:
         yield run
-    except AlignmentDivergedError:
-        _copy_back(params, sharded)  # the last good values (a collective decision)
+    except AlignmentDivergedError:  # a decision all ranks took: all can gather
+        _restore(own, shards)  # the last good values
         raise
-    else:
-        _copy_back(params, sharded)
+    # Any other failure may be this rank's alone: gathering would wait for ranks that
+    # never come, so the student is left without weights (any use fails loudly).
+    _restore(own, shards)
 
 
-def _copy_back(params: Sequence[nn.Parameter], sharded: Sequence[nn.Parameter]):
+def _restore(own: Sequence[nn.Parameter], shards: Mapping[int, nn.Parameter]):
+    """Every parameter of the student, gathered from its shards (in place)."""
     with torch.no_grad():
-        for p, s in zip(params, sharded):
-            p.copy_(s.full_tensor().to(device=p.device, dtype=p.dtype))
+        for p in own:
+            p.data = shards[id(p)].full_tensor().to(device=p.device, dtype=p.dtype)
 
 
 def _locations(model: nn.Module, params: Sequence[nn.Parameter]):

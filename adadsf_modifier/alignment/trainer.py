@@ -68,7 +68,7 @@ from adadsf_modifier.alignment.config import (
 )
 from adadsf_modifier.alignment.data import RowBatcher, training_rows
 from adadsf_modifier.alignment.losses import alignment_loss
-from adadsf_modifier.alignment.parallel import check_parallel_supported, data_parallel
+from adadsf_modifier.alignment.parallel import data_parallel
 from adadsf_modifier.alignment.params import (
     TrainableParams,
     check_alignment_supported,
@@ -239,7 +239,6 @@ def align_model(
             "the KL / hidden alignment terms need the dense teacher, got None"
         )
     check_alignment_supported(student, config)
-    check_parallel_supported(student, config.parallel)
 
     params = [p for _, p in select_trainable(student, config.trainable)]
     report.num_trainable = sum(p.numel() for p in params)

@@ -130,9 +130,14 @@ def leftovers(model) -> dict:
     }
 
 
-def trained(model, trainable: str) -> dict[str, torch.Tensor]:
+def trained(model, trainable: str, frozen: bool = False) -> dict[str, torch.Tensor]:
+    """The parameters ``trainable`` trains (``frozen``: all the others)."""
     keep = ".router." if trainable == "routers" else ".layers."
-    return {n: p.detach().clone() for n, p in model.named_parameters() if keep in n}
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if (keep in n) != frozen
+    }
 
 
 # ------------------------------------------------------------------ the worker
@@ -189,6 +194,7 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
         model, report = align(parallel, batch_size=2, trainable=trainable)
         res[f"align_{parallel}_{trainable}"] = {
             "params": trained(model, trainable),
+            "frozen": trained(model, trainable, frozen=True),
             "losses": report.losses,
             "rows": report.num_rows,
             "left": leftovers(model),
@@ -348,6 +354,8 @@ def test_fsdp_alignment_matches_ddp_and_leaves_a_plain_model(ranks, trainable):
     # no FSDP class, DTensor or hook left: FSDP trained a shell of the student, so the
     # student is as fresh (transformers adds its output-recording hooks at the first
     # forward), the DDP one as after alignment in one process
+    # FSDP emptied the student's own weights while its shards trained: all are back
+    assert_same(fsdp["frozen"], trained(routed_tiny()[0], trainable, frozen=True))
     fresh = leftovers(routed_tiny()[0])
     single = leftovers(align("ddp", len(ROW_LENGTHS), trainable)[0])
     assert fresh["fsdp"] == fresh["dtensors"] == single["fsdp"] == []
