@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adadsf_modifier import distributed
 from adadsf_modifier.utils import real_token_mask, run_calibration_batches
 
 __all__ = [
@@ -36,12 +37,17 @@ class SimilarityAccumulator:
     layer inputs and their per-token similarity: the supervision for the routers' warm
     start (:mod:`adadsf_modifier.routing.warm_start`), gathered in the same dense pass
     at no extra forward cost.
+
+    Under ``torchrun`` each rank sees its own partition: :meth:`all_reduce` sums the
+    sums and counts over ranks (so the similarities are those of the union of the
+    data), and each rank samples ``ceil(sample_tokens / world_size)`` tokens, so the
+    warm start's gathered sample keeps the single-process size.
     """
 
     def __init__(self, num_layers: int, sample_tokens: int = 0, seed: int = 0):
         self.sums = [0.0] * num_layers
         self.counts = [0] * num_layers
-        self.sample_tokens = sample_tokens
+        self.sample_tokens = -(-sample_tokens // distributed.world_size())
         self.samples: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
             [] for _ in range(num_layers)
         ]
@@ -87,6 +93,18 @@ class SimilarityAccumulator:
             raise ValueError(f"no tokens were sampled at decoder layer {index}")
         xs, cs = zip(*self.samples[index])
         return torch.cat(xs), torch.cat(cs)
+
+    def all_reduce(self) -> None:
+        """Sum the per-layer sums and counts over all ranks (no-op in one process)."""
+        self.sums = distributed.sum_across_ranks(self.sums)
+        self.counts = distributed.sum_across_ranks(self.counts)
+
+    def local_sample(self, index: int, hidden_size: int):
+        """This rank's ``(inputs, similarity)`` sample at layer ``index``; empty
+        tensors (``[0, hidden_size]``, ``[0]``) when it sampled nothing there."""
+        if not self.samples[index]:
+            return torch.zeros(0, hidden_size), torch.zeros(0)
+        return self.sampled(index)
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ from llmcompressor.modifiers import Modifier
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
+from adadsf_modifier import distributed
 from adadsf_modifier.alignment import (
     AlignmentFields,
     AlignmentReport,
@@ -50,11 +51,10 @@ from adadsf_modifier.routing import (
     check_calibration_rows,
     decoder_layers,
     route_layer,
-    routed_layers,
     unroute_layer,
 )
 from adadsf_modifier.routing.skip_fields import SkipPathFields
-from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_router
+from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_routers
 
 __all__ = ["AdaDSFModifier"]
 
@@ -215,6 +215,8 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields):
                 "AdaDSFModifier needs calibration data: pass `dataset=` (and a "
                 "tokenizer) to oneshot"
             )
+        # Under torchrun: this rank's own partition, and the same model on every rank.
+        calib = distributed.setup_rank(model, calib, self.model_dump(), self.seed)
         try:
             n_batches = len(calib)
         except TypeError:
@@ -271,6 +273,7 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields):
 
     def on_finalize(self, state: State, **kwargs: Any) -> bool:
         self.remove_hooks()
+        distributed.restore_logging()
         self._teacher = None
         return True
 
@@ -325,6 +328,7 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields):
                 run_calibration_batches(model.base_model, calib)
         finally:
             self.remove_hooks()
+        acc.all_reduce()  # under torchrun: sums and counts over every rank's data
         sims = acc.similarities()
         logger.info(
             f"AdaDSF calibration: {acc.num_tokens} real tokens, similarities "
@@ -358,20 +362,9 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields):
         acc, self._accumulator = self._accumulator, None
         if self.router_init != "similarity":
             return
-        results = []
-        for layer in routed_layers(model):
-            if 0.0 < layer.retention_ratio < 1.0:
-                x, cos = acc.sampled(layer.layer_index)
-                results.append(
-                    warm_start_router(
-                        layer.router,
-                        x,
-                        cos,
-                        layer.layer_index,
-                        steps=self.router_init_steps,
-                        seed=self.seed,
-                    )
-                )
+        results = warm_start_routers(
+            model, acc.local_sample, self.router_init_steps, self.seed
+        )
         self._warm_start = results
         if results:
             # Samples under 8 tokens have no held-out split (NaN correlation).

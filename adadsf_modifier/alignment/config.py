@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 
 __all__ = [
+    "PARALLEL_MODES",
     "TRAINABLE_SETS",
     "AlignmentConfig",
     "AlignmentDivergedError",
@@ -34,6 +35,7 @@ __all__ = [
     "GradClip",
     "LearningRate",
     "NonNegativeFloat",
+    "Parallel",
     "PositiveInt",
     "Steps",
     "Trainable",
@@ -42,6 +44,11 @@ __all__ = [
 TRAINABLE_SETS = ("routers", "routers_and_layers")
 """``routers``: router parameters only. ``routers_and_layers``: plus the routed layers'
 weights."""
+
+PARALLEL_MODES = ("ddp", "fsdp")
+"""Under ``torchrun``: ``ddp`` (DistributedDataParallel, a whole student and teacher per
+rank) or ``fsdp`` (FSDP2 ``fully_shard``: both sharded over the ranks); see
+:mod:`~adadsf_modifier.alignment.parallel`. One process ignores it."""
 
 
 def _steps(value: int, info: ValidationInfo) -> int:
@@ -93,6 +100,14 @@ def _trainable(value: object, info: ValidationInfo) -> object:
     return value
 
 
+def _parallel(value: object, info: ValidationInfo) -> object:
+    if value not in PARALLEL_MODES:
+        raise ValueError(
+            f"{info.field_name} must be one of {list(PARALLEL_MODES)}, got {value!r}"
+        )
+    return value
+
+
 Steps = Annotated[int, AfterValidator(_steps)]
 """Optimizer steps, ``>= 0`` (0 skips the stage)."""
 PositiveInt = Annotated[int, AfterValidator(_positive)]
@@ -103,6 +118,7 @@ GradClip = Annotated[float, AfterValidator(_grad_clip)]
 Trainable = Annotated[
     Literal["routers", "routers_and_layers"], BeforeValidator(_trainable)
 ]
+Parallel = Annotated[Literal["ddp", "fsdp"], BeforeValidator(_parallel)]
 
 
 @dataclass(frozen=True)
@@ -151,7 +167,9 @@ class AlignmentConfig(BaseModel):
     :param bf16: run forward passes under bf16 autocast (losses stay float32)
     :param gradient_checkpointing: recompute decoder layers in backward to save
         activation memory
-    :param show_progress: show a tqdm bar with the running loss
+    :param show_progress: show a tqdm bar with the running loss (on the source rank)
+    :param parallel: under ``torchrun``, ``ddp`` or ``fsdp`` (:data:`PARALLEL_MODES`);
+        ``batch_size`` is then per rank
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -168,6 +186,7 @@ class AlignmentConfig(BaseModel):
     bf16: bool = False
     gradient_checkpointing: bool = False
     show_progress: bool = True
+    parallel: Parallel = "ddp"
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from adadsf_modifier.alignment.config import (
     GradClip,
     LearningRate,
     NonNegativeFloat,
+    Parallel,
     PositiveInt,
     Steps,
     Trainable,
@@ -63,6 +64,11 @@ class AlignmentFields(BaseModel):
         hardware)
     :param align_gradient_checkpointing: recompute decoder layers in backward to save
         memory
+    :param align_parallel: under ``torchrun``, how the stage is data-parallel: ``ddp``
+        (a whole student and teacher per rank) or ``fsdp`` (FSDP2: both sharded over
+        the ranks, for when they do not fit one device together); see
+        ``docs/distributed.md``. ``align_batch_size`` is then per rank. One process
+        ignores it
     :param align_dataset: training rows (``input_ids`` [+ ``attention_mask``]), e.g. a
         ``datasets.Dataset``; ``None`` trains on the calibration data. Python API only:
         not serialised into the saved ``recipe.yaml``
@@ -81,6 +87,7 @@ class AlignmentFields(BaseModel):
     align_seed: int = 0
     align_bf16: bool = False
     align_gradient_checkpointing: bool = False
+    align_parallel: Parallel = "ddp"
     align_dataset: Any = Field(default=None, exclude=True, repr=False)
 
     @field_validator("align_dataset")
@@ -140,4 +147,5 @@ class AlignmentFields(BaseModel):
             bf16=self.align_bf16,
             gradient_checkpointing=self.align_gradient_checkpointing,
             show_progress=show_progress,
+            parallel=self.align_parallel,
         )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from adadsf_modifier.alignment.config import AlignmentConfig
+from adadsf_modifier.alignment.parallel import check_parallel_supported
 from adadsf_modifier.routing import decoder_layers, routed_layers
 
 __all__ = ["TrainableParams", "check_alignment_supported", "select_trainable"]
@@ -22,11 +23,13 @@ def check_alignment_supported(model: nn.Module, config: AlignmentConfig) -> None
     ``on_initialize``); ``align_model`` calls it again. Checks that gradient
     checkpointing, when asked for, is supported, and that the decoder layers' weights
     are floating point when ``routers_and_layers`` would train them (a model loaded
-    with integer-quantized weights cannot be fine-tuned). fp16 and bf16 models are
-    supported (see :class:`TrainableParams`).
+    with integer-quantized weights cannot be fine-tuned), and, under ``torchrun``, that
+    ``parallel`` suits the model (see :func:`check_parallel_supported`). fp16 and bf16
+    models are supported (see :class:`TrainableParams`).
     """
     if config.steps == 0:
         return
+    check_parallel_supported(model, config.parallel)
     if config.gradient_checkpointing and not getattr(
         model, "supports_gradient_checkpointing", False
     ):
@@ -104,7 +107,8 @@ class TrainableParams:
                 p.copy_(m)
 
     def all_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.params)
+        """On this rank's values (an FSDP parameter's local shard)."""
+        return all(bool(torch.isfinite(_local(p)).all()) for p in self.params)
 
     @torch.no_grad()
     def keep(self) -> None:
@@ -115,3 +119,9 @@ class TrainableParams:
     def restore(self) -> None:
         for p, c in zip(self.params, self.good):
             p.copy_(c)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2 parameter); any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()

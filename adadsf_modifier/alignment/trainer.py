@@ -37,6 +37,12 @@ Design decisions (why):
   finite, after it every trainable parameter. On failure the trainable parameters are
   restored from a snapshot of the last good step (never NaN weights) and
   :class:`AlignmentDivergedError` is raised.
+* **Under torchrun** (:mod:`~adadsf_modifier.alignment.parallel`): each rank trains on
+  its own partition of the rows (rows identical on every rank, e.g. an
+  ``align_dataset``, are split the way llm-compressor splits calibration data),
+  gradients are averaged every step (DDP or FSDP2, ``parallel``), the logged losses
+  are the mean over every rank's tokens, and every NaN-guard decision is taken by all
+  ranks together; the progress bar is drawn on the source rank only.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
+from adadsf_modifier import distributed
 from adadsf_modifier.alignment.config import (
     AlignmentConfig,
     AlignmentDivergedError,
@@ -61,6 +68,7 @@ from adadsf_modifier.alignment.config import (
 )
 from adadsf_modifier.alignment.data import RowBatcher, training_rows
 from adadsf_modifier.alignment.losses import alignment_loss
+from adadsf_modifier.alignment.parallel import data_parallel
 from adadsf_modifier.alignment.params import (
     TrainableParams,
     check_alignment_supported,
@@ -174,6 +182,36 @@ def _diverged(
     )
 
 
+def _rank_rows(data: Iterable[Mapping[str, Any]], seq_len: int) -> list[torch.Tensor]:
+    """This rank's training rows, in a canonical order.
+
+    Sorted before the seeded shuffle: llm-compressor's calibration loader shuffles with
+    the global RNG, and the stage must give the same weights for the same rows and
+    seed. Under ``torchrun``, rows that are identical on every rank (an
+    ``align_dataset``) are split into contiguous parts; ranks that hold different rows,
+    or their share of the calibration batches, keep them. A rank whose data holds no
+    rows fails on every rank.
+    """
+
+    def rows() -> list[torch.Tensor]:
+        out = training_rows(data, seq_len)
+        out.sort(key=lambda r: (r.numel(), r.tolist()))
+        return out
+
+    rows = distributed.agree_on_errors(rows)
+    if isinstance(data, distributed.RankPartition):
+        return rows
+    return distributed.split_if_identical(rows, lambda r: [r], "training rows")
+
+
+def _total_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip the gradients to ``max_norm`` (``inf``: measure only); their global norm
+    (an FSDP2 DTensor norm is reduced over the ranks)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return float(norm if full is None else full())
+
+
 def align_model(
     student: nn.Module,
     teacher: nn.Module | None,
@@ -205,12 +243,8 @@ def align_model(
     params = [p for _, p in select_trainable(student, config.trainable)]
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device
-    rows = training_rows(data, config.seq_len)
-    # Canonical order before the seeded shuffle: llm-compressor's calibration loader
-    # shuffles with the global RNG, and the stage must give the same weights for the
-    # same rows and seed.
-    rows.sort(key=lambda r: (r.numel(), r.tolist()))
-    report.num_rows = len(rows)
+    rows = _rank_rows(data, config.seq_len)
+    report.num_rows = distributed.sum_across_ranks([len(rows)])[0]
     pad_id = getattr(getattr(student, "config", None), "pad_token_id", None)
     batcher = RowBatcher(rows, config.batch_size, config.seed, pad_id or 0)
     if device.type == "cuda":
@@ -238,7 +272,10 @@ def align_model(
             _student_training_state(student, params, config.gradient_checkpointing)
         )
         stack.enter_context(torch.enable_grad())
-        trainable = TrainableParams(params)
+        run = stack.enter_context(
+            data_parallel(student, teacher, params, config.parallel, device)
+        )
+        trainable = TrainableParams(run.params)
         optimizer = torch.optim.AdamW(
             trainable.masters, lr=config.lr, weight_decay=config.weight_decay
         )
@@ -246,19 +283,22 @@ def align_model(
         bar = tqdm(
             range(1, config.steps + 1),
             desc="AdaDSF alignment",
-            disable=not config.show_progress,
+            disable=not (config.show_progress and distributed.show_progress()),
         )
         running: float | None = None
         for step in bar:
-            batch = tensors_to_device(batcher.next_batch(), device)
+            batch = tensors_to_device(batcher.next_batch(), run.device)
+            share = run.token_share(batch["attention_mask"])  # None in one process
             teacher_logits = teacher_hidden = None
             if weights.needs_teacher:
                 with torch.no_grad(), autocast:
                     teacher_logits, teacher_hidden = _forward(
-                        teacher, batch, need_hidden
+                        run.teacher, batch, need_hidden
                     )
             with autocast:
-                student_logits, student_hidden = _forward(student, batch, need_hidden)
+                student_logits, student_hidden = _forward(
+                    run.student, batch, need_hidden
+                )
             terms = alignment_loss(
                 weights,
                 batch["input_ids"],
@@ -268,20 +308,20 @@ def align_model(
                 teacher_logits,
                 teacher_hidden,
             )
-            values = terms.as_floats()
+            values = run.global_values(terms.as_floats(), share)
             if not math.isfinite(values["loss"]):
                 raise _diverged(trainable, step, config, "non-finite loss", values)
             trainable.zero_grad()
-            terms.total.backward()
+            (terms.total if share is None else terms.total * share).backward()
             del teacher_logits, teacher_hidden, student_logits, student_hidden, terms
             trainable.grads_to_masters()
-            norm = float(torch.nn.utils.clip_grad_norm_(trainable.masters, max_norm))
-            if not math.isfinite(norm):
+            norm = _total_norm(trainable.masters, max_norm)
+            if distributed.any_across_ranks(not math.isfinite(norm)):
                 values["grad_norm"] = norm
                 raise _diverged(trainable, step, config, "non-finite gradient", values)
             optimizer.step()
             trainable.masters_to_params()
-            if not trainable.all_finite():
+            if distributed.any_across_ranks(not trainable.all_finite()):
                 what = "non-finite parameters after the update"
                 raise _diverged(trainable, step, config, what, values)
             trainable.keep()

@@ -17,6 +17,12 @@ that save:
 5. the sidecar, last: it marks the folder a complete AdaDSF checkpoint;
 6. one rename puts the folder in place. A failure at any point leaves the destination
    exactly as it was; a SIGKILL leaves a temporary folder that the next save removes.
+
+Under ``torchrun`` every rank calls ``save_pretrained`` (llm-compressor's wrapper
+compresses on every rank and synchronises them), but only the source rank writes.
+Every rank checks the model first, and the ranks must agree on the routers and the
+sidecar (else the checkpoint would depend on the rank that wrote it); any failure,
+the source rank's write included, is raised on every rank.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 from loguru import logger
 from torch import nn
 
+from adadsf_modifier import distributed
 from adadsf_modifier.atomic import atomic_directory, resolve_destination
 from adadsf_modifier.checkpoint._compat import make_recipe_safe, single_decompress_hook
 from adadsf_modifier.checkpoint.sidecar import (
@@ -118,15 +125,6 @@ def install_save_hook(model: nn.Module) -> None:
     model.save_pretrained = save_pretrained
 
 
-def _is_source_process() -> bool:
-    try:
-        from compressed_tensors.distributed import is_source_process
-
-        return is_source_process()
-    except Exception:
-        return True
-
-
 def _check_model_routers_unquantized(model: nn.Module) -> None:
     for name, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)
@@ -148,21 +146,29 @@ def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> No
             "AdaDSF checkpoints are saved atomically through a temporary folder; "
             "push_to_hub is not supported: save locally, then upload the folder"
         )
-    if not _is_source_process():
-        # llm-compressor's wrapper writes only on the source rank; the others just
-        # take part in its collective steps, so they need neither a temporary folder
-        # nor a sidecar.
-        return inner(save_directory, *args, **kwargs)
+    if distributed.is_distributed():
+        return _save_from_source_rank(model, save_directory, inner, *args, **kwargs)
+    dest = _destination(save_directory)
+    # Everything that can fail without touching the disk, first.
+    sidecar = _checked_sidecar(model)
+    _write(model, dest, sidecar, inner, *args, **kwargs)
 
+
+def _destination(save_directory) -> Path:
     dest = resolve_destination(save_directory)  # a symlink: replace its target
     if dest.exists() and not dest.is_dir():
         raise NotADirectoryError(
             f"cannot save a checkpoint to {dest}: it exists and is a file"
         )
-    # Everything that can fail without touching the disk, first.
-    _check_model_routers_unquantized(model)
-    sidecar = sidecar_for_model(model)
+    return dest
 
+
+def _checked_sidecar(model: nn.Module):
+    _check_model_routers_unquantized(model)
+    return sidecar_for_model(model)
+
+
+def _write(model: nn.Module, dest: Path, sidecar, inner, *args, **kwargs) -> None:
     with atomic_directory(dest) as tmp:
         with single_decompress_hook(model):
             inner(str(tmp), *args, **kwargs)
@@ -173,6 +179,42 @@ def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> No
         write_sidecar(tmp, sidecar)  # last: the completeness marker
     n_routed = len(sidecar.routed_layers)
     logger.info(f"AdaDSF: saved {n_routed} routed layers and their routers to {dest}")
+
+
+def _save_from_source_rank(model: nn.Module, save_directory, inner, *args, **kwargs):
+    """Under ``torchrun``: checks on every rank, the write on the source rank only,
+    every failure raised on every rank (no rank left waiting in a collective)."""
+    source = distributed.is_source_process()
+    sidecar = distributed.agree_on_errors(lambda: _checked_sidecar(model))
+    routers = {
+        name: float(p.detach().double().sum()).hex()
+        for name, p in model.named_parameters()
+        if ".router." in name
+    }
+    why = "the checkpoint would depend on the rank that writes it"
+    distributed.check_same_across_ranks("the router weights", routers, why)
+    distributed.check_same_across_ranks(
+        "the AdaDSF sidecar (ratios, thresholds)", sidecar.model_dump(mode="json"), why
+    )
+    dest = distributed.agree_on_errors(
+        lambda: _destination(save_directory) if source else None
+    )
+    if not source:
+        # llm-compressor's wrapper writes only on the source rank; the others take
+        # part in its collective steps.
+        inner(save_directory, *args, **kwargs)
+        failure = distributed.broadcast_object(None)
+        if failure is not None:
+            raise AdaDSFCheckpointError(
+                f"the source rank failed to save the checkpoint: {failure}"
+            )
+        return
+    try:
+        _write(model, dest, sidecar, inner, *args, **kwargs)
+    except Exception as e:
+        distributed.broadcast_object(f"{type(e).__name__}: {e}")
+        raise
+    distributed.broadcast_object(None)
 
 
 # Files a model save (re)writes; everything else already in the destination (a tokenizer

@@ -31,21 +31,36 @@ __all__ = ["bench", "compress", "evaluate"]
 
 
 def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
+    """Also under ``torchrun --nproc_per_node N`` (docs/distributed.md): the process
+    group is set up here (NCCL with GPUs, else gloo) and taken down afterwards."""
+    from adadsf_modifier import distributed
+
     recipe = check_recipe(args.recipe or default_recipe())
     out = check_output_dir(args.output_dir, args.overwrite)
     model_path = check_model(args.model)
-    return compress(
-        model_path, recipe, out, args.calibration_samples, args.seq_len, args.seed
-    )
+    created = distributed.init_distributed()
+    try:
+        return compress(
+            model_path, recipe, out, args.calibration_samples, args.seq_len, args.seed
+        )
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 def compress(
     model_path: str, recipe: str, out: Path, samples: int, seq_len: int, seed: int
 ) -> dict[str, Any]:
+    """Under ``torchrun`` every rank builds the same calibration set and keeps its own
+    contiguous slice of it, so every modifier of the recipe (GPTQ included) calibrates
+    each rank on its own rows; only the source rank writes and logs."""
     import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from adadsf_modifier import distributed
     from adadsf_modifier.evaluation import calibration_dataset
 
     t0 = time.perf_counter()
@@ -56,8 +71,17 @@ def compress(
         raise CLIError(f"calibration data: {e}") from e
     if len(data) == 0:
         raise CLIError("calibration data: the calibration set is empty (0 rows)")
+    if distributed.world_size() > len(data):
+        raise CLIError(
+            f"calibration data: {len(data)} rows for {distributed.world_size()} "
+            "processes; use --calibration-samples >= the number of processes"
+        )
+    if distributed.is_distributed():
+        data = data.select(range(*distributed.partition_bounds(len(data))))
+        samples = len(data)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if out.is_dir() and any(out.iterdir()):  # the atomic save replaces it in one step
+    source = distributed.is_source_process()
+    if source and out.is_dir() and any(out.iterdir()):  # the atomic save replaces it
         logger.warning(f"--overwrite: replacing the checkpoint in {out}")
     oneshot(
         model=model,
@@ -69,7 +93,10 @@ def compress(
         max_seq_length=seq_len,
     )
     seconds = time.perf_counter() - t0
-    logger.info(f"compressed {model_path} with {recipe} into {out} in {seconds:.0f}s")
+    if source:
+        logger.info(
+            f"compressed {model_path} with {recipe} into {out} in {seconds:.0f}s"
+        )
     return {
         "model": model_path,
         "recipe": recipe,

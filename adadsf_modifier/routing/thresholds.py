@@ -15,6 +15,12 @@ that is reached after at most one pass per routed layer (layer ``j``'s inputs st
 moving once the ``j`` layers above it have settled), else
 :class:`ThresholdCalibrationError` is raised. Cuts between tied scores go to the
 closest reachable count instead of dropping every tied token.
+
+Under ``torchrun`` each rank scores its own partition; after every pass the ranks'
+scores are gathered and their counts summed (an exact merge: every rank fits the
+thresholds on all ranks' scores), so thresholds, measurements and the decision to run
+another pass are identical on every rank and equal to one process over the union of
+the data.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from adadsf_modifier import distributed
 from adadsf_modifier.routing.modes import routing_mode
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.utils import real_token_mask, run_calibration_batches
@@ -110,7 +117,8 @@ def check_calibration_rows(
     ``R`` rows of ``N`` real tokens keep at least ``R / N`` of them whatever the
     thresholds. Reads only the batches' ``attention_mask`` (or ``input_ids`` shape): no
     forward pass. Raises :class:`ThresholdCalibrationError` naming the minimum mean row
-    length, ``1 / r``, for the smallest ratio ``r`` in ``(0, 1)``.
+    length, ``1 / r``, for the smallest ratio ``r`` in ``(0, 1)``. Under ``torchrun``
+    the rows and tokens of every rank count (and every rank raises).
     """
     if not keep_first_token:
         return
@@ -129,6 +137,7 @@ def check_calibration_rows(
             real = real if real.dim() == 2 else real.view(1, -1)
             lengths = real.sum(1)
             rows, tokens = rows + int((lengths > 0).sum()), tokens + int(lengths.sum())
+    rows, tokens = distributed.sum_across_ranks([rows, tokens])
     if tokens == 0:
         raise ThresholdCalibrationError(
             "threshold calibration saw no real tokens: the calibration set is empty or "
@@ -176,6 +185,15 @@ class _ScoreRecorder:
             causal = module.selected_mask(x, mask, mode="causal", scores=scores)
             counts[0] += int(((causal == topk) & real).sum())
             counts[1] += int(causal.sum())
+
+    def all_reduce(self) -> None:
+        """Under ``torchrun``: every rank's scores gathered, counts summed."""
+        if not distributed.is_distributed():
+            return
+        for key, scores in self.scores.items():
+            local = torch.cat(scores) if scores else torch.zeros(0)
+            self.scores[key] = [distributed.all_gather_variable(local)]
+            self.counts[key] = distributed.sum_across_ranks(self.counts[key])
 
     def fit(self, layer: RoutedLayer) -> tuple[float, float]:
         """``(threshold, kept fraction)``: the threshold at which ``layer`` keeps the
@@ -236,6 +254,7 @@ def calibrate_thresholds(
                 )
         finally:
             recorder.remove()
+        recorder.all_reduce()
         fits = [recorder.fit(layer) for layer in layers]
         if p >= passes:
             report = _report(layers, recorder, p + 1, tolerance, fits)

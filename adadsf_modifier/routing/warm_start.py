@@ -9,15 +9,24 @@ cheap full-batch fit on a sample of calibration tokens, no backward through the 
 makes the router keep the tokens the layer would change most, i.e. the ones whose
 skipping costs most. Alignment then fine-tunes from there. ``router_init="random"`` on
 the modifier switches it off (the ablation).
+
+Under ``torchrun`` (:func:`warm_start_routers`) every rank's sample of a layer is
+gathered, one rank fits that layer's router (layers are dealt round-robin over the
+ranks, so the fits run in parallel) and broadcasts it: every rank ends with the same
+routers, fit on tokens from all partitions.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from adadsf_modifier import distributed
+from adadsf_modifier.routing.routed_layer import routed_layers
 from adadsf_modifier.routing.router import TokenRouter
 
 __all__ = [
@@ -25,6 +34,7 @@ __all__ = [
     "WarmStartResult",
     "importance_target",
     "warm_start_router",
+    "warm_start_routers",
     "rank_correlation",
 ]
 
@@ -130,3 +140,45 @@ def warm_start_router(
         train_rank_corr=rank_correlation(scores[fit].cpu(), y[fit].cpu()),
         heldout_rank_corr=rank_correlation(scores[hold].cpu(), y[hold].cpu()),
     )
+
+
+#: ``sample(layer_index, hidden_size) -> (inputs [N, hidden], similarity [N])``: this
+#: rank's sampled calibration tokens at a decoder layer (``N`` may be 0).
+TokenSample = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def warm_start_routers(
+    model: nn.Module, sample: TokenSample, steps: int = 100, seed: int = 0
+) -> list[WarmStartResult]:
+    """Warm-start the router of every routed layer with ``0 < r < 1`` (in place).
+
+    Under ``torchrun`` the ranks' samples are gathered (so the fit sees tokens of
+    every partition), the ``k``-th layer is fit on rank ``k % world_size`` and its
+    router and result are broadcast from there: routers and reports are identical on
+    every rank. In one process this is :func:`warm_start_router` on each layer.
+    """
+    world, me = distributed.world_size(), distributed.rank()
+    layers = [m for m in routed_layers(model) if 0.0 < m.retention_ratio < 1.0]
+    mine: dict[int, WarmStartResult] = {}
+    for k, layer in enumerate(layers):
+        x, cos = sample(layer.layer_index, layer.router.fc1.in_features)
+        x, cos = (
+            distributed.all_gather_variable(x),
+            distributed.all_gather_variable(cos),
+        )
+        if x.shape[0] == 0:  # the same on every rank: all raise together
+            raise ValueError(
+                f"no tokens were sampled at decoder layer {layer.layer_index}"
+            )
+        if k % world == me:
+            mine[k] = warm_start_router(
+                layer.router, x, cos, layer.layer_index, steps=steps, seed=seed
+            )
+    if world == 1:
+        return [mine[k] for k in range(len(layers))]
+    for k, layer in enumerate(layers):
+        distributed.broadcast_module(layer.router, src=k % world)
+    gathered: dict[int, WarmStartResult] = {}
+    for part in distributed.all_gather_object(mine):
+        gathered.update(part)
+    return [gathered[k] for k in range(len(layers))]
