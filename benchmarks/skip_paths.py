@@ -12,13 +12,15 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
 * ``ridge_all``             - full rank fit on every calibration token
 * ``ridge_dense_inputs``    - full rank fit on the *dense* model's activations (one
   pass, as METHOD.md section 3 measured), then thresholds re-calibrated
+* ``ridge_auto`` / ``ridge_r64_auto`` / ``ridge_r32`` - ``skip_path_ridge: auto`` (per
+  layer penalty by two-fold held-out error), and a lower rank
 * ``kv``                    - ``skipped_tokens_kv: true`` (identity skip path)
-* ``ridge_kv`` / ``ridge_r64_kv`` - both
+* ``ridge_kv`` / ``ridge_r64_kv`` (``_auto``) - both
 * ``layer_drop_<d>``        - ``allocation: layer_drop`` removing ``d`` whole layers
   (ShortGPT, no healing): rows at several ``d`` bracket every variant's FLOPs, so each
   can be compared with layer removal at matched measured FLOPs
 * ``layer_drop_<d>_ridge``  - the same, removed layers replaced by a full-rank ridge
-  map (LLM-Streamline-style)
+  map (LLM-Streamline-style); ``layer_drop_<d>_ridge_auto``: penalty chosen per layer
 
 Every row is evaluated in causal routing (the eval-mode default): perplexity over the
 first ``--ppl-tokens`` tokens of the ``validation`` split in non-overlapping windows of
@@ -56,6 +58,14 @@ ROUTED = {
     "ridge_kv": {"skip_path": "ridge", "skipped_tokens_kv": True},
     "ridge_r64_kv": {"skip_path": "ridge", "skip_path_rank": 64,
                      "skipped_tokens_kv": True},
+    "ridge_auto": {"skip_path": "ridge", "skip_path_ridge": "auto"},
+    "ridge_r64_auto": {"skip_path": "ridge", "skip_path_rank": 64,
+                       "skip_path_ridge": "auto"},
+    "ridge_r32": {"skip_path": "ridge", "skip_path_rank": 32},
+    "ridge_kv_auto": {"skip_path": "ridge", "skip_path_ridge": "auto",
+                      "skipped_tokens_kv": True},
+    "ridge_r64_kv_auto": {"skip_path": "ridge", "skip_path_rank": 64,
+                          "skip_path_ridge": "auto", "skipped_tokens_kv": True},
 }  # fmt: skip
 DEFAULT_METHODS = (
     "dense,identity,ridge,ridge_r64,ridge_all,ridge_dense_inputs,kv,ridge_kv,"
@@ -95,8 +105,10 @@ def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> 
         routed = num_layers - 1
         # floor(r * routed) layers kept: the smallest r keeping routed - dropped
         kw.update(allocation="layer_drop", retention=(routed - dropped) / routed)
-        if parts[-1] == "ridge":
+        if "ridge" in parts:
             kw.update(skip_path="ridge", skip_path_tokens="all")
+        if "auto" in parts:
+            kw.update(skip_path_ridge="auto")
         return kw
     kw.update(ROUTED[method])
     if args.align_steps:

@@ -18,7 +18,12 @@ from adadsf_modifier.routing import (
     original_class,
     routed_layers,
 )
-from adadsf_modifier.routing.skip_path import RidgeStats, fit_ridge
+from adadsf_modifier.routing.skip_path import (
+    RIDGE_GRID,
+    RidgeStats,
+    choose_ridge,
+    fit_ridge,
+)
 
 RATIOS = [1.0, 0.5, 0.0, 0.6]
 
@@ -248,3 +253,45 @@ def test_recipe_that_would_quantize_a_skip_path_is_refused(tiny_dir):
         oneshot(model=model, dataset=token_dataset(4, 16), recipe=recipe,
                 num_calibration_samples=4, max_seq_length=16)  # fmt: skip
     assert not routed_layers(model)
+
+
+def test_auto_ridge_picks_the_penalty_with_the_least_held_out_error():
+    """Many noisy dimensions, few tokens: a tiny penalty overfits, so the held-out
+    choice is larger; each fold's squared error is computed exactly from its sums."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(60, 40, generator=g, dtype=torch.float64)
+    y = x[:, :1] * 2.0 + torch.randn(60, 40, generator=g, dtype=torch.float64)
+    a, b = RidgeStats(40), RidgeStats(40)
+    a.add(x[::2], y[::2])
+    b.add(x[1::2], y[1::2])
+    fit = fit_ridge(a, ridge=0.1)
+    direct = float(((y[1::2] - x[1::2] @ fit.matrix - fit.bias) ** 2).sum())
+    assert b.squared_error(fit.matrix, fit.bias) == pytest.approx(direct, rel=1e-9)
+    chosen = choose_ridge((a, b))
+    assert chosen >= 0.1
+    errors = {
+        r: sum(t.squared_error(f.matrix, f.bias) for f, t in
+               ((fit_ridge(a, None, r), b), (fit_ridge(b, None, r), a)))
+        for r in RIDGE_GRID
+    }  # fmt: skip
+    assert errors[chosen] == min(errors.values())
+    model = route_all(tiny_model("llama", 3), [1.0, 0.5, 0.6]).eval()
+    report = fit_skip_paths(model, batches(4), ridge="auto")
+    assert all(r in RIDGE_GRID for r in report.ridge)
+
+
+@pytest.mark.parametrize(
+    "kwargs,text",
+    [
+        ({"skip_path": "linear"}, "skip_path"),
+        ({"skip_path_rank": 0}, "skip_path_rank.*positive integer"),
+        ({"skip_path_ridge": 0}, "skip_path_ridge.*> 0 or 'auto', got 0"),
+        ({"skip_path_ridge": "often"}, "skip_path_ridge.*> 0 or 'auto'"),
+        ({"skip_path_tokens": "some"}, "skip_path_tokens"),
+    ],
+)
+def test_bad_skip_path_fields_fail_at_construction(kwargs, text):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=f"(?s){text}"):
+        AdaDSFModifier(**kwargs)

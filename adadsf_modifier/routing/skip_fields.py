@@ -8,18 +8,32 @@ declares no ``model_config``: the modifier keeps llm-compressor's ``extra="forbi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, PrivateAttr
+from pydantic import BaseModel, PlainValidator, PrivateAttr
 from torch import nn
 
-from adadsf_modifier.constraints import PositiveFloat, PositiveInt
+from adadsf_modifier.constraints import PositiveInt
 from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
 from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SkipPath
 
-__all__ = ["SkipPathFields"]
+__all__ = ["RidgePenalty", "SkipPathFields"]
+
+
+def _ridge_penalty(value: Any) -> float | str:
+    if value == "auto":
+        return value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"must be a number > 0 or 'auto', got {value!r}")
+    return float(value)
+
+
+#: A relative ridge penalty (> 0), or ``"auto"`` (chosen per layer, held out).
+RidgePenalty = Annotated[float | Literal["auto"], PlainValidator(_ridge_penalty)]
 
 
 class SkipPathFields(BaseModel):
@@ -42,7 +56,8 @@ class SkipPathFields(BaseModel):
         at rank ``k``) per skipped token, counted by the FLOPs model
     :param skip_path_rank: rank of the ridge map (``null``: full rank); in
         ``[1, hidden_size - 1]``
-    :param skip_path_ridge: ridge penalty, relative to the mean input variance
+    :param skip_path_ridge: ridge penalty, relative to the mean input variance, or
+        ``auto``: chosen per layer by two-fold held-out error on the calibration rows
     :param skip_path_tokens: fit each map on the tokens its router skips (``skipped``)
         or on every calibration token (``all``)
     :param skipped_tokens_kv: skipped tokens still give the layer's attention their
@@ -53,7 +68,7 @@ class SkipPathFields(BaseModel):
 
     skip_path: Literal["identity", "ridge"] = "identity"
     skip_path_rank: PositiveInt | None = None
-    skip_path_ridge: PositiveFloat = 1e-3
+    skip_path_ridge: RidgePenalty = 1e-3
     skip_path_tokens: Literal["skipped", "all"] = "skipped"
     skipped_tokens_kv: bool = False
 

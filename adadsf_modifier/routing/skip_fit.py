@@ -31,7 +31,12 @@ from torch import nn
 
 from adadsf_modifier.routing.architectures import decoder_layers
 from adadsf_modifier.routing.routed_layer import RoutedLayer
-from adadsf_modifier.routing.skip_path import RidgeStats, SkipPath, fit_ridge
+from adadsf_modifier.routing.skip_path import (
+    RidgeStats,
+    SkipPath,
+    choose_ridge,
+    fit_ridge,
+)
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
     model_device,
@@ -44,12 +49,14 @@ __all__ = ["SkipPathReport", "fit_skip_paths", "install_skip_paths"]
 
 @dataclass
 class SkipPathReport:
-    """Per fitted layer (in layer order): index, tokens fit on, and the fraction of
-    their update the map explains (``r2``; the identity skip path has 0)."""
+    """Per fitted layer (in layer order): index, tokens fit on, the fraction of their
+    update the map explains (``r2``; the identity skip path has 0) and the relative
+    ridge penalty used (``ridge``)."""
 
     layer_indices: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     r2: list[float] = field(default_factory=list)
+    ridge: list[float] = field(default_factory=list)
 
 
 class _Stop(Exception):
@@ -139,7 +146,7 @@ def fit_skip_paths(
     model: nn.Module,
     batches: Iterable[Mapping[str, Any]],
     rank: int | None = None,
-    ridge: float = 1e-3,
+    ridge: float | Literal["auto"] = 1e-3,
     tokens: Literal["skipped", "all"] = "skipped",
     inputs: Literal["routed", "dense"] = "routed",
 ) -> SkipPathReport:
@@ -147,7 +154,9 @@ def fit_skip_paths(
 
     :param rank: ``None`` full rank, else the rank of each map
     :param ridge: ridge penalty relative to the mean input variance (see
-        :func:`~adadsf_modifier.routing.skip_path.fit_ridge`)
+        :func:`~adadsf_modifier.routing.skip_path.fit_ridge`); ``"auto"``: per layer,
+        the value of :data:`~adadsf_modifier.routing.skip_path.RIDGE_GRID` with the
+        least two-fold held-out error (calibration rows alternate between the folds)
     :param tokens: fit on the real tokens the router skips (in the layer's current
         routing mode: causal once thresholds exist, else top-k) or on all real tokens;
         a layer whose router skipped fewer tokens than the hidden size falls back to all
@@ -188,9 +197,23 @@ def fit_skip_paths(
         model.train(was_training)
     logger.info(
         f"AdaDSF skip paths (rank {rank or 'full'}, {tokens} tokens, {inputs} "
-        f"inputs): R^2 [{', '.join(f'{r:.2f}' for r in report.r2)}]"
+        f"inputs, ridge {ridge}): R^2 [{', '.join(f'{r:.2f}' for r in report.r2)}]"
+        f", ridge [{', '.join(f'{r:g}' for r in report.ridge)}]"
     )
     return report
+
+
+def _folds(real: torch.Tensor, rows_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-fold split of a batch's real tokens for choosing the ridge penalty: whole
+    rows alternate between the folds (neighbouring tokens are alike, rows much less);
+    a lone row alternates tokens."""
+    batch, seq = real.shape
+    if rows_seen == 0 and batch == 1:
+        odd = (torch.arange(seq, device=real.device) % 2 == 1).expand(batch, seq)
+    else:
+        rows = torch.arange(batch, device=real.device) + rows_seen
+        odd = (rows % 2 == 1).unsqueeze(1).expand(batch, seq)
+    return real & ~odd, real & odd
 
 
 def _fit_layer(
@@ -198,39 +221,48 @@ def _fit_layer(
     xs: list[torch.Tensor],
     calls: list[tuple],
     rank: int | None,
-    ridge: float,
+    ridge: float | str,
     tokens: str,
     device: torch.device,
     report: SkipPathReport,
 ) -> list[torch.Tensor]:
     """Fit ``layer``'s skip path on ``xs``; returns the dense layer's outputs."""
     hidden = xs[0].shape[-1]
-    skipped, every = RidgeStats(hidden, device), RidgeStats(hidden, device)
-    dense_out = []
+    # per token set ("skipped", "all"): the two folds' statistics
+    stats = {k: (RidgeStats(hidden, device), RidgeStats(hidden, device))
+             for k in ("skipped", "all")}  # fmt: skip
+    use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
+    dense_out, rows_seen = [], 0
     for x, call in zip(xs, calls):
         with _dense(layer):
             y = _layer_call(layer, x, call)
         dense_out.append(y)
         mask = call[1].get("attention_mask")
         real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
-        every.add(x[real], (y - x)[real])
-        if tokens == "skipped" and layer.retention_ratio > 0.0:
-            sel = layer.selected_mask(x, mask)
-            free = real & ~sel
-            skipped.add(x[free], (y - x)[free])
-    stats = every
-    if tokens == "skipped" and layer.retention_ratio > 0.0:
-        if skipped.n >= hidden:
-            stats = skipped
+        free = real & ~layer.selected_mask(x, mask) if use_skipped else None
+        for fold, part in enumerate(_folds(real, rows_seen)):
+            stats["all"][fold].add(x[part], (y - x)[part])
+            if free is not None:
+                stats["skipped"][fold].add(x[part & free], (y - x)[part & free])
+        rows_seen += x.shape[0]
+    chosen = "all"
+    if use_skipped:
+        n_skipped = sum(f.n for f in stats["skipped"])
+        if n_skipped >= hidden:
+            chosen = "skipped"
         else:
             logger.warning(
                 f"AdaDSF skip path of layer {layer.layer_index}: its router skipped "
-                f"{skipped.n} calibration tokens, fewer than the hidden size "
-                f"{hidden}; fitting on all {every.n} real tokens instead"
+                f"{n_skipped} calibration tokens, fewer than the hidden size "
+                f"{hidden}; fitting on all real tokens instead"
             )
-    fit = fit_ridge(stats, rank, ridge)
+    folds = stats[chosen]
+    if ridge == "auto":
+        ridge = choose_ridge(folds, rank) if min(f.n for f in folds) > 1 else 1e-3
+    fit = fit_ridge(folds[0] + folds[1], rank, float(ridge))
     layer.skip_path.load_fit(fit)
     report.layer_indices.append(layer.layer_index)
     report.tokens.append(fit.tokens)
     report.r2.append(fit.r2 if math.isfinite(fit.r2) else float("nan"))
+    report.ridge.append(fit.ridge)
     return dense_out

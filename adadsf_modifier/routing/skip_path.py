@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "RIDGE_GRID",
     "SKIP_PATHS",
     "RidgeStats",
     "RidgeFit",
     "SkipPath",
+    "choose_ridge",
     "fit_ridge",
     "skip_path_of",
 ]
@@ -32,6 +34,8 @@ __all__ = [
 #: What a skipped token gets: ``identity`` (the input, as in the paper) or ``ridge``
 #: (the input plus a fitted affine map of it).
 SKIP_PATHS = ("identity", "ridge")
+#: Relative ridge penalties :func:`choose_ridge` tries.
+RIDGE_GRID = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
 
 class SkipPath(nn.Module):
@@ -135,6 +139,24 @@ class RidgeStats:
         self.sxy += x.T @ y
         self.syy += float((y * y).sum())
 
+    def __add__(self, other: RidgeStats) -> RidgeStats:
+        out = RidgeStats(self.sx.shape[0], self.sx.device)
+        out.n, out.syy = self.n + other.n, self.syy + other.syy
+        for name in ("sx", "sy", "sxx", "sxy"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        return out
+
+    def squared_error(self, weight: torch.Tensor, bias: torch.Tensor) -> float:
+        """``sum |y - x W - b|^2`` over these tokens, ``weight [h_in, h_out]``."""
+        return (
+            self.syy
+            - 2 * float((weight * self.sxy).sum())
+            - 2 * float(bias @ self.sy)
+            + float((weight * (self.sxx @ weight)).sum())
+            + 2 * float((self.sx @ weight) @ bias)
+            + self.n * float(bias @ bias)
+        )
+
 
 @dataclass
 class RidgeFit:
@@ -152,6 +174,32 @@ class RidgeFit:
     rank: int | None = None
     r2: float = float("nan")
     tokens: int = 0
+    ridge: float = float("nan")
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The map's ``[h_in, h_out]`` matrix (``x @ matrix + bias``)."""
+        return self.weight.T if self.rank is None else self.down.T @ self.up.T
+
+
+def choose_ridge(
+    folds: tuple[RidgeStats, RidgeStats],
+    rank: int | None = None,
+    grid: tuple[float, ...] = RIDGE_GRID,
+) -> float:
+    """The relative ridge penalty of ``grid`` with the least two-fold held-out error
+    (fit on one fold, measured on the other, both ways). Ties go to the larger one."""
+
+    def held_out(ridge: float) -> float:
+        a, b = folds
+        total = 0.0
+        for fit_on, test_on in ((a, b), (b, a)):
+            fit = fit_ridge(fit_on, rank, ridge)
+            total += test_on.squared_error(fit.matrix, fit.bias)
+        return total
+
+    errors = [(held_out(r), -r) for r in grid]
+    return -min(errors)[1]
 
 
 def fit_ridge(
@@ -200,4 +248,5 @@ def fit_ridge(
         rank=None if rank is None else int(rank),
         r2=r2,
         tokens=n,
+        ridge=float(ridge),
     )
