@@ -224,7 +224,10 @@ def parse(*argv):
         (["--set", "nope=1"], "expected KEY=VALUE"),
         (["--set", "tasks=piqa,mmlu"], "unknown task(s) ['mmlu']"),
         (["--set", "ppl_stride=1024"], "must not exceed ppl_max_length"),
-        (["--quick", "--set", "task_limit=0"], "task_limit: must be a positive integer"),
+        (
+            ["--quick", "--set", "task_limit=0"],
+            "task_limit: must be a positive integer",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message):
