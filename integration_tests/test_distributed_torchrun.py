@@ -15,7 +15,7 @@ ranks with each other and with a single-process run of the same thing in this pr
 * AdaDSF + GPTQ in one recipe: every quantized weight, scale and router identical on
   both ranks;
 * clear errors, raised on both ranks: fewer calibration batches than ranks, ranks
-  with different model configs or weights.
+  with different model configs or weights, a save from ranks whose routers differ.
 
 A second launch runs ``adadsf compress`` (AdaDSF + GPTQ W8A8) under ``torchrun``.
 """
@@ -150,7 +150,8 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
 
-    from adadsf_modifier import AdaDSFModifier, distributed
+    from adadsf_modifier import AdaDSFModifier, distributed, routed_layers
+    from adadsf_modifier.checkpoint import attach_checkpoint_support
     from adadsf_modifier.routing.warm_start import warm_start_routers
 
     torch.set_num_threads(1)
@@ -257,6 +258,14 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
             recipe=[AdaDSFModifier(retention=0.7)],
         )
     )
+    # ranks that disagree on a router: the checkpoint would depend on the rank
+    model, _ = routed_tiny()
+    if rank == 1:
+        with torch.no_grad():
+            routed_layers(model)[2].router.fc2.bias.add_(1e-3)
+    attach_checkpoint_support(model)
+    res["err_save"] = error_of(lambda: model.save_pretrained(str(out / "disagree")))
+    res["saved_anything"] = (out / "disagree").exists()
     torch.save(res, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -380,6 +389,10 @@ def test_errors_are_clear_and_raised_on_every_rank(ranks):
         assert "model weights (shape, checksum) differs" in r["err_weights"]
         assert "model config differs between ranks" in r["err_config"]
         assert "num_hidden_layers: 4 vs 3" in r["err_config"]
+        assert "router weights differs between ranks" in r["err_save"]
+        assert "model.layers.2.router.fc2.bias" in r["err_save"]
+        assert "would depend on the rank" in r["err_save"]
+        assert not r["saved_anything"]
 
 
 # ------------------------------------------------------------------ the CLI

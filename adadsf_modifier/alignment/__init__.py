@@ -9,12 +9,15 @@ teacher.
 * :mod:`~adadsf_modifier.alignment.teacher` - the frozen dense teacher.
 * :mod:`~adadsf_modifier.alignment.params` - what trains, fp32 master copies, and
   :func:`check_alignment_supported`.
+* :mod:`~adadsf_modifier.alignment.parallel` - data parallelism under ``torchrun``
+  (DDP or FSDP2).
 * :mod:`~adadsf_modifier.alignment.trainer` - the training loop (:func:`align_model`).
 * :mod:`~adadsf_modifier.alignment.fields` - the ``align_*`` recipe fields of
   ``AdaDSFModifier``.
 """
 
 from adadsf_modifier.alignment.config import (
+    PARALLEL_MODES,
     TRAINABLE_SETS,
     AlignmentConfig,
     AlignmentDivergedError,
@@ -38,6 +41,7 @@ from adadsf_modifier.alignment.teacher import make_teacher, release_memory
 from adadsf_modifier.alignment.trainer import align_model
 
 __all__ = [
+    "PARALLEL_MODES",
     "TRAINABLE_SETS",
     "AlignmentConfig",
     "AlignmentDivergedError",

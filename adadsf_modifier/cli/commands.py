@@ -80,6 +80,8 @@ def compress(
         data = data.select(range(*distributed.partition_bounds(len(data))))
         samples = len(data)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if distributed.is_distributed() and torch.cuda.is_available():
+        model.to(torch.device("cuda", torch.cuda.current_device()))  # NCCL: own GPU
     source = distributed.is_source_process()
     if source and out.is_dir() and any(out.iterdir()):  # the atomic save replaces it
         logger.warning(f"--overwrite: replacing the checkpoint in {out}")
