@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from adadsf_modifier import distributed
+from adadsf_modifier.alignment.config import AlignmentDivergedError
 from adadsf_modifier.routing import decoder_layers, routed_layers
 
 __all__ = ["ParallelRun", "check_parallel_supported", "data_parallel"]
@@ -146,8 +147,6 @@ def _ddp(student, teacher, params, device) -> Iterator[ParallelRun]:
 @contextlib.contextmanager
 def _fsdp(student, teacher, params) -> Iterator[ParallelRun]:
     from torch.distributed.fsdp import fully_shard
-
-    from adadsf_modifier.alignment.config import AlignmentDivergedError
 
     shell, aliases = _shell(student)
     own = list({id(p): p for p in student.parameters()}.values())  # tied: once
