@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from compressed_tensors.distributed import is_source_process
 from compressed_tensors.offload import get_execution_device
 from llmcompressor.pytorch.utils.helpers import tensors_to_device
 from loguru import logger
@@ -98,7 +99,9 @@ def run_calibration_batches(
     model.eval()
     try:
         with torch.no_grad():
-            for batch in tqdm(batches, desc=desc, leave=False):
+            for batch in tqdm(
+                batches, desc=desc, leave=False, disable=not is_source_process()
+            ):
                 inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
                 if "input_ids" not in inputs:
                     raise ValueError(
