@@ -58,15 +58,15 @@ class RoutedLayer(nn.Module):
     The selected tokens (see :mod:`adadsf_modifier.routing.modes`) run the original
     layer, attending only among themselves (and, with a KV cache, to the earlier tokens
     that ran this layer) at their original positions; the others leave it bit-identical.
-    Two variants (paper-faithful defaults off): a fitted ``skip_path`` child gives the
+    Two variants, off by default (the paper): a fitted ``skip_path`` child gives the
     skipped tokens ``x + u(x)`` instead of ``x``
     (:mod:`~adadsf_modifier.routing.skip_path`), and ``skipped_tokens_kv`` lets them
     keep contributing keys/values, so the selected tokens attend to the full context
     (:mod:`~adadsf_modifier.routing.kv_keep`). The update of a selected token is
     multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``:
     exactly 1 in value (so an untrained router at r = 1 reproduces the dense layer
-    exactly), while the router receives ``d loss / d out
-    * (out - in) * sigmoid'(s)`` as gradient.
+    exactly), while the router receives ``d loss / d out * (out - skipped) *
+    sigmoid'(s)`` as gradient (``skipped``: what the token would get if it skipped).
     """
 
     router: TokenRouter

@@ -57,7 +57,9 @@ class SkipPathFields(BaseModel):
     :param skip_path_rank: rank of the ridge map (``null``: full rank); in
         ``[1, hidden_size - 1]``
     :param skip_path_ridge: ridge penalty, relative to the mean input variance, or
-        ``auto``: chosen per layer by two-fold held-out error on the calibration rows
+        ``auto`` (default): chosen per layer by two-fold held-out error on the
+        calibration rows (SmolLM2-135M, retention 0.8: validation PPL 65 vs 76 for a
+        fixed 1e-3, full rank)
     :param skip_path_tokens: fit each map on the tokens its router skips (``skipped``)
         or on every calibration token (``all``)
     :param skipped_tokens_kv: skipped tokens still give the layer's attention their
@@ -68,7 +70,7 @@ class SkipPathFields(BaseModel):
 
     skip_path: Literal["identity", "ridge"] = "identity"
     skip_path_rank: PositiveInt | None = None
-    skip_path_ridge: RidgePenalty = 1e-3
+    skip_path_ridge: RidgePenalty = "auto"
     skip_path_tokens: Literal["skipped", "all"] = "skipped"
     skipped_tokens_kv: bool = False
 

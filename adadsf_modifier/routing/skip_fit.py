@@ -146,7 +146,7 @@ def fit_skip_paths(
     model: nn.Module,
     batches: Iterable[Mapping[str, Any]],
     rank: int | None = None,
-    ridge: float | Literal["auto"] = 1e-3,
+    ridge: float | Literal["auto"] = "auto",
     tokens: Literal["skipped", "all"] = "skipped",
     inputs: Literal["routed", "dense"] = "routed",
 ) -> SkipPathReport:
