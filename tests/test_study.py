@@ -157,12 +157,48 @@ def test_method_fields():
 
 # ------------------------------------------------------------------------ the plan
 def test_count_runs_default_study():
-    # dense 1 + 8 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 76 main;
+    # dense 1 + 11 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 103 main;
     # tuning: 3 learning rates + 3 temperatures - the shared default = 5
-    assert count_runs(StudySettings()) == {"tune": 5, "main": 76}
+    assert count_runs(StudySettings()) == {"tune": 5, "main": 103}
     quick = StudySettings(methods=("dense", "adadsf"), budgets=(0.8,), seeds=2)
     assert count_runs(quick) == {"tune": 5, "main": 3}
     assert count_runs(StudySettings(tune=False))["tune"] == 0
+
+
+def test_skip_path_methods_pass_their_modifier_fields():
+    s = StudySettings()
+    f = modifier_fields(s, "adadsf_ridge_kv", 0.8, 0, TUNED)
+    assert (f["skip_path"], f["skip_path_rank"], f["skipped_tokens_kv"]) == (
+        "ridge",
+        64,
+        True,
+    )
+    assert f["align_steps"] == s.align_steps
+    assert (
+        modifier_fields(s, "adadsf_ridge_kv_no_align", 0.8, 0, TUNED)["align_steps"]
+        == 0
+    )
+    drop = modifier_fields(s, "layer_drop_ridge", 0.8, 0, TUNED)
+    assert drop["allocation"] == "layer_drop" and drop["skip_path"] == "ridge"
+    assert drop["align_steps"] == 0 and not drop["skipped_tokens_kv"]
+    assert modifier_fields(s, "adadsf", 0.8, 0, TUNED)["skip_path"] == "identity"
+
+
+def test_ablations_run_on_fewer_seeds_after_the_main_methods():
+    s = StudySettings(
+        methods=("dense", "adadsf", "uniform", "adadsf_no_align"),
+        budgets=(0.8,),
+        seeds=3,
+        ablation_seeds=1,
+    )
+    assert count_runs(s)["main"] == 1 + 2 * 3 + 1
+    specs = list(main_specs(s, CTX, TUNED, lambda budget: None))
+    assert [(x.method, x.seed) for x in specs][-2:] == [
+        ("uniform", 2),
+        ("adadsf_no_align", 0),
+    ]
+    with pytest.raises(ValueError, match="unknown method"):
+        StudySettings(ablation_methods=("nope",))
 
 
 def test_layer_drop_retention_matches_measured_flops():
@@ -179,11 +215,13 @@ def test_main_specs_order_and_layer_drop_matching():
     refs = {0.8: {"flops": 0.787, "num_layers": 30, "num_routed": 29}}
     specs = list(main_specs(s, CTX, TUNED, refs.get))
     assert specs[0].method == "dense"
-    labels = [(x.budget, x.method) for x in specs[1:]]
-    assert (
-        labels[:6]
-        == [(0.9, "adadsf")] * 2 + [(0.9, "uniform")] * 2 + [(0.9, "layer_drop")] * 2
-    )
+    # the tune budget (0.8) first, one seed at a time, AdaDSF first in each seed
+    labels = [(x.budget, x.seed, x.method) for x in specs[1:]]
+    assert labels[:6] == [
+        (0.8, 0, "adadsf"), (0.8, 0, "layer_drop"), (0.8, 0, "uniform"),
+        (0.8, 1, "adadsf"), (0.8, 1, "layer_drop"), (0.8, 1, "uniform"),
+    ]  # fmt: skip
+    assert [b for b, _, _ in labels[6:]] == [0.9] * 6
     drop08 = [x for x in specs if x.method == "layer_drop" and x.budget == 0.8]
     assert drop08[0].config["modifier"]["retention"] == pytest.approx(23 / 29)
     assert drop08[0].notes["matched_to"] == "AdaDSF measured FLOPs"

@@ -30,6 +30,13 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("adadsf", "adadsf_no_align"),
     ("adadsf", "adadsf_lm_only"),
     ("adadsf_w8a8", "adadsf"),
+    ("adadsf_ridge_kv", "adadsf"),
+    ("adadsf_ridge_kv", "uniform"),
+    ("adadsf_ridge_kv", "layer_drop_healed"),
+    ("adadsf_ridge_kv", "layer_drop_ridge"),
+    ("adadsf_ridge_kv", "adadsf_ridge_kv_no_align"),
+    ("layer_drop_ridge", "layer_drop"),
+    ("layer_drop_ridge", "layer_drop_healed"),
 )
 """``(a, b)``: ``a - b`` per seed. AdaDSF against uniform and against layer removal
 first: the questions the method's reviewers asked."""

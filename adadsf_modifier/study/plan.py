@@ -122,6 +122,7 @@ def modifier_fields(
     )
     if m.lm_loss_only:
         kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
+    kwargs.update(m.fields)
     dump = AdaDSFModifier(**kwargs).model_dump()
     return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
 
@@ -259,7 +260,7 @@ def count_runs(s: StudySettings) -> dict[str, int]:
     """``{"tune": n, "main": n}`` for the whole plan (cached runs included)."""
     main = 0
     for m in s.methods:
-        main += 1 if m == "dense" else len(budgets_of(s, m)) * s.seeds
+        main += 1 if m == "dense" else len(budgets_of(s, m)) * len(s.seeds_of(m))
     return {"tune": tune_count(s), "main": main}
 
 
@@ -285,8 +286,12 @@ def main_specs(
     tuned: Tuned,
     reference: Callable[[float], dict | None],
 ) -> Iterator[RunSpec]:
-    """Main runs in dependency order: dense, then per budget AdaDSF first (layer
-    removal matches its measured FLOPs), the other methods, layer removal last.
+    """Main runs in priority and dependency order, so that a study stopped by its time
+    budget has the most useful runs: dense; then the ``tune_budget`` comparison before
+    the other budgets (descending); within a budget one seed at a time (every method of
+    seed 0, then of seed 1, ...: the paired comparisons fill up evenly), AdaDSF first in
+    each seed (layer removal matches its measured FLOPs), the others in the settings'
+    order, the ablations (``ablation_methods``) after the main methods' seeds.
 
     ``reference(budget)`` returns ``{"flops": mean measured normalized FLOPs of the
     finished AdaDSF runs at that budget, "num_layers": L, "num_routed": n}`` or None;
@@ -295,38 +300,47 @@ def main_specs(
     methods = list(s.methods)
     if "dense" in methods:
         yield _spec(ctx, "main", "dense", 1.0, 0, None, s, _eval_main(s, ctx, False))
-    order = sorted(
-        (m for m in methods if m != "dense"),
-        key=lambda m: (m != "adadsf", METHODS[m].match_flops),
+    order = sorted((m for m in methods if m != "dense"), key=lambda m: m != "adadsf")
+    budgets = sorted(
+        {b for m in order for b in budgets_of(s, m)},
+        key=lambda b: (b != s.tune_budget, -b),
     )
-    budgets = sorted({b for m in order for b in budgets_of(s, m)}, reverse=True)
+    groups = [
+        [m for m in order if m not in s.ablation_methods],
+        [m for m in order if m in s.ablation_methods],
+    ]
     for budget in budgets:
-        for method in order:
-            if budget not in budgets_of(s, method):
-                continue
-            m = METHODS[method]
+        for group in groups:
             for i, seed in enumerate(s.seed_list):
-                retention, notes = budget, {}
-                if m.match_flops:
-                    ref = reference(budget)
-                    if ref is not None:
-                        retention, _ = layer_drop_retention(
-                            ref["flops"], ref["num_layers"], ref["num_routed"]
+                for method in group:
+                    if budget in budgets_of(s, method) and seed in s.seeds_of(method):
+                        yield _main_spec(
+                            s, ctx, tuned, reference, method, budget, i, seed
                         )
-                        notes["flops_target"] = ref["flops"]
-                    notes["matched_to"] = (
-                        "AdaDSF measured FLOPs" if ref else "nominal budget"
-                    )
-                mod = modifier_fields(s, method, retention, seed, tuned)
-                speed = s.speed and i < s.speed_seeds and not m.quantize
-                yield _spec(
-                    ctx,
-                    "main",
-                    method,
-                    budget,
-                    seed,
-                    mod,
-                    s,
-                    _eval_main(s, ctx, speed),
-                    notes,
-                )
+
+
+def _main_spec(
+    s: StudySettings,
+    ctx: Context,
+    tuned: Tuned,
+    reference: Callable[[float], dict | None],
+    method: str,
+    budget: float,
+    i: int,
+    seed: int,
+) -> RunSpec:
+    m = METHODS[method]
+    retention, notes = budget, {}
+    if m.match_flops:
+        ref = reference(budget)
+        if ref is not None:
+            retention, _ = layer_drop_retention(
+                ref["flops"], ref["num_layers"], ref["num_routed"]
+            )
+            notes["flops_target"] = ref["flops"]
+        notes["matched_to"] = "AdaDSF measured FLOPs" if ref else "nominal budget"
+    mod = modifier_fields(s, method, retention, seed, tuned)
+    speed = s.speed and i < s.speed_seeds and not m.quantize
+    return _spec(
+        ctx, "main", method, budget, seed, mod, s, _eval_main(s, ctx, speed), notes
+    )

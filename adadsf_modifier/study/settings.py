@@ -9,7 +9,7 @@ overrides any field, and pydantic validation turns bad values into one-line erro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -50,7 +50,15 @@ class Method:
     quantize: bool = False
     match_flops: bool = False  # layer removal: keep as many layers as AdaDSF's FLOPs
     description: str = ""
+    # further AdaDSFModifier fields of this arm (e.g. the skip path of issue 13)
+    fields: dict[str, Any] = field(default_factory=dict)
 
+
+_RIDGE_KV: dict[str, Any] = {
+    "skip_path": "ridge",
+    "skip_path_rank": 64,
+    "skipped_tokens_kv": True,
+}
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -107,6 +115,32 @@ METHODS: dict[str, Method] = {
             description="alignment with the causal-LM loss instead of KL + hidden",
         ),
         Method(
+            "adadsf_ridge_kv",
+            "AdaDSF + ridge skip path + K/V",
+            "similarity",
+            fields=_RIDGE_KV,
+            description="skipped tokens get a fitted rank-64 ridge map and still "
+            "give keys/values; maps refitted after alignment",
+        ),
+        Method(
+            "adadsf_ridge_kv_no_align",
+            "AdaDSF + ridge + K/V, no alignment",
+            "similarity",
+            align=False,
+            fields=_RIDGE_KV,
+            description="the ridge/K-V variant with no training at all",
+        ),
+        Method(
+            "layer_drop_ridge",
+            "layer removal + ridge maps",
+            "layer_drop",
+            align=False,
+            match_flops=True,
+            fields={"skip_path": "ridge"},
+            description="layer removal, each removed layer replaced by its fitted "
+            "full-rank ridge map, no training",
+        ),
+        Method(
             "adadsf_w8a8",
             "AdaDSF + GPTQ W8A8",
             "similarity",
@@ -137,6 +171,16 @@ class StudySettings(BaseModel):
         3  # seeds 0 .. seeds-1 (calibration sample, router init, data order)
     )
     w8a8_budgets: tuple[float, ...] = (0.8,)
+    # Ablations answer secondary questions; with ablation_seeds they run on fewer
+    # seeds (the first ones) and after the main methods, so a time-limited study
+    # spends its budget on the main comparisons first.
+    ablation_methods: tuple[str, ...] = (
+        "adadsf_no_align",
+        "adadsf_lm_only",
+        "adadsf_w8a8",
+        "adadsf_ridge_kv_no_align",
+    )
+    ablation_seeds: PositiveInt | None = None  # None: every seed
     # ---- calibration and AdaDSF fields (the same for every method)
     calib_samples: PositiveInt = 128
     calib_seq_len: PositiveInt = 512
@@ -201,6 +245,16 @@ class StudySettings(BaseModel):
             raise ValueError(f"no method given; known: {', '.join(METHODS)}")
         return tuple(dict.fromkeys(v))
 
+    @field_validator("ablation_methods")
+    @classmethod
+    def _ablations(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [m for m in v if m not in METHODS]
+        if unknown:
+            raise ValueError(
+                f"unknown method(s) {unknown}; known: {', '.join(METHODS)}"
+            )
+        return tuple(dict.fromkeys(v))
+
     @field_validator("budgets", "w8a8_budgets")
     @classmethod
     def _budgets(cls, v: tuple[float, ...]) -> tuple[float, ...]:
@@ -235,6 +289,13 @@ class StudySettings(BaseModel):
     @property
     def seed_list(self) -> list[int]:
         return list(range(self.seeds))
+
+    def seeds_of(self, method: str) -> list[int]:
+        """The seeds ``method`` runs with (fewer for ablations, see
+        ``ablation_seeds``)."""
+        if method in self.ablation_methods and self.ablation_seeds is not None:
+            return self.seed_list[: self.ablation_seeds]
+        return self.seed_list
 
 
 def quick_settings(**overrides: Any) -> StudySettings:

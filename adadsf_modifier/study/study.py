@@ -236,7 +236,7 @@ def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) ->
     counts = count_runs(s)
     total = counts["tune"] * one("tune", "adadsf")
     for m in s.methods:
-        n = 1 if m == "dense" else s.seeds * len(budgets_of(s, m))
+        n = 1 if m == "dense" else len(s.seeds_of(m)) * len(budgets_of(s, m))
         total += n * one("main", m)
     return total
 
@@ -302,7 +302,11 @@ def run_study(
     }
     if plan_only:
         for m in settings.methods:
-            n = 1 if m == "dense" else settings.seeds * len(budgets_of(settings, m))
+            n = (
+                1
+                if m == "dense"
+                else len(settings.seeds_of(m)) * len(budgets_of(settings, m))
+            )
             print(f"  {m:20s} {n:3d} runs  ({METHODS[m].description})")
         return {"plan": plan}
     env = RunEnv(model_path, device, tok, TokenStreams(tok))
