@@ -10,7 +10,7 @@ import pytest
 from tiny_models import save_tiny_model
 
 from adadsf_modifier.study.command import main
-from adadsf_modifier.study.settings import StudySettings
+from adadsf_modifier.study.settings import StudyInputError, StudySettings
 from adadsf_modifier.study.study import run_study
 
 TINY = [
@@ -148,6 +148,36 @@ def test_orchestration_tuning_matching_and_failures(tiny_dir, tmp_path):
                     executor=fake_executor(calls))  # fmt: skip
     assert calls == ["main:uniform@0.8/seed0", "main:uniform@0.8/seed1"]
     assert not res["failed"] and res["runtime"]["runs_cached"] == 9
+
+
+def test_render_only_renders_runs_computed_with_other_versions_and_computes_none(
+    tiny_dir, tmp_path, monkeypatch
+):
+    import adadsf_modifier.study.study as study_mod
+
+    s = StudySettings(methods=("dense", "adadsf", "uniform"), budgets=(0.8,), seeds=2,
+                      tune=False, calib_samples=2, calib_seq_len=16, align_steps=2,
+                      align_batch_size=1, align_seq_len=16)  # fmt: skip
+    calls: list[str] = []
+    run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+              executor=fake_executor(calls))  # fmt: skip
+    assert len(calls) == 5
+    # another machine (say the GPU that computed the runs) had other versions
+    other = {**study_mod.code_versions(), "torch": "0.0-other"}
+    monkeypatch.setattr(study_mod, "code_versions", lambda: other)
+    calls.clear()
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls), max_runs=0)  # fmt: skip
+    assert res["runtime"]["runs_cached"] == 0 and len(res["pending"]) == 5
+    res = run_study(s, tiny_dir, tmp_path / "o2", tmp_path / "c",
+                    executor=fake_executor(calls), render_only=True)  # fmt: skip
+    assert calls == [] and res["runtime"]["runs_cached"] == 5
+    assert not res["pending"] and len(res["runs"]) == 4
+    assert res["versions"]["torch"] != "0.0-other"  # the computing machine's
+    assert res["hardware"]["summary"] and (tmp_path / "o2" / "RESULTS.md").is_file()
+    with pytest.raises(StudyInputError, match="no cached run"):
+        run_study(s, tiny_dir, tmp_path / "o3", tmp_path / "empty",
+                  render_only=True)  # fmt: skip
 
 
 def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):

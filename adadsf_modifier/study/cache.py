@@ -97,6 +97,25 @@ class RunCache:
         atomic_write_text(path, json_text(payload))
         return path
 
+    def computed_context(
+        self, fingerprint: str
+    ) -> tuple[str, dict[str, str], dict[str, Any] | None] | None:
+        """``(device, versions, hardware)`` of the newest cached run of the model with
+        ``fingerprint`` (None if there is none): what ``--render-only`` needs to find
+        runs computed on another machine (their keys include device and versions).
+        ``hardware`` is the computing machine's description when the run kept it."""
+        newest = None
+        for entry in self:
+            cfg = entry.get("config", {})
+            if cfg.get("model", {}).get("fingerprint") != fingerprint:
+                continue
+            if newest is None or entry.get("finished", "") > newest.get("finished", ""):
+                newest = entry
+        if newest is None:
+            return None
+        cfg = newest["config"]
+        return cfg["device"], cfg["versions"], newest["record"].get("hardware")
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Every readable cached run (``{"key", "config", "record", ...}``)."""
         if not self.root.is_dir():

@@ -103,6 +103,12 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the run count and estimated cost, run nothing",
     )
     parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="compute nothing: render RESULTS.md/results.json from the cached runs "
+        "(also runs computed on another machine, e.g. a GPU, with this cache)",
+    )
+    parser.add_argument(
         "--list-settings",
         action="store_true",
         help="print every setting with its value and exit",
@@ -210,6 +216,7 @@ def run_study_command(args: argparse.Namespace) -> dict:
         max_hours=args.max_hours,
         max_runs=args.max_runs,
         plan_only=args.plan,
+        render_only=getattr(args, "render_only", False),
     )
 
 

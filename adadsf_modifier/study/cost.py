@@ -16,8 +16,8 @@ from adadsf_modifier.study.settings import METHODS, StudySettings
 
 __all__ = ["TASK_SIZES", "estimate_run_seconds", "model_params", "planned_task_n"]
 
-# Measured on the project's CPU machine (docs/results.md sections 3-5 and the study's
-# SmolLM2 smoke runs; the machine was shared, so these lean pessimistic).
+# Measured on the project's CPU machine (docs/measurements.md sections 3-5 and the
+# study's SmolLM2 smoke runs; the machine was shared, so these lean pessimistic).
 _CPU_FORWARD_S_PER_TOKEN = 2.8e-3  # SmolLM2-135M prefill, fp32, 1 thread
 _CPU_ALIGN_S_PER_TOKEN = 11e-3  # routers_and_layers, fp32, with the dense teacher
 _CPU_ALIGN_S_PER_STEP = 3.0  # AdamW update and clipping over ~100M parameters

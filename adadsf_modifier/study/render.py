@@ -249,6 +249,11 @@ def render_markdown(r: dict[str, Any]) -> str:
         "# Results study: AdaDSF against its baselines",
         "",
         f"- command: `{r['command']}`",
+        *[
+            f"- runs computed by: `{c}`"
+            for c in r.get("computed_by", [])
+            if c != r["command"]
+        ],
         f"- date: {r['date']}",
         f"- hardware: {hw['summary']}",
         f"- model: {r['model']['name']} (fingerprint {r['model']['fingerprint'][:12]})",

@@ -129,8 +129,9 @@ def _preflight_data(s: StudySettings, tok: Any) -> None:
 class _Runner:
     """Runs specs through the cache with one progress bar and a time/run budget."""
 
-    def __init__(self, cache, env, total, deadline, max_runs, executor):
+    def __init__(self, cache, env, total, deadline, max_runs, executor, origin):
         self.cache, self.env, self.executor = cache, env, executor
+        self.origin = origin  # {"command", "hardware"}: kept with every computed run
         self.deadline, self.max_runs = deadline, max_runs
         self.computed = self.cached = 0
         self.failed: list[str] = []
@@ -161,6 +162,7 @@ class _Runner:
             self.failed.append(f"{spec.label}: {type(err).__name__}: {err}")
             self.bar.update(1)
             return None
+        record.update(self.origin)  # how and where it ran (for --render-only)
         self.cache.put(spec, record)
         record = json.loads(json_text(record))  # exactly what a later resume reads
         self.computed += 1
@@ -252,11 +254,15 @@ def run_study(
     max_runs: int | None = None,
     executor: Callable[[RunSpec, RunEnv], dict] = execute_run,
     plan_only: bool = False,
+    render_only: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) the study and write its outputs; returns ``results.json``'s
     dict, whose ``"runtime"`` counts the runs computed now and reused from the cache
     (``runs_computed`` is 0 when everything was cached). ``plan_only``: check the
-    inputs, print the plan and its estimated cost, run and write nothing."""
+    inputs, print the plan and its estimated cost, run and write nothing.
+    ``render_only``: compute nothing; render the cached runs of this plan, taking the
+    device and library versions (part of every run's key) from the newest cached run
+    of the model, so runs computed on another machine (a GPU) render here."""
     t0 = time.time()
     out = check_output_dir(Path(output_dir), overwrite)
     cache_root = check_output_dir(Path(cache_dir), True, "cache")
@@ -273,10 +279,28 @@ def run_study(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     embedded = model is None or str(model).strip().lower() in ("smollm2", "embedded")
     name = "SmolLM2-135M-Instruct (embedded)" if embedded else Path(model_path).name
-    ctx = Context(name, model_fingerprint(model_path), code_versions(), device)
+    fingerprint, versions = model_fingerprint(model_path), code_versions()
+    cache = RunCache(cache_root)
+    hw = hardware(device)
+    if render_only:
+        found = cache.computed_context(fingerprint)
+        if found is None:
+            raise StudyInputError(
+                f"--render-only: no cached run of {name} in {cache_dir}"
+            )
+        device, versions, hw = (
+            found[0],
+            found[1],
+            found[2]
+            or {
+                "device": found[0],
+                "summary": f"{found[0]} (the computing machine was not recorded)",
+            },
+        )
+        max_runs = 0
+    ctx = Context(name, fingerprint, versions, device)
     counts = count_runs(settings)
     total = counts["tune"] + counts["main"]
-    cache = RunCache(cache_root)
     est = _estimate(settings, ctx, cache, model_params(model_path))
     print(
         f"adadsf study: {total} runs ({counts['tune']} tuning on validation, "
@@ -311,7 +335,8 @@ def run_study(
         return {"plan": plan}
     env = RunEnv(model_path, device, tok, TokenStreams(tok))
     deadline = t0 + max_hours * 3600 if max_hours else None
-    runner = _Runner(cache, env, total, deadline, max_runs, executor)
+    origin = {"command": command, "hardware": hw}
+    runner = _Runner(cache, env, total, deadline, max_runs, executor, origin)
     tuned, tuning = _tune(settings, ctx, runner)
     dense, runs = None, []
     if tuned is not None:
@@ -330,7 +355,10 @@ def run_study(
     meta = {
         "command": command,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hardware": hardware(device),
+        "hardware": hw,
+        "computed_by": sorted(
+            {r["command"] for r in [dense, *runs, *tuning] if r and "command" in r}
+        ),
         "model": {"name": name, "path": model_path, "fingerprint": ctx.fingerprint},
         "versions": ctx.versions,
         "runtime": {
