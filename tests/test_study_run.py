@@ -23,7 +23,8 @@ TINY = [
     "--set", "ppl_stride=32", "--set", "tasks=piqa", "--set", "task_limit=2",
     "--set", "flops_seq_len=32", "--set", "speed_seq_len=32",
     "--set", "speed_batch_sizes=1", "--set", "decode_prompt=8",
-    "--set", "decode_tokens=2",
+    "--set", "decode_tokens=2", "--set", "calib_batch_size=2",
+    "--set", "ppl_batch_size=3",
 ]  # fmt: skip
 
 
@@ -179,14 +180,30 @@ def test_render_only_renders_runs_computed_with_other_versions_and_computes_none
         run_study(s, tiny_dir, tmp_path / "o3", tmp_path / "empty",
                   render_only=True)  # fmt: skip
 
+    # the code gained a modifier field since: rendering still finds the runs (on the
+    # settings they share), computing does not reuse them
+    import adadsf_modifier.study.plan as plan_mod
+
+    old_fields = plan_mod.modifier_fields
+    monkeypatch.setattr(plan_mod, "modifier_fields",
+                        lambda *a: {**old_fields(*a), "new_field": 1})  # fmt: skip
+    res = run_study(s, tiny_dir, tmp_path / "o4", tmp_path / "c",
+                    executor=fake_executor(calls), render_only=True)  # fmt: skip
+    assert calls == [] and res["runtime"]["runs_cached"] == 5
+    # a shared setting that differs (another alignment budget) is not matched
+    s2 = s.model_copy(update={"align_steps": 3})
+    res = run_study(s2, tiny_dir, tmp_path / "o5", tmp_path / "c",
+                    executor=fake_executor(calls), render_only=True)  # fmt: skip
+    assert res["runtime"]["runs_cached"] == 1  # only dense (no modifier) matches
+
 
 def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
     calls: list[str] = []
     res = run_study(StudySettings(), tiny_dir, tmp_path / "o", tmp_path / "c",
                     executor=fake_executor(calls), plan_only=True)  # fmt: skip
-    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 103}
+    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 112}
     assert res["plan"]["estimated_s"] > 0
-    assert "108 runs (5 tuning on validation, 103 main)" in capsys.readouterr().out
+    assert "117 runs (5 tuning on validation, 112 main)" in capsys.readouterr().out
     assert not (tmp_path / "o" / "results.json").exists()
 
 

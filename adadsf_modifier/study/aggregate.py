@@ -37,6 +37,8 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("adadsf_ridge_kv", "adadsf_ridge_kv_no_align"),
     ("layer_drop_ridge", "layer_drop"),
     ("layer_drop_ridge", "layer_drop_healed"),
+    ("adadsf_ridge_kv", "layer_drop_ridge_healed"),
+    ("layer_drop_ridge_healed", "layer_drop_healed"),
 )
 """``(a, b)``: ``a - b`` per seed. AdaDSF against uniform and against layer removal
 first: the questions the method's reviewers asked."""

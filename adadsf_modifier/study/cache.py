@@ -57,6 +57,13 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def _agree(a: Any, b: Any) -> bool:
+    """Equal, except that keys present in only one of two dicts are ignored."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return all(_agree(a[k], b[k]) for k in a.keys() & b.keys())
+    return a == b
+
+
 class RunCache:
     """``root/<method>/<key>.json`` for every finished run."""
 
@@ -66,13 +73,19 @@ class RunCache:
     def path_for(self, spec: RunSpec) -> Path:
         return self.root / spec.phase / spec.method / f"{spec.key}.json"
 
-    def get(self, spec: RunSpec) -> dict[str, Any] | None:
+    def get(self, spec: RunSpec, lenient: bool = False) -> dict[str, Any] | None:
         """The cached record of ``spec``, or None (a missing, unreadable or mismatching
         file is treated as not run; a mismatch cannot happen short of a SHA-256
-        collision or a hand-edited file, and is logged)."""
+        collision or a hand-edited file, and is logged).
+
+        ``lenient`` (rendering only): without an exact match, the one cached run of the
+        same phase, method, budget and seed whose configuration agrees with ``spec`` on
+        every setting both have. Settings added to the code since (a new modifier field
+        with its default) then do not orphan runs computed before; any setting they
+        share must still be equal."""
         path = self.path_for(spec)
         if not path.is_file():
-            return None
+            return self._lenient(spec) if lenient else None
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as err:
@@ -82,6 +95,21 @@ class RunCache:
             logger.warning(f"study cache: {path} holds another configuration; ignored")
             return None
         return data["record"]
+
+    def _lenient(self, spec: RunSpec) -> dict[str, Any] | None:
+        folder = self.path_for(spec).parent
+        found = []
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if data.get("label") == spec.label and _agree(data["config"], spec.config):
+                found.append(data)
+        if len(found) != 1:
+            return None  # none, or ambiguous: not rendered
+        logger.info(f"study cache: {spec.label} matched on the settings it shares")
+        return found[0]["record"]
 
     def put(self, spec: RunSpec, record: dict[str, Any]) -> Path:
         """Store a finished run atomically; returns its file."""

@@ -75,7 +75,12 @@ def _in_mode(model: nn.Module, mode: str):
 
 
 def measure_perplexity(
-    model: nn.Module, stream: torch.Tensor, max_length: int, stride: int, mode: str
+    model: nn.Module,
+    stream: torch.Tensor,
+    max_length: int,
+    stride: int,
+    mode: str,
+    batch_size: int = 1,
 ) -> dict[str, float | int]:
     """Sliding-window perplexity in routing ``mode`` (``causal``: what ``generate``
     uses; ``topk``: per-sequence top-K as in training)."""
@@ -88,6 +93,7 @@ def measure_perplexity(
             stride=stride,
             input_ids=stream,
             show_progress=False,
+            batch_size=batch_size,
         )
     return {"ppl": float(res.ppl), "tokens": int(res.tokens)}
 

@@ -127,7 +127,22 @@ def modifier_fields(
     return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
 
 
-def _data(s: StudySettings, seed: int, aligned: bool) -> dict[str, Any]:
+def _batch(value: int | None, ctx: Context) -> int:
+    return value or (16 if ctx.device == "cuda" else 1)
+
+
+def _batched(cfg: dict[str, Any], key: str, size: int) -> dict[str, Any]:
+    """``cfg`` with ``key: size`` unless ``size`` is 1: runs of one row per forward
+    keep the keys they had before batching was configurable."""
+    return {**cfg, key: size} if size != 1 else cfg
+
+
+def _data(s: StudySettings, seed: int, aligned: bool, ctx: Context) -> dict[str, Any]:
+    return _batched(_data_fields(s, seed, aligned), "calib_batch_size",
+                    _batch(s.calib_batch_size, ctx))  # fmt: skip
+
+
+def _data_fields(s: StudySettings, seed: int, aligned: bool) -> dict[str, Any]:
     return {
         "calib_samples": s.calib_samples,
         "calib_seq_len": s.calib_seq_len,
@@ -139,6 +154,11 @@ def _data(s: StudySettings, seed: int, aligned: bool) -> dict[str, Any]:
 
 
 def _eval_main(s: StudySettings, ctx: Context, speed: bool) -> dict[str, Any]:
+    return _batched(_eval_main_fields(s, ctx, speed), "ppl_batch_size",
+                    _batch(s.ppl_batch_size, ctx))  # fmt: skip
+
+
+def _eval_main_fields(s: StudySettings, ctx: Context, speed: bool) -> dict[str, Any]:
     return {
         "ppl_tokens": s.ppl_tokens,
         "ppl_val_tokens": s.ppl_val_tokens,
@@ -163,7 +183,12 @@ def _eval_main(s: StudySettings, ctx: Context, speed: bool) -> dict[str, Any]:
     }
 
 
-def _eval_tune(s: StudySettings) -> dict[str, Any]:
+def _eval_tune(s: StudySettings, ctx: Context) -> dict[str, Any]:
+    return _batched(_eval_tune_fields(s), "ppl_batch_size",
+                    _batch(s.ppl_batch_size, ctx))  # fmt: skip
+
+
+def _eval_tune_fields(s: StudySettings) -> dict[str, Any]:
     return {
         "ppl_val_tokens": s.ppl_val_tokens,
         "ppl_max_length": s.ppl_max_length,
@@ -193,7 +218,7 @@ def _spec(
         "versions": ctx.versions,
         "modifier": modifier,
         "quantization": quantization_fields() if METHODS[method].quantize else None,
-        "data": _data(s, seed, aligned) if modifier is not None else None,
+        "data": _data(s, seed, aligned, ctx) if modifier is not None else None,
         "eval": eval_cfg,
     }
     return RunSpec.create(phase, method, budget, seed, config, notes)
@@ -222,7 +247,14 @@ def tune_specs(
         mod = modifier_fields(s, "adadsf", s.tune_budget, s.tune_seed, tuned)
         out.append(
             _spec(
-                ctx, "tune", "adadsf", s.tune_budget, s.tune_seed, mod, s, _eval_tune(s)
+                ctx,
+                "tune",
+                "adadsf",
+                s.tune_budget,
+                s.tune_seed,
+                mod,
+                s,
+                _eval_tune(s, ctx),
             )
         )
     return out

@@ -104,6 +104,7 @@ def _compress(model: torch.nn.Module, cfg: dict, env: RunEnv) -> AdaDSFModifier:
         recipe=recipe,
         num_calibration_samples=data["calib_samples"],
         max_seq_length=data["calib_seq_len"],
+        batch_size=data.get("calib_batch_size", 1),
     )
     # oneshot leaves compressed-tensors offload wrappers on every module: they slow
     # every call and make speed comparisons against a reloaded twin meaningless.
@@ -146,8 +147,9 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
     ev = cfg["eval"]
     routed = bool(routed_layers(model))
     ml, stride = ev["ppl_max_length"], ev["ppl_stride"]
+    bs = ev.get("ppl_batch_size", 1)
     val = env.streams.get("validation", ev["ppl_val_tokens"])
-    record["ppl_val"] = measure_perplexity(model, val, ml, stride, "causal")["ppl"]
+    record["ppl_val"] = measure_perplexity(model, val, ml, stride, "causal", bs)["ppl"]
     test = env.streams.get(
         "test", max(ev.get("ppl_tokens", 0), ev["flops_seq_len"] * ev["flops_batch"])
     )
@@ -158,10 +160,12 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
         record[f"normalized_flops_with_lm_head{suffix}"] = fl["normalized_with_lm_head"]
     if ev.get("validation_only"):
         return
-    res = measure_perplexity(model, test[: ev["ppl_tokens"]], ml, stride, "causal")
+    res = measure_perplexity(model, test[: ev["ppl_tokens"]], ml, stride, "causal", bs)
     record["ppl_test"], record["ppl_tokens"] = res["ppl"], res["tokens"]
     record["ppl_test_topk"] = (
-        measure_perplexity(model, test[: ev["ppl_tokens"]], ml, stride, "topk")["ppl"]
+        measure_perplexity(model, test[: ev["ppl_tokens"]], ml, stride, "topk", bs)[
+            "ppl"
+        ]
         if routed
         else res["ppl"]
     )

@@ -141,6 +141,15 @@ METHODS: dict[str, Method] = {
             "full-rank ridge map, no training",
         ),
         Method(
+            "layer_drop_ridge_healed",
+            "layer removal + ridge maps + healing",
+            "layer_drop",
+            match_flops=True,
+            fields={"skip_path": "ridge"},
+            description="layer removal with ridge maps in place of the removed "
+            "layers, then the same alignment as AdaDSF (maps refitted after it)",
+        ),
+        Method(
             "adadsf_w8a8",
             "AdaDSF + GPTQ W8A8",
             "similarity",
@@ -223,6 +232,12 @@ class StudySettings(BaseModel):
     tasks: tuple[str, ...] = ALL_TASKS
     task_limit: PositiveInt | None = 1000  # examples per task (None: the whole split)
     task_batch_size: PositiveInt | None = None  # None: 1 on CPU, 16 on a GPU
+    # Rows per forward of AdaDSF's calibration passes (similarities, warm start, skip
+    # paths, thresholds) and windows per forward of perplexity. None: 1 on CPU (where
+    # batching gains nothing), 16 on a GPU (one row per forward leaves it idle: the
+    # first H200 runs spent ~45 s per run on 3 threshold passes over 128 single rows).
+    calib_batch_size: PositiveInt | None = None
+    ppl_batch_size: PositiveInt | None = None
     flops_batch: PositiveInt = 4
     flops_seq_len: PositiveInt = 512
     speed: bool = True

@@ -132,6 +132,7 @@ class _Runner:
     def __init__(self, cache, env, total, deadline, max_runs, executor, origin):
         self.cache, self.env, self.executor = cache, env, executor
         self.origin = origin  # {"command", "hardware"}: kept with every computed run
+        self.lenient = False  # --render-only: see RunCache.get
         self.deadline, self.max_runs = deadline, max_runs
         self.computed = self.cached = 0
         self.failed: list[str] = []
@@ -145,7 +146,7 @@ class _Runner:
         return over_time or over_runs
 
     def run(self, spec: RunSpec) -> dict | None:
-        record = self.cache.get(spec)
+        record = self.cache.get(spec, lenient=self.lenient)
         if record is not None:
             self.cached += 1
             self.bar.total -= 1  # the bar (and its ETA) counts runs still to compute
@@ -337,6 +338,7 @@ def run_study(
     deadline = t0 + max_hours * 3600 if max_hours else None
     origin = {"command": command, "hardware": hw}
     runner = _Runner(cache, env, total, deadline, max_runs, executor, origin)
+    runner.lenient = render_only
     tuned, tuning = _tune(settings, ctx, runner)
     dense, runs = None, []
     if tuned is not None:
