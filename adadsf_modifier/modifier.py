@@ -42,6 +42,11 @@ from adadsf_modifier.constraints import (
     PositiveInt,
     UnitInterval,
 )
+from adadsf_modifier.importance import (
+    ImportanceFields,
+    loss_importance,
+    similarity_like,
+)
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
     RoutedLayer,
@@ -59,7 +64,7 @@ from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_route
 __all__ = ["AdaDSFModifier"]
 
 
-class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields):
+class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields):
     """
     Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the
     tokens a small router ranks highest; layers that change their input little get fewer
@@ -230,6 +235,10 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields):
         self.check_skip_path(model, [name for _, name, _ in targeted])
         self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]
+        if self.importance == "loss":  # measured loss rise instead of the cosine
+            rises = loss_importance(model, [m for *_, m in targeted], calib,
+                                    self.importance_tokens)  # fmt: skip
+            routed_sims = similarity_like(rises)
         ratios = allocate(
             self.allocation,
             routed_sims,
