@@ -15,7 +15,6 @@ import math
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -24,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic.dataclasses import dataclass
+
+from adadsf_modifier.constraints import NonNegativeFloat, PositiveInt, constrained
 
 __all__ = [
     "PARALLEL_MODES",
@@ -51,47 +52,6 @@ rank) or ``fsdp`` (FSDP2 ``fully_shard``: both sharded over the ranks); see
 :mod:`~adadsf_modifier.alignment.parallel`. One process ignores it."""
 
 
-def _steps(value: int, info: ValidationInfo) -> int:
-    if value < 0:
-        raise ValueError(
-            f"{info.field_name} must be an integer >= 0 (0 skips the alignment stage), "
-            f"got {value!r}"
-        )
-    return value
-
-
-def _positive(value: int, info: ValidationInfo) -> int:
-    if value <= 0:
-        raise ValueError(f"{info.field_name} must be an integer > 0, got {value!r}")
-    return value
-
-
-def _learning_rate(value: float, info: ValidationInfo) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{info.field_name} (learning rate) must be a finite number > 0, "
-            f"got {value!r}"
-        )
-    return value
-
-
-def _non_negative(value: float, info: ValidationInfo) -> float:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(
-            f"`{info.field_name}` must be a finite number >= 0, got {value!r}"
-        )
-    return value
-
-
-def _grad_clip(value: float, info: ValidationInfo) -> float:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(
-            f"{info.field_name} (max gradient norm) must be a finite number > 0, or 0 "
-            f"to disable clipping, got {value!r}"
-        )
-    return value
-
-
 def _trainable(value: object, info: ValidationInfo) -> object:
     if value not in TRAINABLE_SETS:
         raise ValueError(
@@ -108,12 +68,21 @@ def _parallel(value: object, info: ValidationInfo) -> object:
     return value
 
 
-Steps = Annotated[int, AfterValidator(_steps)]
+Steps = Annotated[
+    int, constrained(lambda v: v >= 0, "an integer >= 0 (0 skips the alignment stage)")
+]
 """Optimizer steps, ``>= 0`` (0 skips the stage)."""
-PositiveInt = Annotated[int, AfterValidator(_positive)]
-LearningRate = Annotated[float, AfterValidator(_learning_rate)]
-NonNegativeFloat = Annotated[float, AfterValidator(_non_negative)]
-GradClip = Annotated[float, AfterValidator(_grad_clip)]
+LearningRate = Annotated[
+    float,
+    constrained(lambda v: math.isfinite(v) and v > 0, "a finite learning rate > 0"),
+]
+GradClip = Annotated[
+    float,
+    constrained(
+        lambda v: math.isfinite(v) and v >= 0,
+        "a finite max gradient norm > 0, or 0 to disable clipping",
+    ),
+]
 """Max global gradient norm; 0 disables clipping."""
 Trainable = Annotated[
     Literal["routers", "routers_and_layers"], BeforeValidator(_trainable)
