@@ -99,10 +99,8 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
     :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens
         that run each routed layer
     :param temperature: softmax temperature ``tau`` (> 0) of the similarity allocation
-    :param beta: steepness of the similarity -> ratio sigmoid (paper: 10), >= 0;
-        ``0`` flattens the sigmoid, so every routed layer gets the same ratio
-        (the same as ``allocation: uniform``); negative values would invert the
-        method and are refused
+    :param beta: steepness (>= 0) of the similarity -> ratio sigmoid (paper: 10); 0
+        gives every routed layer the same ratio (as ``allocation: uniform``)
     :param min_retention: lower clip for any routed layer's ratio; defaults to
         ``min(0.1, retention)``; must not exceed ``retention``
     :param allocation: ``similarity`` (AdaDSF), ``uniform`` (MoD), ``reversed``
@@ -124,6 +122,7 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
         before the first measurement (the first under top-k routing, the rest under
         causal routing upstream); more follow until the kept fractions reach their
         targets
+    :param importance*: what allocation ranks layers by, see ``ImportanceFields``
     :param skip_path*, skipped_tokens_kv: what skipped tokens get (default: nothing,
         as in the paper), see :class:`~adadsf_modifier.routing.SkipPathFields`
     :param align_*: the alignment fine-tune stage, see

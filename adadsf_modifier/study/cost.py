@@ -14,7 +14,13 @@ from pathlib import Path
 
 from adadsf_modifier.study.settings import METHODS, StudySettings
 
-__all__ = ["TASK_SIZES", "estimate_run_seconds", "model_params", "planned_task_n"]
+__all__ = [
+    "TASK_SIZES",
+    "cpu_align_seconds",
+    "estimate_run_seconds",
+    "model_params",
+    "planned_task_n",
+]
 
 # Measured on the project's CPU machine (docs/measurements.md sections 3-5 and the
 # study's SmolLM2 smoke runs; the machine was shared, so these lean pessimistic).
@@ -53,6 +59,15 @@ def model_params(model_path: str) -> float:
         return _REFERENCE_PARAMS
 
 
+def cpu_align_seconds(s: StudySettings, params: float) -> float:
+    """The alignment budget of one run in seconds of the project's 2-core CPU (the cost
+    model's rates; issue 13 caps it at 30 minutes there), whatever device ran it."""
+    scale = params / _REFERENCE_PARAMS
+    tokens = s.align_steps * s.align_batch_size * s.align_seq_len
+    per_token = _CPU_ALIGN_S_PER_TOKEN / (2.0 if s.align_bf16 else 1.0)
+    return (tokens * per_token + s.align_steps * _CPU_ALIGN_S_PER_STEP) * scale
+
+
 def estimate_run_seconds(
     s: StudySettings, phase: str, method: str, params: float, device: str
 ) -> float:
@@ -65,9 +80,7 @@ def estimate_run_seconds(
     if m.allocation is not None:
         secs += s.calib_samples * s.calib_seq_len * fwd * (1 + s.threshold_passes)
         if m.align:
-            tokens = s.align_steps * s.align_batch_size * s.align_seq_len
-            per_token = _CPU_ALIGN_S_PER_TOKEN / (2.0 if s.align_bf16 else 1.0)
-            secs += (tokens * per_token + s.align_steps * _CPU_ALIGN_S_PER_STEP) * scale
+            secs += cpu_align_seconds(s, params)
         if m.quantize:
             secs += _GPTQ_S * scale
     secs += s.ppl_val_tokens * window * fwd + 2 * s.flops_batch * s.flops_seq_len * fwd

@@ -39,6 +39,16 @@ def _hours(s: float | None) -> str:
     return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min"
 
 
+def _cpu(r: dict) -> str:
+    est = r.get("runtime", {}).get("align_cpu_estimate_s")
+    if not est:
+        return ""
+    return (
+        f" (about {est / 60:.0f} min on the project's 2-core CPU by the cost model of"
+        " `study/cost.py`)"
+    )
+
+
 def _setup(r: dict) -> list[str]:
     s, t = r["settings"], r["tuned"]
     align_tokens = s["align_steps"] * s["align_batch_size"] * s["align_seq_len"]
@@ -62,8 +72,8 @@ def _setup(r: dict) -> list[str]:
         " router initialisation and training order, so equal seeds are paired):"
         f" calibration {s['calib_samples']} x {s['calib_seq_len']} tokens; alignment"
         f" {s['align_steps']} steps x {s['align_batch_size']} rows x"
-        f" {s['align_seq_len']} tokens = {align_tokens:,} tokens, learning rate"
-        f" {_num(t['align_lr'], 'g')}, trainable `{s['align_trainable']}`; layers"
+        f" {s['align_seq_len']} tokens = {align_tokens:,} tokens{_cpu(r)}, learning"
+        f" rate {_num(t['align_lr'], 'g')}, trainable `{s['align_trainable']}`; layers"
         f" ignored: `{', '.join(s['ignore']) or 'none'}`.",
         f"Chosen hyper-parameters ({t['source']}): learning rate"
         f" {_num(t['align_lr'], 'g')}, tau {_num(t['temperature'], 'g')}, beta"

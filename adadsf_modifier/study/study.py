@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 import time
 import traceback
@@ -29,10 +28,12 @@ from adadsf_modifier.evaluation import calibration_dataset, resolve_model
 from adadsf_modifier.study.aggregate import build_results
 from adadsf_modifier.study.cache import RunCache, atomic_write_text, json_text
 from adadsf_modifier.study.cost import (
+    cpu_align_seconds,
     estimate_run_seconds,
     model_params,
     planned_task_n,
 )
+from adadsf_modifier.study.hardware import hardware
 from adadsf_modifier.study.measure import TokenStreams
 from adadsf_modifier.study.plan import (
     Context,
@@ -85,31 +86,6 @@ def check_output_dir(path: Path, overwrite: bool, what: str = "output") -> Path:
                     "(use --overwrite)"
                 )
     return path
-
-
-def hardware(device: str) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "device": device,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
-    gpu = f", GPU {info['gpu']}" if "gpu" in info else ", no GPU"
-    info["summary"] = (
-        f"{cpu}, {info['cpu_count']} CPUs, torch threads {info['torch_threads']}{gpu}"
-    )
-    return info
 
 
 def _preflight_data(s: StudySettings, tok: Any) -> None:
@@ -302,7 +278,8 @@ def run_study(
     ctx = Context(name, fingerprint, versions, device)
     counts = count_runs(settings)
     total = counts["tune"] + counts["main"]
-    est = _estimate(settings, ctx, cache, model_params(model_path))
+    params = model_params(model_path)
+    est = _estimate(settings, ctx, cache, params)
     print(
         f"adadsf study: {total} runs ({counts['tune']} tuning on validation, "
         f"{counts['main']} main), model {name}, device {device}; estimated "
@@ -373,6 +350,7 @@ def run_study(
             "runs_computed": runner.computed,
             "runs_cached": runner.cached,
             "estimated_s": est,
+            "align_cpu_estimate_s": cpu_align_seconds(settings, params),
         },
         "pending": runner.pending,
         "failed": runner.failed,
