@@ -103,3 +103,17 @@ def test_threshold_for_ratio_is_exact_in_the_scores_dtype():
     scores = torch.stack([hi, lo, lo - 1, lo - 2])
     t = threshold_for_ratio(scores, 0.25)
     assert int((scores > t).sum()) == 1
+
+
+def test_whole_layer_ratios_need_no_calibration_pass_and_route_as_targeted():
+    """``layer_drop`` leaves only ratios 0 and 1: nothing to fit, so no forward runs,
+    and the layers still keep all or none of the tokens under causal routing."""
+    model = route_all(tiny_model("llama"), [1.0, 0.0, 1.0, 0.0])
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    report = calibrate_thresholds(model, rows(4, 8))
+    handle.remove()
+    assert calls == [] and report.passes == 0
+    assert report.thresholds == [float("-inf"), float("inf")] * 2
+    model.eval()
+    assert kept_fraction_by_forward(model, rows(4, 8, seed=1)) == [1.0, 0.0, 1.0, 0.0]

@@ -242,6 +242,8 @@ def calibrate_thresholds(
     check_calibration_rows(
         [m.retention_ratio for m in layers if m.keep_first_token], batches, tolerance
     )
+    if all(not 0.0 < m.retention_ratio < 1.0 for m in layers):
+        return _whole_layers_only(layers, tolerance)
     base = getattr(model, "base_model", model)
     limit = passes + len(layers)
     for p in range(limit + 1):
@@ -280,6 +282,24 @@ def calibrate_thresholds(
             )
             + ": the thresholds did not settle on this calibration set"
         )
+    return report
+
+
+def _whole_layers_only(layers: list[RoutedLayer], tolerance: float) -> ThresholdReport:
+    """Every routed layer runs all tokens or none (``layer_drop``): no threshold has
+    anything to choose, so no calibration pass is run (the passes would fit exactly
+    these values: ``-inf`` keeps every token, ``inf`` none)."""
+    report = ThresholdReport(tolerance=tolerance)
+    for layer in layers:
+        ratio = float(layer.retention_ratio)
+        layer.causal_threshold = float("-inf") if ratio >= 1.0 else float("inf")
+        report.layer_indices.append(layer.layer_index)
+        report.thresholds.append(layer.causal_threshold)
+        report.target_ratios.append(ratio)
+        report.kept_fraction.append(ratio)
+        report.reachable.append(ratio)
+        report.topk_agreement.append(1.0)
+    logger.info("AdaDSF causal thresholds: whole layers only, no calibration pass")
     return report
 
 
