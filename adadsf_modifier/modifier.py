@@ -18,7 +18,6 @@ import traceback
 from typing import Any, Literal
 
 import torch
-from compressed_tensors.utils import is_match
 from llmcompressor.core import State
 from llmcompressor.modifiers import Modifier
 from loguru import logger
@@ -49,7 +48,6 @@ from adadsf_modifier.importance import (
 )
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
-    RoutedLayer,
     ThresholdReport,
     TokenRouter,
     calibrate_thresholds,
@@ -60,6 +58,7 @@ from adadsf_modifier.routing import (
 )
 from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_routers
+from adadsf_modifier.targeting import check_not_routed, targeted_layers
 
 __all__ = ["AdaDSFModifier"]
 
@@ -206,9 +205,9 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
         model = state.model
         spec, layers = decoder_layers(model)
-        self._check_not_routed(layers)
+        check_not_routed(layers)
         check_alignment_supported(model, self.alignment_config())
-        targeted = self._targeted_layers(layers)
+        targeted = targeted_layers(layers, self.targets, self.ignore)
         # An impossible allocation (wrong list length, layer_drop below one layer)
         # fails here, before calibration.
         check_allocation(self.allocation, self.retention, len(targeted))
@@ -286,40 +285,6 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
         return True
 
     # ------------------------------------------------------------------ steps
-    @staticmethod
-    def _check_not_routed(layers: list[tuple[str, torch.nn.Module]]) -> None:
-        routed = [name for name, layer in layers if isinstance(layer, RoutedLayer)]
-        if routed:
-            raise ValueError(
-                f"AdaDSFModifier: decoder layers {routed[:3]}"
-                f"{' ...' if len(routed) > 3 else ''} are already routed (a second "
-                "AdaDSFModifier in the recipe, oneshot run twice on one model, or a "
-                "model loaded with adadsf_modifier.from_pretrained); route a dense "
-                "model once"
-            )
-
-    def _targeted_layers(self, layers: list[tuple[str, torch.nn.Module]]):
-        targets = self.targets
-        if targets is None:
-            chosen = [
-                (i, n, m)
-                for i, (n, m) in enumerate(layers)
-                if not is_match(n, m, self.ignore)
-            ]
-        else:
-            targets = [targets] if isinstance(targets, str) else targets
-            chosen = [
-                (i, n, m)
-                for i, (n, m) in enumerate(layers)
-                if is_match(n, m, targets, ignore=self.ignore)
-            ]
-        if not chosen:
-            raise ValueError(
-                f"AdaDSFModifier: targets={self.targets!r} / ignore={self.ignore!r} "
-                f"match no decoder layer (first layer is `{layers[0][0]}`)"
-            )
-        return chosen
-
     def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
         samples = self.router_init_tokens if self.router_init == "similarity" else 0
         acc = SimilarityAccumulator(len(layers), sample_tokens=samples, seed=self.seed)

@@ -1,0 +1,54 @@
+"""Which decoder layers a modifier routes (``targets`` / ``ignore``, matched the way
+llm-compressor's own modifiers match modules), and the refusal to route a model
+twice."""
+
+from __future__ import annotations
+
+from compressed_tensors.utils import is_match
+from torch import nn
+
+from adadsf_modifier.routing import RoutedLayer
+
+__all__ = ["check_not_routed", "targeted_layers"]
+
+Layers = list[tuple[str, nn.Module]]
+
+
+def check_not_routed(layers: Layers) -> None:
+    """Refuse decoder layers that are already routed: a second routing modifier in the
+    recipe, ``oneshot`` run twice on one model, or a model loaded with
+    ``adadsf_modifier.from_pretrained``."""
+    routed = [name for name, layer in layers if isinstance(layer, RoutedLayer)]
+    if routed:
+        raise ValueError(
+            f"AdaDSFModifier: decoder layers {routed[:3]}"
+            f"{' ...' if len(routed) > 3 else ''} are already routed (a second "
+            "AdaDSFModifier in the recipe, oneshot run twice on one model, or a "
+            "model loaded with adadsf_modifier.from_pretrained); route a dense "
+            "model once"
+        )
+
+
+def targeted_layers(
+    layers: Layers, targets: str | list[str] | None, ignore: list[str]
+) -> list[tuple[int, str, nn.Module]]:
+    """``(index, name, layer)`` of the decoder layers to route: every layer not in
+    ``ignore`` when ``targets`` is None, else those matching ``targets`` (names,
+    ``re:`` regexes or class names) and not ``ignore``. Raises when none matches."""
+    if targets is None:
+        chosen = [
+            (i, n, m) for i, (n, m) in enumerate(layers) if not is_match(n, m, ignore)
+        ]
+    else:
+        targets = [targets] if isinstance(targets, str) else targets
+        chosen = [
+            (i, n, m)
+            for i, (n, m) in enumerate(layers)
+            if is_match(n, m, targets, ignore=ignore)
+        ]
+    if not chosen:
+        raise ValueError(
+            f"AdaDSFModifier: targets={targets!r} / ignore={ignore!r} "
+            f"match no decoder layer (first layer is `{layers[0][0]}`)"
+        )
+    return chosen
