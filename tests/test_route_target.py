@@ -216,8 +216,12 @@ def test_calibration_similarity_is_that_of_the_routed_sub_block(target):
             lambda m, a, k, o, i=i: calls.__setitem__(i, (a, k, o)),
             with_kwargs=True))  # fmt: skip
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-              use_cache=False)
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions(mask),
+            use_cache=False,
+        )
     for h in handles:
         h.remove()
     sims = acc.similarities()
