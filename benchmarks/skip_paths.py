@@ -21,6 +21,8 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
   can be compared with layer removal at matched measured FLOPs
 * ``layer_drop_<d>_ridge``  - the same, removed layers replaced by a full-rank ridge
   map (LLM-Streamline-style); ``layer_drop_<d>_ridge_auto``: penalty chosen per layer
+* ``layer_drop_<d>_attention`` - removes the attention sub-block of the ``d`` layers
+  whose attention branch changes its input least (static attention drop, no routing)
 * ``attention`` / ``mlp``   - ``route_target: attention`` (skipped tokens skip only
   the attention sub-block, MindSkip-style) / ``mlp``; ``attention_kv``: with
   ``skipped_tokens_kv``. Sub-block routing saves far fewer FLOPs per skipped token, so
@@ -121,6 +123,8 @@ def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> 
             kw.update(skip_path="ridge", skip_path_tokens="all")
         if "auto" in parts:
             kw.update(skip_path_ridge="auto")
+        if "attention" in parts:  # remove attention sub-blocks only (attention drop)
+            kw.update(route_target="attention")
         return kw
     kw.update(ROUTED[method])
     if args.align_steps:

@@ -68,11 +68,13 @@ class RoutedLayer(nn.Module):
     skipped tokens ``x + u(x)`` instead of ``x``
     (:mod:`~adadsf_modifier.routing.skip_path`), and ``skipped_tokens_kv`` lets them
     keep contributing keys/values, so the selected tokens attend to the full context
-    (:mod:`~adadsf_modifier.routing.kv_keep`). The update of a selected token is
-    multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``:
-    exactly 1 in value (so an untrained router at r = 1 reproduces the dense layer
-    exactly), while the router receives ``d loss / d out * (out - skipped) *
-    sigmoid'(s)`` as gradient (``skipped``: what the token would get if it skipped).
+    (:mod:`~adadsf_modifier.routing.kv_keep`). With ``route_target`` ``attention`` or
+    ``mlp`` only that sub-block is routed (:mod:`~adadsf_modifier.routing.sub_blocks`).
+    The update of a selected token is multiplied by a straight-through gate
+    ``1 + sigmoid(s) - sigmoid(s).detach()``: exactly 1 in value (so an untrained
+    router at r = 1 reproduces the dense layer exactly), while the router receives
+    ``d loss / d out * (out - skipped) * sigmoid'(s)`` as gradient (``skipped``: what
+    the token would get if it skipped).
     """
 
     router: TokenRouter

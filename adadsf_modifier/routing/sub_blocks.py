@@ -65,8 +65,10 @@ def check_route_target(
         raise ValueError(
             f"route_target must be one of {list(ROUTE_TARGETS)}, got {route_target!r}"
         )
+    if route_target == "layer":
+        return
     architecture_for_config(config).check_sub_blocks(route_target)
-    if route_target != "layer" and skip_path:
+    if skip_path:
         raise ValueError(
             f"skip_path 'ridge' is fitted to a whole layer's update: it needs "
             f"route_target 'layer', got {route_target!r}"
