@@ -27,6 +27,8 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
   the attention sub-block, MindSkip-style) / ``mlp``; ``attention_kv``: with
   ``skipped_tokens_kv``. Sub-block routing saves far fewer FLOPs per skipped token, so
   these rows want their own retention:
+* ``<method>_upper``        - ``attention`` / ``attention_kv`` / ``mlp`` / ``identity``
+  routing only the upper half of the layers (Router-Tuning's choice), the rest dense
 * ``<method>@<r>``          - any routed method at retention ``r`` instead of
   ``--retention`` (e.g. ``attention@0.5``, ``identity@0.8``)
 
@@ -126,6 +128,11 @@ def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> 
         if "attention" in parts:  # remove attention sub-blocks only (attention drop)
             kw.update(route_target="attention")
         return kw
+    if method.endswith("_upper"):  # route the upper half of the layers only
+        method = method.removesuffix("_upper")
+        kw["ignore"] = [
+            f"re:.*layers\\.({'|'.join(map(str, range(num_layers // 2)))})$"
+        ]
     kw.update(ROUTED[method])
     if args.align_steps:
         kw.update(align_steps=args.align_steps, align_lr=args.align_lr,
@@ -180,7 +187,7 @@ def run_method(method: str, args, env: dict) -> dict[str, Any]:
     with torch.no_grad():
         rep = normalized_flops(model, {"input_ids": ids})
     row["normalized_flops"] = rep.normalized
-    routed = range(1, len(rep.kept))  # layer 0 stays dense in every row
+    routed = sorted(rep.routed_layers) or range(1, len(rep.kept))
     real = sum(rep.seq_lens)
     # measured mean fraction of real tokens running each routed (sub-)block
     row["kept_fraction"] = sum(sum(rep.kept[i]) for i in routed) / (len(routed) * real)
