@@ -239,3 +239,28 @@ def test_calibration_similarity_is_that_of_the_routed_sub_block(target):
         assert sims[i] == pytest.approx(float(cos[real].double().mean()), abs=1e-6)
     xs, cs = acc.sampled(1)
     assert xs.shape[1] == 32 and len(xs) == len(cs) > 0
+
+
+@pytest.mark.parametrize("target,kv", [("attention", False), ("attention", True),
+                                       ("mlp", False)])  # fmt: skip
+def test_sliding_window_decoding_equals_full_forward(target, kv):
+    """A Mistral window (4 keys) shorter than the sequence: the routed attention's
+    cache masks the slots that left the window, as for whole layers."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("mistral")
+    cfg.sliding_window = 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    spec, layers = decoder_layers(model)
+    for i, (_, layer) in enumerate(layers):
+        route_layer(layer, TokenRouter(32, 8), RATIOS[i], i, spec.cache_kwarg, cfg,
+                    skipped_tokens_kv=kv, route_target=target)  # fmt: skip
+    model = calibrated(model)
+    ids, mask = left_padded(3, 13)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                     use_cache=False).logits  # fmt: skip
+        inc, _ = incremental_logits(model, ids, mask, prefill=5)
+    torch.testing.assert_close(inc[mask.bool()], full[mask.bool()], atol=1e-4, rtol=0)
