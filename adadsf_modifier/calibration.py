@@ -4,6 +4,13 @@
 by forward hooks while the dense model runs over the calibration batches. Padding is
 excluded with the same rule the routed layers use to find real tokens, so statistics and
 routing agree on what a token is.
+
+When only a sub-block is routed (``route_target``, see
+:mod:`adadsf_modifier.routing.sub_blocks`), the similarity is that sub-block's: input
+vs output of the attention residual branch (``x`` vs ``h = x + attention(...)``) or of
+the MLP branch (``h`` vs the layer output), so allocation and the routers' warm start
+see how much the routed computation changes a token. ``h`` is read off a hook on the
+layer's attention module (``x`` plus its output).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch
 from torch import nn
 
 from adadsf_modifier import distributed
+from adadsf_modifier.routing.architectures import architecture_for_config
 from adadsf_modifier.utils import real_token_mask, run_calibration_batches
 
 __all__ = [
@@ -44,7 +52,15 @@ class SimilarityAccumulator:
     warm start's gathered sample keeps the single-process size.
     """
 
-    def __init__(self, num_layers: int, sample_tokens: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        sample_tokens: int = 0,
+        seed: int = 0,
+        route_target: str = "layer",
+    ):
+        self.route_target = route_target
+        self._attention_out: dict[int, torch.Tensor] = {}
         self.sums = [0.0] * num_layers
         self.counts = [0] * num_layers
         self.sample_tokens = -(-sample_tokens // distributed.world_size())
@@ -54,9 +70,28 @@ class SimilarityAccumulator:
         self._kept = [0] * num_layers
         self._generator = torch.Generator().manual_seed(seed)
 
+    def hooks_for(self, index: int, layer: nn.Module) -> list[tuple[nn.Module, Any]]:
+        """``[(module, hook)]`` to register with ``register_forward_hook(...,
+        with_kwargs=True)`` for decoder layer ``index``: the layer's hook, preceded
+        when a sub-block is routed by one on its attention module."""
+        if self.route_target == "layer":
+            return [(layer, self.hook_for(index))]
+        # decoder layers keep no config; their attention modules do
+        config = next(m.config for m in layer.modules() if hasattr(m, "config"))
+        spec = architecture_for_config(config)
+        spec.check_sub_blocks(self.route_target)
+        attn = getattr(layer, spec.attention)
+
+        def stash(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self._attention_out[index] = output[0] if isinstance(output, tuple) else (
+                output)  # fmt: skip
+
+        return [(attn, stash), (layer, self.hook_for(index))]
+
     def hook_for(self, index: int):
         """A ``register_forward_hook(..., with_kwargs=True)`` hook for decoder layer
-        ``index``."""
+        ``index`` (with a sub-block routed, after :meth:`hooks_for`'s attention
+        hook)."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             x_in = args[0] if args else kwargs["hidden_states"]
@@ -65,7 +100,12 @@ class SimilarityAccumulator:
             real = real_token_mask(
                 kwargs.get("attention_mask"), batch, seq_len, x_in.device
             )
-            cos = token_cosine_similarity(x_in, x_out)
+            if self.route_target == "layer":
+                cos = token_cosine_similarity(x_in, x_out)
+            else:
+                h = x_in + self._attention_out.pop(index)
+                pair = (x_in, h) if self.route_target == "attention" else (h, x_out)
+                cos = token_cosine_similarity(*pair)
             self.sums[index] += float(cos[real].double().sum())
             self.counts[index] += int(real.sum())
             if self._kept[index] < self.sample_tokens:

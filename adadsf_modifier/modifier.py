@@ -122,8 +122,9 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
         causal routing upstream); more follow until the kept fractions reach their
         targets
     :param importance*: what allocation ranks layers by, see ``ImportanceFields``
-    :param skip_path*, skipped_tokens_kv: what skipped tokens get (default: nothing,
-        as in the paper), see :class:`~adadsf_modifier.routing.SkipPathFields`
+    :param skip_path*, skipped_tokens_kv, route_target: what skipped tokens get and
+        skip (default: nothing, the whole layer, as in the paper), see
+        :class:`~adadsf_modifier.routing.SkipPathFields`
     :param align_*: the alignment fine-tune stage, see
         :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the
         default, skips it)
@@ -287,10 +288,11 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
     # ------------------------------------------------------------------ steps
     def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
         samples = self.router_init_tokens if self.router_init == "similarity" else 0
-        acc = SimilarityAccumulator(len(layers), sample_tokens=samples, seed=self.seed)
+        acc = SimilarityAccumulator(len(layers), samples, self.seed, self.route_target)
         self._accumulator = acc
         for i, (_, layer) in enumerate(layers):
-            self.register_hook(layer, acc.hook_for(i), "forward", with_kwargs=True)
+            for module, hook in acc.hooks_for(i, layer):  # sub-blocks: two hooks
+                self.register_hook(module, hook, "forward", with_kwargs=True)
         try:
             # The base model skips the lm_head: calibration needs hidden states only. A
             # shuffling DataLoader draws its order from the global RNG: seed it so the

@@ -21,6 +21,16 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
   can be compared with layer removal at matched measured FLOPs
 * ``layer_drop_<d>_ridge``  - the same, removed layers replaced by a full-rank ridge
   map (LLM-Streamline-style); ``layer_drop_<d>_ridge_auto``: penalty chosen per layer
+* ``layer_drop_<d>_attention`` - removes the attention sub-block of the ``d`` layers
+  whose attention branch changes its input least (static attention drop, no routing)
+* ``attention`` / ``mlp``   - ``route_target: attention`` (skipped tokens skip only
+  the attention sub-block, MindSkip-style) / ``mlp``; ``attention_kv``: with
+  ``skipped_tokens_kv``. Sub-block routing saves far fewer FLOPs per skipped token, so
+  these rows want their own retention:
+* ``<method>_upper``        - ``attention`` / ``attention_kv`` / ``mlp`` / ``identity``
+  routing only the upper half of the layers (Router-Tuning's choice), the rest dense
+* ``<method>@<r>``          - any routed method at retention ``r`` instead of
+  ``--retention`` (e.g. ``attention@0.5``, ``identity@0.8``)
 
 Every row is evaluated in causal routing (the eval-mode default): perplexity over the
 first ``--ppl-tokens`` tokens of the ``validation`` split in non-overlapping windows of
@@ -36,6 +46,8 @@ row; its ``ridge`` rows then refit their skip paths after alignment.
 Example (about 3 minutes of CPU per row on one core)::
 
     OMP_NUM_THREADS=1 python benchmarks/skip_paths.py --out outputs/skip_paths.json
+    OMP_NUM_THREADS=1 python benchmarks/skip_paths.py \
+        --methods dense,identity@0.8,attention@0.5,mlp@0.75 --out outputs/targets.json
 
 Not a test: it needs the embedded model assets (see ASSETS.md) and CPU minutes.
 """
@@ -66,6 +78,9 @@ ROUTED = {
                       "skipped_tokens_kv": True},
     "ridge_r64_kv_auto": {"skip_path": "ridge", "skip_path_rank": 64,
                           "skip_path_ridge": "auto", "skipped_tokens_kv": True},
+    "attention": {"route_target": "attention"},
+    "attention_kv": {"route_target": "attention", "skipped_tokens_kv": True},
+    "mlp": {"route_target": "mlp"},
 }  # fmt: skip
 DEFAULT_METHODS = (
     "dense,identity,ridge,ridge_r64,ridge_all,ridge_dense_inputs,kv,ridge_kv,"
@@ -94,8 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> dict:
+    method, _, at = method.partition("@")
     kw: dict[str, Any] = {
-        "retention": args.retention,
+        "retention": float(at) if at else args.retention,
         "ignore": ["re:.*layers\\.0$"],
         "seed": args.seed,
     }
@@ -109,7 +125,14 @@ def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> 
             kw.update(skip_path="ridge", skip_path_tokens="all")
         if "auto" in parts:
             kw.update(skip_path_ridge="auto")
+        if "attention" in parts:  # remove attention sub-blocks only (attention drop)
+            kw.update(route_target="attention")
         return kw
+    if method.endswith("_upper"):  # route the upper half of the layers only
+        method = method.removesuffix("_upper")
+        kw["ignore"] = [
+            f"re:.*layers\\.({'|'.join(map(str, range(num_layers // 2)))})$"
+        ]
     kw.update(ROUTED[method])
     if args.align_steps:
         kw.update(align_steps=args.align_steps, align_lr=args.align_lr,
@@ -151,7 +174,7 @@ def run_method(method: str, args, env: dict) -> dict[str, Any]:
         row["settings"] = {k: v for k, v in kw.items() if k != "ignore"}
         if mod.skip_path_report is not None:
             row["skip_r2"] = mod.skip_path_report.r2
-        if method == "ridge_dense_inputs":
+        if method.partition("@")[0] == "ridge_dense_inputs":
             row.update(_dense_input_fit(model, env["calib_batches"]))
         row["compress_s"] = time.perf_counter() - t0
     model.eval()
@@ -164,6 +187,10 @@ def run_method(method: str, args, env: dict) -> dict[str, Any]:
     with torch.no_grad():
         rep = normalized_flops(model, {"input_ids": ids})
     row["normalized_flops"] = rep.normalized
+    routed = sorted(rep.routed_layers) or range(1, len(rep.kept))
+    real = sum(rep.seq_lens)
+    # measured mean fraction of real tokens running each routed (sub-)block
+    row["kept_fraction"] = sum(sum(rep.kept[i]) for i in routed) / (len(routed) * real)
     row["flops_by_term"] = {
         k: v / rep.dense for k, v in rep.routed_by_term.items() if v
     }
@@ -204,11 +231,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"args": vars(args), "rows": out}, f, indent=1)
-    print(f"\n{'method':<22} {'PPL val':>9} {'norm. FLOPs':>12}")
+    print(f"\n{'method':<22} {'PPL val':>9} {'norm. FLOPs':>12} {'kept':>6}")
     for r in out:
         ppl = r["ppl_val"]
+        kept = r.get("kept_fraction", 1.0)
         print(f"{r['method']:<22} {ppl if math.isfinite(ppl) else float('nan'):>9.2f} "
-              f"{r['normalized_flops']:>12.4f}")  # fmt: skip
+              f"{r['normalized_flops']:>12.4f} {kept:>6.3f}")  # fmt: skip
     return out
 
 

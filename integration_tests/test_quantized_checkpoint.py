@@ -488,7 +488,7 @@ def test_path_without_adadsf_data(base_dirs, tmp_path):
 def test_unknown_format_version(ckpt_copy):
     edit_sidecar(ckpt_copy, format_version=99)
     with pytest.raises(
-        AdaDSFCheckpointError, match=r"unknown AdaDSF format_version 99.*\[1, 2\]"
+        AdaDSFCheckpointError, match=r"unknown AdaDSF format_version 99.*\[1, 2, 3\]"
     ):
         adadsf_modifier.from_pretrained(ckpt_copy)
 

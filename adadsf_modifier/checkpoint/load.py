@@ -104,7 +104,7 @@ def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) 
             skip.load_state_dict(_tensors_of(tensors, f"{entry.name}.skip_path."))
         route_layer(layer, router, entry.retention_ratio, entry.index,
                     spec.cache_kwarg, model.config, skip,
-                    entry.skipped_tokens_kv)  # fmt: skip
+                    entry.skipped_tokens_kv, entry.route_target)  # fmt: skip
         layer.router.to(dtype=dtype)
         if skip is not None:
             skip.to(dtype=dtype)
@@ -130,10 +130,10 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     decompresses them on the first forward pass (pass
     ``quantization_config=CompressedTensorsConfig(dequantize=True)`` to dequantize at
     load time instead). The decoder layers listed as routed in ``adadsf_config.json``
-    are then routed again with their saved retention ratios, router sizes, skip paths
-    and ``skipped_tokens_kv`` settings, and the router and skip-path tensors (which
-    transformers does not know about) are read from the safetensors files with shape
-    checks.
+    are then routed again with their saved retention ratios, router sizes, skip paths,
+    ``skipped_tokens_kv`` and ``route_target`` settings, and the router and skip-path
+    tensors (which transformers does not know about) are read from the safetensors files
+    with shape checks.
 
     Top-k routing chooses over the whole sequence and cannot continue from a KV cache:
     if any routed layer would route top-k in eval mode (no causal-mode threshold saved),

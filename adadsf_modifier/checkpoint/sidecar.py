@@ -7,11 +7,11 @@ fields in ``config.json``) survives llm-compressor's ``resave_config``, which re
 ``config.json`` from the original model's file at save time, and it leaves
 ``config.json`` loadable by vLLM / plain transformers.
 
-Format (``format_version`` 1, or 2 when a layer uses a field marked *v2*)::
+Format (``format_version`` 1; 2 when a layer uses a field marked *v2*, 3 for *v3*)::
 
     {
       "format": "adadsf",
-      "format_version": 2,
+      "format_version": 3,
       "adadsf_modifier_version": "0.1.0",
       "model_type": "llama",        # must equal config.json's model_type on reload
       "num_hidden_layers": 4,
@@ -25,7 +25,8 @@ Format (``format_version`` 1, or 2 when a layer uses a field marked *v2*)::
          "causal_threshold": null,  # null = none; a number, "inf" or "-inf"
          "routing_mode": "auto",    # "auto", "topk" or "causal"
          "skip_path": "ridge", "skip_path_rank": null,  # v2: default "identity", null
-         "skipped_tokens_kv": true},  # v2 (default false)
+         "skipped_tokens_kv": true,  # v2 (default false)
+         "route_target": "attention"},  # v3: default "layer"; "attention", "mlp"
         ...
       ],
       "modifier": {"class": "AdaDSFModifier", "settings": {"retention": 0.8, ...}}
@@ -33,8 +34,9 @@ Format (``format_version`` 1, or 2 when a layer uses a field marked *v2*)::
 
 Readers reject any ``format_version`` they do not know; additive changes (new keys,
 which readers ignore) keep the version, anything that changes the meaning of an
-existing key bumps it. The *v2* fields change the model if ignored, so a sidecar using
-them is version 2 (older readers refuse it); others stay version 1. The whole file is
+existing key bumps it. The *v2* / *v3* fields change the model if ignored, so a sidecar
+using them is version 2 / 3 (older readers refuse it); others stay version 1, and a
+sidecar without ``route_target`` (any version) routes whole layers. The whole file is
 validated against :class:`AdaDSFSidecar` before any weight is read, so a bad value
 fails with the file and field named instead of after a long load or, worse, in the
 model's behaviour (a NaN threshold would keep no token but the first).
@@ -50,18 +52,25 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    PlainSerializer,
     ValidationError,
     model_validator,
 )
 from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
-from adadsf_modifier.routing import ROUTING_MODES, RoutedLayer, decoder_layers
-from adadsf_modifier.routing.skip_path import SKIP_PATHS, skip_path_of
+from adadsf_modifier.checkpoint.sidecar_types import (
+    FiniteFloat,
+    PositiveInt,
+    Ratio,
+    RoutingMode,
+    SkipPathKind,
+    Threshold,
+)
+from adadsf_modifier.routing import RoutedLayer, decoder_layers
+from adadsf_modifier.routing.skip_path import skip_path_of
+from adadsf_modifier.routing.sub_blocks import RouteTarget
 
 __all__ = [
     "FORMAT_NAME",
@@ -69,6 +78,7 @@ __all__ = [
     "METADATA_ATTR",
     "SIDECAR_NAME",
     "SKIP_PATH_FORMAT_VERSION",
+    "ROUTE_TARGET_FORMAT_VERSION",
     "SUPPORTED_FORMAT_VERSIONS",
     "AdaDSFCheckpointError",
     "AdaDSFSidecar",
@@ -86,7 +96,8 @@ SIDECAR_NAME = "adadsf_config.json"
 FORMAT_NAME = "adadsf"
 FORMAT_VERSION = 1  # written for a model that needs nothing newer
 SKIP_PATH_FORMAT_VERSION = 2  # written when a layer has a skip path or keeps K/V
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+ROUTE_TARGET_FORMAT_VERSION = 3  # written when a layer routes a sub-block only
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 METADATA_ATTR = "adadsf_metadata"
 """Attribute on the model holding what the routed layers themselves do not know
 (similarities, modifier settings). Set by :class:`AdaDSFModifier` after routing and by
@@ -111,39 +122,6 @@ def package_version() -> str:
 # ------------------------------------------------------------------------------------
 
 
-def _threshold_in(value: Any) -> Any:
-    """JSON has no infinities: a layer that keeps every (-inf) or no (inf) token says
-    so in text. NaN (a bare ``NaN`` token, or ``"nan"``) is refused: compared with it,
-    every score is False, so the layer would silently run only the first token."""
-    if isinstance(value, str):
-        if value in ("inf", "-inf"):
-            return float(value)
-        if value.strip().lower().lstrip("+-") != "nan":
-            raise ValueError("must be a number, 'inf', '-inf' or null")
-        value = math.nan
-    if isinstance(value, float) and math.isnan(value):
-        raise ValueError("must not be NaN (use null for no threshold)")
-    return value
-
-
-def _threshold_out(value: float | None) -> float | str | None:
-    if value is None or math.isfinite(value):
-        return value
-    return "inf" if value > 0 else "-inf"
-
-
-Threshold = Annotated[
-    float | None,
-    BeforeValidator(_threshold_in),
-    PlainSerializer(_threshold_out, when_used="json"),
-]
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-PositiveInt = Annotated[int, Field(gt=0)]
-RoutingMode = Literal[ROUTING_MODES]  # type: ignore[valid-type]
-SkipPathKind = Literal[SKIP_PATHS]  # type: ignore[valid-type]
-
-
 class _Schema(BaseModel):
     # strict: no "0.5" -> 0.5 or true -> 1 coercion; ignore: additive keys of a later
     # writer keep the format version readable.
@@ -165,13 +143,17 @@ class LayerEntry(_Schema):
     skip_path: SkipPathKind = "identity"
     skip_path_rank: PositiveInt | None = None
     skipped_tokens_kv: bool = False
+    route_target: RouteTarget = "layer"
 
     @model_validator(mode="after")
     def _routed_needs_a_router(self) -> LayerEntry:
         if self.routed and self.router_hidden_size is None:
             raise ValueError("a routed layer needs router_hidden_size")
-        if not self.routed and self.needs_v2:
-            raise ValueError("only a routed layer has a skip path or keeps keys/values")
+        if not self.routed and (self.needs_v2 or self.route_target != "layer"):
+            raise ValueError(
+                "only a routed layer has a skip path, keeps keys/values or a "
+                "route_target"
+            )
         if self.skip_path == "identity" and self.skip_path_rank is not None:
             raise ValueError("skip_path_rank needs skip_path 'ridge'")
         return self
@@ -222,6 +204,10 @@ class AdaDSFSidecar(_Schema):
                 "skip_path / skipped_tokens_kv need format_version 2 (an older reader "
                 "would ignore them and load a different model)"
             )
+        if self.format_version < ROUTE_TARGET_FORMAT_VERSION and any(
+            e.route_target != "layer" for e in self.layers
+        ):
+            raise ValueError("route_target other than 'layer' needs format_version 3")
         return self
 
     @property
@@ -284,6 +270,7 @@ def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> di
             causal_threshold=None if threshold is None else float(threshold),
             routing_mode=getattr(layer, "routing_mode", None),
             skipped_tokens_kv=bool(getattr(layer, "skipped_tokens_kv", False)),
+            route_target=layer.route_target,
         )
         skip = skip_path_of(layer)
         if skip is not None:
@@ -311,12 +298,16 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
     entries = [
         _layer_entry(i, name, layer, sims[i]) for i, (name, layer) in enumerate(layers)
     ]
-    v2 = any(
+    version = FORMAT_VERSION
+    if any(e.get("route_target", "layer") != "layer" for e in entries):
+        version = ROUTE_TARGET_FORMAT_VERSION
+    elif any(
         e.get("skip_path") == "ridge" or e.get("skipped_tokens_kv") for e in entries
-    )
+    ):
+        version = SKIP_PATH_FORMAT_VERSION
     data = {
         "format": FORMAT_NAME,
-        "format_version": SKIP_PATH_FORMAT_VERSION if v2 else FORMAT_VERSION,
+        "format_version": version,
         "adadsf_modifier_version": package_version(),
         "model_type": spec.model_type,
         "num_hidden_layers": len(layers),

@@ -38,7 +38,9 @@ class ObservedRouting:
     ``dtype_bytes``: element size of the hidden states; ``skip_path_tokens``: skipped
     tokens that went through the layer's fitted skip path, of rank
     ``skip_path_ranks[layer]`` (``None``: full rank); ``kv_only_tokens``: skipped
-    tokens whose keys/values the layer computed (``skipped_tokens_kv``).
+    tokens whose keys/values the layer computed (``skipped_tokens_kv``);
+    ``route_targets``: ``{layer: "attention" | "mlp"}`` for routed layers whose router
+    decides one sub-block (``kept`` then counts that sub-block's tokens).
     """
 
     kept: list[list[int]]
@@ -52,6 +54,7 @@ class ObservedRouting:
     skip_path_tokens: list[list[int]] | None = None
     skip_path_ranks: dict[int, int | None] | None = None
     kv_only_tokens: list[list[int]] | None = None
+    route_targets: dict[int, str] | None = None
 
 
 def _dense_pairs(
@@ -155,7 +158,7 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
     seq_lens = dense[0]["seq_lens"]
     kept, keys, routed, gathers, widths = [], [], set(), set(), {}
     zeros = [0] * len(seq_lens)
-    skips, kv_only, ranks = [], [], {}
+    skips, kv_only, ranks, targets = [], [], {}, {}
     for i, (_, layer) in enumerate(layers):
         if dense[i]["seq_lens"] != seq_lens:
             raise RuntimeError(
@@ -178,12 +181,15 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
                 routed.add(i)
             if record.path == "gather":
                 gathers.add(i)
+            if layer.route_target != "layer":
+                targets[i] = layer.route_target
         if record is None or record.kept is None:  # the dense layer's own computation
             kept.append(list(seq_lens))
             keys.append(list(dense[i]["keys"]))
         else:
             kept.append(record.kept.tolist())
-            keys.append(record.attended.tolist())
+            mlp = targets.get(i) == "mlp"  # attention ran densely: the dense pairs
+            keys.append(list(dense[i]["keys"]) if mlp else record.attended.tolist())
         for table, counts in (
             (skips, None if record is None else record.skip_path),
             (kv_only, None if record is None else record.kv_only),
@@ -201,6 +207,7 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         skip_path_tokens=skips,
         skip_path_ranks=ranks,
         kv_only_tokens=kv_only,
+        route_targets=targets,
     )
 
 
@@ -236,4 +243,5 @@ def normalized_flops(model: nn.Module, batch: Any) -> FlopsReport:
         skip_path_tokens=obs.skip_path_tokens,
         skip_path_ranks=obs.skip_path_ranks,
         kv_only_tokens=obs.kv_only_tokens,
+        route_targets=obs.route_targets,
     )

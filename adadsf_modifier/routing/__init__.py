@@ -1,5 +1,6 @@
 """Token routing: the router, the routed decoder layer, routing modes, caches,
-thresholds, and what skipped tokens get (skip paths, keys/values)."""
+thresholds, what skipped tokens get (skip paths, keys/values) and what they skip (the
+whole layer or one sub-block, ``route_target``)."""
 
 from adadsf_modifier.routing.architectures import (
     SUPPORTED_ARCHITECTURES,
@@ -19,6 +20,7 @@ from adadsf_modifier.routing.modes import (
     set_routing_mode,
 )
 from adadsf_modifier.routing.recorder import LayerRecord, RoutingRecorder
+from adadsf_modifier.routing.route_target_fields import RouteTargetFields
 from adadsf_modifier.routing.routed_layer import (
     RoutedLayer,
     route_layer,
@@ -31,6 +33,7 @@ from adadsf_modifier.routing.selection import tokens_to_keep
 from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
+from adadsf_modifier.routing.sub_blocks import ROUTE_TARGETS
 from adadsf_modifier.routing.thresholds import (
     ThresholdCalibrationError,
     ThresholdReport,
@@ -60,6 +63,8 @@ __all__ = [
     "routed_class_for",
     "unroute_layer",
     "TokenRouter",
+    "ROUTE_TARGETS",
+    "RouteTargetFields",
     "tokens_to_keep",
     "SKIP_PATHS",
     "SkipPath",

@@ -56,6 +56,12 @@ class ArchitectureSpec:
     module's separate key and value projections, or ``fused_qkv`` its single fused
     query/key/value projection (GPT-NeoX: per head ``[q, k, v]``, so the queries are
     computed too); ``head_dim_attr``: the attention module's head-size attribute.
+
+    Routing the attention and MLP sub-blocks separately (``route_target``, see
+    :mod:`adadsf_modifier.routing.sub_blocks`) needs a sequential pre-norm layer, ``h =
+    x + attention(input_norm(x)); out = h + mlp(post_attention_norm(h))``:
+    ``post_attention_norm`` and ``mlp`` name those submodules, ``post_attention_norm``
+    is ``None`` for a layer that is not of that form (GPT-NeoX's parallel residual).
     """
 
     model_type: str
@@ -69,11 +75,24 @@ class ArchitectureSpec:
     kv_projections: tuple[str, str] | None = ("k_proj", "v_proj")
     fused_qkv: str | None = None
     head_dim_attr: str = "head_dim"
+    post_attention_norm: str | None = "post_attention_layernorm"
+    mlp: str = "mlp"
 
     @property
     def mlp_matmuls(self) -> int:
         """Matrix multiplications of one MLP: 3 when gated, 2 otherwise."""
         return 3 if self.gated_mlp else 2
+
+    def check_sub_blocks(self, route_target: str) -> None:
+        """Refuse ``route_target`` ``attention`` / ``mlp`` on a layer AdaDSF cannot
+        split into sequential attention and MLP sub-blocks."""
+        if route_target != "layer" and self.post_attention_norm is None:
+            raise UnsupportedArchitectureError(
+                f"route_target {route_target!r} needs decoder layers with sequential "
+                f"attention and MLP sub-blocks; {self.model_type!r} "
+                f"({self.layer_class}) is not split by AdaDSF: use route_target "
+                "'layer'"
+            )
 
     def num_kv_heads(self, config: Any) -> int:
         """Key/value heads of ``config`` (query heads when the architecture has no
@@ -106,6 +125,7 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureSpec] = {
         kv_projections=None,
         fused_qkv="query_key_value",
         head_dim_attr="head_size",
+        post_attention_norm=None,  # parallel residual: no sequential sub-blocks
     ),
 }
 

@@ -14,7 +14,6 @@ import inspect
 from typing import Any
 
 import torch
-from compressed_tensors.offload import unwrap_offload_forward
 from torch import nn
 
 from adadsf_modifier.routing.architectures import (
@@ -23,6 +22,7 @@ from adadsf_modifier.routing.architectures import (
     sliding_windows,
 )
 from adadsf_modifier.routing.cache import routed_cache_layer
+from adadsf_modifier.routing.class_swap import swap_class
 from adadsf_modifier.routing.decode import (
     decode_step,
     decode_step_keeping_kv,
@@ -38,6 +38,12 @@ from adadsf_modifier.routing.selection import (
     tokens_to_keep_per_row,
 )
 from adadsf_modifier.routing.skip_path import SkipPath, skip_path_of
+from adadsf_modifier.routing.sub_blocks import (
+    attention_block,
+    check_route_target,
+    mlp_block,
+    route_mlp,
+)
 from adadsf_modifier.utils import real_token_mask
 
 __all__ = [
@@ -62,11 +68,13 @@ class RoutedLayer(nn.Module):
     skipped tokens ``x + u(x)`` instead of ``x``
     (:mod:`~adadsf_modifier.routing.skip_path`), and ``skipped_tokens_kv`` lets them
     keep contributing keys/values, so the selected tokens attend to the full context
-    (:mod:`~adadsf_modifier.routing.kv_keep`). The update of a selected token is
-    multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``:
-    exactly 1 in value (so an untrained router at r = 1 reproduces the dense layer
-    exactly), while the router receives ``d loss / d out * (out - skipped) *
-    sigmoid'(s)`` as gradient (``skipped``: what the token would get if it skipped).
+    (:mod:`~adadsf_modifier.routing.kv_keep`). With ``route_target`` ``attention`` or
+    ``mlp`` only that sub-block is routed (:mod:`~adadsf_modifier.routing.sub_blocks`).
+    The update of a selected token is multiplied by a straight-through gate
+    ``1 + sigmoid(s) - sigmoid(s).detach()``: exactly 1 in value (so an untrained
+    router at r = 1 reproduces the dense layer exactly), while the router receives
+    ``d loss / d out * (out - skipped) * sigmoid'(s)`` as gradient (``skipped``: what
+    the token would get if it skipped).
     """
 
     router: TokenRouter
@@ -82,6 +90,9 @@ class RoutedLayer(nn.Module):
     #: (see :mod:`adadsf_modifier.routing.kv_keep`); their skip path itself is the
     #: ``skip_path`` child module (:class:`SkipPath`), absent for the identity
     skipped_tokens_kv: bool = False
+    #: what the router decides: the whole ``layer``, or only its ``attention`` or
+    #: ``mlp`` sub-block (:mod:`~adadsf_modifier.routing.sub_blocks`)
+    route_target: str = "layer"
     #: a :class:`~adadsf_modifier.routing.recorder.RoutingRecorder` while one is
     #: attached: the layer then reports what it ran (see ``recorder.py``)
     routing_recorder: Any = None
@@ -189,6 +200,16 @@ class RoutedLayer(nn.Module):
             )
             kwargs.update(kwargs.pop("kwargs", {}))
         x = args[0] if args else kwargs.pop("hidden_states")
+        target = self.route_target
+        if target == "layer" or float(self.retention_ratio) >= 1.0:
+            return self._route(super().forward, x, kwargs)
+        if target == "mlp":
+            return route_mlp(self, x, kwargs)
+        return mlp_block(self, self._route(attention_block(self), x, kwargs))
+
+    def _route(self, forward: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        """Route ``forward`` (the original layer's, or its attention sub-block's) over
+        the tokens of ``x``."""
         ratio = float(self.retention_ratio)
         batch, q_len, _ = x.shape
         cache = kwargs.get(self.cache_kwarg)
@@ -225,7 +246,7 @@ class RoutedLayer(nn.Module):
             # it.
             if rec is not None:
                 rec.record(self.layer_index, "full", router_ran=torch.is_grad_enabled())
-            y = super().forward(x, **kwargs)
+            y = forward(x, **kwargs)
             y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
             if torch.is_grad_enabled():
                 y = gated(y, x, self.router(x))
@@ -243,9 +264,9 @@ class RoutedLayer(nn.Module):
                 if cache is not None:
                     check_dense_cache(cache, self.layer_index)
                 return decode_step_keeping_kv(
-                    self, super().forward, x, scores, attention_mask, kwargs, cache
+                    self, forward, x, scores, attention_mask, kwargs, cache
                 )
-            return decode_step(self, super().forward, x, scores, attention_mask,
+            return decode_step(self, forward, x, scores, attention_mask,
                                kwargs, cache_layer, impl)  # fmt: skip
         real = real_token_mask(attention_mask, batch, q_len, x.device)
         if self.skipped_tokens_kv:
@@ -260,7 +281,7 @@ class RoutedLayer(nn.Module):
                 "set_routing_mode(model, 'causal'))"
             )
         selection = self.select_tokens(scores, real, mode, has_past)
-        return run_routed(self, super().forward, x, scores, selection, real, kwargs,
+        return run_routed(self, forward, x, scores, selection, real, kwargs,
                           cache, cache_layer, impl)  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -272,7 +293,7 @@ class RoutedLayer(nn.Module):
             f"layer_index={self.layer_index}, retention_ratio={ratio}, "
             f"routing_mode={self.routing_mode}, causal_threshold={thr}, "
             f"skipped_tokens_kv={self.skipped_tokens_kv}"
-        )
+        ) + ("" if self.route_target == "layer" else f", route={self.route_target}")
 
 
 # original_class() walks the MRO past every class carrying this marker
@@ -303,13 +324,17 @@ def route_layer(
     config: Any,
     skip_path: SkipPath | None = None,
     skipped_tokens_kv: bool = False,
+    route_target: str = "layer",
 ) -> nn.Module:
     """Turn ``layer`` into a routed layer in place (same object, new class, router
     added).
 
     ``skip_path``: what skipped tokens get added (``None``: nothing, the identity);
-    ``skipped_tokens_kv``: skipped tokens still contribute keys/values.
+    ``skipped_tokens_kv``: skipped tokens still contribute keys/values;
+    ``route_target``: route the whole layer or one sub-block (checked against the
+    architecture first).
     """
+    check_route_target(route_target, config, skip_path is not None, skipped_tokens_kv)
     if not 0.0 <= retention_ratio <= 1.0:
         raise ValueError(f"retention ratio must be in [0, 1], got {retention_ratio}")
     if isinstance(layer, RoutedLayer):
@@ -319,12 +344,14 @@ def route_layer(
         if param is not None and module is not None:
             dtype = param.dtype if param.is_floating_point() else None
             module.to(device=param.device, dtype=dtype)
-    _swap_class(layer, routed_class_for(type(layer)))
+    swap_class(layer, routed_class_for(type(layer)))
     layer.add_module("router", router)
     if skip_path is not None:
         layer.add_module("skip_path", skip_path)
     if skipped_tokens_kv:
         layer.skipped_tokens_kv = True
+    if route_target != "layer":
+        layer.route_target = route_target
     layer.retention_ratio = float(retention_ratio)
     layer.layer_index = int(layer_index)
     layer.cache_kwarg = cache_kwarg
@@ -346,6 +373,7 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
     layer._modules.pop("skip_path", None)
     for attr in (
         "skipped_tokens_kv",
+        "route_target",
         "retention_ratio",
         "layer_index",
         "cache_kwarg",
@@ -356,35 +384,8 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
         "routing_recorder",
     ):
         layer.__dict__.pop(attr, None)
-    _swap_class(layer, original)
+    swap_class(layer, original)
     return layer
-
-
-def _swap_class(layer: nn.Module, new_class: type) -> None:
-    """``layer.__class__ = new_class``, carrying any instance-level ``forward`` along.
-
-    compressed-tensors' offloading (which llm-compressor's pipelines put on every
-    module) replaces ``layer.forward`` by a wrapper that calls the class's forward
-    *captured when it was installed*, and ``remove_dispatch`` leaves a bound copy of
-    that function behind. Either would silently bypass (or keep) routing after a class
-    swap. ``unwrap_offload_forward`` exposes the wrapped forward as a bound method
-    and re-wraps whatever forward the layer has on exit, so re-binding it to the new
-    class re-points the wrapper; a leftover bound copy is simply removed.
-    """
-    old_forward = type(layer).forward
-    offloaded = "_original_forward_func" in layer.__dict__
-    with unwrap_offload_forward(layer):
-        bound = layer.__dict__.get("forward")
-        if bound is not None and getattr(bound, "__func__", None) is not old_forward:
-            raise RuntimeError(
-                f"{type(layer).__name__} has an instance-level forward ({bound!r}) "
-                "that routing would bypass; AdaDSF cannot tell which forward to route"
-            )
-        layer.__class__ = new_class
-        if offloaded:
-            layer.forward = new_class.forward.__get__(layer)
-        elif bound is not None:
-            del layer.__dict__["forward"]
 
 
 def routed_layers(model: nn.Module) -> list[RoutedLayer]:

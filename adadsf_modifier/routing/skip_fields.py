@@ -12,11 +12,12 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, PlainValidator, PrivateAttr
+from pydantic import PlainValidator, PrivateAttr
 from torch import nn
 
 from adadsf_modifier.constraints import PositiveInt
 from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
+from adadsf_modifier.routing.route_target_fields import RouteTargetFields
 from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SkipPath
 
@@ -36,8 +37,9 @@ def _ridge_penalty(value: Any) -> float | str:
 RidgePenalty = Annotated[float | Literal["auto"], PlainValidator(_ridge_penalty)]
 
 
-class SkipPathFields(BaseModel):
-    """Variants of what a token that skips a routed layer gets (METHOD.md §3).
+class SkipPathFields(RouteTargetFields):
+    """Variants of what a token that skips a routed layer gets (METHOD.md §3), and
+    what it skips (``route_target``, see :class:`RouteTargetFields`).
 
     ```yaml
     AdaDSFModifier:
@@ -83,8 +85,10 @@ class SkipPathFields(BaseModel):
         return self._skip_path_report
 
     def check_skip_path(self, model: nn.Module, layer_names: Sequence[str]) -> None:
-        """Refuse, before any calibration, a rank the model cannot take and a later
-        quantization modifier that would quantize the skip paths."""
+        """Refuse, before any calibration, a rank the model cannot take, a later
+        quantization modifier that would quantize the skip paths, and a
+        ``route_target`` the model or these options cannot take."""
+        self.check_route_target(model)
         if self.skip_path == "identity":
             return
         hidden, rank = int(model.config.hidden_size), self.skip_path_rank
@@ -97,8 +101,9 @@ class SkipPathFields(BaseModel):
 
     def configure_routed_layer(self, layer: nn.Module) -> None:
         """Give a freshly routed layer its skip path (zero, i.e. the identity, until
-        fitted) and its ``skipped_tokens_kv`` setting."""
+        fitted), its ``skipped_tokens_kv`` setting and its ``route_target``."""
         layer.skipped_tokens_kv = bool(self.skipped_tokens_kv)
+        self.configure_route_target(layer)
         if self.skip_path != "identity" and layer.retention_ratio < 1.0:
             param = next(layer.router.parameters())
             skip = SkipPath(int(layer.router.hidden_size), self.skip_path_rank)
