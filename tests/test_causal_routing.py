@@ -321,3 +321,21 @@ def test_threshold_report_counts_tokens_even_when_layer_zero_is_dense():
         report.num_tokens == 2 * 4 * 16
     )  # two calibration batches of 4 x 16 real tokens
     assert report.kept_fraction[0] == 1.0 and report.topk_agreement[0] == 1.0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_row_whose_prefill_was_all_padding_still_runs_its_first_real_token(
+    arch, chunk
+):
+    """Row 1's first 3 tokens are padding: with a 3-token prefill its first real token
+    arrives after the cache exists, and must still run every layer (the attention sink
+    rule), as in one full forward."""
+    model, _ = causal_model(arch)
+    ids, mask = left_padded(2)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                     use_cache=False).logits  # fmt: skip
+        inc, _ = incremental_logits(model, ids, mask, prefill=3, chunk=chunk)
+    real = mask.bool()
+    torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)

@@ -20,7 +20,7 @@ from adadsf_modifier.routing.cache import RoutedCacheLayer
 from adadsf_modifier.routing.kv_keep import MergedKV, project_kv, stored_keys
 from adadsf_modifier.routing.selection import attention_mask_kwargs
 from adadsf_modifier.routing.skip_path import skip_path_of
-from adadsf_modifier.utils import allowed_by_mask, real_token_mask
+from adadsf_modifier.utils import allowed_by_mask, first_real_tokens, real_token_mask
 
 __all__ = ["decode_step", "decode_step_keeping_kv", "gated", "pass_through"]
 
@@ -40,7 +40,11 @@ def _decide(
     real = None
     if attention_mask is not None:
         real = real_token_mask(attention_mask, batch, 1, x.device)[:, 0]
-    if batch == 1:  # one sync, no index ops
+    # after the past: a row whose past was all padding gets its first real token now
+    late = None
+    if not first and layer.keep_first_token and attention_mask is not None:
+        late = first_real_tokens(attention_mask, batch, 1, x.device, True)[:, 0]
+    if batch == 1 and late is None:  # one sync, no index ops
         run = (first or float(scores) > layer.causal_threshold) and (
             real is None or bool(real)
         )
@@ -48,6 +52,11 @@ def _decide(
     selected = scores[:, 0] > layer.causal_threshold
     if first:
         selected = torch.ones_like(selected)
+    elif late is not None:
+        selected = selected | late
+    if batch == 1:
+        run = bool(selected[0] & real[0]) if real is not None else bool(selected[0])
+        return None, None, None, int(run), real
     if real is not None:
         selected = selected & real
     n = int(selected.sum())  # the one host sync of this layer

@@ -44,7 +44,7 @@ from adadsf_modifier.routing.sub_blocks import (
     mlp_block,
     route_mlp,
 )
-from adadsf_modifier.utils import real_token_mask
+from adadsf_modifier.utils import first_real_tokens, real_token_mask
 
 __all__ = [
     "RoutedLayer",
@@ -113,20 +113,21 @@ class RoutedLayer(nn.Module):
         real: torch.Tensor,
         mode: str | None = None,
         has_past: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """``(index, valid, k_max)`` of the tokens this layer runs (``index`` None if
         none).
 
         The first real token of a sequence (the attention sink every later token attends
         to) always runs while ``keep_first_token`` is set; in top-k mode it counts
-        toward ``K``. ``has_past``: the batch continues from a cache, so it holds no
-        first token.
+        toward ``K``. ``has_past``: the batch continues from a cache (its first real
+        tokens are then read off ``attention_mask``, see :meth:`forced_tokens`).
         """
         mode = mode or self.resolved_routing_mode()
         ratio = float(self.retention_ratio)
         if ratio <= 0.0:
             return None, None, 0
-        first = self.forced_tokens(real, has_past)
+        first = self.forced_tokens(real, has_past, attention_mask)
         if first is not None:
             scores = scores.masked_fill(first, float("inf"))
         if mode == "topk":
@@ -153,14 +154,23 @@ class RoutedLayer(nn.Module):
         raise ValueError(f"unknown routing mode {mode!r}")
 
     def forced_tokens(
-        self, real: torch.Tensor, has_past: bool = False
+        self,
+        real: torch.Tensor,
+        has_past: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """``[batch, seq]`` bool: the tokens that run whatever their score (the first
-        real token of each row while ``keep_first_token`` is set and there is no cached
-        past), or ``None`` when there are none."""
-        if not self.keep_first_token or has_past:
+        real token of each row while ``keep_first_token`` is set), or ``None`` when
+        there are none. With a cached past the first real token is found from the
+        ``attention_mask`` (a row whose past was all padding has it in this chunk);
+        without a mask there is no padding, so the past held it."""
+        if not self.keep_first_token:
             return None
-        return real & (real.cumsum(dim=1) == 1)
+        if not has_past:
+            return real & (real.cumsum(dim=1) == 1)
+        if attention_mask is None:
+            return None
+        return first_real_tokens(attention_mask, *real.shape, real.device, True)
 
     @property
     def grouped_query_attention(self) -> bool:
@@ -280,7 +290,7 @@ class RoutedLayer(nn.Module):
                 "decoding (model.eval() after threshold calibration, or "
                 "set_routing_mode(model, 'causal'))"
             )
-        selection = self.select_tokens(scores, real, mode, has_past)
+        selection = self.select_tokens(scores, real, mode, has_past, attention_mask)
         return run_routed(self, forward, x, scores, selection, real, kwargs,
                           cache, cache_layer, impl)  # fmt: skip
 

@@ -124,9 +124,10 @@ def route_mlp(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tens
             "AdaDSF top-k routing chooses tokens over the whole sequence and cannot "
             "continue from a KV cache: use causal routing for incremental decoding"
         )
-    real = real_token_mask(kwargs.get("attention_mask"), batch, q_len, x.device)
+    mask = kwargs.get("attention_mask")
+    real = real_token_mask(mask, batch, q_len, x.device)
     scores = layer.router(x)
-    index, valid, k_max = layer.select_tokens(scores, real, mode, has_past)
+    index, valid, k_max = layer.select_tokens(scores, real, mode, has_past, mask)
     if k_max == 0:
         if rec is not None:
             rec.record(layer.layer_index, "skipped", batch=batch)
