@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import adadsf_modifier  # noqa: F401  (registers the modifiers)
 from adadsf_modifier import FTPModifier, routed_layers
-from adadsf_modifier.ftp import genetic_schedule
+from adadsf_modifier.ftp import genetic_schedule, load_ftp
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -66,11 +66,12 @@ def test_bad_fields_fail_with_one_line_errors(kwargs, field):
     assert field in str(err.value)
 
 
-def test_oneshot_routes_meets_budget_and_keeps_weights_bit_identical(llama_dir):
+def test_oneshot_routes_meets_budget_keeps_weights_and_reloads(llama_dir, tmp_path):
     model = load(llama_dir)
     reference = copy.deepcopy(model.state_dict())
     oneshot(model=model, recipe=small_recipe(), dataset=token_dataset(8, 16),
-            num_calibration_samples=8, max_seq_length=16)  # fmt: skip
+            num_calibration_samples=8, max_seq_length=16,
+            output_dir=str(tmp_path))  # fmt: skip
     layers = routed_layers(model)
     assert [m.layer_index for m in layers] == [1, 2, 3]  # layer 0 ignored
     ratios = [m.retention_ratio for m in layers]
@@ -78,6 +79,11 @@ def test_oneshot_routes_meets_budget_and_keeps_weights_bit_identical(llama_dir):
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in reference.items())
     assert all(".router." in k for k in set(state) - set(reference))
+    again = load_ftp(tmp_path, dtype=torch.float32)
+    ids = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = (m(input_ids=ids, use_cache=False).logits for m in (model, again))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_explicit_schedule_of_wrong_length_fails_before_work(llama_dir):

@@ -88,10 +88,22 @@ def test_training_changes_only_the_shared_router_mlp():
 def test_ftp_incremental_decoding_equals_full_forward(arch, batch):
     model, mod = ftp_model(arch)
     ids, mask = left_padded(batch, length=12)
+    skipped = []
+
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        if x.shape[1] == 1:  # a decoding step
+            skipped.append(int((output == x).all(-1).sum()))
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True)
+               for m in routed_layers(model)]  # fmt: skip
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask,
                      position_ids=positions(mask), use_cache=False).logits  # fmt: skip
         inc, cache = incremental_logits(model, ids, mask, prefill=4)
+    for h in handles:
+        h.remove()
+    assert sum(skipped) > 0  # decoding steps really skipped layers
     real = mask.bool()
     torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)
     assert cache.get_seq_length() == ids.shape[1]
@@ -105,10 +117,9 @@ def test_ftp_chunked_continuation_and_generate_agree():
         full = model(input_ids=ids, attention_mask=mask,
                      position_ids=positions(mask), use_cache=False).logits  # fmt: skip
         inc, _ = incremental_logits(model, ids, mask, prefill=4, chunk=3)
-        a = model.generate(input_ids=ids[:, :8], attention_mask=mask[:, :8],
-                           max_new_tokens=6, do_sample=False)  # fmt: skip
-        b = model.generate(input_ids=ids[:, :8], attention_mask=mask[:, :8],
-                           max_new_tokens=6, do_sample=False, use_cache=False)  # fmt: skip
+        prompt = dict(input_ids=ids[:, :8], attention_mask=mask[:, :8])
+        a = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+        b = model.generate(**prompt, max_new_tokens=6, do_sample=False, use_cache=False)
     torch.testing.assert_close(inc[mask.bool()], full[mask.bool()], atol=1e-4, rtol=0)
     assert torch.equal(a, b)
 
@@ -140,3 +151,25 @@ def test_unsupported_architecture_is_refused_before_work():
     with pytest.raises(ValueError, match="input_layernorm and self_attn.q_proj"):
         FTPModifier(schedule="uniform").apply_to(model, calib_batches(1))
     assert not routed_layers(model)
+
+
+def test_save_and_load_ftp_gives_the_same_logits(tmp_path):
+    from adadsf_modifier.ftp import FTP_SIDECAR, load_ftp
+
+    model, _ = ftp_model("llama")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / FTP_SIDECAR).is_file()
+    again = load_ftp(tmp_path, dtype=torch.float32)
+    assert [m.causal_threshold for m in routed_layers(again)] == [
+        m.causal_threshold for m in routed_layers(model)
+    ]
+    ids, mask = left_padded(batch=2, length=12)
+    with torch.no_grad():
+        for kw in (dict(), dict(attention_mask=mask)):
+            a = model(input_ids=ids, use_cache=False, **kw).logits
+            b = again(input_ids=ids, use_cache=False, **kw).logits
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        inc, _ = incremental_logits(again, ids, mask, prefill=4)
+        full = model(input_ids=ids, attention_mask=mask,
+                     position_ids=positions(mask), use_cache=False).logits  # fmt: skip
+    torch.testing.assert_close(inc[mask.bool()], full[mask.bool()], atol=1e-4, rtol=0)

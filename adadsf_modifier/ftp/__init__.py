@@ -4,6 +4,7 @@ recorder are AdaDSF's; this package adds the four-feature shared router, the sta
 router, the genetic sparsity scheduler, the losses and the training loop
 (``docs/ftp.md``)."""
 
+from adadsf_modifier.ftp.checkpoint import FTP_SIDECAR, load_ftp
 from adadsf_modifier.ftp.features import LayerFeatureStats, calibrate_features
 from adadsf_modifier.ftp.modifier import FTPModifier
 from adadsf_modifier.ftp.router import FTPLayerRouter, FTPRouterMLP, ftp_routers
@@ -12,6 +13,8 @@ from adadsf_modifier.ftp.static import static_keep_mask
 from adadsf_modifier.ftp.trainer import FTPTrainConfig, train_router
 
 __all__ = [
+    "FTP_SIDECAR",
+    "load_ftp",
     "FTPModifier",
     "FTPLayerRouter",
     "FTPRouterMLP",

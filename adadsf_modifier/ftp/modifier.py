@@ -27,6 +27,7 @@ from adadsf_modifier.constraints import (
     PositiveInt,
     UnitInterval,
 )
+from adadsf_modifier.ftp.checkpoint import install_ftp_save_hook
 from adadsf_modifier.ftp.features import calibrate_features, check_probe_supported
 from adadsf_modifier.ftp.router import (
     FTPLayerRouter,
@@ -205,6 +206,8 @@ class FTPModifier(Modifier):
             self._thresholds = calibrate_thresholds(
                 model, train, passes=self.threshold_passes
             )
+            # every later save_pretrained (oneshot's output_dir too) writes the sidecar
+            install_ftp_save_hook(model)
         except BaseException:
             self._unroute(targeted)
             raise
@@ -294,4 +297,3 @@ class FTPModifier(Modifier):
             f"{result.loss:.4f} after {result.evaluations} evaluations"
         )
         return result.ratios
-

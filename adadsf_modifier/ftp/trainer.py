@@ -101,7 +101,8 @@ def _training_state(model: nn.Module, layers: list[RoutedLayer], mlp: nn.Module)
 def train_router(
     model: nn.Module, batches: Sequence[dict], config: FTPTrainConfig
 ) -> FTPTrainReport:
-    """``config.steps`` Adam steps on the shared router MLP, cycling over ``batches``."""
+    """``config.steps`` Adam steps on the shared router MLP, cycling over
+    ``batches``."""
     layers = ftp_layers(model)
     if not layers:
         raise ValueError("the model has no FTP-routed layers")
