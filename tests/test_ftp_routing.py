@@ -8,6 +8,7 @@ from test_routing import positions
 from tiny_models import tiny_model
 
 from adadsf_modifier import FTPModifier, routed_layers
+from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.ftp import FTPLayerRouter, FTPTrainConfig, train_router
 from adadsf_modifier.ftp.features import key_probe, probe_scores
 from adadsf_modifier.ftp.static import static_keep_mask
@@ -144,6 +145,9 @@ def test_ftp_decoding_skips_tokens_below_threshold():
     for h in handles:
         h.remove()
     assert any(r < 1.0 and frac < 1.0 for r, frac in seen)
+    # AdaDSF's FLOPs model reads FTP routing through the same recorder
+    flops = normalized_flops(model, {"input_ids": torch.randint(4, 128, (2, 16))})
+    assert 0.0 < flops.normalized < 1.0
 
 
 def test_unsupported_architecture_is_refused_before_work():
