@@ -98,6 +98,8 @@ def test_genetic_schedule_needs_held_out_batches(llama_dir):
     batches = [{"input_ids": torch.randint(4, 128, (2, 8))}]
     with pytest.raises(ValueError, match="holds out validation_batches=1"):
         FTPModifier().apply_to(model, batches)
+    with pytest.raises(ValueError, match="calibration set is empty"):
+        FTPModifier(schedule="uniform").apply_to(model, [])
     assert not routed_layers(model)
 
 

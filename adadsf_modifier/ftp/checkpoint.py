@@ -130,6 +130,7 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
                                 owner=j == 0)  # fmt: skip
         route_layer(layer, router, float(entry["retention_ratio"]), int(entry["index"]),
                     spec.cache_kwarg, model.config)  # fmt: skip
+        router.float()  # saved in float32 (FTPModifier trains it in float32)
         layer.causal_threshold = entry["causal_threshold"]
         attach_context_hooks(layer)
         names.append(name)

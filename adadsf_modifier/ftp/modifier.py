@@ -176,6 +176,8 @@ class FTPModifier(Modifier):
                 f"FTPModifier: schedule lists {len(self.schedule)} ratios for "
                 f"{len(targeted)} routed layers"
             )
+        if not batches:
+            raise ValueError("FTPModifier: the calibration set is empty (0 batches)")
         held = self.validation_batches if self.schedule == "genetic" else 0
         if len(batches) <= held:
             raise ValueError(
@@ -255,6 +257,7 @@ class FTPModifier(Modifier):
                     self.keep_last_tokens, owner=j == 0,
                 )  # fmt: skip
                 route_layer(layer, router, self.retention, i, cache_kwarg, model.config)
+                router.float()  # trained with Adam: float32 whatever the model's dtype
                 attach_context_hooks(layer)
                 done.append((i, None, layer))
         except Exception:
