@@ -10,12 +10,14 @@ from llmcompressor.modifiers.factory import ModifierFactory
 
 from adadsf_modifier import recipe_guard
 from adadsf_modifier.checkpoint import AdaDSFCheckpointError, from_pretrained
+from adadsf_modifier.ftp import FTPModifier
 from adadsf_modifier.modifier import AdaDSFModifier
 from adadsf_modifier.routing import RoutedLayer, TokenRouter, routed_layers
 
 __all__ = [
     "AdaDSFCheckpointError",
     "AdaDSFModifier",
+    "FTPModifier",
     "from_pretrained",
     "RoutedLayer",
     "TokenRouter",
@@ -24,4 +26,5 @@ __all__ = [
 __version__ = "0.1.0"
 
 ModifierFactory.register("AdaDSFModifier", AdaDSFModifier)
+ModifierFactory.register("FTPModifier", FTPModifier)
 recipe_guard.install()

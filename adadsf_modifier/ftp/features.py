@@ -1,0 +1,199 @@
+"""FTP's four per-token router features, and the calibration that makes them cheap.
+
+FTP (arXiv 2412.11494) feeds its router four scalars per token instead of the hidden
+state: the token's position, the attention score it receives, that score's relative
+rank, and the layer's required sparsity. The paper reads the attention scores from
+the attention maps; here they come from a *key probe* instead, so that routing never
+needs an eager-attention pass (``[heads, seq, seq]`` probabilities in memory at every
+layer) and stays causal (a token's attention received in a full forward depends on
+*later* queries, which a KV-cache decoding step does not have).
+
+Key probe of layer ``l``: the attention logit that the layer's mean calibration query
+gives this token's key, averaged over heads, ``s = mean_h qbar_h . k_h(x) / sqrt(d)``
+(pre-RoPE). Keys are affine in the normalised layer input, so the whole thing folds
+into one vector: ``s = <rms_norm(x), probe> + bias`` -- ``2 h`` FLOPs per token, no
+extra projection (docs/ftp.md). The rank is the score's empirical CDF under the layer's
+calibration scores (a fixed table of quantiles), which makes scores of different layers
+comparable for the one MLP they share and needs no per-sequence state in a KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adadsf_modifier.utils import real_token_mask, run_calibration_batches
+
+__all__ = [
+    "NUM_FEATURES",
+    "LayerFeatureStats",
+    "check_probe_supported",
+    "calibrate_features",
+    "key_probe",
+    "norm_eps",
+    "token_features",
+]
+
+NUM_FEATURES = 4
+_QUANTILES = 33
+
+
+@dataclass
+class LayerFeatureStats:
+    """What one layer's router needs besides its input: the folded key probe and the
+    calibration distribution of its scores."""
+
+    probe: torch.Tensor  # [hidden], float32
+    bias: float
+    eps: float
+    mean: float
+    std: float
+    quantiles: torch.Tensor  # [_QUANTILES], float32, ascending
+
+
+def check_probe_supported(layer: nn.Module, name: str) -> None:
+    """One-line error, before any work, for a layer the key probe cannot read."""
+    attn = getattr(layer, "self_attn", None)
+    parts = (attn, getattr(attn, "q_proj", None), getattr(attn, "k_proj", None))
+    if any(p is None for p in parts) or getattr(layer, "input_layernorm", None) is None:
+        raise ValueError(
+            f"FTPModifier needs decoder layers with input_layernorm and "
+            f"self_attn.q_proj/k_proj (Llama, Qwen2, Mistral); `{name}` is a "
+            f"{type(layer).__name__}"
+        )
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """The epsilon of an RMSNorm module (Llama-style ``variance_epsilon`` or
+    ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    return float(eps if eps is not None else 1e-6)
+
+
+@torch.no_grad()
+def key_probe(
+    layer: nn.Module, mean_input: torch.Tensor, config
+) -> tuple[torch.Tensor, float]:
+    """``(probe, bias)`` with ``<rms_norm(x), probe> + bias == mean_h qbar_h . k_h(x) /
+    sqrt(d)``, ``qbar = q_proj(mean of input_layernorm(x))`` (exact: q_proj is affine).
+
+    The norm's learned scale is folded into ``probe`` (measured on a ones vector, so
+    ``1 + w`` style norms fold too).
+    """
+    attn, norm = layer.self_attn, layer.input_layernorm
+    w_q, w_k = attn.q_proj.weight, attn.k_proj.weight
+    hidden = w_k.shape[1]
+    n_heads = int(config.num_attention_heads)
+    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+    d = w_q.shape[0] // n_heads
+    z = mean_input.to(w_q.dtype)
+    qbar = attn.q_proj(z).float().view(n_heads, d)
+    wk = w_k.float().view(n_kv, d, hidden)
+    bk = attn.k_proj.bias
+    bk = bk.float().view(n_kv, d) if bk is not None else torch.zeros(n_kv, d)
+    kv_of = torch.arange(n_heads) // (n_heads // n_kv)
+    scale = n_heads * math.sqrt(d)
+    u = torch.einsum("nd,ndh->h", qbar, wk[kv_of.to(wk.device)]) / scale
+    bias = float((qbar * bk.to(qbar.device)[kv_of.to(qbar.device)]).sum() / scale)
+    eps = norm_eps(norm)
+    ones = torch.ones(1, hidden, dtype=w_k.dtype, device=w_k.device)
+    gamma = norm(ones).float()[0] / F.rms_norm(ones.float(), (hidden,), eps=eps)[0]
+    return (gamma * u).float().cpu(), bias
+
+
+def probe_scores(
+    x: torch.Tensor, probe: torch.Tensor, bias: float, eps: float
+) -> torch.Tensor:
+    """``[batch, seq, hidden] -> [batch, seq]`` float32 key-probe scores."""
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return h @ probe.float().to(h.device) + bias
+
+
+def token_features(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    stats_mean: float,
+    stats_std: float,
+    quantiles: torch.Tensor,
+    sparsity: float,
+    position_scale: float,
+) -> torch.Tensor:
+    """``[batch, seq, 4]`` float32: log-position, standardised probe score, its rank
+    (calibration CDF, in [0, 1]) and the layer's required sparsity ``1 - r``."""
+    pos = positions.float().clamp(min=0).expand_as(scores)
+    f_pos = torch.log1p(pos) / math.log1p(max(position_scale, 1.0))
+    f_abs = (scores - stats_mean) / max(stats_std, 1e-6)
+    q = quantiles.float().to(scores.device)
+    f_rank = torch.searchsorted(q, scores.contiguous()).float() / q.numel()
+    f_sparse = torch.full_like(scores, float(sparsity))
+    return torch.stack([f_pos, f_abs, f_rank, f_sparse], dim=-1)
+
+
+class _Collector:
+    """Forward pre-hooks on decoder layers: pass 1 sums ``input_layernorm(x)`` over real
+    tokens; pass 2 collects probe scores (a bounded sample) for the rank table."""
+
+    def __init__(self, layers: list[nn.Module], sample: int, seed: int):
+        self.layers = layers
+        self.sums = [None] * len(layers)
+        self.counts = [0] * len(layers)
+        self.scores: list[list[torch.Tensor]] = [[] for _ in layers]
+        self.probes: list[tuple[torch.Tensor, float, float]] | None = None
+        self.max_len = 1
+        self.sample = sample
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def hook(self, i: int):
+        def pre(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            b, s = x.shape[:2]
+            real = real_token_mask(kwargs.get("attention_mask"), b, s, x.device)
+            self.max_len = max(self.max_len, int(real.sum(1).max()))
+            if self.probes is None:
+                z = module.input_layernorm(x)[real].double().sum(0)
+                self.sums[i] = z if self.sums[i] is None else self.sums[i] + z
+                self.counts[i] += int(real.sum())
+            else:
+                probe, bias, eps = self.probes[i]
+                self.scores[i].append(probe_scores(x, probe, bias, eps)[real].cpu())
+
+        return pre
+
+
+def calibrate_features(
+    model: nn.Module, layers: list[nn.Module], batches: list, seed: int = 0
+) -> tuple[list[LayerFeatureStats], int]:
+    """Two dense passes over ``batches``: per-layer key probes, then their score
+    distribution. Returns the stats of every layer in ``layers`` and the longest real
+    row seen (the position feature's scale)."""
+    col = _Collector(layers, sample=65536, seed=seed)
+    handles = [
+        m.register_forward_pre_hook(col.hook(i), with_kwargs=True)
+        for i, m in enumerate(layers)
+    ]
+    base = getattr(model, "base_model", model)
+    try:
+        run_calibration_batches(base, batches, desc="FTP features (probes)")
+        col.probes = []
+        for i, m in enumerate(layers):
+            mean = (col.sums[i] / max(col.counts[i], 1)).float()
+            probe, bias = key_probe(m, mean, model.config)
+            col.probes.append((probe, bias, norm_eps(m.input_layernorm)))
+        run_calibration_batches(base, batches, desc="FTP features (scores)")
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    grid = torch.linspace(0, 1, _QUANTILES)
+    for i, (probe, bias, eps) in enumerate(col.probes):
+        s = torch.cat(col.scores[i]).float()
+        if s.numel() > col.sample:
+            s = s[torch.randperm(s.numel(), generator=col.gen)[: col.sample]]
+        std = float(s.std()) if s.numel() > 1 else 1.0
+        q = torch.quantile(s, grid)
+        out.append(LayerFeatureStats(probe, bias, eps, float(s.mean()), std, q))
+    return out, col.max_len

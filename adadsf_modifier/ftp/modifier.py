@@ -1,0 +1,302 @@
+"""``FTPModifier``: FTP token-wise pruning (arXiv 2412.11494) on AdaDSF's routing
+machinery.
+
+Everything happens in ``on_initialize`` (as for :class:`AdaDSFModifier`, so a later
+GPTQ stage calibrates the routed model): feature calibration (key probes, two dense
+passes) -> routing (one :class:`FTPLayerRouter` per layer, one shared MLP) -> genetic
+schedule of per-layer ratios on held-out calibration batches, scored with the static
+router -> router training (distillation, sparsity, guide) -> causal thresholds. The
+LLM's own weights are never written.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from compressed_tensors.utils import is_match
+from llmcompressor.core import State
+from llmcompressor.modifiers import Modifier
+from loguru import logger
+from pydantic import Field, PrivateAttr, model_validator
+
+from adadsf_modifier.constraints import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    UnitInterval,
+)
+from adadsf_modifier.ftp.checkpoint import install_ftp_save_hook
+from adadsf_modifier.ftp.features import calibrate_features, check_probe_supported
+from adadsf_modifier.ftp.router import (
+    FTPLayerRouter,
+    FTPRouterMLP,
+    attach_context_hooks,
+    detach_context_hooks,
+)
+from adadsf_modifier.ftp.scheduler import (
+    ScheduleResult,
+    genetic_schedule,
+    validation_loss,
+)
+from adadsf_modifier.ftp.trainer import FTPTrainConfig, FTPTrainReport, train_router
+from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
+from adadsf_modifier.routing import (
+    RoutedLayer,
+    ThresholdReport,
+    calibrate_thresholds,
+    check_calibration_rows,
+    decoder_layers,
+    route_layer,
+    unroute_layer,
+)
+
+__all__ = ["FTPModifier"]
+
+
+class FTPModifier(Modifier):
+    """
+    FTP: each routed decoder layer runs only the tokens a shared four-feature router
+    gates in; per-layer ratios come from a genetic search under the global budget.
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        FTPModifier:
+          retention: 0.75
+          ignore: ["re:.*layers\\.0$"]
+    ```
+
+    :param retention: mean fraction of real tokens that run each routed layer (as
+        :class:`AdaDSFModifier`'s)
+    :param min_retention: lowest ratio the scheduler may give a layer (default
+        ``min(0.1, retention)``)
+    :param schedule: ``genetic`` (FTP), ``uniform``, or one ratio per routed layer
+    :param targets, ignore: which decoder layers to route (names, ``re:`` or classes)
+    :param router_hidden_size: width of the shared MLP's hidden layer
+    :param keep_last_tokens: tokens at the end of a sequence the static router keeps
+    :param validation_batches: calibration batches held out (from the end) to score
+        the scheduler's candidates; never used for features, training or thresholds
+    :param ga_population, ga_generations, ga_mutation: the genetic search's size
+    :param train_steps, lr: router training (0 steps: the router keeps its init)
+    :param distill_weight, sparsity_weight, guide_weight, guide_steps: loss weights;
+        the guide weight decays to 0 over ``guide_steps``
+    :param threshold_passes: causal-threshold fitting passes (see AdaDSF)
+    :param seed: seeds the MLP's initialisation and the genetic search
+    """
+
+    retention: UnitInterval = 0.8
+    min_retention: UnitInterval | None = None
+    schedule: Literal["genetic", "uniform"] | list[UnitInterval] = "genetic"
+    targets: str | list[str] | None = None
+    ignore: list[str] = Field(default_factory=list)
+    router_hidden_size: PositiveInt = 16
+    keep_last_tokens: NonNegativeInt = 4
+    validation_batches: PositiveInt = 1
+    ga_population: PositiveInt = 8
+    ga_generations: NonNegativeInt = 4
+    ga_mutation: PositiveFloat = 0.25
+    train_steps: NonNegativeInt = 50
+    lr: PositiveFloat = 1e-3
+    distill_weight: NonNegativeFloat = 1.0
+    sparsity_weight: NonNegativeFloat = 1.0
+    guide_weight: NonNegativeFloat = 1.0
+    guide_steps: NonNegativeInt = 10
+    threshold_passes: PositiveInt = 2
+    seed: int = 0
+
+    _ratios: list[float] | None = PrivateAttr(default=None)
+    _schedule: ScheduleResult | None = PrivateAttr(default=None)
+    _train: FTPTrainReport | None = PrivateAttr(default=None)
+    _thresholds: ThresholdReport | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> "FTPModifier":
+        if self.min_retention is not None and self.min_retention > self.retention:
+            raise ValueError(
+                f"min_retention must be in (0, retention={self.retention}], got "
+                f"{self.min_retention}"
+            )
+        if self.schedule == "genetic" and self.ga_population < 2:
+            raise ValueError(f"ga_population must be >= 2, got {self.ga_population}")
+        return self
+
+    # ------------------------------------------------------------------ results
+    @property
+    def retention_ratios(self) -> list[float]:
+        """Ratio of every decoder layer, in order (1.0: not routed)."""
+        if self._ratios is None:
+            raise RuntimeError("retention_ratios is available after initialization")
+        return list(self._ratios)
+
+    @property
+    def schedule_result(self) -> ScheduleResult | None:
+        return self._schedule
+
+    @property
+    def train_report(self) -> FTPTrainReport | None:
+        return self._train
+
+    @property
+    def threshold_report(self) -> ThresholdReport | None:
+        return self._thresholds
+
+    @property
+    def resolved_min_retention(self) -> float:
+        low = self.min_retention
+        return low if low is not None else min(0.1, self.retention)
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_initialize(self, state: State, **kwargs: Any) -> bool:
+        calib = getattr(state.data, "calib", None) if state.data is not None else None
+        if calib is None:
+            raise ValueError(
+                "FTPModifier needs calibration data: pass `dataset=` to oneshot"
+            )
+        self.apply_to(state.model, list(calib))
+        return True
+
+    def apply_to(self, model: torch.nn.Module, batches: list[dict]) -> None:
+        """Everything ``oneshot`` does, on ``model`` and calibration ``batches``
+        (dicts with ``input_ids`` and optionally ``attention_mask``) directly: for
+        tests, studies and scripts without an llm-compressor session."""
+        spec, layers = decoder_layers(model)
+        routed = [n for n, m in layers if isinstance(m, RoutedLayer)]
+        if routed:
+            raise ValueError(
+                f"FTPModifier: decoder layers {routed[:3]} are already routed; route "
+                "a dense model once"
+            )
+        targeted = self._targeted(layers)
+        for _, name, layer in targeted:
+            check_probe_supported(layer, name)
+        if isinstance(self.schedule, list) and len(self.schedule) != len(targeted):
+            raise ValueError(
+                f"FTPModifier: schedule lists {len(self.schedule)} ratios for "
+                f"{len(targeted)} routed layers"
+            )
+        if not batches:
+            raise ValueError("FTPModifier: the calibration set is empty (0 batches)")
+        held = self.validation_batches if self.schedule == "genetic" else 0
+        if len(batches) <= held:
+            raise ValueError(
+                f"FTPModifier: {len(batches)} calibration batches; the genetic "
+                f"schedule holds out validation_batches={held} and needs at least one "
+                "more for training (more samples or a smaller batch size)"
+            )
+        train, val = batches[: len(batches) - held], batches[len(batches) - held :]
+        check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
+        check_calibration_rows([self.retention] * len(targeted), train)
+
+        stats, max_len = calibrate_features(
+            model, [m for _, _, m in targeted], train, self.seed
+        )
+        self._route(model, spec.cache_kwarg, targeted, stats, max_len)
+        try:
+            ratios = self._schedule_ratios(model, targeted, val)
+            check_calibration_rows(ratios, train)
+            full = [1.0] * len(layers)
+            for (i, _, layer), r in zip(targeted, ratios):
+                layer.retention_ratio = full[i] = float(r)
+            self._ratios = full
+            logger.info(
+                f"FTP: routed {len(targeted)}/{len(layers)} layers, ratios "
+                f"[{', '.join(f'{r:.3f}' for r in full)}]"
+            )
+            self._train = train_router(model, train, self._train_config())
+            self._thresholds = calibrate_thresholds(
+                model, train, passes=self.threshold_passes
+            )
+            # every later save_pretrained (oneshot's output_dir too) writes the sidecar
+            install_ftp_save_hook(model)
+        except BaseException:
+            self._unroute(targeted)
+            raise
+
+    def on_finalize(self, state: State, **kwargs: Any) -> bool:
+        self.remove_hooks()
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def _train_config(self) -> FTPTrainConfig:
+        return FTPTrainConfig(
+            steps=self.train_steps,
+            lr=self.lr,
+            distill_weight=self.distill_weight,
+            sparsity_weight=self.sparsity_weight,
+            guide_weight=self.guide_weight,
+            guide_steps=self.guide_steps,
+            keep_last=self.keep_last_tokens,
+        )
+
+    def _targeted(self, layers):
+        if self.targets is None:
+            chosen = [(i, n, m) for i, (n, m) in enumerate(layers)
+                      if not is_match(n, m, self.ignore)]  # fmt: skip
+        else:
+            targets = [self.targets] if isinstance(self.targets, str) else self.targets
+            chosen = [(i, n, m) for i, (n, m) in enumerate(layers)
+                      if is_match(n, m, targets, ignore=self.ignore)]  # fmt: skip
+        if not chosen:
+            raise ValueError(
+                f"FTPModifier: targets={self.targets!r} / ignore={self.ignore!r} match "
+                f"no decoder layer (first layer is `{layers[0][0]}`)"
+            )
+        return chosen
+
+    def _route(self, model, cache_kwarg, targeted, stats, max_len) -> None:
+        done = []
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                mlp = FTPRouterMLP(self.router_hidden_size)
+            for j, ((i, _, layer), st) in enumerate(zip(targeted, stats)):
+                router = FTPLayerRouter(
+                    mlp, st, model.config.hidden_size, max_len, self.retention,
+                    self.keep_last_tokens, owner=j == 0,
+                )  # fmt: skip
+                route_layer(layer, router, self.retention, i, cache_kwarg, model.config)
+                router.float()  # trained with Adam: float32 whatever the model's dtype
+                attach_context_hooks(layer)
+                done.append((i, None, layer))
+        except Exception:
+            self._unroute(done)
+            raise
+
+    @staticmethod
+    def _unroute(targeted) -> None:
+        for _, _, layer in targeted:
+            detach_context_hooks(layer)
+            unroute_layer(layer)
+
+    def _schedule_ratios(self, model, targeted, val) -> list[float]:
+        n = len(targeted)
+        if isinstance(self.schedule, list):
+            return [float(r) for r in self.schedule]
+        if self.schedule == "uniform":
+            return [self.retention] * n
+        layers = [m for _, _, m in targeted]
+
+        def evaluate(ratios: list[float]) -> float:
+            for layer, r in zip(layers, ratios):
+                layer.retention_ratio = float(r)
+            return validation_loss(model, val)
+
+        for layer in layers:
+            layer.router.mode = "static"
+        try:
+            result = genetic_schedule(
+                evaluate, n, self.retention, self.resolved_min_retention,
+                population=self.ga_population, generations=self.ga_generations,
+                mutation=self.ga_mutation, seed=self.seed,
+            )  # fmt: skip
+        finally:
+            for layer in layers:
+                layer.router.mode = "learned"
+        self._schedule = result
+        logger.info(
+            f"FTP scheduler: validation loss {result.uniform_loss:.4f} (uniform) -> "
+            f"{result.loss:.4f} after {result.evaluations} evaluations"
+        )
+        return result.ratios

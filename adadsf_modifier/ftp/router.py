@@ -1,0 +1,188 @@
+"""FTP's router: one small MLP shared by every routed layer, fed four scalars per
+token.
+
+Each routed layer gets an :class:`FTPLayerRouter` as its ``router`` child, so the
+routed layer, its causal thresholds, KV caches and FLOPs recorder work unchanged
+(they only call ``router(x) -> [batch, seq]`` scores). The layer router computes the
+token features (:mod:`~adadsf_modifier.ftp.features`) and asks the shared
+:class:`FTPRouterMLP`; the MLP is registered as a child of the *first* layer router
+only (the others hold a plain reference), so its weights exist once in the state dict
+and in an optimizer.
+
+Position and the layer's ratio are not in ``x``: a forward pre-hook on the routed
+layer (:func:`attach_context_hooks`) hands the router the ``position_ids`` and the
+attention mask of the current call, the same positions the model uses for RoPE, so a
+prefill and the decoding steps that follow see identical features.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adadsf_modifier.ftp.features import (
+    NUM_FEATURES,
+    LayerFeatureStats,
+    probe_scores,
+    token_features,
+)
+from adadsf_modifier.ftp.static import static_scores
+from adadsf_modifier.utils import real_token_mask
+
+__all__ = [
+    "FTPRouterMLP",
+    "FTPLayerRouter",
+    "attach_context_hooks",
+    "detach_context_hooks",
+    "ftp_routers",
+]
+
+RouterMode = Literal["learned", "static"]
+
+
+class FTPRouterMLP(nn.Module):
+    """``score = w2 . gelu(W1 f + b1) + b2`` on the four features ``f``; shared by all
+    layers (the layer enters through its sparsity feature)."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        if hidden <= 0:
+            raise ValueError(f"router hidden size must be > 0, got {hidden}")
+        self.hidden = int(hidden)
+        self.fc1 = nn.Linear(NUM_FEATURES, self.hidden)
+        self.fc2 = nn.Linear(self.hidden, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        w1, b1 = self.fc1.weight.float(), self.fc1.bias.float()
+        h = F.gelu(F.linear(features, w1, b1))
+        return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float()).squeeze(-1)
+
+
+class FTPLayerRouter(nn.Module):
+    """One routed layer's router: features from ``x`` + context, scored by the shared
+    MLP.
+
+    ``mode="static"`` returns the static router's scores instead (first and last
+    ``keep_last`` real tokens first, then the key-probe score); it needs the whole
+    sequence, so it is for top-k routing only (scheduler, guide targets).
+    """
+
+    def __init__(
+        self,
+        mlp: FTPRouterMLP,
+        stats: LayerFeatureStats,
+        hidden_size: int,
+        position_scale: int,
+        retention: float,
+        keep_last: int = 4,
+        owner: bool = False,
+    ):
+        super().__init__()
+        self.hidden_size = int(hidden_size)
+        self.router_hidden_size = mlp.hidden
+        self.position_scale = int(position_scale)
+        self.keep_last = int(keep_last)
+        self.retention = float(retention)
+        self.probe_bias = float(stats.bias)
+        self.norm_eps = float(stats.eps)
+        self.score_mean = float(stats.mean)
+        self.score_std = float(stats.std)
+        self.register_buffer("probe", stats.probe.clone().float())
+        self.register_buffer("quantiles", stats.quantiles.clone().float())
+        if owner:
+            self.mlp = mlp
+        object.__setattr__(self, "_shared_mlp", mlp)
+        self.mode: RouterMode = "learned"
+        self._context: dict[str, Any] | None = None
+        #: while a list: each call appends ``(scores, probe scores, real, ratio)``
+        self.collect: list | None = None
+
+    @property
+    def shared_mlp(self) -> FTPRouterMLP:
+        return self._shared_mlp
+
+    def flops(self, tokens: int) -> int:
+        """Matmul FLOPs on ``tokens`` tokens: the probe dot product (``2 h``) and the
+        MLP (``2 (4 r + r)``); the norm, GELU and the rank lookup are not counted,
+        like the rest of the FLOPs model."""
+        r = self.router_hidden_size
+        return 2 * int(tokens) * (self.hidden_size + NUM_FEATURES * r + r)
+
+    def _positions_and_real(self, x: torch.Tensor):
+        b, s = x.shape[:2]
+        ctx = self._context or {}
+        pos = ctx.get("position_ids")
+        if pos is None or pos.shape[-1] != s:
+            pos = torch.arange(s, device=x.device).unsqueeze(0)
+        real = real_token_mask(ctx.get("attention_mask"), b, s, x.device)
+        ratio = ctx.get("ratio", self.retention)
+        return pos.to(x.device), real, float(ratio)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq, hidden] -> [batch, seq]`` float32 scores."""
+        pos, real, ratio = self._positions_and_real(hidden_states)
+        probe = probe_scores(hidden_states, self.probe, self.probe_bias, self.norm_eps)
+        if self.mode == "static":
+            return static_scores(probe, real, self.keep_last)
+        feats = token_features(
+            probe,
+            pos,
+            self.score_mean,
+            self.score_std,
+            self.quantiles,
+            1.0 - min(max(ratio, 0.0), 1.0),
+            self.position_scale,
+        )
+        scores = self.shared_mlp(feats)
+        if self.collect is not None:
+            self.collect.append((scores, probe.detach(), real, ratio))
+        return scores
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, mlp_hidden={self.router_hidden_size}, "
+            f"mode={self.mode}, keep_last={self.keep_last}"
+        )
+
+
+def _stash(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    router = getattr(module, "router", None)
+    if isinstance(router, FTPLayerRouter):
+        router._context = {
+            "position_ids": kwargs.get("position_ids"),
+            "attention_mask": kwargs.get("attention_mask"),
+            "ratio": float(getattr(module, "retention_ratio", router.retention)),
+        }
+
+
+def _clear(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    router = getattr(module, "router", None)
+    if isinstance(router, FTPLayerRouter):
+        router._context = None
+
+
+def attach_context_hooks(layer: nn.Module) -> None:
+    """Give ``layer.router`` each call's positions and mask (idempotent).
+
+    ``prepend=True`` so the context is in place before any other pre-hook (threshold
+    calibration's) calls the router.
+    """
+    if getattr(layer, "_ftp_hooks", None):
+        return
+    layer._ftp_hooks = (
+        layer.register_forward_pre_hook(_stash, with_kwargs=True, prepend=True),
+        layer.register_forward_hook(_clear, with_kwargs=True),
+    )
+
+
+def detach_context_hooks(layer: nn.Module) -> None:
+    for handle in layer.__dict__.pop("_ftp_hooks", ()) or ():
+        handle.remove()
+
+
+def ftp_routers(model: nn.Module) -> list[FTPLayerRouter]:
+    """Every FTP layer router of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, FTPLayerRouter)]
