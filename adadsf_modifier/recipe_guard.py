@@ -24,7 +24,7 @@ from llmcompressor.recipe import Recipe
 __all__ = ["install", "OUR_MODIFIERS"]
 
 #: Registered names of this package's modifiers.
-OUR_MODIFIERS: tuple[str, ...] = ("AdaDSFModifier",)
+OUR_MODIFIERS: tuple[str, ...] = ("AdaDSFModifier", "FTPModifier")
 _MARK = "_adadsf_guarded"
 
 

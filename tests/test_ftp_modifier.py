@@ -130,3 +130,14 @@ def test_scheduler_meets_budget_bounds_cost_and_is_reproducible():
     assert a.best_per_generation == sorted(a.best_per_generation, reverse=True)
     c = genetic_schedule(_target_loss(target), **{**kw, "seed": 4})
     assert c.ratios != a.ratios
+
+
+def test_recipe_with_empty_ftp_body_uses_defaults():
+    from llmcompressor.recipe import Recipe
+
+    from adadsf_modifier import FTPModifier
+
+    text = "sparsity_stage:\n  sparsity_modifiers:\n    FTPModifier:\n"
+    [mod] = Recipe.create_instance(text).modifiers
+    assert isinstance(mod, FTPModifier)
+    assert mod.retention == FTPModifier().retention
