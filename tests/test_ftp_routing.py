@@ -148,6 +148,11 @@ def test_ftp_decoding_skips_tokens_below_threshold():
     # AdaDSF's FLOPs model reads FTP routing through the same recorder
     flops = normalized_flops(model, {"input_ids": torch.randint(4, 128, (2, 16))})
     assert 0.0 < flops.normalized < 1.0
+    # each routed layer's router is counted at FTP's own cost (32 real tokens)
+    routers = {m.layer_index: m.router.flops(32) for m in routed_layers(model)}
+    counted = {i: x.router for i, x in enumerate(flops.routed_per_layer) if x.router}
+    assert counted == {i: c for i, c in routers.items() if i in counted}
+    assert counted and set(counted) <= set(routers)
 
 
 def test_unsupported_architecture_is_refused_before_work():

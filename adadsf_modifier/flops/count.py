@@ -74,6 +74,7 @@ def count_flops(
     skip_path_ranks: Mapping[int, int | None] | None = None,
     kv_only_tokens: Sequence[Sequence[int]] | torch.Tensor | None = None,
     route_targets: Mapping[int, str] | None = None,
+    router_flops_per_token: Mapping[int, int] | None = None,
 ) -> FlopsReport:
     """Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts.
 
@@ -86,7 +87,9 @@ def count_flops(
     :param routed_layers: indices of the layers whose router runs (it scores every real
         token of the sequence, whatever it then keeps)
     :param router_hidden_size: the routers' hidden width ``r`` (one int, or ``{layer:
-        r}``)
+        r}``) of AdaDSF's :class:`~adadsf_modifier.routing.TokenRouter`
+    :param router_flops_per_token: ``{layer: FLOPs per token}`` for routers of another
+        shape (FTP's shared router: ``router.flops(1)``); overrides the width
     :param past_lens: cached tokens per sequence before this batch (decode / chunked
         prefill; default 0): query ``i`` then sees ``past + i`` keys
     :param routed_past_lens: ``[l][b]`` cached entries of each layer in the routed model
@@ -176,6 +179,11 @@ def count_flops(
     else:
         gathers = frozenset(int(i) for i in gather_layers)
 
+    def router_cost(layer: int, tokens: int) -> int:
+        if router_flops_per_token and layer in router_flops_per_token:
+            return int(router_flops_per_token[layer]) * tokens
+        return shape.router_flops(tokens, r_of(layer))
+
     def r_of(layer: int) -> int:
         if isinstance(router_hidden_size, Mapping):
             return int(router_hidden_size[layer])
@@ -217,7 +225,7 @@ def count_flops(
                 projections=shape.projection_flops(attn_tokens),
                 attention=shape.attention_flops(r_pairs),
                 mlp=shape.mlp_flops(mlp_tokens),
-                router=shape.router_flops(real_tokens, r_of(li)) if li in routed else 0,
+                router=router_cost(li, real_tokens) if li in routed else 0,
                 skip_path=shape.skip_path_flops(sum(skips[li]), ranks.get(li)),
                 kv_only=shape.kv_only_flops(sum(kv_only[li])),
             )

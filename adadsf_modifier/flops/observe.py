@@ -14,6 +14,7 @@ from adadsf_modifier.flops.formulas import FlopsReport, layer_shape
 from adadsf_modifier.routing.architectures import decoder_layers, original_class
 from adadsf_modifier.routing.recorder import RoutingRecorder
 from adadsf_modifier.routing.routed_layer import RoutedLayer
+from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.utils import allowed_by_mask, model_device, real_token_mask
 
@@ -55,6 +56,8 @@ class ObservedRouting:
     skip_path_ranks: dict[int, int | None] | None = None
     kv_only_tokens: list[list[int]] | None = None
     route_targets: dict[int, str] | None = None
+    #: routers that are not a :class:`TokenRouter` (FTP): their own FLOPs per token
+    router_flops_per_token: dict[int, int] | None = None
 
 
 def _dense_pairs(
@@ -158,7 +161,7 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
     seq_lens = dense[0]["seq_lens"]
     kept, keys, routed, gathers, widths = [], [], set(), set(), {}
     zeros = [0] * len(seq_lens)
-    skips, kv_only, ranks, targets = [], [], {}, {}
+    skips, kv_only, ranks, targets, per_token = [], [], {}, {}, {}
     for i, (_, layer) in enumerate(layers):
         if dense[i]["seq_lens"] != seq_lens:
             raise RuntimeError(
@@ -168,6 +171,8 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         record = None
         if isinstance(layer, RoutedLayer):
             widths[i] = int(layer.router.router_hidden_size)
+            if not isinstance(layer.router, TokenRouter):
+                per_token[i] = int(layer.router.flops(1))
             skip_map = skip_path_of(layer)
             if skip_map is not None:
                 ranks[i] = skip_map.rank
@@ -208,6 +213,7 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         skip_path_ranks=ranks,
         kv_only_tokens=kv_only,
         route_targets=targets,
+        router_flops_per_token=per_token,
     )
 
 
@@ -243,5 +249,6 @@ def normalized_flops(model: nn.Module, batch: Any) -> FlopsReport:
         skip_path_tokens=obs.skip_path_tokens,
         skip_path_ranks=obs.skip_path_ranks,
         kv_only_tokens=obs.kv_only_tokens,
+        router_flops_per_token=obs.router_flops_per_token,
         route_targets=obs.route_targets,
     )
