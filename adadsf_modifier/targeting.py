@@ -14,23 +14,26 @@ __all__ = ["check_not_routed", "targeted_layers"]
 Layers = list[tuple[str, nn.Module]]
 
 
-def check_not_routed(layers: Layers) -> None:
+def check_not_routed(layers: Layers, who: str = "AdaDSFModifier") -> None:
     """Refuse decoder layers that are already routed: a second routing modifier in the
     recipe, ``oneshot`` run twice on one model, or a model loaded with
     ``adadsf_modifier.from_pretrained``."""
     routed = [name for name, layer in layers if isinstance(layer, RoutedLayer)]
     if routed:
         raise ValueError(
-            f"AdaDSFModifier: decoder layers {routed[:3]}"
+            f"{who}: decoder layers {routed[:3]}"
             f"{' ...' if len(routed) > 3 else ''} are already routed (a second "
-            "AdaDSFModifier in the recipe, oneshot run twice on one model, or a "
+            "routing modifier in the recipe, oneshot run twice on one model, or a "
             "model loaded with adadsf_modifier.from_pretrained); route a dense "
             "model once"
         )
 
 
 def targeted_layers(
-    layers: Layers, targets: str | list[str] | None, ignore: list[str]
+    layers: Layers,
+    targets: str | list[str] | None,
+    ignore: list[str],
+    who: str = "AdaDSFModifier",
 ) -> list[tuple[int, str, nn.Module]]:
     """``(index, name, layer)`` of the decoder layers to route: every layer not in
     ``ignore`` when ``targets`` is None, else those matching ``targets`` (names,
@@ -48,7 +51,7 @@ def targeted_layers(
         ]
     if not chosen:
         raise ValueError(
-            f"AdaDSFModifier: targets={targets!r} / ignore={ignore!r} "
+            f"{who}: targets={targets!r} / ignore={ignore!r} "
             f"match no decoder layer (first layer is `{layers[0][0]}`)"
         )
     return chosen

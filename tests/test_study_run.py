@@ -201,9 +201,9 @@ def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
     calls: list[str] = []
     res = run_study(StudySettings(), tiny_dir, tmp_path / "o", tmp_path / "c",
                     executor=fake_executor(calls), plan_only=True)  # fmt: skip
-    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 112}
+    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 121}
     assert res["plan"]["estimated_s"] > 0
-    assert "117 runs (5 tuning on validation, 112 main)" in capsys.readouterr().out
+    assert "126 runs (5 tuning on validation, 121 main)" in capsys.readouterr().out
     assert not (tmp_path / "o" / "results.json").exists()
 
 
@@ -216,3 +216,18 @@ def test_bad_model_path_fails_before_work(tmp_path, capsys):
         code == 2 and err.startswith("adadsf study: error:") and "does not exist" in err
     )
     assert err.count("\n") == 1
+
+
+def test_ftp_runs_in_the_study_with_the_shared_settings(tiny_dir, tmp_path):
+    out, cache = tmp_path / "docs", tmp_path / "cache"
+    argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(cache), "--output-dir",
+            str(out), "--methods", "dense,ftp", "--budgets", "0.8", "--seeds", "1",
+            *TINY, "--set", "tune=false", "--set", "calib_samples=8"]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert not res["failed"], res["failed"]
+    [run] = res["runs"]
+    assert run["method"] == "ftp" and run["align_steps_done"] == 2  # = align_steps
+    assert 0.0 < run["normalized_flops"] < 1.0
+    assert run["num_routed"] == len(run["retention_ratios"]) - 1  # layer 0 ignored
+    assert run["prefill_speedup"] is None  # speed needs AdaDSF's checkpoint loader

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from compressed_tensors.utils import is_match
 from llmcompressor.core import State
 from llmcompressor.modifiers import Modifier
 from loguru import logger
@@ -43,7 +42,6 @@ from adadsf_modifier.ftp.scheduler import (
 from adadsf_modifier.ftp.trainer import FTPTrainConfig, FTPTrainReport, train_router
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
-    RoutedLayer,
     ThresholdReport,
     calibrate_thresholds,
     check_calibration_rows,
@@ -51,6 +49,7 @@ from adadsf_modifier.routing import (
     route_layer,
     unroute_layer,
 )
+from adadsf_modifier.targeting import check_not_routed, targeted_layers
 
 __all__ = ["FTPModifier"]
 
@@ -162,13 +161,8 @@ class FTPModifier(Modifier):
         (dicts with ``input_ids`` and optionally ``attention_mask``) directly: for
         tests, studies and scripts without an llm-compressor session."""
         spec, layers = decoder_layers(model)
-        routed = [n for n, m in layers if isinstance(m, RoutedLayer)]
-        if routed:
-            raise ValueError(
-                f"FTPModifier: decoder layers {routed[:3]} are already routed; route "
-                "a dense model once"
-            )
-        targeted = self._targeted(layers)
+        check_not_routed(layers, "FTPModifier")
+        targeted = targeted_layers(layers, self.targets, self.ignore, "FTPModifier")
         for _, name, layer in targeted:
             check_probe_supported(layer, name)
         if isinstance(self.schedule, list) and len(self.schedule) != len(targeted):
@@ -229,21 +223,6 @@ class FTPModifier(Modifier):
             guide_steps=self.guide_steps,
             keep_last=self.keep_last_tokens,
         )
-
-    def _targeted(self, layers):
-        if self.targets is None:
-            chosen = [(i, n, m) for i, (n, m) in enumerate(layers)
-                      if not is_match(n, m, self.ignore)]  # fmt: skip
-        else:
-            targets = [self.targets] if isinstance(self.targets, str) else self.targets
-            chosen = [(i, n, m) for i, (n, m) in enumerate(layers)
-                      if is_match(n, m, targets, ignore=self.ignore)]  # fmt: skip
-        if not chosen:
-            raise ValueError(
-                f"FTPModifier: targets={self.targets!r} / ignore={self.ignore!r} match "
-                f"no decoder layer (first layer is `{layers[0][0]}`)"
-            )
-        return chosen
 
     def _route(self, model, cache_kwarg, targeted, stats, max_len) -> None:
         done = []

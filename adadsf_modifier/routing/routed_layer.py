@@ -120,8 +120,7 @@ class RoutedLayer(nn.Module):
 
         The first real token of a sequence (the attention sink every later token attends
         to) always runs while ``keep_first_token`` is set; in top-k mode it counts
-        toward ``K``. ``has_past``: the batch continues from a cache (its first real
-        tokens are then read off ``attention_mask``, see :meth:`forced_tokens`).
+        toward ``K``. ``has_past``: the batch continues from a cache.
         """
         mode = mode or self.resolved_routing_mode()
         ratio = float(self.retention_ratio)
@@ -159,11 +158,9 @@ class RoutedLayer(nn.Module):
         has_past: bool = False,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """``[batch, seq]`` bool: the tokens that run whatever their score (the first
-        real token of each row while ``keep_first_token`` is set), or ``None`` when
-        there are none. With a cached past the first real token is found from the
-        ``attention_mask`` (a row whose past was all padding has it in this chunk);
-        without a mask there is no padding, so the past held it."""
+        """``[batch, seq]`` bool: the first real token of each row (it always runs
+        while ``keep_first_token`` is set), or ``None``. After a cached past it is read
+        off the ``attention_mask`` (``utils.first_real_tokens``)."""
         if not self.keep_first_token:
             return None
         if not has_past:

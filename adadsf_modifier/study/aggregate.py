@@ -39,6 +39,9 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("layer_drop_ridge", "layer_drop_healed"),
     ("adadsf_ridge_kv", "layer_drop_ridge_healed"),
     ("layer_drop_ridge_healed", "layer_drop_healed"),
+    ("ftp", "adadsf"),
+    ("ftp", "uniform"),
+    ("ftp", "layer_drop_healed"),
 )
 """``(a, b)``: ``a - b`` per seed. AdaDSF against uniform and against layer removal
 first: the questions the method's reviewers asked."""

@@ -12,11 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
+from adadsf_modifier.study.arms import Tuned, modifier_fields, quantization_fields
 from adadsf_modifier.study.settings import METHODS, StudySettings
 from adadsf_modifier.study.spec import RunSpec
 
@@ -33,28 +31,6 @@ __all__ = [
     "tune_specs",
 ]
 
-# The GPTQ stage of recipes/adadsf_w8a8.yaml, used when the recipe file is not next to
-# the package (an installed wheel); read from the file whenever it is there.
-_W8A8_FALLBACK = {
-    "targets": ["Linear"],
-    "scheme": "W8A8",
-    "ignore": ["lm_head", "re:.*router.*"],
-    "dampening_frac": 0.01,
-}
-_W8A8_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "adadsf_w8a8.yaml"
-_LIFECYCLE_FIELDS = {
-    "index",
-    "group",
-    "start",
-    "end",
-    "update",
-    "initialized_",
-    "finalized_",
-    "started_",
-    "ended_",
-    "requires_calibration_data",
-}
-
 
 @dataclass(frozen=True)
 class Context:
@@ -65,66 +41,6 @@ class Context:
     versions: dict[str, str]
     device: str  # "cpu" or "cuda"
     dtype: str = "float32"
-
-
-@dataclass(frozen=True)
-class Tuned:
-    """Hyper-parameters the main runs use, and where they came from."""
-
-    align_lr: float
-    temperature: float
-    beta: float
-    source: str  # "validation split" or "settings (tuning off)"
-
-
-def quantization_fields() -> dict[str, Any]:
-    """``GPTQModifier`` arguments of the W8A8 stage of ``recipes/adadsf_w8a8.yaml``."""
-    if _W8A8_RECIPE.is_file():
-        recipe = yaml.safe_load(_W8A8_RECIPE.read_text())
-        for stage in recipe.values():
-            for group in stage.values():
-                if isinstance(group, dict) and "GPTQModifier" in group:
-                    return dict(group["GPTQModifier"])
-    return dict(_W8A8_FALLBACK)
-
-
-def modifier_fields(
-    s: StudySettings,
-    method: str,
-    retention: float,
-    seed: int,
-    tuned: Tuned,
-) -> dict[str, Any]:
-    """Every ``AdaDSFModifier`` field of ``method`` at ``retention`` (defaults
-    included, so a changed default changes the run's key)."""
-    from adadsf_modifier import AdaDSFModifier
-
-    m = METHODS[method]
-    kwargs: dict[str, Any] = dict(
-        retention=retention,
-        temperature=tuned.temperature,
-        beta=tuned.beta,
-        allocation=m.allocation,
-        ignore=list(s.ignore),
-        router_hidden_size=s.router_hidden_size,
-        seed=seed,
-        threshold_passes=s.threshold_passes,
-        router_init="similarity",
-        router_init_steps=s.router_init_steps,
-        router_init_tokens=s.router_init_tokens,
-        align_steps=s.align_steps if m.align else 0,
-        align_lr=tuned.align_lr,
-        align_batch_size=s.align_batch_size,
-        align_seq_len=s.align_seq_len,
-        align_trainable=s.align_trainable,
-        align_seed=seed,
-        align_bf16=s.align_bf16,
-    )
-    if m.lm_loss_only:
-        kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
-    kwargs.update(m.fields)
-    dump = AdaDSFModifier(**kwargs).model_dump()
-    return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
 
 
 def _batch(value: int | None, ctx: Context) -> int:
@@ -372,7 +288,8 @@ def _main_spec(
             notes["flops_target"] = ref["flops"]
         notes["matched_to"] = "AdaDSF measured FLOPs" if ref else "nominal budget"
     mod = modifier_fields(s, method, retention, seed, tuned)
-    speed = s.speed and i < s.speed_seeds and not m.quantize
+    # speed reloads the saved model with AdaDSF's loader: not FTP's checkpoint (yet)
+    speed = s.speed and i < s.speed_seeds and not m.quantize and m.modifier == "adadsf"
     return _spec(
         ctx, "main", method, budget, seed, mod, s, _eval_main(s, ctx, speed), notes
     )

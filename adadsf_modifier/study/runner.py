@@ -19,7 +19,7 @@ import torch
 from loguru import logger
 
 # Project APIs used here (one place, so a module move needs one edit).
-from adadsf_modifier import AdaDSFModifier
+from adadsf_modifier import AdaDSFModifier, FTPModifier
 from adadsf_modifier.evaluation import calibration_dataset
 from adadsf_modifier.routing import routed_layers
 from adadsf_modifier.study.measure import (
@@ -30,6 +30,7 @@ from adadsf_modifier.study.measure import (
     measure_tasks,
     task_mean,
 )
+from adadsf_modifier.study.settings import METHODS
 from adadsf_modifier.study.spec import RunSpec
 
 __all__ = ["RunEnv", "execute_run", "load_dense"]
@@ -91,7 +92,10 @@ def _compress(model: torch.nn.Module, cfg: dict, env: RunEnv) -> AdaDSFModifier:
         align = env.calibration(
             data["align_rows"], data["align_seq_len"], data["text_seed"]
         )
-    modifier = AdaDSFModifier(**cfg["modifier"], align_dataset=align)
+    if METHODS[cfg["method"]].modifier == "ftp":
+        modifier = FTPModifier(**cfg["modifier"])
+    else:
+        modifier = AdaDSFModifier(**cfg["modifier"], align_dataset=align)
     recipe: list[Any] = [modifier]
     if cfg["quantization"]:
         from llmcompressor.modifiers.gptq import GPTQModifier
@@ -113,11 +117,12 @@ def _compress(model: torch.nn.Module, cfg: dict, env: RunEnv) -> AdaDSFModifier:
     return modifier
 
 
-def _modifier_record(model: torch.nn.Module, mod: AdaDSFModifier) -> dict[str, Any]:
+def _modifier_record(model: torch.nn.Module, mod: Any) -> dict[str, Any]:
+    """What the modifier (AdaDSF or FTP) reports about the model it built."""
     out: dict[str, Any] = {
         "retention": mod.retention,
         "retention_ratios": mod.retention_ratios,
-        "similarities": mod.similarities,
+        "similarities": getattr(mod, "similarities", None),
         "num_layers": len(mod.retention_ratios),
         "num_routed": len(routed_layers(model)),
         "layers_kept": sum(1 for r in mod.retention_ratios if r > 0),
@@ -127,7 +132,15 @@ def _modifier_record(model: torch.nn.Module, mod: AdaDSFModifier) -> dict[str, A
         "align_loss_first": None,
         "align_loss_last": None,
     }
-    rep = mod.alignment_report
+    rep = getattr(mod, "alignment_report", None)
+    train = getattr(mod, "train_report", None)  # FTP: router-only training
+    if train is not None and train.total:
+        out.update(
+            align_seconds=float(train.seconds),
+            align_steps_done=len(train.total),
+            align_loss_first=train.total[0],
+            align_loss_last=train.total[-1],
+        )
     if rep is not None:
         out.update(
             align_seconds=float(rep.seconds),
@@ -222,8 +235,11 @@ def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
             record.update(retention=1.0, align_seconds=0.0, align_peak_memory_mb=None)
         if cfg["modifier"] is not None:
             r = cfg["modifier"]
-            record["align_lr"] = r["align_lr"] if r["align_steps"] else None
-            record["temperature"], record["beta"] = r["temperature"], r["beta"]
+            if "align_lr" in r:  # AdaDSF
+                record["align_lr"] = r["align_lr"] if r["align_steps"] else None
+                record["temperature"], record["beta"] = r["temperature"], r["beta"]
+            else:  # FTP: its router's learning rate
+                record["align_lr"] = r["lr"] if r["train_steps"] else None
         _evaluate(model, cfg, env, record)
     finally:
         del model

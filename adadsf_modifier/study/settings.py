@@ -50,8 +50,9 @@ class Method:
     quantize: bool = False
     match_flops: bool = False  # layer removal: keep as many layers as AdaDSF's FLOPs
     description: str = ""
-    # further AdaDSFModifier fields of this arm (e.g. the skip path of issue 13)
+    # further modifier fields of this arm (e.g. the skip path of issue 13)
     fields: dict[str, Any] = field(default_factory=dict)
+    modifier: Literal["adadsf", "ftp"] = "adadsf"  # which modifier builds the arm
 
 
 _RIDGE_KV: dict[str, Any] = {
@@ -148,6 +149,15 @@ METHODS: dict[str, Method] = {
             fields={"skip_path": "ridge"},
             description="layer removal with ridge maps in place of the removed "
             "layers, then the same alignment as AdaDSF (maps refitted after it)",
+        ),
+        Method(
+            "ftp",
+            "FTP (shared 4-feature router)",
+            "genetic",
+            align=False,
+            modifier="ftp",
+            description="FTPModifier: genetic per-layer schedule, router-only training "
+            "(as many steps as AdaDSF's alignment), causal thresholds",
         ),
         Method(
             "adadsf_w8a8",

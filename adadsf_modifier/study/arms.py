@@ -1,0 +1,121 @@
+"""How each study method's modifier is configured: every field of ``AdaDSFModifier``
+(or ``FTPModifier``) for one arm, and the GPTQ stage of the W8A8 arm. The full field
+dump goes into the run's key, so a changed default recomputes exactly the runs it
+affects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from adadsf_modifier.study.settings import METHODS, StudySettings
+
+__all__ = ["Tuned", "modifier_fields", "quantization_fields"]
+
+# The GPTQ stage of recipes/adadsf_w8a8.yaml, used when the recipe file is not next to
+# the package (an installed wheel); read from the file whenever it is there.
+_W8A8_FALLBACK = {
+    "targets": ["Linear"],
+    "scheme": "W8A8",
+    "ignore": ["lm_head", "re:.*router.*"],
+    "dampening_frac": 0.01,
+}
+_W8A8_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "adadsf_w8a8.yaml"
+_LIFECYCLE_FIELDS = {
+    "index",
+    "group",
+    "start",
+    "end",
+    "update",
+    "initialized_",
+    "finalized_",
+    "started_",
+    "ended_",
+    "requires_calibration_data",
+}
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """Hyper-parameters the main runs use, and where they came from."""
+
+    align_lr: float
+    temperature: float
+    beta: float
+    source: str  # "validation split" or "settings (tuning off)"
+
+
+def quantization_fields() -> dict[str, Any]:
+    """``GPTQModifier`` arguments of the W8A8 stage of ``recipes/adadsf_w8a8.yaml``."""
+    if _W8A8_RECIPE.is_file():
+        recipe = yaml.safe_load(_W8A8_RECIPE.read_text())
+        for stage in recipe.values():
+            for group in stage.values():
+                if isinstance(group, dict) and "GPTQModifier" in group:
+                    return dict(group["GPTQModifier"])
+    return dict(_W8A8_FALLBACK)
+
+
+def modifier_fields(
+    s: StudySettings,
+    method: str,
+    retention: float,
+    seed: int,
+    tuned: Tuned,
+) -> dict[str, Any]:
+    """Every ``AdaDSFModifier`` field of ``method`` at ``retention`` (defaults
+    included, so a changed default changes the run's key); ``FTPModifier``'s for FTP."""
+    from adadsf_modifier import AdaDSFModifier
+
+    m = METHODS[method]
+    if m.modifier == "ftp":
+        return _ftp_fields(s, retention, seed, m.fields)
+    kwargs: dict[str, Any] = dict(
+        retention=retention,
+        temperature=tuned.temperature,
+        beta=tuned.beta,
+        allocation=m.allocation,
+        ignore=list(s.ignore),
+        router_hidden_size=s.router_hidden_size,
+        seed=seed,
+        threshold_passes=s.threshold_passes,
+        router_init="similarity",
+        router_init_steps=s.router_init_steps,
+        router_init_tokens=s.router_init_tokens,
+        align_steps=s.align_steps if m.align else 0,
+        align_lr=tuned.align_lr,
+        align_batch_size=s.align_batch_size,
+        align_seq_len=s.align_seq_len,
+        align_trainable=s.align_trainable,
+        align_seed=seed,
+        align_bf16=s.align_bf16,
+    )
+    if m.lm_loss_only:
+        kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
+    kwargs.update(m.fields)
+    dump = AdaDSFModifier(**kwargs).model_dump()
+    return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
+
+
+def _ftp_fields(
+    s: StudySettings, retention: float, seed: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """FTP with the study's shared settings: layers ignored, seed, threshold passes,
+    and as many router-training steps as AdaDSF's alignment has (FTP trains its router
+    on the calibration rows; its genetic schedule scores candidates on the last
+    calibration batch, held out from that training)."""
+    from adadsf_modifier import FTPModifier
+
+    kwargs: dict[str, Any] = dict(
+        retention=retention,
+        ignore=list(s.ignore),
+        seed=seed,
+        threshold_passes=s.threshold_passes,
+        train_steps=s.align_steps,
+        **extra,
+    )
+    dump = FTPModifier(**kwargs).model_dump()
+    return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
