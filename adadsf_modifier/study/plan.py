@@ -288,8 +288,7 @@ def _main_spec(
             notes["flops_target"] = ref["flops"]
         notes["matched_to"] = "AdaDSF measured FLOPs" if ref else "nominal budget"
     mod = modifier_fields(s, method, retention, seed, tuned)
-    # speed reloads the saved model with AdaDSF's loader: not FTP's checkpoint (yet)
-    speed = s.speed and i < s.speed_seeds and not m.quantize and m.modifier == "adadsf"
+    speed = s.speed and i < s.speed_seeds and not m.quantize
     return _spec(
         ctx, "main", method, budget, seed, mod, s, _eval_main(s, ctx, speed), notes
     )
