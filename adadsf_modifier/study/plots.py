@@ -5,6 +5,9 @@
   both directions: the Pareto picture (lower left is better).
 * ``results_acc_vs_speedup.png``: 7-task mean accuracy against measured prefill speedup
   (batch 1), for the runs whose speed was measured.
+* ``results_layer_ratios.png``: each method's per-layer retention ratios at the tuning
+  budget (seed 0): AdaDSF's similarity allocation beside FTP's genetic schedule, uniform
+  and layer removal.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from typing import Any
 
 __all__ = ["PLOT_FILES", "write_plots"]
 
-PLOT_FILES = ("results_ppl_vs_flops.png", "results_acc_vs_speedup.png")
+PLOT_FILES = (
+    "results_ppl_vs_flops.png",
+    "results_acc_vs_speedup.png",
+    "results_layer_ratios.png",
+)
+_RATIO_METHODS = ("adadsf", "ftp", "uniform", "layer_drop")
 
 
 def _xy(row: dict, x: str, y: str) -> tuple[float, float, float, float] | None:
@@ -84,6 +92,24 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     paths.append(out_dir / PLOT_FILES[1])
+    _save(fig, paths[-1])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    budget = results.get("settings", {}).get("tune_budget")
+    for run in results.get("runs", []):
+        ratios = run.get("retention_ratios")
+        ok = run["method"] in _RATIO_METHODS and run["seed"] == 0
+        if ok and ratios and run["budget"] == budget:
+            ax.step(range(len(ratios)), ratios, where="mid", label=run["method"])
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("retention ratio (fraction of tokens that run it)")
+    ax.set_title(f"{model}: per-layer ratios at budget {budget} (seed 0)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / PLOT_FILES[2])
     _save(fig, paths[-1])
     plt.close(fig)
     return paths
