@@ -45,10 +45,11 @@ tiny = ["--set", "calib_samples=4", "--set", "calib_seq_len=32", "--set", "route
         "--set", "ppl_tokens=128", "--set", "ppl_val_tokens=96", "--set", "ppl_max_length=64",
         "--set", "ppl_stride=32", "--set", "tasks=piqa,hellaswag", "--set", "task_limit=4",
         "--set", "flops_seq_len=32", "--set", "speed_seq_len=32", "--set", "speed_batch_sizes=1,2",
-        "--set", "decode_prompt=8", "--set", "decode_tokens=2", "--set", "ablation_seeds=1"]
+        "--set", "decode_prompt=8", "--set", "decode_tokens=2", "--set", "ablation_seeds=1",
+        "--set", "calib_batch_size=2", "--set", "ppl_batch_size=4"]
 code = main(["--quick", "--model", d, "--cache-dir", "/tmp/adadsf_smoke_cache", "--output-dir",
              "/tmp/adadsf_smoke", "--overwrite", "--methods",
-             "dense,adadsf,adadsf_ridge_kv,layer_drop,layer_drop_ridge,layer_drop_healed,adadsf_w8a8",
+             "dense,adadsf,adadsf_ridge_kv,layer_drop,layer_drop_ridge,layer_drop_healed,ftp,adadsf_w8a8",
              "--budgets", "0.8", "--seeds", "2", *tiny])
 res = json.load(open("/tmp/adadsf_smoke/results.json"))
 print("SMOKE exit", code, "failed:", res["failed"], "computed:", res["runtime"]["runs_computed"],
