@@ -29,12 +29,7 @@ from tqdm.auto import tqdm
 
 from adadsf_modifier import distributed
 from adadsf_modifier.constraints import PositiveInt
-from adadsf_modifier.utils import (
-    MODEL_INPUT_KEYS,
-    model_device,
-    real_token_mask,
-    tensors_to_device,
-)
+from adadsf_modifier.utils import MODEL_INPUT_KEYS, next_token_nll
 
 __all__ = ["ImportanceFields", "loss_importance", "similarity_like"]
 
@@ -82,28 +77,6 @@ def _token_batches(
     return out
 
 
-def _mean_nll(model: nn.Module, batches: list[dict[str, Any]]) -> tuple[float, int]:
-    """Summed next-token NLL over real (non-padding) targets, and their count."""
-    device = model_device(model)
-    total, count = 0.0, 0
-    for batch in batches:
-        inputs = tensors_to_device(batch, device)
-        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
-        target = inputs["input_ids"][:, 1:]
-        mask = inputs.get("attention_mask")
-        real = (
-            real_token_mask(None, *target.shape, target.device)
-            if mask is None
-            else mask[:, 1:].bool() & mask[:, :-1].bool()
-        )
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
-        ).view_as(target)
-        total += float(nll[real].sum())
-        count += int(real.sum())
-    return total, count
-
-
 def _skip_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     """Forward hook: the layer's output replaced by its input (the layer skipped)."""
     x = args[0] if args else kwargs["hidden_states"]
@@ -127,7 +100,7 @@ def loss_importance(
     was_training = model.training
     model.eval()
     try:
-        base = distributed.sum_across_ranks(list(_mean_nll(model, data)))
+        base = distributed.sum_across_ranks(list(next_token_nll(model, data)))
         if base[1] == 0:
             raise ValueError("importance: loss saw no real calibration tokens")
         dense = base[0] / base[1]
@@ -136,7 +109,7 @@ def loss_importance(
         for layer in bar:
             handle = layer.register_forward_hook(_skip_hook, with_kwargs=True)
             try:
-                nll, n = distributed.sum_across_ranks(list(_mean_nll(model, data)))
+                nll, n = distributed.sum_across_ranks(list(next_token_nll(model, data)))
             finally:
                 handle.remove()
             rises.append(nll / n - dense)

@@ -26,6 +26,7 @@ __all__ = [
     "real_token_mask",
     "run_calibration_batches",
     "first_real_tokens",
+    "next_token_nll",
     "tensors_to_device",
 ]
 
@@ -104,6 +105,31 @@ def first_real_tokens(
         return real & (seen == 1)
     allowed = allowed_by_mask(attention_mask[:, 0, -seq_len:, :]).sum(dim=-1)
     return real & (allowed.expand(batch, seq_len) == 1)
+
+
+@torch.no_grad()
+def next_token_nll(
+    model: nn.Module, batches: Iterable[Mapping[str, Any]]
+) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of a causal LM over the real targets of
+    ``batches`` (a target counts when it and the token before it are not padding), and
+    their number. Sums, not a mean, so callers can add them up across processes."""
+    device = model_device(model)
+    total, count = 0.0, 0
+    for batch in batches:
+        inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
+        inputs = tensors_to_device(inputs, device)
+        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+        target = inputs["input_ids"][:, 1:]
+        mask = inputs.get("attention_mask")
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+        ).view_as(target)
+        if mask is not None:
+            nll = nll[mask[:, 1:].bool() & mask[:, :-1].bool()]
+        total += float(nll.sum())
+        count += nll.numel()
+    return total, count
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -19,13 +19,12 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
 from adadsf_modifier.allocation import clip_to_budget
-from adadsf_modifier.utils import model_device, tensors_to_device
+from adadsf_modifier.utils import next_token_nll
 
 __all__ = ["ScheduleResult", "genetic_schedule", "validation_loss"]
 
@@ -119,33 +118,12 @@ def genetic_schedule(
     )
 
 
-@torch.no_grad()
 def validation_loss(model: nn.Module, batches: Sequence[dict]) -> float:
     """Mean next-token negative log-likelihood over the real tokens of ``batches``."""
-    device = model_device(model)
-    total, count = 0.0, 0
     was_training = model.training
     model.eval()
     try:
-        for batch in batches:
-            inputs = tensors_to_device(
-                {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch},
-                device,
-            )
-            logits = model(**inputs, use_cache=False).logits[:, :-1].float()
-            target = inputs["input_ids"][:, 1:]
-            mask = inputs.get("attention_mask")
-            valid = (
-                torch.ones_like(target, dtype=torch.bool)
-                if mask is None
-                else mask[:, 1:].bool() & mask[:, :-1].bool()
-            )
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                reduction="none",
-            ).view_as(target)  # fmt: skip
-            total += float(nll[valid].sum())
-            count += int(valid.sum())
+        total, count = next_token_nll(model, batches)
     finally:
         model.train(was_training)
     if count == 0:
