@@ -88,8 +88,8 @@ def count_flops(
         token of the sequence, whatever it then keeps)
     :param router_hidden_size: the routers' hidden width ``r`` (one int, or ``{layer:
         r}``) of AdaDSF's :class:`~adadsf_modifier.routing.TokenRouter`
-    :param router_flops_per_token: ``{layer: FLOPs per token}`` for routers of another
-        shape (FTP's shared router: ``router.flops(1)``); overrides the width
+    :param router_flops_per_token: ``{layer: FLOPs per token}`` asked of each router
+        (``router.flops(1)``, any router kind); overrides the width
     :param past_lens: cached tokens per sequence before this batch (decode / chunked
         prefill; default 0): query ``i`` then sees ``past + i`` keys
     :param routed_past_lens: ``[l][b]`` cached entries of each layer in the routed model

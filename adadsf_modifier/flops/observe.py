@@ -14,7 +14,6 @@ from adadsf_modifier.flops.formulas import FlopsReport, layer_shape
 from adadsf_modifier.routing.architectures import decoder_layers, original_class
 from adadsf_modifier.routing.recorder import RoutingRecorder
 from adadsf_modifier.routing.routed_layer import RoutedLayer
-from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.utils import allowed_by_mask, model_device, real_token_mask
 
@@ -56,7 +55,8 @@ class ObservedRouting:
     skip_path_ranks: dict[int, int | None] | None = None
     kv_only_tokens: list[list[int]] | None = None
     route_targets: dict[int, str] | None = None
-    #: routers that are not a :class:`TokenRouter` (FTP): their own FLOPs per token
+    #: each routed layer's router cost per token, asked of the router itself (AdaDSF's
+    #: ``TokenRouter`` and FTP's shared router alike)
     router_flops_per_token: dict[int, int] | None = None
 
 
@@ -171,8 +171,7 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         record = None
         if isinstance(layer, RoutedLayer):
             widths[i] = int(layer.router.router_hidden_size)
-            if not isinstance(layer.router, TokenRouter):
-                per_token[i] = int(layer.router.flops(1))
+            per_token[i] = int(layer.router.flops(1))
             skip_map = skip_path_of(layer)
             if skip_map is not None:
                 ranks[i] = skip_map.rank
