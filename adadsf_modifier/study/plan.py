@@ -43,22 +43,15 @@ class Context:
     dtype: str = "float32"
 
 
-def _batch(value: int | None, ctx: Context) -> int:
-    return value or (16 if ctx.device == "cuda" else 1)
-
-
-def _batched(cfg: dict[str, Any], key: str, size: int) -> dict[str, Any]:
-    """``cfg`` with ``key: size`` unless ``size`` is 1: runs of one row per forward
-    keep the keys they had before batching was configurable."""
-    return {**cfg, key: size} if size != 1 else cfg
+def _batch_size(key: str, value: int | None, ctx: Context) -> dict[str, int]:
+    """``{key: n}`` for a rows-per-forward setting (None: 16 on a GPU, 1 on CPU), and
+    nothing when ``n`` is 1: runs of one row per forward keep the keys they had before
+    batching was configurable."""
+    n = value or (16 if ctx.device == "cuda" else 1)
+    return {key: n} if n != 1 else {}
 
 
 def _data(s: StudySettings, seed: int, aligned: bool, ctx: Context) -> dict[str, Any]:
-    return _batched(_data_fields(s, seed, aligned), "calib_batch_size",
-                    _batch(s.calib_batch_size, ctx))  # fmt: skip
-
-
-def _data_fields(s: StudySettings, seed: int, aligned: bool) -> dict[str, Any]:
     return {
         "calib_samples": s.calib_samples,
         "calib_seq_len": s.calib_seq_len,
@@ -66,15 +59,11 @@ def _data_fields(s: StudySettings, seed: int, aligned: bool) -> dict[str, Any]:
         # one pass over fresh rows: steps x batch rows of align_seq_len tokens
         "align_rows": s.align_steps * s.align_batch_size if aligned else 0,
         "align_seq_len": s.align_seq_len if aligned else 0,
+        **_batch_size("calib_batch_size", s.calib_batch_size, ctx),
     }
 
 
 def _eval_main(s: StudySettings, ctx: Context, speed: bool) -> dict[str, Any]:
-    return _batched(_eval_main_fields(s, ctx, speed), "ppl_batch_size",
-                    _batch(s.ppl_batch_size, ctx))  # fmt: skip
-
-
-def _eval_main_fields(s: StudySettings, ctx: Context, speed: bool) -> dict[str, Any]:
     return {
         "ppl_tokens": s.ppl_tokens,
         "ppl_val_tokens": s.ppl_val_tokens,
@@ -96,15 +85,11 @@ def _eval_main_fields(s: StudySettings, ctx: Context, speed: bool) -> dict[str, 
             if speed
             else None
         ),
+        **_batch_size("ppl_batch_size", s.ppl_batch_size, ctx),
     }
 
 
 def _eval_tune(s: StudySettings, ctx: Context) -> dict[str, Any]:
-    return _batched(_eval_tune_fields(s), "ppl_batch_size",
-                    _batch(s.ppl_batch_size, ctx))  # fmt: skip
-
-
-def _eval_tune_fields(s: StudySettings) -> dict[str, Any]:
     return {
         "ppl_val_tokens": s.ppl_val_tokens,
         "ppl_max_length": s.ppl_max_length,
@@ -112,6 +97,7 @@ def _eval_tune_fields(s: StudySettings) -> dict[str, Any]:
         "flops_batch": s.flops_batch,
         "flops_seq_len": s.flops_seq_len,
         "validation_only": True,
+        **_batch_size("ppl_batch_size", s.ppl_batch_size, ctx),
     }
 
 
