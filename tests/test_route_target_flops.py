@@ -5,8 +5,8 @@ import pytest
 import torch
 from test_causal_routing import left_padded
 from test_route_target import calibrated, route_target_model
+from test_skip_path_flops import counted_and_modelled
 from tiny_models import tiny_model
-from torch.utils.flop_counter import FlopCounterMode
 
 from adadsf_modifier.flops import count_flops, layer_shape, normalized_flops
 from adadsf_modifier.routing import decoder_layers, routed_layers
@@ -24,25 +24,7 @@ def test_counted_flops_equal_flop_counter_mode_layer_by_layer(target, kv):
     choice."""
     model = route_target_model("llama", target, RATIOS, kv=kv, attn="eager").train()
     n = 20
-    ids = torch.randint(4, 128, (1, n), generator=torch.Generator().manual_seed(0))
-    selected = {}
-
-    def hook(module, args, kwargs):
-        x = args[0] if args else kwargs["hidden_states"]
-        if 0 < module.retention_ratio < 1:
-            selected[module.layer_index] = module.selected_mask(x, mode="topk")[0]
-
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(input_ids=ids, use_cache=False)
-    handles = [
-        m.register_forward_pre_hook(hook, with_kwargs=True)
-        for m in routed_layers(model)
-    ]
-    with torch.no_grad():
-        report = normalized_flops(model, {"input_ids": ids})
-    for h in handles:
-        h.remove()
-    counts = counter.get_flop_counts()
+    ids, counts, report, selected = counted_and_modelled(model, n)
     shape = layer_shape(model.config)
     _, layers = decoder_layers(model)
     mlp_per_token = shape.mlp_flops(1)

@@ -32,16 +32,9 @@ def variant_model(arch, kv):
     return model.train()  # top-k routing
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-@pytest.mark.parametrize("kv", [False, True])
-def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv):
-    """Every matmul a decoder layer runs (projections, MLP, router, skip path, the
-    keys/values of skipped tokens) is counted, and nothing else. FlopCounterMode counts
-    eager attention over the full query x key rectangle, the FLOPs model over the
-    causally allowed pairs: that term is compared separately, against the pairs of the
-    kept tokens found independently from the router's choice."""
-    model = variant_model(arch, kv)
-    n = 20
+def counted_and_modelled(model, n=20):
+    """``(ids, FlopCounterMode's counts per module, the FLOPs model's report, the
+    top-k selection of each partially routed layer)`` on one row of ``n`` tokens."""
     ids = torch.randint(4, 128, (1, n), generator=torch.Generator().manual_seed(0))
     selected = {}
 
@@ -60,7 +53,20 @@ def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv):
         report = normalized_flops(model, {"input_ids": ids})
     for h in handles:
         h.remove()
-    counts = counter.get_flop_counts()
+    return ids, counter.get_flop_counts(), report, selected
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("kv", [False, True])
+def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv):
+    """Every matmul a decoder layer runs (projections, MLP, router, skip path, the
+    keys/values of skipped tokens) is counted, and nothing else. FlopCounterMode counts
+    eager attention over the full query x key rectangle, the FLOPs model over the
+    causally allowed pairs: that term is compared separately, against the pairs of the
+    kept tokens found independently from the router's choice."""
+    model = variant_model(arch, kv)
+    n = 20
+    ids, counts, report, selected = counted_and_modelled(model, n)
     shape = layer_shape(model.config)
     _, layers = decoder_layers(model)
     for i, (name, _) in enumerate(layers):
