@@ -77,34 +77,22 @@ def real_token_mask(
     return allowed_by_mask(diag).expand(batch, seq_len)
 
 
-def first_real_tokens(
-    attention_mask: torch.Tensor | None,
-    batch: int,
-    seq_len: int,
-    device: torch.device,
-    has_past: bool,
-) -> torch.Tensor:
+def first_real_tokens(attention_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """``[batch, seq]`` bool: the query tokens that are the first real token of their
     row in the *whole* sequence, cached past included (the attention sink that always
-    runs).
+    runs). ``real``: :func:`real_token_mask` of the same queries.
 
     A row's first real token is the real query whose only allowed key is itself: every
     earlier position is padding. Read off the mask, this also holds when a row's cached
-    past was all padding (left padding longer than the prefill chunk), where a
-    "no past, first position" rule would miss it. Without a mask (SDPA's fast path: no
-    padding) it is position 0 of a batch without past.
+    past was all padding (left padding longer than the prefill chunk), where a "no
+    past, first position" rule would miss it.
     """
-    if attention_mask is None:
-        first = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
-        if not has_past:
-            first[:, 0] = True
-        return first
-    real = real_token_mask(attention_mask, batch, seq_len, device)
+    seq_len = real.shape[1]
     if attention_mask.dim() == 2:
         seen = attention_mask.bool().cumsum(dim=1)[:, -seq_len:]
         return real & (seen == 1)
     allowed = allowed_by_mask(attention_mask[:, 0, -seq_len:, :]).sum(dim=-1)
-    return real & (allowed.expand(batch, seq_len) == 1)
+    return real & (allowed.expand_as(real) == 1)
 
 
 @torch.no_grad()

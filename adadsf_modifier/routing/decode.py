@@ -37,13 +37,13 @@ def _decide(
     run and some skip; ``selected`` is ``None`` at batch size 1; ``real [batch]``: the
     rows whose new token is not padding (``None``: all)."""
     batch = x.shape[0]
-    real = None
+    real = late = None
     if attention_mask is not None:
-        real = real_token_mask(attention_mask, batch, 1, x.device)[:, 0]
-    # after the past: a row whose past was all padding gets its first real token now
-    late = None
-    if not first and layer.keep_first_token and attention_mask is not None:
-        late = first_real_tokens(attention_mask, batch, 1, x.device, True)[:, 0]
+        real_q = real_token_mask(attention_mask, batch, 1, x.device)
+        real = real_q[:, 0]
+        if not first and layer.keep_first_token:
+            # a row whose past was all padding gets its first real token now
+            late = first_real_tokens(attention_mask, real_q)[:, 0]
     if batch == 1 and late is None:  # one sync, no index ops
         run = (first or float(scores) > layer.causal_threshold) and (
             real is None or bool(real)

@@ -167,7 +167,7 @@ class RoutedLayer(nn.Module):
             return real & (real.cumsum(dim=1) == 1)
         if attention_mask is None:
             return None
-        return first_real_tokens(attention_mask, *real.shape, real.device, True)
+        return first_real_tokens(attention_mask, real)
 
     @property
     def grouped_query_attention(self) -> bool:
