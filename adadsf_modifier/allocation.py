@@ -14,10 +14,13 @@ import random as _random
 from collections.abc import Sequence
 from typing import Annotated
 
+from pydantic import BaseModel, model_validator
+
 from adadsf_modifier.constraints import UnitInterval, constrained
 
 __all__ = [
     "Allocation",
+    "BudgetFields",
     "ALLOCATIONS",
     "similarity_ratios",
     "rescale_to_budget",
@@ -43,6 +46,29 @@ Allocation = Annotated[
         f"one of {list(ALLOCATIONS)} or a non-empty list of per-layer ratios in (0, 1]",
     ),
 ]
+
+
+class BudgetFields(BaseModel):
+    """The token budget both routing modifiers take (a pydantic mixin): ``retention``,
+    the mean fraction of real tokens that run each routed layer, and ``min_retention``,
+    the lowest ratio any routed layer may get (default ``min(0.1, retention)``)."""
+
+    retention: UnitInterval = 0.8
+    min_retention: UnitInterval | None = None
+
+    @model_validator(mode="after")
+    def _check_min_retention(self):
+        if self.min_retention is not None and self.min_retention > self.retention:
+            raise ValueError(
+                f"min_retention must be in (0, retention={self.retention}], got "
+                f"{self.min_retention}"
+            )
+        return self
+
+    @property
+    def resolved_min_retention(self) -> float:
+        low = self.min_retention
+        return low if low is not None else min(0.1, self.retention)
 
 
 def _sigmoid(x: float) -> float:

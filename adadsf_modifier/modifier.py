@@ -21,7 +21,7 @@ import torch
 from llmcompressor.core import State
 from llmcompressor.modifiers import Modifier
 from loguru import logger
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr
 
 from adadsf_modifier import distributed
 from adadsf_modifier.alignment import (
@@ -32,14 +32,18 @@ from adadsf_modifier.alignment import (
     make_teacher,
     release_memory,
 )
-from adadsf_modifier.allocation import Allocation, allocate, check_allocation
+from adadsf_modifier.allocation import (
+    Allocation,
+    BudgetFields,
+    allocate,
+    check_allocation,
+)
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.checkpoint import attach_checkpoint_support
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
-    UnitInterval,
 )
 from adadsf_modifier.importance import (
     ImportanceFields,
@@ -63,7 +67,9 @@ from adadsf_modifier.targeting import check_not_routed, targeted_layers
 __all__ = ["AdaDSFModifier"]
 
 
-class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields):
+class AdaDSFModifier(
+    Modifier, BudgetFields, AlignmentFields, SkipPathFields, ImportanceFields
+):
     """
     Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the
     tokens a small router ranks highest; layers that change their input little get fewer
@@ -130,10 +136,8 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
         default, skips it)
     """
 
-    retention: UnitInterval = 0.8
     temperature: PositiveFloat = 0.05
     beta: NonNegativeFloat = 10.0
-    min_retention: UnitInterval | None = None
     allocation: Allocation = "similarity"
     targets: str | list[str] | None = None
     ignore: list[str] = Field(default_factory=list)
@@ -151,16 +155,6 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
     _accumulator: SimilarityAccumulator | None = PrivateAttr(default=None)
     _teacher: torch.nn.Module | None = PrivateAttr(default=None)
     _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
-
-    # ------------------------------------------------------------------ validation
-    @model_validator(mode="after")
-    def _check_min_retention(self) -> "AdaDSFModifier":
-        if self.min_retention is not None and self.min_retention > self.retention:
-            raise ValueError(
-                f"min_retention must be in (0, retention={self.retention}], got "
-                f"{self.min_retention}"
-            )
-        return self
 
     # ------------------------------------------------------------------ results
     def _ready(self, value: Any, name: str) -> Any:
@@ -196,11 +190,6 @@ class AdaDSFModifier(Modifier, AlignmentFields, SkipPathFields, ImportanceFields
         """Causal-routing thresholds, measured kept fractions and agreement with
         top-k."""
         return self._ready(self._threshold_report, "threshold_report")
-
-    @property
-    def resolved_min_retention(self) -> float:
-        low = self.min_retention
-        return low if low is not None else min(0.1, self.retention)
 
     # ------------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs: Any) -> bool:

@@ -19,6 +19,7 @@ from llmcompressor.modifiers import Modifier
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
+from adadsf_modifier.allocation import BudgetFields
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -54,7 +55,7 @@ from adadsf_modifier.targeting import check_not_routed, targeted_layers
 __all__ = ["FTPModifier"]
 
 
-class FTPModifier(Modifier):
+class FTPModifier(Modifier, BudgetFields):
     """
     FTP: each routed decoder layer runs only the tokens a shared four-feature router
     gates in; per-layer ratios come from a genetic search under the global budget.
@@ -85,8 +86,6 @@ class FTPModifier(Modifier):
     :param seed: seeds the MLP's initialisation and the genetic search
     """
 
-    retention: UnitInterval = 0.8
-    min_retention: UnitInterval | None = None
     schedule: Literal["genetic", "uniform"] | list[UnitInterval] = "genetic"
     targets: str | list[str] | None = None
     ignore: list[str] = Field(default_factory=list)
@@ -112,11 +111,6 @@ class FTPModifier(Modifier):
 
     @model_validator(mode="after")
     def _check_fields(self) -> "FTPModifier":
-        if self.min_retention is not None and self.min_retention > self.retention:
-            raise ValueError(
-                f"min_retention must be in (0, retention={self.retention}], got "
-                f"{self.min_retention}"
-            )
         if self.schedule == "genetic" and self.ga_population < 2:
             raise ValueError(f"ga_population must be >= 2, got {self.ga_population}")
         return self
@@ -140,11 +134,6 @@ class FTPModifier(Modifier):
     @property
     def threshold_report(self) -> ThresholdReport | None:
         return self._thresholds
-
-    @property
-    def resolved_min_retention(self) -> float:
-        low = self.min_retention
-        return low if low is not None else min(0.1, self.retention)
 
     # ------------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
