@@ -24,7 +24,12 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
-from adadsf_modifier.constraints import NonNegativeFloat, PositiveInt, constrained
+from adadsf_modifier.constraints import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    constrained,
+)
 
 __all__ = [
     "PARALLEL_MODES",
@@ -33,8 +38,11 @@ __all__ = [
     "AlignmentDivergedError",
     "AlignmentLossWeights",
     "AlignmentReport",
+    "LR_SCHEDULES",
     "GradClip",
+    "LRSchedule",
     "LearningRate",
+    "NonNegativeInt",
     "NonNegativeFloat",
     "Parallel",
     "PositiveInt",
@@ -50,6 +58,19 @@ PARALLEL_MODES = ("ddp", "fsdp")
 """Under ``torchrun``: ``ddp`` (DistributedDataParallel, a whole student and teacher per
 rank) or ``fsdp`` (FSDP2 ``fully_shard``: both sharded over the ranks); see
 :mod:`~adadsf_modifier.alignment.parallel`. One process ignores it."""
+
+
+LR_SCHEDULES = ("constant", "cosine")
+"""``constant``: the learning rate throughout (after any warm-up). ``cosine``: after the
+warm-up, half a cosine from the learning rate down towards 0 at the last step."""
+
+
+def _lr_schedule(value: object, info: ValidationInfo) -> object:
+    if value not in LR_SCHEDULES:
+        raise ValueError(
+            f"{info.field_name} must be one of {list(LR_SCHEDULES)}, got {value!r}"
+        )
+    return value
 
 
 def _trainable(value: object, info: ValidationInfo) -> object:
@@ -88,6 +109,7 @@ Trainable = Annotated[
     Literal["routers", "routers_and_layers"], BeforeValidator(_trainable)
 ]
 Parallel = Annotated[Literal["ddp", "fsdp"], BeforeValidator(_parallel)]
+LRSchedule = Annotated[Literal["constant", "cosine"], BeforeValidator(_lr_schedule)]
 
 
 @dataclass(frozen=True)
@@ -125,7 +147,13 @@ class AlignmentConfig(BaseModel):
     """Everything the loop needs; the modifier builds it from its ``align_*`` fields.
 
     :param steps: optimizer steps (0: nothing happens)
-    :param lr: AdamW learning rate (constant)
+    :param lr: AdamW learning rate of the parameters routing added (routers, skip
+        paths), and of the layers' own weights unless ``layer_lr`` is given
+    :param layer_lr: learning rate of the decoder layers' pre-trained weights under
+        ``routers_and_layers`` (``None``: ``lr``). Routers start from scratch, the
+        layers are already trained: one rate rarely suits both
+    :param lr_schedule: one of :data:`LR_SCHEDULES`, applied to every rate
+    :param warmup_steps: steps of linear warm-up before the schedule (0: none)
     :param batch_size: rows per step (capped at the number of rows available)
     :param seq_len: rows are truncated to their first ``seq_len`` real tokens
     :param weights: loss weights (KL, hidden alignment, causal LM)
@@ -145,6 +173,9 @@ class AlignmentConfig(BaseModel):
 
     steps: Steps = 0
     lr: LearningRate = 3e-3
+    layer_lr: LearningRate | None = None
+    lr_schedule: LRSchedule = "constant"
+    warmup_steps: NonNegativeInt = 0
     batch_size: PositiveInt = 4
     seq_len: PositiveInt = 512
     weights: AlignmentLossWeights = Field(default_factory=AlignmentLossWeights)
@@ -156,6 +187,21 @@ class AlignmentConfig(BaseModel):
     gradient_checkpointing: bool = False
     show_progress: bool = True
     parallel: Parallel = "ddp"
+
+    @model_validator(mode="after")
+    def _rates_used(self) -> AlignmentConfig:
+        if self.layer_lr is not None and self.trainable != "routers_and_layers":
+            raise ValueError(
+                f"layer_lr is set but trainable is {self.trainable!r}: the layers do "
+                "not train; use routers_and_layers or drop layer_lr (in a recipe: "
+                "align_layer_lr, align_trainable)"
+            )
+        if self.steps and self.warmup_steps >= self.steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be smaller than steps "
+                f"({self.steps}) (in a recipe: align_warmup_steps, align_steps)"
+            )
+        return self
 
 
 @dataclasses.dataclass

@@ -18,7 +18,9 @@ from adadsf_modifier.alignment.config import (
     AlignmentLossWeights,
     GradClip,
     LearningRate,
+    LRSchedule,
     NonNegativeFloat,
+    NonNegativeInt,
     Parallel,
     PositiveInt,
     Steps,
@@ -45,9 +47,16 @@ class AlignmentFields(BaseModel):
     ```
 
     :param align_steps: optimizer steps; 0 skips the stage (no teacher is built)
-    :param align_lr: AdamW learning rate, constant over the run. The default suits
-        ``routers``; ``routers_and_layers`` wants about 10x less (SmolLM2-135M sweep:
-        3e-4)
+    :param align_lr: AdamW learning rate. The default suits ``routers``;
+        ``routers_and_layers`` wants about 10x less (SmolLM2-135M sweep: 3e-4), or
+        ``align_layer_lr``
+    :param align_layer_lr: learning rate of the decoder layers' pre-trained weights
+        under ``routers_and_layers`` (routers and skip paths keep ``align_lr``); unset:
+        ``align_lr`` for both
+    :param align_lr_schedule: ``constant`` or ``cosine`` (half a cosine towards 0 over
+        the steps after the warm-up), for every rate
+    :param align_warmup_steps: steps of linear warm-up (0: none; fewer than
+        ``align_steps``)
     :param align_batch_size: rows per step, re-batched from the training data
     :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
     :param align_w_kl: weight of ``KL(P_dense || P_sparse)`` on the next-token
@@ -76,6 +85,9 @@ class AlignmentFields(BaseModel):
 
     align_steps: Steps = 0
     align_lr: LearningRate = 3e-3
+    align_layer_lr: LearningRate | None = None
+    align_lr_schedule: LRSchedule = "constant"
+    align_warmup_steps: NonNegativeInt = 0
     align_batch_size: PositiveInt = 4
     align_seq_len: PositiveInt = 512
     align_w_kl: NonNegativeFloat = 1.0
@@ -111,6 +123,7 @@ class AlignmentFields(BaseModel):
     @model_validator(mode="after")
     def _check_align_weights(self) -> AlignmentFields:
         self.alignment_weights()  # the weights refuse all-zero values
+        self.alignment_config(show_progress=False)  # and the config, a long warm-up
         return self
 
     # ------------------------------------------------------------------ helpers for the
@@ -137,6 +150,9 @@ class AlignmentFields(BaseModel):
         return AlignmentConfig(
             steps=self.align_steps,
             lr=self.align_lr,
+            layer_lr=self.align_layer_lr,
+            lr_schedule=self.align_lr_schedule,
+            warmup_steps=self.align_warmup_steps,
             batch_size=self.align_batch_size,
             seq_len=self.align_seq_len,
             weights=self.alignment_weights(),

@@ -13,7 +13,12 @@ from adadsf_modifier.alignment.config import AlignmentConfig
 from adadsf_modifier.alignment.parallel import check_parallel_supported
 from adadsf_modifier.routing import decoder_layers, routed_layers
 
-__all__ = ["TrainableParams", "check_alignment_supported", "select_trainable"]
+__all__ = [
+    "TrainableParams",
+    "added_by_routing",
+    "check_alignment_supported",
+    "select_trainable",
+]
 
 
 def check_alignment_supported(model: nn.Module, config: AlignmentConfig) -> None:
@@ -73,6 +78,20 @@ def select_trainable(
             "aligning it"
         )
     return list(chosen.values())
+
+
+def added_by_routing(model: nn.Module, params: Sequence[nn.Parameter]) -> list[bool]:
+    """For each of ``params``: True when routing added it (a router or a skip path),
+    False for a decoder layer's pre-trained weight (they may train at another rate,
+    see :mod:`~adadsf_modifier.alignment.schedule`)."""
+    added = {
+        id(p)
+        for layer in routed_layers(model)
+        for child in (layer.router, getattr(layer, "skip_path", None))
+        if child is not None
+        for p in child.parameters()
+    }
+    return [id(p) in added for p in params]
 
 
 class TrainableParams:

@@ -71,13 +71,21 @@ from adadsf_modifier.alignment.losses import alignment_loss
 from adadsf_modifier.alignment.parallel import data_parallel
 from adadsf_modifier.alignment.params import (
     TrainableParams,
+    added_by_routing,
     check_alignment_supported,
     select_trainable,
 )
+from adadsf_modifier.alignment.schedule import make_optimizer
 from adadsf_modifier.routing import routed_layers
 from adadsf_modifier.utils import tensors_to_device
 
 __all__ = ["align_model"]
+
+
+def _rates(config: AlignmentConfig) -> str:
+    layers = "" if config.layer_lr is None else f" (layers {config.layer_lr:g})"
+    warmup = f", {config.warmup_steps} warm-up steps" if config.warmup_steps else ""
+    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}"
 
 
 def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -241,6 +249,7 @@ def align_model(
     check_alignment_supported(student, config)
 
     params = [p for _, p in select_trainable(student, config.trainable)]
+    added = added_by_routing(student, params)
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device
     rows = _rank_rows(data, config.seq_len)
@@ -258,7 +267,7 @@ def align_model(
 
     logger.info(
         f"AdaDSF alignment: {config.steps} steps, batch {batcher.batch_size} x <= "
-        f"{config.seq_len} tokens from {len(rows)} rows, lr {config.lr:g}, weights "
+        f"{config.seq_len} tokens from {len(rows)} rows, {_rates(config)}, weights "
         f"kl={weights.kl:g} hidden={weights.hidden:g} lm={weights.lm:g}, training "
         f"{config.trainable} ({report.num_trainable:,} parameters)"
     )
@@ -276,9 +285,7 @@ def align_model(
             data_parallel(student, teacher, params, config.parallel, device)
         )
         trainable = TrainableParams(run.params)
-        optimizer = torch.optim.AdamW(
-            trainable.masters, lr=config.lr, weight_decay=config.weight_decay
-        )
+        optimizer, scheduler = make_optimizer(trainable.masters, added, config)
         max_norm = config.grad_clip or math.inf  # inf: no clipping, still the norm
         bar = tqdm(
             range(1, config.steps + 1),
@@ -320,6 +327,7 @@ def align_model(
                 values["grad_norm"] = norm
                 raise _diverged(trainable, step, config, "non-finite gradient", values)
             optimizer.step()
+            scheduler.step()
             trainable.masters_to_params()
             if distributed.any_across_ranks(not trainable.all_finite()):
                 what = "non-finite parameters after the update"
@@ -337,7 +345,7 @@ def align_model(
             bar.set_postfix(loss=f"{loss:.4f}", avg=f"{running:.4f}")
         bar.close()
         trainable.zero_grad()
-        del optimizer, trainable
+        del optimizer, scheduler, trainable
 
     report.seconds = time.perf_counter() - start
     report.peak_memory_mb, report.memory_kind = _peak_memory_mb(device)

@@ -90,6 +90,9 @@ def modifier_fields(
         align_batch_size=s.align_batch_size,
         align_seq_len=s.align_seq_len,
         align_trainable=s.align_trainable,
+        align_layer_lr=s.align_layer_lr,
+        align_lr_schedule=s.align_lr_schedule,
+        align_warmup_steps=s.align_warmup_steps,
         align_seed=seed,
         align_bf16=s.align_bf16,
     )

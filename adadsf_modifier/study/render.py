@@ -49,6 +49,18 @@ def _cpu(r: dict) -> str:
     )
 
 
+def _rates(s: dict) -> str:
+    """The layers' own rate and the schedule, when the settings have them."""
+    out = ""
+    if s.get("align_layer_lr") is not None:
+        out += f" (layer weights {_num(s['align_layer_lr'], 'g')})"
+    if s.get("align_lr_schedule", "constant") != "constant":
+        out += f", {s['align_lr_schedule']} schedule"
+    if s.get("align_warmup_steps"):
+        out += f" after {s['align_warmup_steps']} warm-up steps"
+    return out
+
+
 def _setup(r: dict) -> list[str]:
     s, t = r["settings"], r["tuned"]
     align_tokens = s["align_steps"] * s["align_batch_size"] * s["align_seq_len"]
@@ -73,7 +85,8 @@ def _setup(r: dict) -> list[str]:
         f" calibration {s['calib_samples']} x {s['calib_seq_len']} tokens; alignment"
         f" {s['align_steps']} steps x {s['align_batch_size']} rows x"
         f" {s['align_seq_len']} tokens = {align_tokens:,} tokens{_cpu(r)}, learning"
-        f" rate {_num(t['align_lr'], 'g')}, trainable `{s['align_trainable']}`; layers"
+        f" rate {_num(t['align_lr'], 'g')}{_rates(s)}, trainable"
+        f" `{s['align_trainable']}`; layers"
         f" ignored: `{', '.join(s['ignore']) or 'none'}`.",
         f"Chosen hyper-parameters ({t['source']}): learning rate"
         f" {_num(t['align_lr'], 'g')}, tau {_num(t['temperature'], 'g')}, beta"

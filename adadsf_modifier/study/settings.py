@@ -218,6 +218,10 @@ class StudySettings(BaseModel):
     align_seq_len: PositiveInt = 512
     align_lr: PositiveFloat = 3e-4  # replaced by the validation-split choice when tune
     align_trainable: Literal["routers", "routers_and_layers"] = "routers_and_layers"
+    # the layers' pre-trained weights at their own rate (None: align_lr), a schedule
+    align_layer_lr: PositiveFloat | None = None
+    align_lr_schedule: Literal["constant", "cosine"] = "constant"
+    align_warmup_steps: NonNegativeInt = 0
     align_bf16: bool = False
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
     tune: bool = True

@@ -1,0 +1,83 @@
+"""Learning rates of the alignment stage: the schedule's factors against hand-computed
+values, the layers' own rate, and the recipe fields' checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from test_alignment import config, routed_pair, snapshot
+from tiny_models import token_dataset
+
+from adadsf_modifier import AdaDSFModifier
+from adadsf_modifier.alignment import align_model
+from adadsf_modifier.alignment.schedule import lr_factor, make_optimizer
+
+
+def test_constant_schedule_without_warmup_is_one_throughout():
+    c = config(steps=5)
+    assert [lr_factor(k, c) for k in range(1, 6)] == [1.0] * 5
+
+
+def test_warmup_then_cosine_factors_match_hand_computed_values():
+    c = config(steps=6, warmup_steps=2, lr_schedule="cosine")
+    # warm-up: 1/3, 2/3; cosine over the 4 remaining steps: 0.5 (1 + cos(pi i / 4))
+    h = math.sqrt(0.5)
+    expected = [1 / 3, 2 / 3, 1.0, (1 + h) / 2, 0.5, (1 - h) / 2]
+    got = [lr_factor(k, c) for k in range(1, 7)]
+    assert got == pytest.approx(expected)
+    assert min(got) > 0  # no step wasted at rate 0
+
+
+def test_optimizer_rates_follow_the_schedule_per_group():
+    c = config(steps=4, lr=1e-2, layer_lr=1e-4, trainable="routers_and_layers",
+               lr_schedule="cosine", warmup_steps=1)  # fmt: skip
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt, sched = make_optimizer([a, b], [True, False], c)
+    seen = []
+    for _ in range(c.steps):
+        seen.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    for k, (router_lr, layer_lr) in enumerate(seen, start=1):
+        assert router_lr == pytest.approx(1e-2 * lr_factor(k, c))
+        assert layer_lr == pytest.approx(1e-4 * lr_factor(k, c))
+
+
+def test_layer_lr_moves_layer_weights_far_less_than_routers():
+    moved = {}
+    for layer_lr in (None, 1e-9):
+        student, teacher = routed_pair()
+        before = snapshot(student)
+        align_model(
+            student,
+            teacher,
+            token_dataset(4, 16),
+            config(steps=2, lr=1e-2, layer_lr=layer_lr, trainable="routers_and_layers"),
+        )
+        after = snapshot(student)
+        delta = {k: (after[k] - before[k]).abs().max().item() for k in before}
+        moved[layer_lr] = (
+            max(v for k, v in delta.items() if ".router." in k),
+            max(v for k, v in delta.items() if "self_attn" in k or "mlp" in k),
+        )
+    assert moved[None][1] > 1e-3  # at the routers' rate the layers move
+    assert moved[1e-9][1] < 1e-7  # at their own tiny rate they barely do
+    assert moved[1e-9][0] > 1e-3  # while the routers still learn
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        (dict(align_steps=4, align_warmup_steps=4), "warmup_steps \\(4\\) must be"),
+        (dict(align_lr_schedule="linear"), "align_lr_schedule must be one of"),
+        (dict(align_layer_lr=1e-4), "layer_lr is set but trainable is 'routers'"),
+        (dict(align_layer_lr=0.0), "align_layer_lr"),
+        (dict(align_warmup_steps=-1), "align_warmup_steps"),
+    ],
+)
+def test_bad_rate_fields_fail_at_construction(kwargs, text):
+    with pytest.raises(ValidationError, match=text):
+        AdaDSFModifier(**kwargs)
