@@ -46,6 +46,7 @@ class Tuned:
     temperature: float
     beta: float
     source: str  # "validation split" or "settings (tuning off)"
+    align_layer_lr: float | None = None  # None: align_lr for the layers too
 
 
 def quantization_fields() -> dict[str, Any]:
@@ -90,7 +91,7 @@ def modifier_fields(
         align_batch_size=s.align_batch_size,
         align_seq_len=s.align_seq_len,
         align_trainable=s.align_trainable,
-        align_layer_lr=s.align_layer_lr,
+        align_layer_lr=tuned.align_layer_lr,
         align_lr_schedule=s.align_lr_schedule,
         align_warmup_steps=s.align_warmup_steps,
         align_seed=seed,

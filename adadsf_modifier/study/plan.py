@@ -131,21 +131,29 @@ def _spec(
 
 
 def tune_specs(
-    s: StudySettings, ctx: Context, best_lr: float | None = None
+    s: StudySettings,
+    ctx: Context,
+    best_lrs: tuple[float, float | None] | None = None,
 ) -> list[RunSpec]:
-    """Stage 1 (``best_lr is None``): AdaDSF at ``tune_budget`` for each learning rate,
+    """Stage 1 (``best_lrs is None``): AdaDSF at ``tune_budget`` for each learning rate
+    (each pair of ``tune_lrs`` x ``tune_layer_lrs`` when the layers' rate is tuned),
     with the default ``temperature``/``beta``. Stage 2: each (temperature, beta) with
-    the best learning rate. A stage-2 run equal to a stage-1 run has the same key and is
+    the best rates. A stage-2 run equal to a stage-1 run has the same key and is
     therefore not run twice."""
     if not s.tune:
         return []
-    if best_lr is None:
-        grid = [(lr, s.temperature, s.beta) for lr in s.tune_lrs]
+    if best_lrs is None:
+        layer_lrs = s.tune_layer_lrs or (s.align_layer_lr,)
+        grid = [
+            (lr, layer_lr, s.temperature, s.beta)
+            for lr in s.tune_lrs
+            for layer_lr in layer_lrs
+        ]
     else:
-        grid = [(best_lr, t, b) for t in s.tune_temperatures for b in s.tune_betas]
+        grid = [(*best_lrs, t, b) for t in s.tune_temperatures for b in s.tune_betas]
     out = []
-    for lr, tau, beta in grid:
-        tuned = Tuned(lr, tau, beta, "tuning")
+    for lr, layer_lr, tau, beta in grid:
+        tuned = Tuned(lr, tau, beta, "tuning", layer_lr)
         mod = modifier_fields(s, "adadsf", s.tune_budget, s.tune_seed, tuned)
         out.append(
             _spec(
@@ -175,7 +183,8 @@ def tune_count(s: StudySettings) -> int:
         return 0
     stage2 = len(s.tune_temperatures) * len(s.tune_betas)
     default_in_grid = s.temperature in s.tune_temperatures and s.beta in s.tune_betas
-    return len(s.tune_lrs) + stage2 - (1 if default_in_grid else 0)
+    stage1 = len(s.tune_lrs) * max(1, len(s.tune_layer_lrs))
+    return stage1 + stage2 - (1 if default_in_grid else 0)
 
 
 # --------------------------------------------------------------------------------------

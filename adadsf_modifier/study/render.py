@@ -49,11 +49,14 @@ def _cpu(r: dict) -> str:
     )
 
 
-def _rates(s: dict) -> str:
-    """The layers' own rate and the schedule, when the settings have them."""
-    out = ""
-    if s.get("align_layer_lr") is not None:
-        out += f" (layer weights {_num(s['align_layer_lr'], 'g')})"
+def _layer_rate(t: dict) -> str:
+    lr = t.get("align_layer_lr")
+    return "" if lr is None else f" (layer weights {_num(lr, 'g')})"
+
+
+def _rates(s: dict, t: dict) -> str:
+    """The layers' own rate (tuned or set) and the schedule, when the run had them."""
+    out = _layer_rate(t)
     if s.get("align_lr_schedule", "constant") != "constant":
         out += f", {s['align_lr_schedule']} schedule"
     if s.get("align_warmup_steps"):
@@ -85,12 +88,12 @@ def _setup(r: dict) -> list[str]:
         f" calibration {s['calib_samples']} x {s['calib_seq_len']} tokens; alignment"
         f" {s['align_steps']} steps x {s['align_batch_size']} rows x"
         f" {s['align_seq_len']} tokens = {align_tokens:,} tokens{_cpu(r)}, learning"
-        f" rate {_num(t['align_lr'], 'g')}{_rates(s)}, trainable"
+        f" rate {_num(t['align_lr'], 'g')}{_rates(s, t)}, trainable"
         f" `{s['align_trainable']}`; layers"
         f" ignored: `{', '.join(s['ignore']) or 'none'}`.",
         f"Chosen hyper-parameters ({t['source']}): learning rate"
-        f" {_num(t['align_lr'], 'g')}, tau {_num(t['temperature'], 'g')}, beta"
-        f" {_num(t['beta'], 'g')}.",
+        f" {_num(t['align_lr'], 'g')}{_layer_rate(t)}, tau"
+        f" {_num(t['temperature'], 'g')}, beta {_num(t['beta'], 'g')}.",
         "",
         "Normalized FLOPs are *measured*: counted from the tokens that actually ran"
         " each layer under causal routing (the mode `generate()` uses) on"
@@ -105,9 +108,11 @@ def _setup(r: dict) -> list[str]:
 def _tuning(r: dict) -> list[str]:
     if not r["tuning"]:
         return []
+    layer = any(x.get("align_layer_lr") is not None for x in r["tuning"])
     rows = [
         [
             _num(x.get("align_lr"), "g"),
+            *([_num(x.get("align_layer_lr"), "g")] if layer else []),
             _num(x.get("temperature"), "g"),
             _num(x.get("beta"), "g"),
             _num(x.get("ppl_val")),
@@ -115,7 +120,7 @@ def _tuning(r: dict) -> list[str]:
         ]
         for x in r["tuning"]
     ]
-    head = ["lr", "tau", "beta", "PPL val", "FLOPs"]
+    head = ["lr", *(["layer lr"] if layer else []), "tau", "beta", "PPL val", "FLOPs"]
     return ["## Hyper-parameter choice (validation split)", "", *_table(head, rows), ""]
 
 

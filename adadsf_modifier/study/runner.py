@@ -237,6 +237,8 @@ def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
             r = cfg["modifier"]
             if "align_lr" in r:  # AdaDSF
                 record["align_lr"] = r["align_lr"] if r["align_steps"] else None
+                layer_lr = r.get("align_layer_lr")
+                record["align_layer_lr"] = layer_lr if r["align_steps"] else None
                 record["temperature"], record["beta"] = r["temperature"], r["beta"]
             else:  # FTP: its router's learning rate
                 record["align_lr"] = r["lr"] if r["train_steps"] else None

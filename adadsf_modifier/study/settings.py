@@ -238,6 +238,9 @@ class StudySettings(BaseModel):
         0.05,
     )
     tune_betas: tuple[float, ...] = (10.0,)
+    # learning rates of the layers' pre-trained weights tried with each of tune_lrs
+    # (empty: not tuned, align_layer_lr is used)
+    tune_layer_lrs: tuple[PositiveFloat, ...] = ()
     # ---- evaluation
     ppl_tokens: PositiveInt = 32768  # test split
     ppl_val_tokens: PositiveInt = 16384  # validation split

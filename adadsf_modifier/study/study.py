@@ -170,7 +170,8 @@ def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None
     validation perplexity. ``None`` when the runs are not all finished (stopped by the
     time or run budget, or failed)."""
     if not s.tune:
-        return Tuned(s.align_lr, s.temperature, s.beta, "settings (tuning off)"), []
+        off = "settings (tuning off)"
+        return Tuned(s.align_lr, s.temperature, s.beta, off, s.align_layer_lr), []
     records: dict[str, dict] = {}
     stage1 = tune_specs(s, ctx)
     for spec in stage1:
@@ -179,8 +180,9 @@ def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None
     if len(records) < len(stage1) and runner.stopped:
         return None, list(records.values())
     try:  # a failed (e.g. diverged) setting simply loses
-        best_lr = choose_best(list(records.values()))["align_lr"]
-        stage2 = tune_specs(s, ctx, best_lr)
+        first = choose_best(list(records.values()))
+        best_lrs = (first["align_lr"], first.get("align_layer_lr"))
+        stage2 = tune_specs(s, ctx, best_lrs)
         for spec in stage2:
             if spec.key not in records and (r := runner.run(spec)) is not None:
                 records[spec.key] = r
@@ -190,7 +192,8 @@ def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None
     except RuntimeError as err:
         runner.failed.append(f"tuning: {err}")
         return None, list(records.values())
-    tuned = Tuned(best_lr, best["temperature"], best["beta"], "validation split")
+    tuned = Tuned(*best_lrs[:1], best["temperature"], best["beta"], "validation split",
+                  best_lrs[1])  # fmt: skip
     return tuned, list(records.values())
 
 
@@ -329,7 +332,8 @@ def run_study(
                 runs.append(record)
     else:
         runner.pending.append("all main runs (hyper-parameter tuning not finished)")
-        tuned = Tuned(settings.align_lr, settings.temperature, settings.beta, "pending")
+        tuned = Tuned(settings.align_lr, settings.temperature, settings.beta, "pending",
+                      settings.align_layer_lr)  # fmt: skip
     runner.bar.close()
     meta = {
         "command": command,
