@@ -5,9 +5,11 @@ per-layer ``TokenRouter`` (``fc1``/``fc2`` of ``hidden -> r -> 1``), so its sche
 cannot describe FTP's shared router; this module writes a small FTP sidecar instead.
 The routed model's ordinary ``save_pretrained`` already writes the router tensors
 (``<layer>.router.probe``, ``.quantiles``, and the shared MLP once under the first
-routed layer's ``router.mlp``); the sidecar adds the scalars and each layer's ratio
-and threshold. :func:`load_ftp` loads the dense model, routes it again and restores
-those tensors, so the reloaded model gives the same logits.
+routed layer's ``router.mlp``) and skip paths (``<layer>.skip_path.*``); the sidecar
+adds the scalars and each layer's ratio, threshold, skip path (``identity`` or
+``ridge`` and its rank) and ``skipped_tokens_kv``. Sidecars written before those two
+existed load as ``identity`` / ``false``. :func:`load_ftp` loads the dense model, routes
+it again and restores those tensors, so the reloaded model gives the same logits.
 
 What this does not do (AdaDSF's checkpoint does): an atomic write through a temporary
 folder, multi-rank saves, and schema versioning beyond ``format``.
@@ -31,7 +33,8 @@ from adadsf_modifier.ftp.router import (
     FTPRouterMLP,
     attach_context_hooks,
 )
-from adadsf_modifier.routing import decoder_layers, route_layer, routed_layers
+from adadsf_modifier.routing import SkipPath, decoder_layers, route_layer, routed_layers
+from adadsf_modifier.routing.skip_path import skip_path_of
 
 __all__ = ["FTP_SIDECAR", "ftp_sidecar", "install_ftp_save_hook", "load_ftp"]
 
@@ -60,9 +63,19 @@ def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
                 "norm_eps": m.router.norm_eps,
                 "score_mean": m.router.score_mean,
                 "score_std": m.router.score_std,
+                **_skip_entry(m),
             }
             for m in layers
         ],
+    }
+
+
+def _skip_entry(layer: nn.Module) -> dict[str, Any]:
+    skip = skip_path_of(layer)
+    return {
+        "skip_path": "identity" if skip is None else "ridge",
+        "skip_path_rank": None if skip is None else skip.rank,
+        "skipped_tokens_kv": bool(layer.skipped_tokens_kv),
     }
 
 
@@ -93,13 +106,25 @@ def install_ftp_save_hook(model: nn.Module) -> None:
 
 
 def _router_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Router and skip-path tensors (the ones transformers does not know about)."""
     out = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if ".router." in key:
+                if ".router." in key or ".skip_path." in key:
                     out[key] = f.get_tensor(key)
     return out
+
+
+def _load_into(module: nn.Module, tensors: dict, prefix: str, what: str) -> None:
+    own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    try:
+        module.load_state_dict(own, strict=True)
+    except RuntimeError as err:
+        raise ValueError(
+            f"{what} tensors of `{prefix[:-1]}` do not match: "
+            f"{str(err).splitlines()[-1].strip()}"
+        ) from None
 
 
 def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
@@ -119,6 +144,7 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
     mlp = FTPRouterMLP(int(meta["mlp_hidden"]))
     names = []
     hidden = model.config.hidden_size
+    tensors = _router_tensors(path)
     for j, entry in enumerate(meta["layers"]):
         name, layer = layers[int(entry["index"])]
         stats = LayerFeatureStats(
@@ -128,23 +154,19 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
         router = FTPLayerRouter(mlp, stats, hidden, int(meta["position_scale"]),
                                 float(entry["retention"]), int(meta["keep_last"]),
                                 owner=j == 0)  # fmt: skip
+        skip = None
+        if entry.get("skip_path", "identity") != "identity":
+            skip = SkipPath(hidden, entry.get("skip_path_rank"))
+            _load_into(skip, tensors, f"{name}.skip_path.", f"{path}: skip path")
         route_layer(layer, router, float(entry["retention_ratio"]), int(entry["index"]),
-                    spec.cache_kwarg, model.config)  # fmt: skip
+                    spec.cache_kwarg, model.config, skip,
+                    bool(entry.get("skipped_tokens_kv", False)))  # fmt: skip
         router.float()  # saved in float32 (FTPModifier trains it in float32)
         layer.causal_threshold = entry["causal_threshold"]
         attach_context_hooks(layer)
         names.append(name)
-    tensors = _router_tensors(path)
     for name in names:
-        layer = model.get_submodule(name)
-        prefix = f"{name}.router."
-        own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        try:
-            layer.router.load_state_dict(own, strict=True)
-        except RuntimeError as err:
-            raise ValueError(
-                f"{path}: router tensors of `{name}` do not match: "
-                f"{str(err).splitlines()[-1].strip()}"
-            ) from None
+        router = model.get_submodule(name).router
+        _load_into(router, tensors, f"{name}.router.", f"{path}: router")
     install_ftp_save_hook(model)
     return model.eval()

@@ -5,8 +5,9 @@ Everything happens in ``on_initialize`` (as for :class:`AdaDSFModifier`, so a la
 GPTQ stage calibrates the routed model): feature calibration (key probes, two dense
 passes) -> routing (one :class:`FTPLayerRouter` per layer, one shared MLP) -> genetic
 schedule of per-layer ratios on held-out calibration batches, scored with the static
-router -> router training (distillation, sparsity, guide) -> causal thresholds. The
-LLM's own weights are never written.
+router -> skip-path fit (``skip_path: ridge``) -> router training (distillation,
+sparsity, guide) -> skip-path refit -> causal thresholds. The LLM's own weights are
+never written.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from adadsf_modifier.ftp.router import (
     FTPRouterMLP,
     attach_context_hooks,
     detach_context_hooks,
+    shared_mlp_visible,
 )
 from adadsf_modifier.ftp.scheduler import (
     ScheduleResult,
@@ -43,19 +45,22 @@ from adadsf_modifier.ftp.scheduler import (
 from adadsf_modifier.ftp.trainer import FTPTrainConfig, FTPTrainReport, train_router
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
+    SkipPathFields,
     ThresholdReport,
     calibrate_thresholds,
     check_calibration_rows,
     decoder_layers,
     route_layer,
+    routed_layers,
     unroute_layer,
 )
+from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
 
 __all__ = ["FTPModifier"]
 
 
-class FTPModifier(Modifier, BudgetFields):
+class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     """
     FTP: each routed decoder layer runs only the tokens a shared four-feature router
     gates in; per-layer ratios come from a genetic search under the global budget.
@@ -84,6 +89,14 @@ class FTPModifier(Modifier, BudgetFields):
         the guide weight decays to 0 over ``guide_steps``
     :param threshold_passes: causal-threshold fitting passes (see AdaDSF)
     :param seed: seeds the MLP's initialisation and the genetic search
+    :param skip_path, skip_path_rank, skip_path_ridge, skip_path_tokens,
+        skipped_tokens_kv: what a skipped token gets, as for :class:`AdaDSFModifier`
+        (:class:`~adadsf_modifier.routing.skip_fields.SkipPathFields`). A ``ridge``
+        skip path is fitted once the schedule is final (so the router trains with it in
+        place) and again after router training (on the tokens the trained router
+        skips); it is never trained by gradient. ``route_target`` must stay ``layer``:
+        FTP's key probe and features describe a whole layer's input.
+        ``skip_path_report`` holds the last fit's per-layer ``R^2``
     """
 
     schedule: Literal["genetic", "uniform"] | list[UnitInterval] = "genetic"
@@ -113,6 +126,11 @@ class FTPModifier(Modifier, BudgetFields):
     def _check_fields(self) -> "FTPModifier":
         if self.schedule == "genetic" and self.ga_population < 2:
             raise ValueError(f"ga_population must be >= 2, got {self.ga_population}")
+        if self.route_target != "layer":
+            raise ValueError(
+                f"FTPModifier routes whole layers only: route_target must be 'layer', "
+                f"got {self.route_target!r}"
+            )
         return self
 
     # ------------------------------------------------------------------ results
@@ -170,6 +188,7 @@ class FTPModifier(Modifier, BudgetFields):
             )
         train, val = batches[: len(batches) - held], batches[len(batches) - held :]
         check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
+        self.check_skip_path(model, [name for _, name, _ in targeted])
         check_calibration_rows([self.retention] * len(targeted), train)
 
         stats, max_len = calibrate_features(
@@ -182,12 +201,16 @@ class FTPModifier(Modifier, BudgetFields):
             full = [1.0] * len(layers)
             for (i, _, layer), r in zip(targeted, ratios):
                 layer.retention_ratio = full[i] = float(r)
+                if r >= 1.0 and skip_path_of(layer) is not None:
+                    del layer.skip_path  # never used at ratio 1: none saved either
             self._ratios = full
             logger.info(
                 f"FTP: routed {len(targeted)}/{len(layers)} layers, ratios "
                 f"[{', '.join(f'{r:.3f}' for r in full)}]"
             )
+            self._fit_skip_paths(model, train)  # the router trains with them in place
             self._train = train_router(model, train, self._train_config())
+            self._fit_skip_paths(model, train)  # on what the trained router skips
             self._thresholds = calibrate_thresholds(
                 model, train, passes=self.threshold_passes
             )
@@ -225,12 +248,27 @@ class FTPModifier(Modifier, BudgetFields):
                     self.keep_last_tokens, owner=j == 0,
                 )  # fmt: skip
                 route_layer(layer, router, self.retention, i, cache_kwarg, model.config)
-                router.float()  # trained with Adam: float32 whatever the model's dtype
-                attach_context_hooks(layer)
                 done.append((i, None, layer))
+                # skip path (in the layer's dtype: the MLP is not float32 yet) and
+                # skipped_tokens_kv
+                with shared_mlp_visible([router]):
+                    self.configure_routed_layer(layer)
+                attach_context_hooks(layer)
+            for _, _, layer in done:
+                layer.router.float()  # trained with Adam: float32 whatever the dtype
         except Exception:
             self._unroute(done)
             raise
+
+    def _fit_skip_paths(self, model, train) -> None:
+        """Fit the skip paths (``ridge``; nothing for ``identity``) on the training
+        batches, with the routers' current decisions (top-k at the final ratios)."""
+        with shared_mlp_visible(
+            m.router
+            for m in routed_layers(model)
+            if isinstance(m.router, FTPLayerRouter)
+        ):
+            self.fit_skip_paths_of(model, train)
 
     @staticmethod
     def _unroute(targeted) -> None:
