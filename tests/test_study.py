@@ -157,9 +157,9 @@ def test_method_fields():
 
 # ------------------------------------------------------------------------ the plan
 def test_count_runs_default_study():
-    # dense 1 + 13 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 121 main;
+    # dense 1 + 14 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 130 main;
     # tuning: 3 learning rates + 3 temperatures - the shared default = 5
-    assert count_runs(StudySettings()) == {"tune": 5, "main": 121}
+    assert count_runs(StudySettings()) == {"tune": 5, "main": 130}
     quick = StudySettings(methods=("dense", "adadsf"), budgets=(0.8,), seeds=2)
     assert count_runs(quick) == {"tune": 5, "main": 3}
     assert count_runs(StudySettings(tune=False))["tune"] == 0
@@ -182,6 +182,24 @@ def test_skip_path_methods_pass_their_modifier_fields():
     assert drop["allocation"] == "layer_drop" and drop["skip_path"] == "ridge"
     assert drop["align_steps"] == 0 and not drop["skipped_tokens_kv"]
     assert modifier_fields(s, "adadsf", 0.8, 0, TUNED)["skip_path"] == "identity"
+    ftp = modifier_fields(s, "ftp_ridge_kv", 0.8, 0, TUNED)
+    assert (ftp["skip_path"], ftp["skip_path_rank"], ftp["skipped_tokens_kv"]) == (
+        "ridge",
+        64,
+        True,
+    )
+    assert ftp["train_steps"] == s.align_steps
+    assert modifier_fields(s, "ftp", 0.8, 0, TUNED)["skip_path"] == "identity"
+
+
+def test_layer_learning_rate_is_tuned_with_each_rate_and_reaches_the_modifier():
+    s = StudySettings(tune_lrs=(3e-4, 1e-3), tune_layer_lrs=(1e-5, 1e-4))
+    # stage 1: 2 x 2 rate pairs; stage 2: 3 temperatures, the default one shared
+    assert count_runs(s)["tune"] == 4 + 3 - 1
+    tuned = Tuned(1e-3, 0.05, 10.0, "validation split", 1e-4)
+    f = modifier_fields(s, "layer_drop_healed", 0.8, 0, tuned)
+    assert (f["align_lr"], f["align_layer_lr"]) == (1e-3, 1e-4)
+    assert modifier_fields(s, "adadsf", 0.8, 0, TUNED)["align_layer_lr"] is None
 
 
 def test_ablations_run_on_fewer_seeds_after_the_main_methods():
@@ -239,7 +257,7 @@ def test_tune_specs_two_stages():
     stage1 = tune_specs(s, CTX)
     assert [x.config["modifier"]["align_lr"] for x in stage1] == [1e-4, 3e-4]
     assert {x.config["eval"]["validation_only"] for x in stage1} == {True}
-    stage2 = tune_specs(s, CTX, best_lr=3e-4)
+    stage2 = tune_specs(s, CTX, best_lrs=(3e-4, None))
     assert [x.config["modifier"]["temperature"] for x in stage2] == [0.1, 0.05]
     assert stage2[1].key == stage1[1].key  # the default (tau 0.05) is not run twice
 

@@ -35,7 +35,6 @@ from adadsf_modifier.ftp.router import (
     FTPRouterMLP,
     attach_context_hooks,
     detach_context_hooks,
-    shared_mlp_visible,
 )
 from adadsf_modifier.ftp.scheduler import (
     ScheduleResult,
@@ -51,7 +50,6 @@ from adadsf_modifier.routing import (
     check_calibration_rows,
     decoder_layers,
     route_layer,
-    routed_layers,
     unroute_layer,
 )
 from adadsf_modifier.routing.skip_path import skip_path_of
@@ -208,9 +206,9 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
                 f"FTP: routed {len(targeted)}/{len(layers)} layers, ratios "
                 f"[{', '.join(f'{r:.3f}' for r in full)}]"
             )
-            self._fit_skip_paths(model, train)  # the router trains with them in place
+            self.fit_skip_paths_of(model, train)  # the router trains with them in place
             self._train = train_router(model, train, self._train_config())
-            self._fit_skip_paths(model, train)  # on what the trained router skips
+            self.fit_skip_paths_of(model, train)  # on what the trained router skips
             self._thresholds = calibrate_thresholds(
                 model, train, passes=self.threshold_passes
             )
@@ -249,26 +247,13 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
                 )  # fmt: skip
                 route_layer(layer, router, self.retention, i, cache_kwarg, model.config)
                 done.append((i, None, layer))
-                # skip path (in the layer's dtype: the MLP is not float32 yet) and
-                # skipped_tokens_kv
-                with shared_mlp_visible([router]):
-                    self.configure_routed_layer(layer)
+                self.configure_routed_layer(layer)  # skip path, skipped_tokens_kv
                 attach_context_hooks(layer)
             for _, _, layer in done:
                 layer.router.float()  # trained with Adam: float32 whatever the dtype
         except Exception:
             self._unroute(done)
             raise
-
-    def _fit_skip_paths(self, model, train) -> None:
-        """Fit the skip paths (``ridge``; nothing for ``identity``) on the training
-        batches, with the routers' current decisions (top-k at the final ratios)."""
-        with shared_mlp_visible(
-            m.router
-            for m in routed_layers(model)
-            if isinstance(m.router, FTPLayerRouter)
-        ):
-            self.fit_skip_paths_of(model, train)
 
     @staticmethod
     def _unroute(targeted) -> None:

@@ -17,8 +17,6 @@ prefill and the decoding steps that follow see identical features.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -40,7 +38,6 @@ __all__ = [
     "attach_context_hooks",
     "detach_context_hooks",
     "ftp_routers",
-    "shared_mlp_visible",
 ]
 
 RouterMode = Literal["learned", "static"]
@@ -189,25 +186,3 @@ def detach_context_hooks(layer: nn.Module) -> None:
 def ftp_routers(model: nn.Module) -> list[FTPLayerRouter]:
     """Every FTP layer router of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, FTPLayerRouter)]
-
-
-@contextmanager
-def shared_mlp_visible(routers: Iterable[FTPLayerRouter]) -> Iterator[None]:
-    """While active, every router that does not own the shared MLP registers it as a
-    child too, so ``next(router.parameters())`` exists on every layer.
-
-    AdaDSF's skip-path installation (``SkipPathFields.configure_routed_layer``,
-    ``fit_skip_paths``) places a new map on the device and dtype of the router's first
-    parameter; a non-owner router has none. Outside this context the MLP stays
-    registered once (one copy in the state dict and in the optimizer).
-    """
-    added = []
-    try:
-        for router in routers:
-            if "mlp" not in router._modules:
-                router.mlp = router.shared_mlp
-                added.append(router)
-        yield
-    finally:
-        for router in added:
-            del router._modules["mlp"]

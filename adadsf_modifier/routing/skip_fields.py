@@ -19,7 +19,7 @@ from adadsf_modifier.constraints import PositiveInt
 from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
 from adadsf_modifier.routing.route_target_fields import RouteTargetFields
 from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
-from adadsf_modifier.routing.skip_path import SkipPath
+from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 
 __all__ = ["RidgePenalty", "SkipPathFields"]
 
@@ -105,9 +105,7 @@ class SkipPathFields(RouteTargetFields):
         layer.skipped_tokens_kv = bool(self.skipped_tokens_kv)
         self.configure_route_target(layer)
         if self.skip_path != "identity" and layer.retention_ratio < 1.0:
-            param = next(layer.router.parameters())
-            skip = SkipPath(int(layer.router.hidden_size), self.skip_path_rank)
-            layer.add_module("skip_path", skip.to(param.device, param.dtype))
+            install_skip_path(layer, layer.router.hidden_size, self.skip_path_rank)
 
     def fit_skip_paths_of(
         self, model: nn.Module, batches: Iterable[Any], after_alignment: bool = False

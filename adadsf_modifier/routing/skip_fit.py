@@ -36,6 +36,7 @@ from adadsf_modifier.routing.skip_path import (
     SkipPath,
     choose_ridge,
     fit_ridge,
+    install_skip_path,
 )
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
@@ -72,9 +73,7 @@ def install_skip_paths(model: nn.Module, rank: int | None) -> list[RoutedLayer]:
             continue
         current = layer._modules.get("skip_path")
         if not isinstance(current, SkipPath) or current.rank != rank:
-            param = next(layer.router.parameters())
-            skip = SkipPath(int(model.config.hidden_size), rank)
-            layer.add_module("skip_path", skip.to(param.device, param.dtype))
+            install_skip_path(layer, model.config.hidden_size, rank)
         out.append(layer)
     return out
 

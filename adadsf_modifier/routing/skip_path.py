@@ -28,6 +28,7 @@ __all__ = [
     "SkipPath",
     "choose_ridge",
     "fit_ridge",
+    "install_skip_path",
     "skip_path_of",
 ]
 
@@ -107,6 +108,18 @@ def skip_path_of(layer: nn.Module) -> SkipPath | None:
     """The layer's :class:`SkipPath` child, or ``None`` (identity skip path)."""
     module = layer._modules.get("skip_path")
     return module if isinstance(module, SkipPath) else None
+
+
+def install_skip_path(layer: nn.Module, hidden_size: int, rank: int | None) -> SkipPath:
+    """Give ``layer`` a zero (identity) :class:`SkipPath` on the device and in the
+    dtype of the layer's own weights (its first parameter: the router and skip path are
+    registered after them). Not the router's: an FTP router may own no parameter (one
+    MLP is shared) or train in float32."""
+    param = next(layer.parameters())
+    dtype = param.dtype if param.is_floating_point() else None
+    skip = SkipPath(int(hidden_size), rank).to(device=param.device, dtype=dtype)
+    layer.add_module("skip_path", skip)
+    return skip
 
 
 class RidgeStats:

@@ -160,6 +160,16 @@ METHODS: dict[str, Method] = {
             "(as many steps as AdaDSF's alignment), causal thresholds",
         ),
         Method(
+            "ftp_ridge_kv",
+            "FTP + ridge skip path + K/V",
+            "genetic",
+            align=False,
+            modifier="ftp",
+            fields=_RIDGE_KV,
+            description="FTP with AdaDSF's rank-64 ridge skip path and skipped tokens' "
+            "keys/values",
+        ),
+        Method(
             "adadsf_w8a8",
             "AdaDSF + GPTQ W8A8",
             "similarity",
