@@ -136,6 +136,7 @@ def test_relative_path_like_model_that_does_not_exist(
 def test_bench_refuses_a_dense_model_folder(capsys, dense_dir, no_heavy_work):
     err = one_line_error(*run(capsys, "bench", "--routed", dense_dir))
     assert "not an AdaDSF checkpoint" in err and "adadsf_config.json" in err
+    assert "ftp_routing.json" in err  # an FTP checkpoint is accepted as well
 
 
 def test_report_refuses_bad_inputs_and_outputs(capsys, tmp_path):

@@ -1,13 +1,16 @@
-"""Saving and reloading routed (and possibly quantized) AdaDSF checkpoints.
+"""Saving and reloading routed (and possibly quantized) checkpoints.
 
 A checkpoint is an ordinary compressed-tensors checkpoint (the router weights are plain
-tensors in its safetensors files) plus ``adadsf_config.json``, a typed, versioned
-sidecar saying which layers are routed and how. One concern per module:
+tensors in its safetensors files) plus one sidecar: ``adadsf_config.json``, a typed,
+versioned file saying which layers AdaDSF routed and how, or FTP's
+``ftp_routing.json`` (:mod:`adadsf_modifier.ftp.checkpoint`). One concern per module:
 
-* :mod:`.sidecar` -- the sidecar's pydantic schema; building, reading, writing it;
+* :mod:`.kinds` -- the two kinds, their sidecar names, telling them apart on disk;
+* :mod:`.sidecar` -- the AdaDSF sidecar's pydantic schema; building, reading, writing;
 * :mod:`.tensors` -- reading and checking the router tensors from safetensors files;
-* :mod:`.save` -- the ``save_pretrained`` hook: checks, atomic write, sidecar last;
-* :mod:`.load` -- :func:`from_pretrained`;
+* :mod:`.save` -- the ``save_pretrained`` hook of both kinds: checks, atomic write,
+  sidecar last, source rank only under ``torchrun``;
+* :mod:`.load` -- :func:`from_pretrained` (either kind) and :func:`load_adadsf`;
 * :mod:`._compat` -- workarounds for upstream behaviour, tagged with their versions.
 
 The atomic-directory work itself is shared with the evaluation asset cache, in
@@ -15,7 +18,13 @@ The atomic-directory work itself is shared with the evaluation asset cache, in
 lives next to the modifier, in :mod:`adadsf_modifier.recipe_checks` (re-exported here).
 """
 
-from adadsf_modifier.checkpoint.load import from_pretrained
+from adadsf_modifier.checkpoint.kinds import (
+    FTP_SIDECAR_NAME,
+    SIDECAR_NAMES,
+    CheckpointKind,
+    checkpoint_sidecar,
+)
+from adadsf_modifier.checkpoint.load import from_pretrained, load_adadsf
 from adadsf_modifier.checkpoint.save import attach_checkpoint_support, install_save_hook
 from adadsf_modifier.checkpoint.sidecar import (
     FORMAT_NAME,
@@ -38,18 +47,23 @@ from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 __all__ = [
     "AdaDSFCheckpointError",
     "AdaDSFSidecar",
+    "CheckpointKind",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FTP_SIDECAR_NAME",
     "LayerEntry",
     "METADATA_ATTR",
     "ModifierRecord",
     "SIDECAR_NAME",
+    "SIDECAR_NAMES",
     "SUPPORTED_FORMAT_VERSIONS",
     "adadsf_config",
     "attach_checkpoint_support",
     "check_recipe_keeps_routers_unquantized",
+    "checkpoint_sidecar",
     "from_pretrained",
     "install_save_hook",
+    "load_adadsf",
     "read_adadsf_config",
     "read_sidecar",
     "sidecar_for_model",

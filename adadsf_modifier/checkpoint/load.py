@@ -1,8 +1,17 @@
-"""Loading an AdaDSF checkpoint: :func:`from_pretrained`.
+"""Loading a checkpoint: :func:`from_pretrained` reloads either kind this package
+writes; :func:`load_adadsf` is AdaDSF's loader.
 
 Order matters for the user's time: the sidecar is validated in full, then checked
 against ``config.json``, then the (small) router tensors are read and checked, and only
 then does the (large) base model load.
+
+Why the dispatch lives here: ``adadsf_modifier.from_pretrained`` has always been this
+function, and callers (evaluation, the CLI, users) should not have to know which
+modifier produced a folder. FTP's loader is imported inside the function: the ``ftp``
+package builds on this one (its save reuses :mod:`.save`), so a module-level import
+would make the two packages import each other; the lazy import only runs for an FTP
+folder, by which time both are loaded. The sidecar names both need are in
+:mod:`.kinds`, so telling the kinds apart needs nothing from ``ftp``.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier.checkpoint._compat import load_with_expected_extra_keys
+from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, checkpoint_sidecar
 from adadsf_modifier.checkpoint.save import install_save_hook
 from adadsf_modifier.checkpoint.sidecar import (
     METADATA_ATTR,
@@ -33,7 +43,7 @@ from adadsf_modifier.routing import (
     route_layer,
 )
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "load_adadsf", "load_base_model"]
 
 
 def _any_topk_at_inference(layers: list[tuple[str, nn.Module]]) -> bool:
@@ -63,6 +73,18 @@ def _check_config(path: Path, sidecar: AdaDSFSidecar, config: Any) -> None:
             )
 
 
+def _read_config(path: Path, kwargs: dict[str, Any]) -> Any:
+    """``kwargs["config"]`` (removed from ``kwargs``), else ``PATH/config.json``."""
+    from transformers import AutoConfig
+
+    config = kwargs.pop("config", None)
+    if config is None:
+        config = AutoConfig.from_pretrained(
+            str(path), trust_remote_code=kwargs.get("trust_remote_code", False)
+        )
+    return config
+
+
 def _causal_lm_class(path: Path, config: Any) -> type:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -73,6 +95,25 @@ def _causal_lm_class(path: Path, config: Any) -> type:
             f"{path}: no causal-LM class for {type(config).__name__}"
         ) from e
     return base_cls[0] if isinstance(base_cls, (list, tuple)) else base_cls
+
+
+def load_base_model(
+    path: str | os.PathLike[str], extra_keys: list[str], **kwargs: Any
+) -> nn.Module:
+    """The checkpoint's plain causal LM, loaded the way both kinds load it.
+
+    ``from_pretrained`` of the config's causal-LM class with ``kwargs`` (a
+    compressed-tensors checkpoint goes through transformers' quantizer), the router
+    and skip-path tensors matching ``extra_keys`` (regexes) expected instead of
+    reported as UNEXPECTED: they are read and checked separately, by the loader of
+    each kind.
+    """
+    path = Path(path)
+    config = _read_config(path, kwargs)
+    base_cls = _causal_lm_class(path, config)
+    return load_with_expected_extra_keys(
+        base_cls, extra_keys, path, config=config, **kwargs
+    )
 
 
 def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) -> list:
@@ -120,6 +161,33 @@ def _tensors_of(tensors: dict, prefix: str) -> dict:
 
 
 def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
+    """Reload any checkpoint this package writes, routed, ready for ``generate()``.
+
+    A folder holding ``ftp_routing.json`` (saved after :class:`FTPModifier`) loads with
+    :func:`adadsf_modifier.ftp.load_ftp`; one holding ``adadsf_config.json`` (saved
+    after :class:`AdaDSFModifier`) with :func:`load_adadsf`. ``kwargs`` go to
+    transformers' ``from_pretrained`` either way.
+
+    :raises AdaDSFCheckpointError: a folder with neither sidecar (the message names
+        both) or with both; anything :func:`load_adadsf` raises
+    """
+    path = Path(path)
+    sidecar = checkpoint_sidecar(path)
+    if sidecar == FTP_SIDECAR_NAME:
+        from adadsf_modifier.ftp.checkpoint import load_ftp  # lazy: see the module doc
+
+        return load_ftp(path, **kwargs)
+    if sidecar is None and path.is_dir():
+        raise AdaDSFCheckpointError(
+            f"no AdaDSF data in {path}: neither {SIDECAR_NAME} (AdaDSFModifier) nor "
+            f"{FTP_SIDECAR_NAME} (FTPModifier) found; save the routed model with "
+            "oneshot(..., output_dir=...) or model.save_pretrained(...) after the "
+            "modifier ran"
+        )
+    return load_adadsf(path, **kwargs)
+
+
+def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     """Reload a checkpoint saved after :class:`AdaDSFModifier`, ready for
     ``generate()``.
 
@@ -145,23 +213,16 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
         out of range, checked before any weight loads), ``model_type`` or size
         mismatch with ``config.json``, a missing, mis-shaped or quantized router tensor
     """
-    from transformers import AutoConfig
-
     path = Path(path)
     sidecar = read_sidecar(path)
-    config = kwargs.pop("config", None)
-    if config is None:
-        config = AutoConfig.from_pretrained(
-            str(path), trust_remote_code=kwargs.get("trust_remote_code", False)
-        )
+    config = _read_config(path, kwargs)
     _check_config(path, sidecar, config)
-    base_cls = _causal_lm_class(path, config)
-    router_tensors = read_router_tensors(path, sidecar)  # fail before the big load
+    _causal_lm_class(path, config)  # fails before the big load, as the next line does
+    router_tensors = read_router_tensors(path, sidecar)
 
     names = "|".join(re.escape(e.name) for e in sidecar.routed_layers)
-    model = load_with_expected_extra_keys(
-        base_cls, [rf"^({names})\.(router|skip_path)\."], path, config=config, **kwargs
-    )
+    keys = [rf"^({names})\.(router|skip_path)\."]
+    model = load_base_model(path, keys, config=config, **kwargs)
     layers = _route(model, path, sidecar, router_tensors)
     model.eval()
     if (

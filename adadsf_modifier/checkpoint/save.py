@@ -1,5 +1,6 @@
-"""Saving a routed model: every ``save_pretrained`` writes a complete, atomic AdaDSF
-checkpoint.
+"""Saving a routed model: every ``save_pretrained`` writes a complete, atomic
+checkpoint of the kind the model's routers need (AdaDSF's or FTP's,
+:class:`~adadsf_modifier.checkpoint.kinds.CheckpointKind`).
 
 The routed model is an ordinary Hugging Face causal LM whose decoder layers had their
 class swapped and a ``router`` child added, so llm-compressor's compressed-tensors
@@ -13,8 +14,8 @@ that save:
    (:func:`adadsf_modifier.atomic.atomic_directory`);
 3. the router tensors read back and checked (present, full precision, right shapes);
 4. files of an existing destination that a model save does not own (a tokenizer, a
-   README) carried over;
-5. the sidecar, last: it marks the folder a complete AdaDSF checkpoint;
+   README) carried over; never a sidecar of either kind;
+5. the sidecar, last: it marks the folder a complete checkpoint;
 6. one rename puts the folder in place. A failure at any point leaves the destination
    exactly as it was; a SIGKILL leaves a temporary folder that the next save removes.
 
@@ -42,9 +43,9 @@ from torch import nn
 from adadsf_modifier import distributed
 from adadsf_modifier.atomic import atomic_directory, resolve_destination
 from adadsf_modifier.checkpoint._compat import make_recipe_safe, single_decompress_hook
+from adadsf_modifier.checkpoint.kinds import SIDECAR_NAMES, CheckpointKind
 from adadsf_modifier.checkpoint.sidecar import (
     METADATA_ATTR,
-    SIDECAR_NAME,
     AdaDSFCheckpointError,
     sidecar_for_model,
     write_sidecar,
@@ -52,7 +53,17 @@ from adadsf_modifier.checkpoint.sidecar import (
 from adadsf_modifier.checkpoint.tensors import read_router_tensors
 from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 
-__all__ = ["attach_checkpoint_support", "install_save_hook"]
+__all__ = ["ADADSF", "attach_checkpoint_support", "install_save_hook"]
+
+ADADSF = CheckpointKind(
+    label="AdaDSF",
+    describe=sidecar_for_model,
+    as_json=lambda sidecar: sidecar.model_dump(mode="json"),
+    verify=read_router_tensors,
+    write=write_sidecar,
+    summary=lambda s: f"{len(s.routed_layers)} routed layers and their routers",
+)
+"""AdaDSF's checkpoint: ``adadsf_config.json`` (:mod:`.sidecar`)."""
 
 
 def _modifier_settings(modifier: Any) -> dict[str, Any]:
@@ -90,18 +101,20 @@ def attach_checkpoint_support(
     install_save_hook(model)
 
 
-def install_save_hook(model: nn.Module) -> None:
-    """Wrap ``model.save_pretrained`` (once) so that every save is AdaDSF-complete and
-    atomic.
+def install_save_hook(model: nn.Module, kind: CheckpointKind = ADADSF) -> None:
+    """Wrap ``model.save_pretrained`` (once) so that every save is a complete, atomic
+    checkpoint of ``kind`` (AdaDSF's unless told otherwise; FTP passes its own).
 
     The wrapped function is llm-compressor's compressed-tensors ``save_pretrained``
     wrapper (``modify_save_pretrained``, applied here if oneshot has not applied it
     yet), so ``save_compressed`` / ``quantization_format`` keep working. Ours carries
     ``_overridden = True`` (copied by ``functools.wraps``), so a later
     ``modify_save_pretrained`` (e.g. a second oneshot on the same model) leaves it in
-    place instead of wrapping it.
+    place instead of wrapping it. Installing again only changes the kind the hook
+    writes (the last modifier that routed the model decides).
     """
-    if getattr(model.save_pretrained, "_adadsf_save_hook", False):
+    if getattr(model.save_pretrained, "_adadsf_save_hook", None) is not None:
+        model.save_pretrained._adadsf_save_hook = kind
         return
     from llmcompressor.transformers.compression.compressed_tensors_utils import (
         modify_save_pretrained,
@@ -118,14 +131,15 @@ def install_save_hook(model: nn.Module) -> None:
             raise RuntimeError(
                 "the model this save_pretrained belonged to no longer exists"
             )
-        return _atomic_save(model, save_directory, inner, *args, **kwargs)
+        kind = save_pretrained._adadsf_save_hook
+        return _atomic_save(model, kind, save_directory, inner, *args, **kwargs)
 
-    save_pretrained._adadsf_save_hook = True
+    save_pretrained._adadsf_save_hook = kind
     save_pretrained._overridden = True
     model.save_pretrained = save_pretrained
 
 
-def _check_model_routers_unquantized(model: nn.Module) -> None:
+def _check_model_routers_unquantized(model: nn.Module, label: str) -> None:
     for name, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
@@ -135,23 +149,27 @@ def _check_model_routers_unquantized(model: nn.Module) -> None:
         for part, what, hint in kinds:
             if part in name:
                 raise AdaDSFCheckpointError(
-                    f"the AdaDSF {what} `{name}` was quantized ({scheme}); {what}s "
+                    f"the {label} {what} `{name}` was quantized ({scheme}); {what}s "
                     f"must stay in full precision: {hint} and run the recipe again"
                 )
 
 
-def _atomic_save(model: nn.Module, save_directory, inner, *args, **kwargs) -> None:
+def _atomic_save(
+    model: nn.Module, kind: CheckpointKind, save_directory, inner, *args, **kwargs
+) -> None:
     if kwargs.get("push_to_hub"):
         raise NotImplementedError(
-            "AdaDSF checkpoints are saved atomically through a temporary folder; "
-            "push_to_hub is not supported: save locally, then upload the folder"
+            f"{kind.label} checkpoints are saved atomically through a temporary "
+            "folder; push_to_hub is not supported: save locally, then upload the folder"
         )
     if distributed.is_distributed():
-        return _save_from_source_rank(model, save_directory, inner, *args, **kwargs)
+        return _save_from_source_rank(
+            model, kind, save_directory, inner, *args, **kwargs
+        )
     dest = _destination(save_directory)
     # Everything that can fail without touching the disk, first.
-    sidecar = _checked_sidecar(model)
-    _write(model, dest, sidecar, inner, *args, **kwargs)
+    sidecar = _checked_sidecar(model, kind)
+    _write(model, kind, dest, sidecar, inner, *args, **kwargs)
 
 
 def _destination(save_directory) -> Path:
@@ -163,29 +181,32 @@ def _destination(save_directory) -> Path:
     return dest
 
 
-def _checked_sidecar(model: nn.Module):
-    _check_model_routers_unquantized(model)
-    return sidecar_for_model(model)
+def _checked_sidecar(model: nn.Module, kind: CheckpointKind):
+    _check_model_routers_unquantized(model, kind.label)
+    return kind.describe(model)
 
 
-def _write(model: nn.Module, dest: Path, sidecar, inner, *args, **kwargs) -> None:
+def _write(
+    model: nn.Module, kind: CheckpointKind, dest: Path, sidecar, inner, *args, **kwargs
+) -> None:
     with atomic_directory(dest) as tmp:
         with single_decompress_hook(model):
             inner(str(tmp), *args, **kwargs)
         make_recipe_safe(tmp / "recipe.yaml")
-        read_router_tensors(tmp, sidecar)  # on disk, full precision, right shapes
+        kind.verify(tmp, sidecar)  # on disk, full precision, right shapes
         if dest.is_dir():
             _carry_over(dest, tmp)
-        write_sidecar(tmp, sidecar)  # last: the completeness marker
-    n_routed = len(sidecar.routed_layers)
-    logger.info(f"AdaDSF: saved {n_routed} routed layers and their routers to {dest}")
+        kind.write(tmp, sidecar)  # last: the completeness marker
+    logger.info(f"{kind.label}: saved {kind.summary(sidecar)} to {dest}")
 
 
-def _save_from_source_rank(model: nn.Module, save_directory, inner, *args, **kwargs):
+def _save_from_source_rank(
+    model: nn.Module, kind: CheckpointKind, save_directory, inner, *args, **kwargs
+):
     """Under ``torchrun``: checks on every rank, the write on the source rank only,
     every failure raised on every rank (no rank left waiting in a collective)."""
     source = distributed.is_source_process()
-    sidecar = distributed.agree_on_errors(lambda: _checked_sidecar(model))
+    sidecar = distributed.agree_on_errors(lambda: _checked_sidecar(model, kind))
     routers = {
         name: float(p.detach().double().sum()).hex()
         for name, p in model.named_parameters()
@@ -194,7 +215,7 @@ def _save_from_source_rank(model: nn.Module, save_directory, inner, *args, **kwa
     why = "the checkpoint would depend on the rank that writes it"
     distributed.check_same_across_ranks("the router weights", routers, why)
     distributed.check_same_across_ranks(
-        "the AdaDSF sidecar (ratios, thresholds)", sidecar.model_dump(mode="json"), why
+        f"the {kind.label} sidecar (ratios, thresholds)", kind.as_json(sidecar), why
     )
     dest = distributed.agree_on_errors(
         lambda: _destination(save_directory) if source else None
@@ -210,7 +231,7 @@ def _save_from_source_rank(model: nn.Module, save_directory, inner, *args, **kwa
             )
         return
     try:
-        _write(model, dest, sidecar, inner, *args, **kwargs)
+        _write(model, kind, dest, sidecar, inner, *args, **kwargs)
     except Exception as e:
         distributed.broadcast_object(f"{type(e).__name__}: {e}")
         raise
@@ -219,11 +240,13 @@ def _save_from_source_rank(model: nn.Module, save_directory, inner, *args, **kwa
 
 # Files a model save (re)writes; everything else already in the destination (a tokenizer
 # saved before the model, a README, ...) is carried over into the new checkpoint, as an
-# in-place `save_pretrained` would have left it.
+# in-place `save_pretrained` would have left it. Every kind's sidecar is the model's:
+# an FTP sidecar carried into an AdaDSF checkpoint (or the reverse) would describe
+# routers the weights do not have.
 _MODEL_ARTIFACTS = re.compile(
     r"(.*\.safetensors|.*\.safetensors\.index\.json|.*\.bin|.*\.bin\.index\.json|"
     r"config\.json|generation_config\.json|recipe\.yaml|"
-    + re.escape(SIDECAR_NAME)
+    + "|".join(re.escape(name) for name in SIDECAR_NAMES)
     + r")"
 )
 

@@ -24,7 +24,7 @@ from adadsf_modifier.checkpoint.sidecar import (
 from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 from adadsf_modifier.routing import SkipPath, TokenRouter
 
-__all__ = ["read_router_tensors", "safetensors_files"]
+__all__ = ["read_expected_tensors", "read_router_tensors", "safetensors_files"]
 
 # What compressed-tensors stores next to (or instead of) a quantized weight.
 _QUANT_SUFFIXES = (
@@ -64,7 +64,7 @@ def _expected_shapes(entry: LayerEntry, hidden_size: int) -> dict[str, tuple]:
     }
 
 
-def _missing(key: str, entry: LayerEntry, path: Path, files: dict) -> Exception:
+def _missing(key: str, where: str, path: Path, files: dict) -> Exception:
     quantized = [
         k
         for k in files
@@ -73,8 +73,8 @@ def _missing(key: str, entry: LayerEntry, path: Path, files: dict) -> Exception:
     what, hint = _kind(key)
     extra = f" (found quantized tensors {quantized}: {hint})" if quantized else ""
     return AdaDSFCheckpointError(
-        f"{what} tensor `{key}` of routed layer {entry.index} is missing from the "
-        f"safetensors files in {path}{extra}"
+        f"{what} tensor `{key}`{where} is missing from the safetensors files in "
+        f"{path}{extra}"
     )
 
 
@@ -85,35 +85,58 @@ def _kind(key: str) -> tuple[str, str]:
     return "router", ROUTER_HINT
 
 
+def _read_checked(
+    path: Path, files: dict, key: str, shape: tuple, where: str, detail: str
+) -> torch.Tensor:
+    """One router or skip-path tensor: present, of ``shape``, floating point."""
+    from safetensors import safe_open
+
+    file = files.get(key)
+    if file is None:
+        raise _missing(key, where, path, files)
+    with safe_open(str(file), framework="pt") as f:
+        tensor = f.get_tensor(key)
+    what, hint = _kind(key)
+    if tuple(tensor.shape) != tuple(shape):
+        raise AdaDSFCheckpointError(
+            f"{what} tensor `{key}` in {path} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(shape)}{detail}"
+        )
+    if not tensor.is_floating_point():
+        raise AdaDSFCheckpointError(
+            f"{what} tensor `{key}` in {path} is {tensor.dtype}, not floating "
+            f"point: {what}s must stay in full precision ({hint})"
+        )
+    return tensor
+
+
+def read_expected_tensors(
+    path: Path, expected: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """The tensors named in ``expected`` (``{name: shape}``), each checked for
+    presence, shape and full precision: how a save whose sidecar does not describe
+    the tensor shapes itself (FTP's) verifies what it wrote."""
+    files = safetensors_files(path)
+    return {
+        key: _read_checked(path, files, key, shape, "", "")
+        for key, shape in expected.items()
+    }
+
+
 def read_router_tensors(path: Path, sidecar: AdaDSFSidecar) -> dict[str, torch.Tensor]:
     """Every routed layer's router (and skip-path) tensors, checked for presence, shape
     and full precision."""
-    from safetensors import safe_open
-
     files = safetensors_files(path)
     hidden = sidecar.hidden_size
     out: dict[str, torch.Tensor] = {}
     for entry in sidecar.routed_layers:
+        where = f" of routed layer {entry.index}"
+        detail = (
+            f" (hidden_size={hidden}, router_hidden_size={entry.router_hidden_size}, "
+            f"skip_path_rank={entry.skip_path_rank})"
+        )
         for key, shape in _expected_shapes(entry, hidden).items():
-            file = files.get(key)
-            if file is None:
-                raise _missing(key, entry, path, files)
-            with safe_open(str(file), framework="pt") as f:
-                tensor = f.get_tensor(key)
-            what, hint = _kind(key)
-            if tuple(tensor.shape) != shape:
-                raise AdaDSFCheckpointError(
-                    f"{what} tensor `{key}` in {path} has shape "
-                    f"{tuple(tensor.shape)}, expected {shape} (hidden_size={hidden}, "
-                    f"router_hidden_size={entry.router_hidden_size}, skip_path_rank="
-                    f"{entry.skip_path_rank})"
-                )
-            if not tensor.is_floating_point():
-                raise AdaDSFCheckpointError(
-                    f"{what} tensor `{key}` in {path} is {tensor.dtype}, not floating "
-                    f"point: {what}s must stay in full precision ({hint})"
-                )
-            out[key] = tensor
+            out[key] = _read_checked(path, files, key, shape, where, detail)
     routed_names = {e.name for e in sidecar.routed_layers}
     skip_names = {e.name for e in sidecar.routed_layers if e.skip_path != "identity"}
     all_names = {e.name for e in sidecar.layers}

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true")
 
     e = add("eval", "perplexity and/or lm-eval tasks -> JSON", cmd_eval)
-    model(e, "model or AdaDSF checkpoint (default: the embedded SmolLM2)")
+    model(e, "model, AdaDSF or FTP checkpoint (default: the embedded SmolLM2)")
     e.add_argument("--label", default=None)
     e.add_argument(
         "--tasks", default=None, help="comma list of lm-eval tasks, or 'all'"
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--routed",
         type=model_name,
         required=True,
-        help="AdaDSF checkpoint directory (the output of `adadsf compress`)",
+        help="AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)",
     )
     b.add_argument(
         "--seq-lens", type=positive_int, nargs="+", default=[256, 1024, 2048]

@@ -170,13 +170,26 @@ def check_output_file(path: str | None, overwrite: bool) -> Path | None:
     return out
 
 
-def check_routed(path: str) -> None:
-    from adadsf_modifier.checkpoint import SIDECAR_NAME
+def check_routed(path: str, required: bool = True) -> None:
+    """``path`` is a checkpoint :func:`adadsf_modifier.from_pretrained` reloads
+    (AdaDSF's or FTP's), or, unless ``required``, a plain model folder; never an
+    ambiguous folder holding both sidecars."""
+    from adadsf_modifier.checkpoint import (
+        FTP_SIDECAR_NAME,
+        SIDECAR_NAME,
+        AdaDSFCheckpointError,
+        checkpoint_sidecar,
+    )
 
-    if not Path(path, SIDECAR_NAME).is_file():
+    try:
+        kind = checkpoint_sidecar(path)
+    except AdaDSFCheckpointError as e:  # both sidecars
+        raise CLIError(str(e)) from e
+    if kind is None and required:
         raise CLIError(
-            f"{path} is not an AdaDSF checkpoint (no {SIDECAR_NAME}); --routed takes "
-            "the output of `adadsf compress`"
+            f"{path} is not an AdaDSF checkpoint (no {SIDECAR_NAME}) nor an FTP one "
+            f"(no {FTP_SIDECAR_NAME}); --routed takes the output of `adadsf compress` "
+            "or of oneshot with FTPModifier"
         )
 
 

@@ -111,6 +111,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     tasks = check_tasks(args.tasks)
     out = check_output_file(args.output, args.overwrite)
     model_path = check_model(args.model)
+    check_routed(model_path, required=False)
     record = evaluate(
         model_path,
         args.label,

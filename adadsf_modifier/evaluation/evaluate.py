@@ -7,7 +7,6 @@ measured by exactly the same code on exactly the same text.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ from loguru import logger
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from adadsf_modifier.checkpoint import SIDECAR_NAME, from_pretrained
+from adadsf_modifier.checkpoint import checkpoint_sidecar, from_pretrained
 from adadsf_modifier.evaluation.assets import load_text_splits, resolve_model
 from adadsf_modifier.evaluation.perplexity import perplexity
 from adadsf_modifier.flops import normalized_flops
@@ -47,11 +46,11 @@ class EvalRecord:
 def load_for_eval(
     name_or_path: str | None, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, Any, bool]:
-    """``(model, tokenizer, routed)``: AdaDSF checkpoints reload routed, anything else
-    dense."""
+    """``(model, tokenizer, routed)``: checkpoints of either kind this package writes
+    (AdaDSF's or FTP's) reload routed, anything else dense."""
     path = resolve_model(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if os.path.isfile(os.path.join(path, SIDECAR_NAME)):
+    if checkpoint_sidecar(path) is not None:
         model = from_pretrained(path, dtype=dtype)
         routed = True
     else:

@@ -13,7 +13,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -224,8 +223,8 @@ def load_pair(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, nn.Module]:
-    """``(dense, routed)`` twins loaded the same way from one AdaDSF (or FTP)
-    checkpoint.
+    """``(dense, routed)`` twins loaded the same way from one AdaDSF or FTP checkpoint
+    (:func:`adadsf_modifier.from_pretrained` reloads either).
 
     The dense twin is the same checkpoint with routing removed, so the weights are
     identical. Loading both the same way matters on CPU: weights that
@@ -235,18 +234,13 @@ def load_pair(
     not routing.
     """
     from adadsf_modifier.checkpoint import from_pretrained
-    from adadsf_modifier.ftp import FTP_SIDECAR, load_ftp
+    from adadsf_modifier.ftp.router import detach_context_hooks
     from adadsf_modifier.routing import routed_layers, unroute_layer
 
-    if (Path(checkpoint) / FTP_SIDECAR).is_file():  # FTP never writes the weights
-        from transformers import AutoModelForCausalLM
-
-        routed = load_ftp(checkpoint, dtype=dtype).to(device).eval()
-        dense = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
-        return dense.to(device).eval(), routed
     routed = from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     dense = from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     for layer in routed_layers(dense):
+        detach_context_hooks(layer)  # FTP's per-call context hooks; none for AdaDSF
         unroute_layer(layer)
     return dense, routed
 

@@ -1,25 +1,27 @@
 """Save and reload an FTP-routed model: ``ftp_routing.json`` next to the weights.
 
-AdaDSF's checkpoint package (sidecar schema, atomic save) is built around its
-per-layer ``TokenRouter`` (``fc1``/``fc2`` of ``hidden -> r -> 1``), so its schema
-cannot describe FTP's shared router; this module writes a small FTP sidecar instead.
-The routed model's ordinary ``save_pretrained`` already writes the router tensors
-(``<layer>.router.probe``, ``.quantiles``, and the shared MLP once under the first
-routed layer's ``router.mlp``) and skip paths (``<layer>.skip_path.*``); the sidecar
-adds the scalars and each layer's ratio, threshold, skip path (``identity`` or
-``ridge`` and its rank) and ``skipped_tokens_kv``. Sidecars written before those two
-existed load as ``identity`` / ``false``. :func:`load_ftp` loads the dense model, routes
-it again and restores those tensors, so the reloaded model gives the same logits.
+AdaDSF's sidecar schema is built around its per-layer ``TokenRouter`` (``fc1``/``fc2``
+of ``hidden -> r -> 1``), so it cannot describe FTP's shared router; this module
+writes a small FTP sidecar instead. The routed model's ordinary ``save_pretrained``
+already writes the router tensors (``<layer>.router.probe``, ``.quantiles``, and the
+shared MLP once under the first routed layer's ``router.mlp``) and skip paths
+(``<layer>.skip_path.*``); the sidecar adds the scalars and each layer's ratio,
+threshold, skip path (``identity`` or ``ridge`` and its rank) and
+``skipped_tokens_kv``. Sidecars written before those two existed load as ``identity``
+/ ``false``. :func:`load_ftp` loads the dense model, routes it again and restores those
+tensors, so the reloaded model gives the same logits.
 
-What this does not do (AdaDSF's checkpoint does): an atomic write through a temporary
-folder, multi-rank saves, and schema versioning beyond ``format``.
+The save itself is AdaDSF's (:mod:`adadsf_modifier.checkpoint.save`, given the
+:data:`FTP` kind): checks first, write into a temporary folder, router tensors read
+back, sidecar last, one rename (an interrupted save leaves the previous folder as it
+was), the source rank only under ``torchrun``. ``adadsf_modifier.from_pretrained``
+reloads FTP folders through :func:`load_ftp`. Not done: schema versioning beyond
+``format``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from adadsf_modifier.atomic import write_text_durably
+from adadsf_modifier.checkpoint import CheckpointKind, install_save_hook
+from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME
+from adadsf_modifier.checkpoint.load import load_base_model
+from adadsf_modifier.checkpoint.tensors import read_expected_tensors
 from adadsf_modifier.ftp.features import LayerFeatureStats
 from adadsf_modifier.ftp.router import (
     FTPLayerRouter,
@@ -36,15 +43,19 @@ from adadsf_modifier.ftp.router import (
 from adadsf_modifier.routing import SkipPath, decoder_layers, route_layer, routed_layers
 from adadsf_modifier.routing.skip_path import skip_path_of
 
-__all__ = ["FTP_SIDECAR", "ftp_sidecar", "install_ftp_save_hook", "load_ftp"]
+__all__ = ["FTP", "FTP_SIDECAR", "ftp_sidecar", "install_ftp_save_hook", "load_ftp"]
 
-FTP_SIDECAR = "ftp_routing.json"
+FTP_SIDECAR = FTP_SIDECAR_NAME
 _FORMAT = 1
+
+
+def _ftp_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in routed_layers(model) if isinstance(m.router, FTPLayerRouter)]
 
 
 def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
     """The JSON-able description of every FTP-routed layer of ``model``."""
-    layers = [m for m in routed_layers(model) if isinstance(m.router, FTPLayerRouter)]
+    layers = _ftp_layers(model)
     if not layers:
         raise ValueError("the model has no FTP-routed layers")
     first = layers[0].router
@@ -79,30 +90,45 @@ def _skip_entry(layer: nn.Module) -> dict[str, Any]:
     }
 
 
+def _save_record(model: nn.Module) -> dict[str, Any]:
+    """The sidecar, and the router and skip-path tensors (``{name: shape}``) the
+    weights files must hold for it: FTP's sidecar does not give the shapes itself."""
+    sidecar = ftp_sidecar(model)  # raises for a model without FTP routers
+    names = {m: n for n, m in model.named_modules()}
+    tensors = {}
+    for layer in _ftp_layers(model):
+        for part in ("router", "skip_path"):
+            module = layer._modules.get(part)
+            if module is not None:
+                prefix = f"{names[layer]}.{part}."
+                tensors.update(
+                    {prefix + k: list(v.shape) for k, v in module.state_dict().items()}
+                )
+    return {"sidecar": sidecar, "tensors": tensors}
+
+
+def _write_sidecar(folder: Path, record: dict[str, Any]) -> None:
+    write_text_durably(folder / FTP_SIDECAR, json.dumps(record["sidecar"], indent=2))
+
+
+FTP = CheckpointKind(
+    label="FTP",
+    describe=_save_record,
+    as_json=lambda record: record,
+    verify=lambda folder, record: read_expected_tensors(
+        folder, {k: tuple(v) for k, v in record["tensors"].items()}
+    ),
+    write=_write_sidecar,
+    summary=lambda r: f"{len(r['sidecar']['layers'])} FTP-routed layers and the router",
+)
+"""FTP's checkpoint kind: ``ftp_routing.json`` through AdaDSF's atomic save."""
+
+
 def install_ftp_save_hook(model: nn.Module) -> None:
-    """Make every ``save_pretrained`` of ``model`` (oneshot's included) also write the
-    FTP sidecar; wraps llm-compressor's compressed-tensors wrapper, once."""
-    if getattr(model.save_pretrained, "_ftp_save_hook", False):
-        return
-    from llmcompressor.transformers.compression.compressed_tensors_utils import (
-        modify_save_pretrained,
-    )
-
-    modify_save_pretrained(model)
-    inner = model.save_pretrained
-    ref = weakref.ref(model)
-
-    @functools.wraps(inner)
-    def save_pretrained(save_directory, *args, **kwargs):
-        sidecar = ftp_sidecar(ref())  # fails before writing anything
-        out = inner(save_directory, *args, **kwargs)
-        path = Path(save_directory) / FTP_SIDECAR
-        path.write_text(json.dumps(sidecar, indent=2))
-        return out
-
-    save_pretrained._ftp_save_hook = True
-    save_pretrained._overridden = True
-    model.save_pretrained = save_pretrained
+    """Make every ``save_pretrained`` of ``model`` (oneshot's included) an atomic FTP
+    checkpoint: the package's save hook (``checkpoint.install_save_hook``, which wraps
+    llm-compressor's compressed-tensors wrapper once) with the :data:`FTP` kind."""
+    install_save_hook(model, FTP)
 
 
 def _router_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -129,9 +155,12 @@ def _load_into(module: nn.Module, tensors: dict, prefix: str, what: str) -> None
 
 def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
     """Reload a model saved after :class:`FTPModifier`: dense weights, then the FTP
-    routers, ratios and thresholds. ``kwargs`` go to ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    routers, ratios and thresholds. ``kwargs`` go to ``from_pretrained``.
 
+    ``adadsf_modifier.from_pretrained`` calls this for a folder holding
+    ``ftp_routing.json``; the base model loads as AdaDSF's does
+    (``checkpoint.load_base_model``: compressed-tensors checkpoints included, the
+    router tensors expected rather than reported as unexpected keys)."""
     path = Path(path)
     sidecar_path = path / FTP_SIDECAR
     if not sidecar_path.is_file():
@@ -139,7 +168,7 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
     meta = json.loads(sidecar_path.read_text())
     if meta.get("format") != _FORMAT:
         raise ValueError(f"unsupported {FTP_SIDECAR} format {meta.get('format')!r}")
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = load_base_model(path, [r"\.(router|skip_path)\."], **kwargs)
     spec, layers = decoder_layers(model)
     mlp = FTPRouterMLP(int(meta["mlp_hidden"]))
     names = []
