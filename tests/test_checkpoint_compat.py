@@ -16,6 +16,7 @@ def test_every_workaround_is_tagged():
         "single_decompress_hook",
         "make_recipe_safe",
         "load_with_expected_extra_keys",
+        "write_model_recipe",
     }
 
 

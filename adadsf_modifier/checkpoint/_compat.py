@@ -9,6 +9,8 @@ the tags with the installed versions so that an upgrade cannot pass unnoticed.
 from __future__ import annotations
 
 import contextlib
+import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ __all__ = [
     "load_with_expected_extra_keys",
     "make_recipe_safe",
     "single_decompress_hook",
+    "write_model_recipe",
 ]
 
 WORKAROUNDS: dict[str, dict[str, str]] = {}
@@ -135,11 +138,134 @@ def make_recipe_safe(path: Path) -> None:
             f"AdaDSF: left {path} as written; it is not safe-loadable YAML ({e})"
         )
         return
-    path.write_text(
-        yaml.safe_dump(
-            data, allow_unicode=True, sort_keys=False, default_flow_style=None, width=88
-        )
+    path.write_text(_dump(data))
+
+
+def _dump(data: Any) -> str:
+    return yaml.safe_dump(
+        data, allow_unicode=True, sort_keys=False, default_flow_style=None, width=88
     )
+
+
+def _plain_recipe(text: str) -> dict[str, Any]:
+    """A recipe's YAML text as plain data (Python tags turned into plain values)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = yaml.load(text, Loader=_PlainYamlLoader)  # noqa: S506 - SafeLoader subclass
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"a recipe is a mapping, not {type(data).__name__}")
+    return data
+
+
+# ------------------------------------------------------------------------------------
+# llm-compressor 0.14: the recipe.yaml of a re-saved checkpoint that its parser skips
+# ------------------------------------------------------------------------------------
+
+# `append_recipe_dict`'s name for a stage key both recipes had: `X_stage` -> `X_stage_N`
+_MERGED_STAGE = re.compile(r"(?P<name>.+_stage)_\d+")
+
+
+def _stage_name(key: str) -> str | None:
+    """The stage a top-level recipe key stands for (None: not a stage, e.g. `args`)."""
+    merged = _MERGED_STAGE.fullmatch(key)
+    if merged:
+        return merged["name"]
+    return key if key.endswith("_stage") else None
+
+
+def _distinct_stages(entries: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One recipe from ``(top-level key, body)`` pairs in the order they ran.
+
+    Empty stages and stages identical to an earlier one are dropped; stage keys come
+    out ending in ``_stage`` (the only ones ``Recipe.from_dict`` reads): a stage name
+    used once keeps it (``default_stage_0`` -> ``default_stage``), a repeated one
+    becomes ``default_0_stage``, ``default_1_stage``, ... in order (numbers already in
+    use are skipped). Other keys (``args``) are kept, the first of each.
+    """
+    kept: list[tuple[str, str | None, Any]] = []
+    bodies: list[Any] = []
+    for key, body in entries:
+        stage = _stage_name(key)
+        if stage is not None:
+            if body is None or body == {} or body in bodies:
+                continue
+            bodies.append(body)
+        kept.append((key, stage, body))
+    uses = Counter(stage for _, stage, _ in kept if stage is not None)
+    taken = {stage for stage, n in uses.items() if n == 1}
+    out: dict[str, Any] = {}
+    for key, stage, body in kept:
+        if stage is None:
+            out.setdefault(key, body)
+        elif uses[stage] == 1:
+            out[stage] = body
+        else:
+            prefix, n = stage.removesuffix("_stage"), 0
+            while f"{prefix}_{n}_stage" in taken:
+                n += 1
+            taken.add(f"{prefix}_{n}_stage")
+            out[f"{prefix}_{n}_stage"] = body
+    return out
+
+
+@_targets({"llmcompressor": "0.14"})
+def write_model_recipe(model: nn.Module, path: Path) -> None:
+    """Rewrite the saved ``recipe.yaml`` as the recipe that made ``model``: each stage
+    once, under keys llm-compressor parses, in plain YAML.
+
+    llm-compressor 0.14's save wrapper writes the recipe of the folder the model came
+    from (``model.name_or_path``) merged with the current session's recipe
+    (``Recipe.yaml`` -> ``append_recipe_dict``). For a model reloaded with
+    :func:`~adadsf_modifier.checkpoint.from_pretrained` and saved again that goes
+    wrong:
+
+    * a stage key in both recipes becomes ``X_stage_0`` / ``X_stage_1`` (the first one
+      moved after any other stage), and ``Recipe.from_dict`` reads only keys ending in
+      ``_stage``: none of them parse, and :mod:`adadsf_modifier.recipe_guard` refuses
+      the file. A fresh process clashes too: its empty session recipe is
+      ``default_stage: {}``, the stage of every recipe made from modifier objects;
+    * the session's recipe is appended whatever model it ran on. In the process that
+      ran ``oneshot``, a reloaded copy of its output got that recipe a second time:
+      re-running the file would route the model twice, which
+      :func:`~adadsf_modifier.targeting.check_not_routed` refuses.
+
+    What is right: a checkpoint's recipe says how its model was made, once. So the
+    folder's recipe comes first, and the session's is added only when the session
+    worked on this very model (oneshot's own save, or a reloaded checkpoint given to
+    another oneshot, e.g. GPTQ after AdaDSF); a session that ran on another model
+    adds nothing (an empty or model-less session is taken as llm-compressor takes
+    it). :func:`_distinct_stages` then keeps the stages in order, drops empty ones
+    and exact repeats, and names them so that llm-compressor reads every one. A
+    repeat only comes from a checkpoint re-saved before this fix: an identical stage
+    would run the same modifiers on a model they already changed, and a routing
+    modifier refuses a routed model. (Such a file's order cannot be restored: the
+    renamed stage was already moved last.) If either recipe cannot be read as plain
+    data, the file is left as llm-compressor wrote it (made safe by
+    :func:`make_recipe_safe`) with a warning.
+    """
+    from llmcompressor.core import active_session
+    from llmcompressor.transformers.utils.helpers import infer_recipe_from_model_path
+
+    try:
+        entries: list[tuple[str, Any]] = []
+        existing = infer_recipe_from_model_path(
+            getattr(model, "name_or_path", None) or ""
+        )
+        if existing:
+            entries += _plain_recipe(Path(existing).read_text()).items()
+        session = active_session()
+        recipe = session.lifecycle.recipe
+        worked_on = session.state.model
+        if recipe.modifiers and (worked_on is None or worked_on is model):
+            entries += _plain_recipe(recipe.yaml()).items()
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        logger.warning(f"AdaDSF: left {path} as llm-compressor merged it ({e})")
+        make_recipe_safe(path)
+        return
+    path.write_text(_dump(_distinct_stages(entries)))
 
 
 # ------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ that save:
 1. everything that can fail without touching the disk first (a quantized router, a
    model whose sidecar would not validate);
 2. the inner save into a temporary sibling of the destination
-   (:func:`adadsf_modifier.atomic.atomic_directory`);
+   (:func:`adadsf_modifier.atomic.atomic_directory`), its ``recipe.yaml`` rewritten
+   as the recipe that made the model, once
+   (:func:`~adadsf_modifier.checkpoint._compat.write_model_recipe`);
 3. the router tensors read back and checked (present, full precision, right shapes);
 4. files of an existing destination that a model save does not own (a tokenizer, a
    README) carried over; never a sidecar of either kind;
@@ -42,7 +44,10 @@ from torch import nn
 
 from adadsf_modifier import distributed
 from adadsf_modifier.atomic import atomic_directory, resolve_destination
-from adadsf_modifier.checkpoint._compat import make_recipe_safe, single_decompress_hook
+from adadsf_modifier.checkpoint._compat import (
+    single_decompress_hook,
+    write_model_recipe,
+)
 from adadsf_modifier.checkpoint.kinds import SIDECAR_NAMES, CheckpointKind
 from adadsf_modifier.checkpoint.sidecar import (
     METADATA_ATTR,
@@ -192,7 +197,7 @@ def _write(
     with atomic_directory(dest) as tmp:
         with single_decompress_hook(model):
             inner(str(tmp), *args, **kwargs)
-        make_recipe_safe(tmp / "recipe.yaml")
+        write_model_recipe(model, tmp / "recipe.yaml")  # how it was made, once
         kind.verify(tmp, sidecar)  # on disk, full precision, right shapes
         if dest.is_dir():
             _carry_over(dest, tmp)
