@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from test_alignment import config, routed_pair, snapshot
 from tiny_models import token_dataset
 
-from adadsf_modifier import AdaDSFModifier
+from adadsf_modifier import AdaDSFModifier, routed_layers
 from adadsf_modifier.alignment import align_model
-from adadsf_modifier.alignment.schedule import lr_factor, make_optimizer
+from adadsf_modifier.alignment.schedule import lr_factor, make_optimizer, retention_at
 
 
 def test_constant_schedule_without_warmup_is_one_throughout():
@@ -81,3 +81,31 @@ def test_layer_lr_moves_layer_weights_far_less_than_routers():
 def test_bad_rate_fields_fail_at_construction(kwargs, text):
     with pytest.raises(ValidationError, match=text):
         AdaDSFModifier(**kwargs)
+
+
+def test_retention_anneals_linearly_to_the_allocation():
+    assert [retention_at(k, 0.6, 4) for k in range(1, 6)] == pytest.approx(
+        [0.9, 0.8, 0.7, 0.6, 0.6]
+    )
+    assert retention_at(1, 0.6, 0) == 0.6  # no annealing: the allocation at once
+    assert retention_at(3, 0.0, 4) == pytest.approx(0.25)  # a removed layer too
+
+
+def test_training_sees_annealed_retention_and_ends_at_the_allocation():
+    student, teacher = routed_pair()
+    layers = routed_layers(student)
+    targets = [m.retention_ratio for m in layers]
+    seen: list[float] = []
+    layer = next(m for m in layers if m.retention_ratio < 1.0)
+    layer.register_forward_pre_hook(lambda m, a: seen.append(m.retention_ratio))
+    align_model(student, teacher, token_dataset(4, 16),
+                config(steps=4, anneal_steps=3))  # fmt: skip
+    r = layer.retention_ratio
+    assert seen == pytest.approx([retention_at(k, r, 3) for k in range(1, 5)])
+    assert seen[0] > seen[1] > seen[2] == pytest.approx(r)
+    assert [m.retention_ratio for m in layers] == targets  # restored exactly
+
+
+def test_anneal_longer_than_training_is_refused():
+    with pytest.raises(ValidationError, match="anneal_steps \\(5\\) must not exceed"):
+        AdaDSFModifier(align_steps=4, align_anneal_steps=5)

@@ -154,6 +154,9 @@ class AlignmentConfig(BaseModel):
         layers are already trained: one rate rarely suits both
     :param lr_schedule: one of :data:`LR_SCHEDULES`, applied to every rate
     :param warmup_steps: steps of linear warm-up before the schedule (0: none)
+    :param anneal_steps: steps over which every routed layer's retention falls linearly
+        from 1.0 to its allocated ratio (0: the allocated ratio from the first step);
+        the model starts where it is closest to the dense teacher
     :param batch_size: rows per step (capped at the number of rows available)
     :param seq_len: rows are truncated to their first ``seq_len`` real tokens
     :param weights: loss weights (KL, hidden alignment, causal LM)
@@ -176,6 +179,7 @@ class AlignmentConfig(BaseModel):
     layer_lr: LearningRate | None = None
     lr_schedule: LRSchedule = "constant"
     warmup_steps: NonNegativeInt = 0
+    anneal_steps: NonNegativeInt = 0
     batch_size: PositiveInt = 4
     seq_len: PositiveInt = 512
     weights: AlignmentLossWeights = Field(default_factory=AlignmentLossWeights)
@@ -195,6 +199,11 @@ class AlignmentConfig(BaseModel):
                 f"layer_lr is set but trainable is {self.trainable!r}: the layers do "
                 "not train; use routers_and_layers or drop layer_lr (in a recipe: "
                 "align_layer_lr, align_trainable)"
+            )
+        if self.steps and self.anneal_steps > self.steps:
+            raise ValueError(
+                f"anneal_steps ({self.anneal_steps}) must not exceed steps "
+                f"({self.steps}) (in a recipe: align_anneal_steps, align_steps)"
             )
         if self.steps and self.warmup_steps >= self.steps:
             raise ValueError(

@@ -57,6 +57,9 @@ class AlignmentFields(BaseModel):
         the steps after the warm-up), for every rate
     :param align_warmup_steps: steps of linear warm-up (0: none; fewer than
         ``align_steps``)
+    :param align_anneal_steps: steps over which each routed layer's retention falls
+        linearly from 1.0 to its allocated ratio (DLO's capacity annealing; 0: the
+        allocated ratio from the start; at most ``align_steps``)
     :param align_batch_size: rows per step, re-batched from the training data
     :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
     :param align_w_kl: weight of ``KL(P_dense || P_sparse)`` on the next-token
@@ -88,6 +91,7 @@ class AlignmentFields(BaseModel):
     align_layer_lr: LearningRate | None = None
     align_lr_schedule: LRSchedule = "constant"
     align_warmup_steps: NonNegativeInt = 0
+    align_anneal_steps: NonNegativeInt = 0
     align_batch_size: PositiveInt = 4
     align_seq_len: PositiveInt = 512
     align_w_kl: NonNegativeFloat = 1.0
@@ -153,6 +157,7 @@ class AlignmentFields(BaseModel):
             layer_lr=self.align_layer_lr,
             lr_schedule=self.align_lr_schedule,
             warmup_steps=self.align_warmup_steps,
+            anneal_steps=self.align_anneal_steps,
             batch_size=self.align_batch_size,
             seq_len=self.align_seq_len,
             weights=self.alignment_weights(),

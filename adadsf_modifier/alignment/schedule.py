@@ -1,4 +1,5 @@
-"""The alignment optimizer's learning rates: one per parameter group, over time.
+"""What changes over the alignment steps: the learning rate of each parameter group,
+and the routed layers' retention (annealed from 1.0 to the allocation).
 
 Two groups: the parameters routing *added* (routers, skip paths), which start from a
 warm start or a closed-form fit, and the decoder layers' *pre-trained* weights. A rate
@@ -14,14 +15,17 @@ few dozen steps, a wasted step is a few percent of the budget.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from torch import nn
 
 from adadsf_modifier.alignment.config import AlignmentConfig
+from adadsf_modifier.routing import routed_layers
 
-__all__ = ["lr_factor", "make_optimizer"]
+__all__ = ["annealed_retention", "lr_factor", "make_optimizer", "retention_at"]
 
 
 def lr_factor(step: int, config: AlignmentConfig) -> float:
@@ -51,3 +55,33 @@ def make_optimizer(
     optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
     factor: Callable[[int], float] = lambda epoch: lr_factor(epoch + 1, config)  # noqa: E731
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def retention_at(step: int, target: float, anneal_steps: int) -> float:
+    """A routed layer's retention at optimizer step ``step`` (1-based): linear from
+    1.0 towards ``target``, reached at step ``anneal_steps`` (0: ``target`` at once)."""
+    done = 1.0 if anneal_steps <= 0 else min(1.0, step / anneal_steps)
+    return 1.0 - (1.0 - target) * done
+
+
+@contextlib.contextmanager
+def annealed_retention(
+    model: nn.Module, anneal_steps: int
+) -> Iterator[Callable[[int], None]]:
+    """Yields ``set_step(step)``, which puts every routed layer at its annealed
+    retention for that step; the allocated ratios are restored on exit, also when
+    training raises. Retention annealing (DLO, arXiv 2407.11030: capacity 1.0 -> 0.9
+    over 1,000 steps) lets the routers and layers adapt while the model is still close
+    to the dense teacher, instead of starting from the full cut."""
+    layers = routed_layers(model)
+    targets = [float(m.retention_ratio) for m in layers]
+
+    def set_step(step: int) -> None:
+        for layer, target in zip(layers, targets):
+            layer.retention_ratio = retention_at(step, target, anneal_steps)
+
+    try:
+        yield set_step
+    finally:
+        for layer, target in zip(layers, targets):
+            layer.retention_ratio = target

@@ -75,7 +75,7 @@ from adadsf_modifier.alignment.params import (
     check_alignment_supported,
     select_trainable,
 )
-from adadsf_modifier.alignment.schedule import make_optimizer
+from adadsf_modifier.alignment.schedule import annealed_retention, make_optimizer
 from adadsf_modifier.routing import routed_layers
 from adadsf_modifier.utils import tensors_to_device
 
@@ -85,7 +85,12 @@ __all__ = ["align_model"]
 def _rates(config: AlignmentConfig) -> str:
     layers = "" if config.layer_lr is None else f" (layers {config.layer_lr:g})"
     warmup = f", {config.warmup_steps} warm-up steps" if config.warmup_steps else ""
-    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}"
+    anneal = (
+        f", retention annealed over {config.anneal_steps}"
+        if config.anneal_steps
+        else ""
+    )
+    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}"
 
 
 def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -286,6 +291,9 @@ def align_model(
         )
         trainable = TrainableParams(run.params)
         optimizer, scheduler = make_optimizer(trainable.masters, added, config)
+        set_retention = stack.enter_context(
+            annealed_retention(student, config.anneal_steps)
+        )
         max_norm = config.grad_clip or math.inf  # inf: no clipping, still the norm
         bar = tqdm(
             range(1, config.steps + 1),
@@ -294,6 +302,7 @@ def align_model(
         )
         running: float | None = None
         for step in bar:
+            set_retention(step)
             batch = tensors_to_device(batcher.next_batch(), run.device)
             share = run.token_share(batch["attention_mask"])  # None in one process
             teacher_logits = teacher_hidden = None

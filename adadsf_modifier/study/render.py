@@ -61,6 +61,8 @@ def _rates(s: dict, t: dict) -> str:
         out += f", {s['align_lr_schedule']} schedule"
     if s.get("align_warmup_steps"):
         out += f" after {s['align_warmup_steps']} warm-up steps"
+    if s.get("align_anneal_steps"):
+        out += f", retention annealed from 1.0 over {s['align_anneal_steps']} steps"
     return out
 
 

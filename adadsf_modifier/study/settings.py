@@ -232,6 +232,7 @@ class StudySettings(BaseModel):
     align_layer_lr: PositiveFloat | None = None
     align_lr_schedule: Literal["constant", "cosine"] = "constant"
     align_warmup_steps: NonNegativeInt = 0
+    align_anneal_steps: NonNegativeInt = 0  # retention 1.0 -> allocation over these
     align_bf16: bool = False
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
     tune: bool = True
