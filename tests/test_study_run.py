@@ -5,6 +5,7 @@ choice, FLOPs matching, failures, resume) with a stand-in executor."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from tiny_models import save_tiny_model
@@ -232,3 +233,18 @@ def test_ftp_runs_in_the_study_with_the_shared_settings(tiny_dir, tmp_path):
     assert 0.0 < run["normalized_flops"] < 1.0
     assert run["num_routed"] == len(run["retention_ratios"]) - 1  # layer 0 ignored
     assert run["prefill_speedup"] > 0  # twins reloaded from FTP's own checkpoint
+
+
+def test_bfloat16_study_runs_end_to_end_in_that_precision(tiny_dir, tmp_path):
+    out, cache = tmp_path / "docs", tmp_path / "cache"
+    argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(cache), "--output-dir",
+            str(out), "--methods", "dense,adadsf", "--budgets", "0.8", "--seeds", "1",
+            *TINY, "--set", "tune=false", "--set", "dtype=bfloat16"]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert not res["failed"], res["failed"]
+    [run] = res["runs"]
+    assert math.isfinite(run["ppl_test"]) and 0.0 < run["normalized_flops"] < 1.0
+    configs = [json.loads(p.read_text())["config"] for p in cache.rglob("*.json")]
+    assert configs and all(c["dtype"] == "bfloat16" for c in configs)
+    assert "model weights in bfloat16" in (out / "RESULTS.md").read_text()

@@ -92,7 +92,8 @@ def _setup(r: dict) -> list[str]:
         f" {s['align_seq_len']} tokens = {align_tokens:,} tokens{_cpu(r)}, learning"
         f" rate {_num(t['align_lr'], 'g')}{_rates(s, t)}, trainable"
         f" `{s['align_trainable']}`; layers"
-        f" ignored: `{', '.join(s['ignore']) or 'none'}`.",
+        f" ignored: `{', '.join(s['ignore']) or 'none'}`; model weights in"
+        f" {s.get('dtype', 'float32')}.",
         f"Chosen hyper-parameters ({t['source']}): learning rate"
         f" {_num(t['align_lr'], 'g')}{_layer_rate(t)}, tau"
         f" {_num(t['temperature'], 'g')}, beta {_num(t['beta'], 'g')}.",

@@ -278,7 +278,7 @@ def run_study(
             },
         )
         max_runs = 0
-    ctx = Context(name, fingerprint, versions, device)
+    ctx = Context(name, fingerprint, versions, device, settings.dtype)
     counts = count_runs(settings)
     total = counts["tune"] + counts["main"]
     params = model_params(model_path)
