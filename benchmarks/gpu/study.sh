@@ -8,13 +8,22 @@ STAGE=${STAGE:-/tmp/adadsf_gpu}
 OUT=${OUT:-/tmp/adadsf_out}
 MAX_HOURS=$1; shift
 export PYTHONPATH=$PWD:$STAGE/pkgs:$STAGE/site ADADSF_CACHE=$STAGE/cache
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$STAGE/study_cache"
+# the committed runs: reused where this code computes the same keys
+[ -d docs/study_runs ] && cp -rn docs/study_runs/. "$STAGE/study_cache/"
+RUN_DIR=$PWD
+if [ -f "$STAGE/pinned/COMMIT" ]; then  # bundle.sh PIN=<commit>: that package, not ours
+  echo "study pinned to $(cat "$STAGE/pinned/COMMIT")"
+  export PYTHONPATH=$STAGE/pinned:$PYTHONPATH
+  RUN_DIR=$STAGE/pinned  # python -m puts the working directory first on sys.path
+fi
 cat "$STAGE/gguf_a" .gpu/gguf_b/part > "$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf"
 echo "$(cat .gpu/gguf_b/sha256)  $STAGE/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
 $PY benchmarks/gpu/prime_model.py "$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf" \
   "$STAGE/cache/smollm2-135m-instruct" 2>&1 | tail -2
-timeout "${STUDY_TIMEOUT:-520}" $PY -m adadsf_modifier.study --max-hours "$MAX_HOURS" --cache-dir "$STAGE/study_cache" \
-  --output-dir "$STAGE/docs" --overwrite "$@" > "$OUT/study_log.txt" 2>&1
+(cd "$RUN_DIR" && timeout "${STUDY_TIMEOUT:-520}" $PY -m adadsf_modifier.study \
+  --max-hours "$MAX_HOURS" --cache-dir "$STAGE/study_cache" --output-dir "$STAGE/docs" \
+  --overwrite "$@") > "$OUT/study_log.txt" 2>&1
 echo "study exit $?"
 tar -C "$STAGE" -czf "$OUT/study.tgz" docs study_cache
 grep -E "adadsf study:|failed|Error" "$OUT/study_log.txt" | tail -20
