@@ -9,8 +9,8 @@ OUT=${OUT:-/tmp/adadsf_out}
 MAX_HOURS=$1; shift
 export PYTHONPATH=$PWD:$STAGE/pkgs:$STAGE/site ADADSF_CACHE=$STAGE/cache
 mkdir -p "$OUT" "$STAGE/study_cache"
-# the committed runs: reused where this code computes the same keys
-[ -d docs/study_runs ] && cp -rn docs/study_runs/. "$STAGE/study_cache/"
+# the committed runs (docs/study_runs*/): reused where this code computes the same keys
+for d in docs/study_runs*/; do [ -d "$d" ] && cp -rn "$d." "$STAGE/study_cache/"; done
 RUN_DIR=$PWD
 if [ -f "$STAGE/pinned/COMMIT" ]; then  # bundle.sh PIN=<commit>: that package, not ours
   echo "study pinned to $(cat "$STAGE/pinned/COMMIT")"
