@@ -234,13 +234,11 @@ def load_pair(
     not routing.
     """
     from adadsf_modifier.checkpoint import from_pretrained
-    from adadsf_modifier.ftp.router import detach_context_hooks
     from adadsf_modifier.routing import routed_layers, unroute_layer
 
     routed = from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     dense = from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     for layer in routed_layers(dense):
-        detach_context_hooks(layer)  # FTP's per-call context hooks; none for AdaDSF
         unroute_layer(layer)
     return dense, routed
 

@@ -34,7 +34,6 @@ from adadsf_modifier.ftp.router import (
     FTPLayerRouter,
     FTPRouterMLP,
     attach_context_hooks,
-    detach_context_hooks,
 )
 from adadsf_modifier.ftp.scheduler import (
     ScheduleResult,
@@ -258,8 +257,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     @staticmethod
     def _unroute(targeted) -> None:
         for _, _, layer in targeted:
-            detach_context_hooks(layer)
-            unroute_layer(layer)
+            unroute_layer(layer)  # its FTP context hooks too
 
     def _schedule_ratios(self, model, targeted, val) -> list[float]:
         n = len(targeted)

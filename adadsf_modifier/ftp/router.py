@@ -104,6 +104,10 @@ class FTPLayerRouter(nn.Module):
     def shared_mlp(self) -> FTPRouterMLP:
         return self._shared_mlp
 
+    def detach_from(self, layer: nn.Module) -> None:
+        """Called by ``routing.unroute_layer``: the layer's context hooks go too."""
+        detach_context_hooks(layer)
+
     def flops(self, tokens: int) -> int:
         """Matmul FLOPs on ``tokens`` tokens: the probe dot product (``2 h``) and the
         MLP (``2 (4 r + r)``); the norm, GELU and the rank lookup are not counted,

@@ -371,12 +371,12 @@ def route_layer(
 
 
 def unroute_layer(layer: nn.Module) -> nn.Module:
-    """Undo :func:`route_layer` (used to leave a model untouched when a later step
-    fails)."""
+    """Undo :func:`route_layer`, and the hooks its router put on the layer."""
     if not isinstance(layer, RoutedLayer):
         return layer
     original = original_class(type(layer))
-    del layer._modules["router"]
+    router = layer._modules.pop("router")
+    getattr(router, "detach_from", lambda _layer: None)(layer)  # e.g. FTP's context
     layer._modules.pop("skip_path", None)
     for attr in (
         "skipped_tokens_kv",
