@@ -48,6 +48,11 @@ class Tuned:
     source: str  # "validation split" or "settings (tuning off)"
     align_layer_lr: float | None = None  # None: align_lr for the layers too
 
+    @classmethod
+    def from_settings(cls, s: StudySettings, source: str) -> Tuned:
+        """The rates and AdaDSF fields as set, untuned."""
+        return cls(s.align_lr, s.temperature, s.beta, source, s.align_layer_lr)
+
 
 def quantization_fields() -> dict[str, Any]:
     """``GPTQModifier`` arguments of the W8A8 stage of ``recipes/adadsf_w8a8.yaml``."""

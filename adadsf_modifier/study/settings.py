@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from adadsf_modifier.alignment.config import LRSchedule, Trainable
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -231,10 +232,10 @@ class StudySettings(BaseModel):
     align_batch_size: PositiveInt = 8
     align_seq_len: PositiveInt = 512
     align_lr: PositiveFloat = 3e-4  # replaced by the validation-split choice when tune
-    align_trainable: Literal["routers", "routers_and_layers"] = "routers_and_layers"
+    align_trainable: Trainable = "routers_and_layers"
     # the layers' pre-trained weights at their own rate (None: align_lr), a schedule
     align_layer_lr: PositiveFloat | None = None
-    align_lr_schedule: Literal["constant", "cosine"] = "constant"
+    align_lr_schedule: LRSchedule = "constant"
     align_warmup_steps: NonNegativeInt = 0
     align_anneal_steps: NonNegativeInt = 0  # retention 1.0 -> allocation over these
     align_bf16: bool = False

@@ -170,8 +170,7 @@ def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None
     validation perplexity. ``None`` when the runs are not all finished (stopped by the
     time or run budget, or failed)."""
     if not s.tune:
-        off = "settings (tuning off)"
-        return Tuned(s.align_lr, s.temperature, s.beta, off, s.align_layer_lr), []
+        return Tuned.from_settings(s, "settings (tuning off)"), []
     records: dict[str, dict] = {}
     stage1 = tune_specs(s, ctx)
     for spec in stage1:
@@ -192,8 +191,8 @@ def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None
     except RuntimeError as err:
         runner.failed.append(f"tuning: {err}")
         return None, list(records.values())
-    tuned = Tuned(*best_lrs[:1], best["temperature"], best["beta"], "validation split",
-                  best_lrs[1])  # fmt: skip
+    lr, layer_lr = best_lrs
+    tuned = Tuned(lr, best["temperature"], best["beta"], "validation split", layer_lr)
     return tuned, list(records.values())
 
 
@@ -332,8 +331,7 @@ def run_study(
                 runs.append(record)
     else:
         runner.pending.append("all main runs (hyper-parameter tuning not finished)")
-        tuned = Tuned(settings.align_lr, settings.temperature, settings.beta, "pending",
-                      settings.align_layer_lr)  # fmt: skip
+        tuned = Tuned.from_settings(settings, "pending")
     runner.bar.close()
     meta = {
         "command": command,
