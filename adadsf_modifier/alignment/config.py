@@ -193,7 +193,7 @@ class AlignmentConfig(BaseModel):
     parallel: Parallel = "ddp"
 
     @model_validator(mode="after")
-    def _rates_used(self) -> AlignmentConfig:
+    def _consistent(self) -> AlignmentConfig:
         if self.layer_lr is not None and self.trainable != "routers_and_layers":
             raise ValueError(
                 f"layer_lr is set but trainable is {self.trainable!r}: the layers do "

@@ -53,8 +53,11 @@ def make_optimizer(
     ]
     groups = [g for g in groups if g["params"]]
     optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
-    factor: Callable[[int], float] = lambda epoch: lr_factor(epoch + 1, config)  # noqa: E731
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    # LambdaLR counts from 0 and applies its factor before the first step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda epoch: lr_factor(epoch + 1, config)
+    )
+    return optimizer, scheduler
 
 
 def retention_at(step: int, target: float, anneal_steps: int) -> float:

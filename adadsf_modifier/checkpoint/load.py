@@ -217,7 +217,7 @@ def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     sidecar = read_sidecar(path)
     config = _read_config(path, kwargs)
     _check_config(path, sidecar, config)
-    _causal_lm_class(path, config)  # fails before the big load, as the next line does
+    _causal_lm_class(path, config)  # an unsupported model type fails before any read
     router_tensors = read_router_tensors(path, sidecar)
 
     names = "|".join(re.escape(e.name) for e in sidecar.routed_layers)
