@@ -38,12 +38,7 @@ SETTINGS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def routed_model(arch: str = "llama", settings=SETTINGS, seed: int = 0):

@@ -34,14 +34,7 @@ from adadsf_modifier.evaluation import embedded_model as embedded_mod
 VOCAB = 320  # requested BPE size; the model uses len(tokenizer)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models are dominated by thread synchronisation: on a busy 2-core machine two
-    intra-op threads make each forward ~100x slower than one thread does."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

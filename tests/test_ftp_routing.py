@@ -98,16 +98,10 @@ def test_ftp_incremental_decoding_equals_full_forward(arch, batch):
 
     handles = [m.register_forward_hook(hook, with_kwargs=True)
                for m in routed_layers(model)]  # fmt: skip
-    with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask,
-                     position_ids=positions(mask), use_cache=False).logits  # fmt: skip
-        inc, cache = incremental_logits(model, ids, mask, prefill=4)
+    assert_cache_equals_full(model, ids, mask)
     for h in handles:
         h.remove()
     assert sum(skipped) > 0  # decoding steps really skipped layers
-    real = mask.bool()
-    torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)
-    assert cache.get_seq_length() == ids.shape[1]
     assert mod.threshold_report is not None
 
 
@@ -162,6 +156,29 @@ def test_unsupported_architecture_is_refused_before_work():
     assert not routed_layers(model)
 
 
+def assert_cache_equals_full(model, ids, mask) -> None:
+    """Prefill + one-token decoding with the KV cache gives the full forward's logits
+    on every real token, and the cache ends holding every position."""
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask,
+                     position_ids=positions(mask), use_cache=False).logits  # fmt: skip
+        inc, cache = incremental_logits(model, ids, mask, prefill=4)
+    real = mask.bool()
+    torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def assert_reload_is_exact(model, again, ids, mask) -> torch.Tensor:
+    """A reloaded model's logits equal the original's bit for bit, without and with a
+    padding mask; returns the masked ones."""
+    with torch.no_grad():
+        for kw in (dict(), dict(attention_mask=mask)):
+            a = model(input_ids=ids, use_cache=False, **kw).logits
+            b = again(input_ids=ids, use_cache=False, **kw).logits
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    return b
+
+
 def test_save_and_load_ftp_gives_the_same_logits(tmp_path):
     from adadsf_modifier.ftp import FTP_SIDECAR, load_ftp
 
@@ -173,11 +190,8 @@ def test_save_and_load_ftp_gives_the_same_logits(tmp_path):
         m.causal_threshold for m in routed_layers(model)
     ]
     ids, mask = left_padded(batch=2, length=12)
+    assert_reload_is_exact(model, again, ids, mask)
     with torch.no_grad():
-        for kw in (dict(), dict(attention_mask=mask)):
-            a = model(input_ids=ids, use_cache=False, **kw).logits
-            b = again(input_ids=ids, use_cache=False, **kw).logits
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
         inc, _ = incremental_logits(again, ids, mask, prefill=4)
         full = model(input_ids=ids, attention_mask=mask,
                      position_ids=positions(mask), use_cache=False).logits  # fmt: skip

@@ -7,8 +7,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 from test_causal_routing import incremental_logits, left_padded
-from test_ftp_routing import calib_batches, ftp_model
-from test_routing import positions
+from test_ftp_routing import (
+    assert_cache_equals_full,
+    assert_reload_is_exact,
+    calib_batches,
+    ftp_model,
+)
 from tiny_models import tiny_model
 
 import adadsf_modifier.ftp.modifier as ftp_modifier
@@ -74,16 +78,10 @@ def test_ftp_ridge_and_kv_decoding_equals_full_forward(arch):
 
     handles = [p.register_forward_hook(hook) for p in skip_paths(model).values()]
     ids, mask = left_padded(batch=2, length=12)
-    with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask,
-                     position_ids=positions(mask), use_cache=False).logits  # fmt: skip
-        inc, cache = incremental_logits(model, ids, mask, prefill=4)
+    assert_cache_equals_full(model, ids, mask)
     for h in handles:
         h.remove()
     assert calls  # decoding steps really took the skip path
-    real = mask.bool()
-    torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)
-    assert cache.get_seq_length() == ids.shape[1]
 
 
 def test_save_and_load_ftp_keeps_skip_paths_and_kv(tmp_path):
@@ -102,11 +100,8 @@ def test_save_and_load_ftp_keeps_skip_paths_and_kv(tmp_path):
                                    zip(p.state_dict().values(),
                                        q.state_dict().values()))  # fmt: skip
     ids, mask = left_padded(batch=2, length=12)
+    b = assert_reload_is_exact(model, again, ids, mask)
     with torch.no_grad():
-        for kw in (dict(), dict(attention_mask=mask)):
-            a = model(input_ids=ids, use_cache=False, **kw).logits
-            b = again(input_ids=ids, use_cache=False, **kw).logits
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
         inc, _ = incremental_logits(again, ids, mask, prefill=4)
     torch.testing.assert_close(inc[mask.bool()], b[mask.bool()], atol=1e-4, rtol=0)
 

@@ -41,12 +41,7 @@ quantization_stage:
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def run_oneshot(model, recipe, out=None):

@@ -165,14 +165,14 @@ def test_count_runs_default_study():
     assert count_runs(StudySettings(tune=False))["tune"] == 0
 
 
+def skip_fields(f: dict) -> tuple:
+    return f["skip_path"], f["skip_path_rank"], f["skipped_tokens_kv"]
+
+
 def test_skip_path_methods_pass_their_modifier_fields():
     s = StudySettings()
     f = modifier_fields(s, "adadsf_ridge_kv", 0.8, 0, TUNED)
-    assert (f["skip_path"], f["skip_path_rank"], f["skipped_tokens_kv"]) == (
-        "ridge",
-        64,
-        True,
-    )
+    assert skip_fields(f) == ("ridge", 64, True)
     assert f["align_steps"] == s.align_steps
     assert (
         modifier_fields(s, "adadsf_ridge_kv_no_align", 0.8, 0, TUNED)["align_steps"]
@@ -183,11 +183,7 @@ def test_skip_path_methods_pass_their_modifier_fields():
     assert drop["align_steps"] == 0 and not drop["skipped_tokens_kv"]
     assert modifier_fields(s, "adadsf", 0.8, 0, TUNED)["skip_path"] == "identity"
     ftp = modifier_fields(s, "ftp_ridge_kv", 0.8, 0, TUNED)
-    assert (ftp["skip_path"], ftp["skip_path_rank"], ftp["skipped_tokens_kv"]) == (
-        "ridge",
-        64,
-        True,
-    )
+    assert skip_fields(ftp) == ("ridge", 64, True)
     assert ftp["train_steps"] == s.align_steps
     assert modifier_fields(s, "ftp", 0.8, 0, TUNED)["skip_path"] == "identity"
 

@@ -220,15 +220,22 @@ def test_bad_model_path_fails_before_work(tmp_path, capsys):
     assert err.count("\n") == 1
 
 
-def test_ftp_runs_in_the_study_with_the_shared_settings(tiny_dir, tmp_path):
+def quick_run(tiny_dir, tmp_path, method: str, setting: str) -> dict:
+    """The one run of ``method`` in a quick, untuned study beside dense, with one
+    more ``--set``; fails on any failed run."""
     out, cache = tmp_path / "docs", tmp_path / "cache"
     argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(cache), "--output-dir",
-            str(out), "--methods", "dense,ftp", "--budgets", "0.8", "--seeds", "1",
-            *TINY, "--set", "tune=false", "--set", "calib_samples=8"]  # fmt: skip
+            str(out), "--methods", f"dense,{method}", "--budgets", "0.8", "--seeds",
+            "1", *TINY, "--set", "tune=false", "--set", setting]  # fmt: skip
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert not res["failed"], res["failed"]
     [run] = res["runs"]
+    return run
+
+
+def test_ftp_runs_in_the_study_with_the_shared_settings(tiny_dir, tmp_path):
+    run = quick_run(tiny_dir, tmp_path, "ftp", "calib_samples=8")
     assert run["method"] == "ftp" and run["align_steps_done"] == 2  # = align_steps
     assert 0.0 < run["normalized_flops"] < 1.0
     assert run["num_routed"] == len(run["retention_ratios"]) - 1  # layer 0 ignored
@@ -236,14 +243,8 @@ def test_ftp_runs_in_the_study_with_the_shared_settings(tiny_dir, tmp_path):
 
 
 def test_bfloat16_study_runs_end_to_end_in_that_precision(tiny_dir, tmp_path):
+    run = quick_run(tiny_dir, tmp_path, "adadsf", "dtype=bfloat16")
     out, cache = tmp_path / "docs", tmp_path / "cache"
-    argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(cache), "--output-dir",
-            str(out), "--methods", "dense,adadsf", "--budgets", "0.8", "--seeds", "1",
-            *TINY, "--set", "tune=false", "--set", "dtype=bfloat16"]  # fmt: skip
-    assert main(argv) == 0
-    res = json.loads((out / "results.json").read_text())
-    assert not res["failed"], res["failed"]
-    [run] = res["runs"]
     assert math.isfinite(run["ppl_test"]) and 0.0 < run["normalized_flops"] < 1.0
     configs = [json.loads(p.read_text())["config"] for p in cache.rglob("*.json")]
     assert configs and all(c["dtype"] == "bfloat16" for c in configs)
