@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pytest
 
@@ -196,6 +197,56 @@ def test_layer_learning_rate_is_tuned_with_each_rate_and_reaches_the_modifier():
     f = modifier_fields(s, "layer_drop_healed", 0.8, 0, tuned)
     assert (f["align_lr"], f["align_layer_lr"]) == (1e-3, 1e-4)
     assert modifier_fields(s, "adadsf", 0.8, 0, TUNED)["align_layer_lr"] is None
+
+
+def test_tune_methods_choose_their_own_rates_with_the_first_ones_tau_and_beta():
+    s = StudySettings(
+        methods=("dense", "adadsf", "adadsf_ridge_kv", "layer_drop_healed"),
+        tune_methods=("adadsf", "adadsf_ridge_kv"),
+        tune_lrs=(1e-3,),
+        tune_layer_lrs=(1e-4, 1e-3),
+    )
+    # adadsf: 2 rate pairs + 3 temperatures - the shared default; ridge_kv: 2 pairs
+    assert count_runs(s)["tune"] == 2 + 3 - 1 + 2
+    base = Tuned(1e-3, 0.1, 5.0, "validation split", 1e-3)
+    own = tune_specs(s, CTX, method="adadsf_ridge_kv", base=base)
+    assert {x.method for x in own} == {"adadsf_ridge_kv"}
+    mods = [x.config["modifier"] for x in own]
+    assert [m["align_layer_lr"] for m in mods] == [1e-4, 1e-3]
+    assert {(m["temperature"], m["beta"], m["skip_path"]) for m in mods} == {
+        (0.1, 5.0, "ridge")
+    }
+    own_rates = {"adadsf_ridge_kv": {"align_lr": 3e-4, "align_layer_lr": 1e-4}}
+    tuned = Tuned(1e-3, 0.1, 5.0, "validation split", 1e-3, own_rates)
+    rates = {
+        m: (f["align_lr"], f["align_layer_lr"], f["temperature"])
+        for m in ("adadsf", "adadsf_ridge_kv", "layer_drop_healed")
+        for f in [modifier_fields(s, m, 0.8, 0, tuned)]
+    }
+    assert rates == {
+        "adadsf": (1e-3, 1e-3, 0.1),
+        "adadsf_ridge_kv": (3e-4, 1e-4, 0.1),
+        "layer_drop_healed": (1e-3, 1e-3, 0.1),  # not listed: the first one's rates
+    }
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tune_methods": ("layer_drop_healed",)}, "put a routed method first"),
+        ({"tune_methods": ("adadsf", "ftp")}, "'ftp' is not an aligned method"),
+        ({"tune_methods": ("adadsf", "layer_drop")}, "is not an aligned method"),
+        (
+            {"methods": ("dense", "adadsf"), "tune_methods": ("adadsf", "uniform")},
+            "tune_methods ['uniform'] are not among the methods",
+        ),
+        ({"flops_reference": "layer_drop_healed"}, "is not a routed method"),
+        ({"flops_reference": "nope"}, "is not a routed method"),
+    ],
+)
+def test_tune_methods_and_flops_reference_are_checked(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StudySettings(**fields)
 
 
 def test_ablations_run_on_fewer_seeds_after_the_main_methods():

@@ -153,6 +153,52 @@ def test_orchestration_tuning_matching_and_failures(tiny_dir, tmp_path):
     assert not res["failed"] and res["runtime"]["runs_cached"] == 9
 
 
+def test_a_variant_tuned_for_itself_trains_at_its_own_rates_and_sets_the_flops(
+    tiny_dir, tmp_path
+):
+    s = StudySettings(methods=("dense", "adadsf", "adadsf_ridge_kv", "layer_drop"),
+                      tune_methods=("adadsf", "adadsf_ridge_kv"),
+                      flops_reference="adadsf_ridge_kv", budgets=(0.8,), seeds=2,
+                      tune_lrs=(1e-4, 3e-4), tune_temperatures=(0.05,),
+                      calib_samples=2, calib_seq_len=16, align_steps=2,
+                      align_batch_size=1, align_seq_len=16)  # fmt: skip
+    calls: list[str] = []
+    base = fake_executor(calls)
+
+    def run(spec, env):  # the ridge variant is best at 1e-4 and uses fewer FLOPs
+        r = base(spec, env)
+        if spec.method == "adadsf_ridge_kv":
+            r["ppl_val"] = r["ppl_test"] = 30.0 + abs(r["align_lr"] - 1e-4) * 1e4
+            r["normalized_flops"] -= 0.02
+        return r
+
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c", executor=run)
+    assert (
+        calls[:4]
+        == ["tune:adadsf@0.8/seed0"] * 2 + ["tune:adadsf_ridge_kv@0.8/seed0"] * 2
+    )
+    assert res["tuned"]["align_lr"] == 3e-4
+    assert res["tuned"]["per_method"] == {
+        "adadsf_ridge_kv": {"align_lr": 1e-4, "align_layer_lr": None}
+    }
+    lrs = {
+        (r["method"], r["align_lr"]) for r in res["runs"] if r["method"] != "layer_drop"
+    }
+    assert lrs == {("adadsf", 3e-4), ("adadsf_ridge_kv", 1e-4)}
+    # the reference runs first in each seed; layer removal matches its FLOPs
+    assert calls[5:8] == ["main:adadsf_ridge_kv@0.8/seed0", "main:adadsf@0.8/seed0",
+                          "main:layer_drop@0.8/seed0"]  # fmt: skip
+    drop = [r for r in res["runs"] if r["method"] == "layer_drop"]
+    assert [r["flops_target"] for r in drop] == pytest.approx([0.767, 0.767])
+    assert {r["matched_to"] for r in drop} == {
+        "AdaDSF + ridge skip path + K/V measured FLOPs"
+    }
+    md = (tmp_path / "o" / "RESULTS.md").read_text()
+    assert "| method | lr | tau | beta | PPL val | FLOPs |" in md
+    assert "AdaDSF + ridge skip path + K/V: learning rate 0.0001." in md
+    assert "closest to AdaDSF + ridge skip path + K/V's measured FLOPs" in md
+
+
 def test_render_only_renders_runs_computed_with_other_versions_and_computes_none(
     tiny_dir, tmp_path, monkeypatch
 ):

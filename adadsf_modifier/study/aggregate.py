@@ -42,6 +42,8 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("ftp", "adadsf"),
     ("ftp", "uniform"),
     ("ftp", "layer_drop_healed"),
+    ("ftp_ridge_kv", "adadsf_ridge_kv"),
+    ("ftp_ridge_kv", "layer_drop_healed"),
 )
 """``(a, b)``: ``a - b`` per seed. AdaDSF against uniform and against layer removal
 first: the questions the method's reviewers asked."""

@@ -5,7 +5,7 @@ affects."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +40,28 @@ _LIFECYCLE_FIELDS = {
 
 @dataclass(frozen=True)
 class Tuned:
-    """Hyper-parameters the main runs use, and where they came from."""
+    """Hyper-parameters the main runs use, and where they came from.
+
+    ``align_lr``/``align_layer_lr`` are the rates of every aligned method except those
+    in ``per_method`` (``{method: {"align_lr", "align_layer_lr"}}``: the methods of
+    ``tune_methods`` after the first, each tuned for itself)."""
 
     align_lr: float
     temperature: float
     beta: float
     source: str  # "validation split" or "settings (tuning off)"
     align_layer_lr: float | None = None  # None: align_lr for the layers too
+    per_method: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, s: StudySettings, source: str) -> Tuned:
         """The rates and AdaDSF fields as set, untuned."""
         return cls(s.align_lr, s.temperature, s.beta, source, s.align_layer_lr)
+
+    def for_method(self, method: str) -> Tuned:
+        """The hyper-parameters ``method`` trains with."""
+        rates = self.per_method.get(method)
+        return self if rates is None else replace(self, per_method={}, **rates)
 
 
 def quantization_fields() -> dict[str, Any]:
@@ -79,6 +89,7 @@ def modifier_fields(
     m = METHODS[method]
     if m.modifier == "ftp":
         return _ftp_fields(s, retention, seed, m.fields)
+    tuned = tuned.for_method(method)
     kwargs: dict[str, Any] = dict(
         retention=retention,
         temperature=tuned.temperature,

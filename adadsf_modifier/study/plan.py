@@ -134,32 +134,38 @@ def tune_specs(
     s: StudySettings,
     ctx: Context,
     best_lrs: tuple[float, float | None] | None = None,
+    method: str | None = None,
+    base: Tuned | None = None,
 ) -> list[RunSpec]:
-    """Stage 1 (``best_lrs is None``): AdaDSF at ``tune_budget`` for each learning rate
-    (each pair of ``tune_lrs`` x ``tune_layer_lrs`` when the layers' rate is tuned),
-    with the default ``temperature``/``beta``. Stage 2: each (temperature, beta) with
-    the best rates. A stage-2 run equal to a stage-1 run has the same key and is
-    therefore not run twice."""
+    """Tuning runs of ``method`` (default: the first of ``tune_methods``) at
+    ``tune_budget`` on the validation split.
+
+    The first method: stage 1 (``best_lrs is None``) tries each learning rate (each
+    pair of ``tune_lrs`` x ``tune_layer_lrs`` when the layers' rate is tuned) with the
+    default ``temperature``/``beta``; stage 2 each (temperature, beta) with the best
+    rates. A stage-2 run equal to a stage-1 run has the same key and is therefore not
+    run twice. Any later method: the same rate grid with the first one's choice of
+    tau and beta (``base``), one stage."""
     if not s.tune:
         return []
+    method = method or s.tune_methods[0]
     if best_lrs is None:
         layer_lrs = s.tune_layer_lrs or (s.align_layer_lr,)
+        tau, beta = (base.temperature, base.beta) if base else (s.temperature, s.beta)
         grid = [
-            (lr, layer_lr, s.temperature, s.beta)
-            for lr in s.tune_lrs
-            for layer_lr in layer_lrs
+            (lr, layer_lr, tau, beta) for lr in s.tune_lrs for layer_lr in layer_lrs
         ]
     else:
         grid = [(*best_lrs, t, b) for t in s.tune_temperatures for b in s.tune_betas]
     out = []
     for lr, layer_lr, tau, beta in grid:
         tuned = Tuned(lr, tau, beta, "tuning", layer_lr)
-        mod = modifier_fields(s, "adadsf", s.tune_budget, s.tune_seed, tuned)
+        mod = modifier_fields(s, method, s.tune_budget, s.tune_seed, tuned)
         out.append(
             _spec(
                 ctx,
                 "tune",
-                "adadsf",
+                method,
                 s.tune_budget,
                 s.tune_seed,
                 mod,
@@ -179,12 +185,14 @@ def choose_best(records: list[dict]) -> dict:
 
 
 def tune_count(s: StudySettings) -> int:
+    """Tuning runs of the whole plan: both stages for the first of ``tune_methods``,
+    the rate grid for each later one."""
     if not s.tune:
         return 0
     stage2 = len(s.tune_temperatures) * len(s.tune_betas)
     default_in_grid = s.temperature in s.tune_temperatures and s.beta in s.tune_betas
     stage1 = len(s.tune_lrs) * max(1, len(s.tune_layer_lrs))
-    return stage1 + stage2 - (1 if default_in_grid else 0)
+    return stage1 * len(s.tune_methods) + stage2 - (1 if default_in_grid else 0)
 
 
 # --------------------------------------------------------------------------------------
@@ -232,18 +240,22 @@ def main_specs(
     """Main runs in priority and dependency order, so that a study stopped by its time
     budget has the most useful runs: dense; then the ``tune_budget`` comparison before
     the other budgets (descending); within a budget one seed at a time (every method of
-    seed 0, then of seed 1, ...: the paired comparisons fill up evenly), AdaDSF first in
-    each seed (layer removal matches its measured FLOPs), the others in the settings'
-    order, the ablations (``ablation_methods``) after the main methods' seeds.
+    seed 0, then of seed 1, ...: the paired comparisons fill up evenly),
+    ``flops_reference`` (AdaDSF) first in each seed (layer removal matches its
+    measured FLOPs), the others in the settings' order, the ablations
+    (``ablation_methods``) after the main methods' seeds.
 
     ``reference(budget)`` returns ``{"flops": mean measured normalized FLOPs of the
-    finished AdaDSF runs at that budget, "num_layers": L, "num_routed": n}`` or None;
+    finished ``flops_reference`` runs at that budget, "num_layers": L, "num_routed":
+    n}`` or None;
     without it layer removal uses the nominal budget.
     """
     methods = list(s.methods)
     if "dense" in methods:
         yield _spec(ctx, "main", "dense", 1.0, 0, None, s, _eval_main(s, ctx, False))
-    order = sorted((m for m in methods if m != "dense"), key=lambda m: m != "adadsf")
+    order = sorted(
+        (m for m in methods if m != "dense"), key=lambda m: m != s.flops_reference
+    )
     budgets = sorted(
         {b for m in order for b in budgets_of(s, m)},
         key=lambda b: (b != s.tune_budget, -b),
@@ -281,7 +293,8 @@ def _main_spec(
                 ref["flops"], ref["num_layers"], ref["num_routed"]
             )
             notes["flops_target"] = ref["flops"]
-        notes["matched_to"] = "AdaDSF measured FLOPs" if ref else "nominal budget"
+        reference = METHODS[s.flops_reference].short_label
+        notes["matched_to"] = f"{reference} measured FLOPs" if ref else "nominal budget"
     mod = modifier_fields(s, method, retention, seed, tuned)
     speed = s.speed and i < s.speed_seeds and not m.quantize
     return _spec(

@@ -23,7 +23,7 @@ PLOT_FILES = (
     "results_acc_vs_speedup.png",
     "results_layer_ratios.png",
 )
-_RATIO_METHODS = ("adadsf", "ftp", "uniform", "layer_drop")
+_RATIO_METHODS = ("adadsf", "ftp", "ftp_ridge_kv", "uniform", "layer_drop")
 
 
 def _xy(row: dict, x: str, y: str) -> tuple[float, float, float, float] | None:

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from adadsf_modifier.study.plots import PLOT_FILES
+from adadsf_modifier.study.settings import METHODS
 
 __all__ = ["MARKER", "render_markdown"]
 
@@ -66,8 +67,31 @@ def _rates(s: dict, t: dict) -> str:
     return out
 
 
+def _label(method: str) -> str:
+    """A method's short name in prose ("AdaDSF", not "AdaDSF (similarity)")."""
+    m = METHODS.get(method)
+    return m.short_label if m else method
+
+
+def _own_rates(t: dict) -> tuple[str, str]:
+    """What the setup says about methods that chose their own learning rates: the
+    exception to "the same for every method", and the chosen rates."""
+    own = t.get("per_method") or {}
+    if not own:
+        return "", ""
+    names = ", ".join(_label(m) for m in own)
+    chosen = "; ".join(
+        f"{_label(m)}: learning rate {_num(x['align_lr'], 'g')}{_layer_rate(x)}"
+        for m, x in own.items()
+    )
+    return f" (except {names}: tuned for itself, below)", f" {chosen}."
+
+
 def _setup(r: dict) -> list[str]:
     s, t = r["settings"], r["tuned"]
+    tuned_methods = s.get("tune_methods") or ["adadsf"]
+    others = "".join(f", then {_label(m)}'s own rates" for m in tuned_methods[1:])
+    except_own, own_chosen = _own_rates(t)
     align_tokens = s["align_steps"] * s["align_batch_size"] * s["align_seq_len"]
     seeds = ", ".join(str(i) for i in range(s["seeds"]))
     return [
@@ -77,7 +101,8 @@ def _setup(r: dict) -> list[str]:
         "- **calibration** split: dense calibration (similarities), router warm start,"
         " causal thresholds and alignment training, for every method;",
         "- **validation** split: choosing the learning rate, `tau` and `beta`"
-        f" (AdaDSF at budget {s['tune_budget']:g}, seed {s['tune_seed']}), and the"
+        f" ({_label(tuned_methods[0])} at budget {s['tune_budget']:g}, seed"
+        f" {s['tune_seed']}{others}), and the"
         " `PPL val` column;",
         "- **test** split: every reported perplexity (`PPL test`), first"
         f" {s['ppl_tokens']:,} tokens, windows of {s['ppl_max_length']} with stride"
@@ -90,20 +115,21 @@ def _setup(r: dict) -> list[str]:
         f" calibration {s['calib_samples']} x {s['calib_seq_len']} tokens; alignment"
         f" {s['align_steps']} steps x {s['align_batch_size']} rows x"
         f" {s['align_seq_len']} tokens = {align_tokens:,} tokens{_cpu(r)}, learning"
-        f" rate {_num(t['align_lr'], 'g')}{_rates(s, t)}, trainable"
+        f" rate {_num(t['align_lr'], 'g')}{_rates(s, t)}{except_own}, trainable"
         f" `{s['align_trainable']}`; layers"
         f" ignored: `{', '.join(s['ignore']) or 'none'}`; model weights in"
         f" {s.get('dtype', 'float32')}.",
         f"Chosen hyper-parameters ({t['source']}): learning rate"
         f" {_num(t['align_lr'], 'g')}{_layer_rate(t)}, tau"
-        f" {_num(t['temperature'], 'g')}, beta {_num(t['beta'], 'g')}.",
+        f" {_num(t['temperature'], 'g')}, beta {_num(t['beta'], 'g')}.{own_chosen}",
         "",
         "Normalized FLOPs are *measured*: counted from the tokens that actually ran"
         " each layer under causal routing (the mode `generate()` uses) on"
         f" {s['flops_batch']} x {s['flops_seq_len']} test tokens; decoder stack with"
         " router overhead, and with the lm_head on both sides"
         " (`adadsf_modifier.flops`, `docs/flops.md`). Layer removal keeps the number of"
-        " layers closest to AdaDSF's measured FLOPs at the same budget.",
+        f" layers closest to {_label(s.get('flops_reference', 'adadsf'))}'s measured"
+        " FLOPs at the same budget.",
         "",
     ]
 
@@ -112,8 +138,10 @@ def _tuning(r: dict) -> list[str]:
     if not r["tuning"]:
         return []
     layer = any(x.get("align_layer_lr") is not None for x in r["tuning"])
+    several = len({x.get("method") for x in r["tuning"]}) > 1
     rows = [
         [
+            *([_label(x.get("method", ""))] if several else []),
             _num(x.get("align_lr"), "g"),
             *([_num(x.get("align_layer_lr"), "g")] if layer else []),
             _num(x.get("temperature"), "g"),
@@ -124,6 +152,7 @@ def _tuning(r: dict) -> list[str]:
         for x in r["tuning"]
     ]
     head = ["lr", *(["layer lr"] if layer else []), "tau", "beta", "PPL val", "FLOPs"]
+    head = ["method", *head] if several else head
     return ["## Hyper-parameter choice (validation split)", "", *_table(head, rows), ""]
 
 

@@ -55,6 +55,11 @@ class Method:
     fields: dict[str, Any] = field(default_factory=dict)
     modifier: Literal["adadsf", "ftp"] = "adadsf"  # which modifier builds the arm
 
+    @property
+    def short_label(self) -> str:
+        """The name in prose: "AdaDSF", not "AdaDSF (similarity)"."""
+        return self.label.split(" (")[0]
+
 
 _RIDGE_KV: dict[str, Any] = {
     "skip_path": "ridge",
@@ -257,6 +262,15 @@ class StudySettings(BaseModel):
     # learning rates of the layers' pre-trained weights tried with each of tune_lrs
     # (empty: not tuned, align_layer_lr is used)
     tune_layer_lrs: tuple[PositiveFloat, ...] = ()
+    # Aligned methods whose learning rates are chosen on the validation split, each
+    # for itself. The first also chooses tau and beta, and every aligned method not
+    # listed trains at its rates: the same rates for every compared method (the
+    # study's default rule); list a variant (e.g. adadsf_ridge_kv, whose pre-trained
+    # layers want a lower rate, docs/measurements.md section 9) to tune it on its own.
+    tune_methods: Annotated[tuple[str, ...], Field(min_length=1)] = ("adadsf",)
+    # The routed method whose mean measured FLOPs layer removal matches at each budget
+    # (when it is not among the methods: the nominal budget).
+    flops_reference: str = "adadsf"
     # ---- evaluation
     ppl_tokens: PositiveInt = 32768  # test split
     ppl_val_tokens: PositiveInt = 16384  # validation split
@@ -303,6 +317,39 @@ class StudySettings(BaseModel):
             )
         return tuple(dict.fromkeys(v))
 
+    @field_validator("tune_methods")
+    @classmethod
+    def _tune_methods(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            m = METHODS.get(name)
+            if m is None or not m.align or m.modifier != "adadsf":
+                aligned = [
+                    k for k, x in METHODS.items() if x.align and x.modifier != "ftp"
+                ]
+                raise ValueError(
+                    f"{name!r} is not an aligned method; tunable: {', '.join(aligned)}"
+                )
+        if METHODS[v[0]].allocation == "layer_drop":
+            raise ValueError(
+                f"the first of tune_methods chooses tau and beta, which {v[0]!r} (no "
+                "routers) does not use; put a routed method first"
+            )
+        return tuple(dict.fromkeys(v))
+
+    @field_validator("flops_reference")
+    @classmethod
+    def _flops_reference(cls, v: str) -> str:
+        routed = [
+            k
+            for k, m in METHODS.items()
+            if m.allocation not in (None, "layer_drop") and not m.quantize
+        ]
+        if v not in routed:
+            raise ValueError(
+                f"{v!r} is not a routed method; routed: {', '.join(routed)}"
+            )
+        return v
+
     @field_validator("budgets", "w8a8_budgets")
     @classmethod
     def _budgets(cls, v: tuple[float, ...]) -> tuple[float, ...]:
@@ -332,6 +379,12 @@ class StudySettings(BaseModel):
             )
         if self.ppl_max_length < 2:
             raise ValueError("ppl_max_length must be >= 2")
+        missing = [m for m in self.tune_methods[1:] if m not in self.methods]
+        if self.tune and missing:
+            raise ValueError(
+                f"tune_methods {missing} are not among the methods: their tuning "
+                "would choose rates no run uses"
+            )
         return self
 
     @property

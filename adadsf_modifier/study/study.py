@@ -15,6 +15,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -147,12 +148,12 @@ class _Runner:
         return record
 
 
-def _reference(records: list[dict]) -> Callable[[float], dict | None]:
+def _reference(records: list[dict], method: str) -> Callable[[float], dict | None]:
     def ref(budget: float) -> dict | None:
         rs = [
             r
             for r in records
-            if r["method"] == "adadsf" and r["budget"] == budget and "num_routed" in r
+            if r["method"] == method and r["budget"] == budget and "num_routed" in r
         ]
         if not rs:
             return None
@@ -166,34 +167,49 @@ def _reference(records: list[dict]) -> Callable[[float], dict | None]:
 
 
 def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None, list]:
-    """Stage 1 picks the learning rate, stage 2 tau and beta, each by the lowest
-    validation perplexity. ``None`` when the runs are not all finished (stopped by the
-    time or run budget, or failed)."""
+    """For the first of ``tune_methods``, stage 1 picks the learning rates and stage 2
+    tau and beta; each later method then picks its own rates with that tau and beta;
+    every choice by the lowest validation perplexity. ``None`` when the runs are not
+    all finished (stopped by the time or run budget, or failed)."""
     if not s.tune:
         return Tuned.from_settings(s, "settings (tuning off)"), []
     records: dict[str, dict] = {}
-    stage1 = tune_specs(s, ctx)
-    for spec in stage1:
-        if (r := runner.run(spec)) is not None:
-            records[spec.key] = r
-    if len(records) < len(stage1) and runner.stopped:
-        return None, list(records.values())
-    try:  # a failed (e.g. diverged) setting simply loses
-        first = choose_best(list(records.values()))
-        best_lrs = (first["align_lr"], first.get("align_layer_lr"))
-        stage2 = tune_specs(s, ctx, best_lrs)
-        for spec in stage2:
+
+    def run_all(specs: list[RunSpec]) -> list[dict] | None:
+        """The records of ``specs`` (cached or computed); None if the runner stopped
+        before all of them finished."""
+        for spec in specs:
             if spec.key not in records and (r := runner.run(spec)) is not None:
                 records[spec.key] = r
-        if any(spec.key not in records for spec in stage2) and runner.stopped:
+        if any(x.key not in records for x in specs) and runner.stopped:
+            return None
+        return [records[x.key] for x in specs if x.key in records]
+
+    try:  # a failed (e.g. diverged) setting simply loses
+        if (stage1 := run_all(tune_specs(s, ctx))) is None:
             return None, list(records.values())
-        best = choose_best([records[x.key] for x in stage2 if x.key in records])
+        first = choose_best(stage1)
+        best_lrs = (first["align_lr"], first.get("align_layer_lr"))
+        if (stage2 := run_all(tune_specs(s, ctx, best_lrs))) is None:
+            return None, list(records.values())
+        best = choose_best(stage2)
+        lr, layer_lr = best_lrs
+        tuned = Tuned(
+            lr, best["temperature"], best["beta"], "validation split", layer_lr
+        )
+        per_method = {}
+        for method in s.tune_methods[1:]:
+            if (own := run_all(tune_specs(s, ctx, method=method, base=tuned))) is None:
+                return None, list(records.values())
+            pick = choose_best(own)
+            per_method[method] = {
+                "align_lr": pick["align_lr"],
+                "align_layer_lr": pick.get("align_layer_lr"),
+            }
     except RuntimeError as err:
         runner.failed.append(f"tuning: {err}")
         return None, list(records.values())
-    lr, layer_lr = best_lrs
-    tuned = Tuned(lr, best["temperature"], best["beta"], "validation split", layer_lr)
-    return tuned, list(records.values())
+    return replace(tuned, per_method=per_method), list(records.values())
 
 
 def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) -> float:
@@ -215,7 +231,8 @@ def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) ->
         return estimate_run_seconds(s, phase, method, params, ctx.device)
 
     counts = count_runs(s)
-    total = counts["tune"] * one("tune", "adadsf")
+    per_tuned = counts["tune"] / len(s.tune_methods)
+    total = sum(per_tuned * one("tune", m) for m in s.tune_methods)
     for m in s.methods:
         n = 1 if m == "dense" else len(s.seeds_of(m)) * len(budgets_of(s, m))
         total += n * one("main", m)
@@ -321,7 +338,9 @@ def run_study(
     tuned, tuning = _tune(settings, ctx, runner)
     dense, runs = None, []
     if tuned is not None:
-        for spec in main_specs(settings, ctx, tuned, _reference(runs)):
+        for spec in main_specs(
+            settings, ctx, tuned, _reference(runs, settings.flops_reference)
+        ):
             record = runner.run(spec)
             if record is None:
                 continue
