@@ -48,6 +48,8 @@ __all__ = [
     "PositiveInt",
     "Steps",
     "Trainable",
+    "TRAINING_ROUTING",
+    "TrainingRouting",
 ]
 
 TRAINABLE_SETS = ("routers", "routers_and_layers")
@@ -65,28 +67,25 @@ LR_SCHEDULES = ("constant", "cosine")
 warm-up, half a cosine from the learning rate down towards 0 at the last step."""
 
 
-def _lr_schedule(value: object, info: ValidationInfo) -> object:
-    if value not in LR_SCHEDULES:
-        raise ValueError(
-            f"{info.field_name} must be one of {list(LR_SCHEDULES)}, got {value!r}"
-        )
-    return value
+TRAINING_ROUTING = ("topk", "quantile")
+"""Which tokens run each routed layer while the alignment trains. ``topk``: each row's
+``K`` highest-scoring tokens (the paper). ``quantile``: the rule inference uses (causal
+routing: a token runs iff its score exceeds the layer's threshold), with the threshold
+re-fitted on every batch so that the layer's ratio of the batch's tokens runs; rows
+then keep different counts, as they do at inference."""
 
 
-def _trainable(value: object, info: ValidationInfo) -> object:
-    if value not in TRAINABLE_SETS:
-        raise ValueError(
-            f"{info.field_name} must be one of {list(TRAINABLE_SETS)}, got {value!r}"
-        )
-    return value
+def _one_of(choices: tuple[str, ...]) -> BeforeValidator:
+    """A validator that names the field and the allowed values."""
 
+    def check(value: object, info: ValidationInfo) -> object:
+        if value not in choices:
+            raise ValueError(
+                f"{info.field_name} must be one of {list(choices)}, got {value!r}"
+            )
+        return value
 
-def _parallel(value: object, info: ValidationInfo) -> object:
-    if value not in PARALLEL_MODES:
-        raise ValueError(
-            f"{info.field_name} must be one of {list(PARALLEL_MODES)}, got {value!r}"
-        )
-    return value
+    return BeforeValidator(check)
 
 
 Steps = Annotated[
@@ -105,11 +104,10 @@ GradClip = Annotated[
     ),
 ]
 """Max global gradient norm; 0 disables clipping."""
-Trainable = Annotated[
-    Literal["routers", "routers_and_layers"], BeforeValidator(_trainable)
-]
-Parallel = Annotated[Literal["ddp", "fsdp"], BeforeValidator(_parallel)]
-LRSchedule = Annotated[Literal["constant", "cosine"], BeforeValidator(_lr_schedule)]
+Trainable = Annotated[Literal["routers", "routers_and_layers"], _one_of(TRAINABLE_SETS)]
+Parallel = Annotated[Literal["ddp", "fsdp"], _one_of(PARALLEL_MODES)]
+LRSchedule = Annotated[Literal["constant", "cosine"], _one_of(LR_SCHEDULES)]
+TrainingRouting = Annotated[Literal["topk", "quantile"], _one_of(TRAINING_ROUTING)]
 
 
 @dataclass(frozen=True)
@@ -154,6 +152,8 @@ class AlignmentConfig(BaseModel):
         layers are already trained: one rate rarely suits both
     :param lr_schedule: one of :data:`LR_SCHEDULES`, applied to every rate
     :param warmup_steps: steps of linear warm-up before the schedule (0: none)
+    :param routing: one of :data:`TRAINING_ROUTING`: which tokens run each routed layer
+        while training (``quantile``: inference's rule, thresholds fitted per batch)
     :param anneal_steps: steps over which every routed layer's retention falls linearly
         from 1.0 to its allocated ratio (0: the allocated ratio from the first step);
         the model starts where it is closest to the dense teacher
@@ -180,6 +180,7 @@ class AlignmentConfig(BaseModel):
     lr_schedule: LRSchedule = "constant"
     warmup_steps: NonNegativeInt = 0
     anneal_steps: NonNegativeInt = 0
+    routing: TrainingRouting = "topk"
     batch_size: PositiveInt = 4
     seq_len: PositiveInt = 512
     weights: AlignmentLossWeights = Field(default_factory=AlignmentLossWeights)

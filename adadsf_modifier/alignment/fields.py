@@ -25,6 +25,7 @@ from adadsf_modifier.alignment.config import (
     PositiveInt,
     Steps,
     Trainable,
+    TrainingRouting,
 )
 
 __all__ = ["AlignmentFields"]
@@ -60,6 +61,10 @@ class AlignmentFields(BaseModel):
     :param align_anneal_steps: steps over which each routed layer's retention falls
         linearly from 1.0 to its allocated ratio (DLO's capacity annealing; 0: the
         allocated ratio from the start; at most ``align_steps``)
+    :param align_routing: which tokens run each routed layer while training: ``topk``
+        (each row's highest-scoring tokens, the paper) or ``quantile`` (the rule
+        inference uses, a score threshold, re-fitted on each batch to the layer's
+        ratio: training sees the decisions ``generate()`` makes)
     :param align_batch_size: rows per step, re-batched from the training data
     :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
     :param align_w_kl: weight of ``KL(P_dense || P_sparse)`` on the next-token
@@ -92,6 +97,7 @@ class AlignmentFields(BaseModel):
     align_lr_schedule: LRSchedule = "constant"
     align_warmup_steps: NonNegativeInt = 0
     align_anneal_steps: NonNegativeInt = 0
+    align_routing: TrainingRouting = "topk"
     align_batch_size: PositiveInt = 4
     align_seq_len: PositiveInt = 512
     align_w_kl: NonNegativeFloat = 1.0
@@ -158,6 +164,7 @@ class AlignmentFields(BaseModel):
             lr_schedule=self.align_lr_schedule,
             warmup_steps=self.align_warmup_steps,
             anneal_steps=self.align_anneal_steps,
+            routing=self.align_routing,
             batch_size=self.align_batch_size,
             seq_len=self.align_seq_len,
             weights=self.alignment_weights(),

@@ -76,7 +76,7 @@ from adadsf_modifier.alignment.params import (
     select_trainable,
 )
 from adadsf_modifier.alignment.schedule import annealed_retention, make_optimizer
-from adadsf_modifier.routing import routed_layers
+from adadsf_modifier.routing import routed_layers, routing_mode
 from adadsf_modifier.utils import tensors_to_device
 
 __all__ = ["align_model"]
@@ -90,7 +90,8 @@ def _rates(config: AlignmentConfig) -> str:
         if config.anneal_steps
         else ""
     )
-    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}"
+    routing = ", quantile routing" if config.routing == "quantile" else ""
+    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{routing}"
 
 
 def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
@@ -294,6 +295,8 @@ def align_model(
         set_retention = stack.enter_context(
             annealed_retention(student, config.anneal_steps)
         )
+        if config.routing != "topk":  # top-k is what "auto" does while training
+            stack.enter_context(routing_mode(student, config.routing))
         max_norm = config.grad_clip or math.inf  # inf: no clipping, still the norm
         bar = tqdm(
             range(1, config.steps + 1),

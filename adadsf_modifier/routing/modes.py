@@ -7,6 +7,10 @@
   calibrated threshold (set so that the expected kept fraction is ``r``). A token's
   decision depends only on itself and the past, so prefill + incremental decoding equals
   one full forward.
+- ``quantile``: the causal rule with each layer's threshold fitted on the batch itself
+  so that the layer's ratio of the batch's real tokens runs (the first token of each
+  row counted as running). For training that sees inference's decisions while the
+  router, and so the right threshold, moves; like ``topk`` it needs the whole batch.
 - ``auto`` (default): ``topk`` while training, ``causal`` in eval mode once a threshold
   has been calibrated (top-k before that).
 """
@@ -22,7 +26,7 @@ from adadsf_modifier.routing.routed_layer import routed_layers
 
 __all__ = ["ROUTING_MODES", "set_routing_mode", "routing_mode", "get_routing_modes"]
 
-ROUTING_MODES = ("auto", "topk", "causal")
+ROUTING_MODES = ("auto", "topk", "causal", "quantile")
 
 
 def _routed(model: nn.Module):

@@ -35,6 +35,7 @@ from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.selection import (
     select_by_mask,
     select_topk,
+    threshold_beside_forced,
     tokens_to_keep_per_row,
 )
 from adadsf_modifier.routing.skip_path import SkipPath, skip_path_of
@@ -136,13 +137,17 @@ class RoutedLayer(nn.Module):
                 return None, None, 0
             index, valid = select_topk(scores, real, keep, k_max)
             return index, valid, k_max
-        if mode == "causal":
-            if self.causal_threshold is None:
+        if mode in ("causal", "quantile"):
+            if mode == "quantile":
+                threshold = self._batch_threshold(scores, real, first, ratio)
+            elif self.causal_threshold is None:
                 raise RuntimeError(
                     f"layer {self.layer_index} has no causal threshold; calibrate "
                     "thresholds first (adadsf_modifier.routing.calibrate_thresholds)"
                 )
-            selected = real & (scores > self.causal_threshold)
+            else:
+                threshold = self.causal_threshold
+            selected = real & (scores > threshold)
             if first is not None:
                 selected = selected | first
             k_max = int(selected.sum(dim=1).max())
@@ -151,6 +156,24 @@ class RoutedLayer(nn.Module):
             index, valid = select_by_mask(selected, k_max)
             return index, valid, k_max
         raise ValueError(f"unknown routing mode {mode!r}")
+
+    @staticmethod
+    def _batch_threshold(
+        scores: torch.Tensor,
+        real: torch.Tensor,
+        first: torch.Tensor | None,
+        ratio: float,
+    ) -> float:
+        """The causal rule's threshold fitted on this batch: ``ratio`` of its real
+        tokens score above it, the forced first tokens counted as running (as
+        :func:`~adadsf_modifier.routing.calibrate_thresholds` fits it on calibration
+        data)."""
+        free = real if first is None else real & ~first
+        total = int(real.sum())
+        threshold, _ = threshold_beside_forced(
+            scores.detach()[free], total, total - int(free.sum()), ratio
+        )
+        return threshold
 
     def forced_tokens(
         self,
@@ -280,9 +303,10 @@ class RoutedLayer(nn.Module):
             has_past = stored_keys(cache, self.layer_index) > 0
         else:
             has_past = cache_layer is not None and cache_layer.seen_tokens > 0
-        if mode == "topk" and has_past:
+        if mode in ("topk", "quantile") and has_past:
             raise RuntimeError(
-                "AdaDSF top-k routing chooses tokens over the whole sequence and "
+                f"AdaDSF {mode} routing chooses tokens over the whole "
+                f"{'sequence' if mode == 'topk' else 'batch'} and "
                 "cannot continue from a KV cache: use causal routing for incremental "
                 "decoding (model.eval() after threshold calibration, or "
                 "set_routing_mode(model, 'causal'))"

@@ -31,6 +31,9 @@ __all__ = [
     "attention_mask_kwargs",
     "to_attention_dtype",
     "scatter_tokens",
+    "cut_for_ratio",
+    "threshold_beside_forced",
+    "threshold_for_ratio",
 ]
 
 
@@ -70,6 +73,55 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
         del _MASK_VERDICTS[k]
     _MASK_VERDICTS[key] = (weakref.ref(attention_mask), verdict)
     return verdict
+
+
+def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
+    """A threshold with ``mean(scores > t) ~= ratio``, midway between neighbouring
+    distinct scores.
+
+    Equal scores fall on the same side of any threshold, so with ties the cut goes to
+    the gap between distinct values whose kept count is closest to ``ratio * n``.
+    """
+    return cut_for_ratio(scores, ratio)[0]
+
+
+def cut_for_ratio(scores: torch.Tensor, ratio: float) -> tuple[float, int]:
+    """``(threshold, scores kept by it)`` for :func:`threshold_for_ratio`."""
+    n = scores.numel()
+    if ratio >= 1.0:
+        return float("-inf"), n
+    if ratio <= 0.0 or n == 0:
+        return float("inf"), 0
+    s = scores.flatten().double().sort(descending=True).values
+    n_keep = int(round(ratio * n))
+    gaps = (s[:-1] > s[1:]).nonzero().flatten() + 1  # keeping c tokens is possible
+    cuts = torch.cat([gaps.new_tensor([0]), gaps, gaps.new_tensor([n])])
+    best = int(cuts[(cuts - n_keep).abs().argmin()])
+    if best == 0:
+        return float(s[0]) + 1.0, 0
+    if best == n:
+        return float(s[-1]) - 1.0, n
+    hi, lo = float(s[best - 1]), float(s[best])
+    mid = 0.5 * (hi + lo)
+    # scores are compared in their own dtype: a midpoint that rounds onto ``hi`` there
+    # would drop the tokens at ``hi``, so fall back to ``lo`` (kept: exactly ``> lo``)
+    as_scored = float(torch.tensor(mid, dtype=scores.dtype))
+    return (mid if lo <= as_scored < hi else lo), best
+
+
+def threshold_beside_forced(
+    free_scores: torch.Tensor, total: int, forced: int, ratio: float
+) -> tuple[float, float]:
+    """``(threshold, kept fraction)``: the threshold over the scores of the tokens
+    that are free to skip (``free_scores``) at which ``ratio`` of all ``total`` real
+    tokens run, ``forced`` of them (the attention sinks) running whatever their score;
+    the fraction is what that threshold actually keeps (ties and the forced tokens can
+    make ``ratio`` itself unreachable)."""
+    if total == forced:  # every token is forced: nothing left to choose
+        return (float("inf") if ratio < 1.0 else float("-inf")), 1.0
+    free_ratio = (ratio * total - forced) / (total - forced)
+    threshold, kept = cut_for_ratio(free_scores, min(max(free_ratio, 0.0), 1.0))
+    return threshold, (kept + forced) / total
 
 
 #: Absorbs float error in ``ratio * n`` (0.29 * 100 = 28.999999999999996 must keep 29).

@@ -37,6 +37,10 @@ from torch import nn
 from adadsf_modifier import distributed
 from adadsf_modifier.routing.modes import routing_mode
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
+from adadsf_modifier.routing.selection import (
+    threshold_beside_forced,
+    threshold_for_ratio,
+)
 from adadsf_modifier.utils import real_token_mask, run_calibration_batches
 
 __all__ = [
@@ -69,40 +73,6 @@ class ThresholdReport:
     passes: int = 0  # calibration forwards run, the measuring one included
     #: |kept - target| allowed beyond what the scores' granularity forces
     tolerance: float = 0.0
-
-
-def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
-    """A threshold with ``mean(scores > t) ~= ratio``, midway between neighbouring
-    distinct scores.
-
-    Equal scores fall on the same side of any threshold, so with ties the cut goes to
-    the gap between distinct values whose kept count is closest to ``ratio * n``.
-    """
-    return _cut(scores, ratio)[0]
-
-
-def _cut(scores: torch.Tensor, ratio: float) -> tuple[float, int]:
-    """``(threshold, scores kept by it)`` for :func:`threshold_for_ratio`."""
-    n = scores.numel()
-    if ratio >= 1.0:
-        return float("-inf"), n
-    if ratio <= 0.0 or n == 0:
-        return float("inf"), 0
-    s = scores.flatten().double().sort(descending=True).values
-    n_keep = int(round(ratio * n))
-    gaps = (s[:-1] > s[1:]).nonzero().flatten() + 1  # keeping c tokens is possible
-    cuts = torch.cat([gaps.new_tensor([0]), gaps, gaps.new_tensor([n])])
-    best = int(cuts[(cuts - n_keep).abs().argmin()])
-    if best == 0:
-        return float(s[0]) + 1.0, 0
-    if best == n:
-        return float(s[-1]) - 1.0, n
-    hi, lo = float(s[best - 1]), float(s[best])
-    mid = 0.5 * (hi + lo)
-    # scores are compared in their own dtype: a midpoint that rounds onto ``hi`` there
-    # would drop the tokens at ``hi``, so fall back to ``lo`` (kept: exactly ``> lo``)
-    as_scored = float(torch.tensor(mid, dtype=scores.dtype))
-    return (mid if lo <= as_scored < hi else lo), best
 
 
 def check_calibration_rows(
@@ -201,12 +171,9 @@ class _ScoreRecorder:
         can make ``r`` itself unreachable), and that fraction."""
         _, _, total, forced = self.counts[id(layer)]
         ratio = float(layer.retention_ratio)
-        if total == forced:  # every token is forced: nothing left to choose
-            return (float("inf") if ratio < 1.0 else float("-inf")), 1.0
-        free_ratio = (ratio * total - forced) / (total - forced)
-        scores = torch.cat(self.scores[id(layer)])
-        threshold, kept = _cut(scores, min(max(free_ratio, 0.0), 1.0))
-        return threshold, (kept + forced) / total
+        return threshold_beside_forced(
+            torch.cat(self.scores[id(layer)]), total, forced, ratio
+        )
 
     def remove(self) -> None:
         for h in self.handles:

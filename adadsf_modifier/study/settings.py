@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from adadsf_modifier.alignment.config import LRSchedule, Trainable
+from adadsf_modifier.alignment.config import LRSchedule, Trainable, TrainingRouting
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -243,6 +243,7 @@ class StudySettings(BaseModel):
     align_lr_schedule: LRSchedule = "constant"
     align_warmup_steps: NonNegativeInt = 0
     align_anneal_steps: NonNegativeInt = 0  # retention 1.0 -> allocation over these
+    align_routing: TrainingRouting = "topk"  # quantile: inference's rule in training
     align_bf16: bool = False
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
     tune: bool = True
