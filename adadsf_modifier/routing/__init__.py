@@ -29,7 +29,6 @@ from adadsf_modifier.routing.routed_layer import (
     unroute_layer,
 )
 from adadsf_modifier.routing.router import TokenRouter
-from adadsf_modifier.routing.selection import tokens_to_keep
 from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
@@ -41,6 +40,7 @@ from adadsf_modifier.routing.thresholds import (
     check_calibration_rows,
     threshold_for_ratio,
 )
+from adadsf_modifier.routing.token_choice import tokens_to_keep
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

@@ -31,10 +31,10 @@ from adadsf_modifier.routing.selection import (
     attention_mask_kwargs,
     gather_tokens,
     scatter_tokens,
-    select_by_mask,
     selected_attention_mask,
 )
 from adadsf_modifier.routing.skip_path import skip_path_of
+from adadsf_modifier.routing.token_choice import select_by_mask
 
 __all__ = ["run_routed", "skip_all", "skipped_slots", "check_dense_cache"]
 

@@ -32,12 +32,6 @@ from adadsf_modifier.routing.decode import (
 from adadsf_modifier.routing.kv_keep import stored_keys
 from adadsf_modifier.routing.paths import check_dense_cache, run_routed, skip_all
 from adadsf_modifier.routing.router import TokenRouter
-from adadsf_modifier.routing.selection import (
-    select_by_mask,
-    select_topk,
-    threshold_beside_forced,
-    tokens_to_keep_per_row,
-)
 from adadsf_modifier.routing.skip_path import SkipPath, skip_path_of
 from adadsf_modifier.routing.sub_blocks import (
     attention_block,
@@ -45,6 +39,7 @@ from adadsf_modifier.routing.sub_blocks import (
     mlp_block,
     route_mlp,
 )
+from adadsf_modifier.routing.token_choice import choose_tokens
 from adadsf_modifier.utils import first_real_tokens, real_token_mask
 
 __all__ = [
@@ -117,63 +112,21 @@ class RoutedLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """``(index, valid, k_max)`` of the tokens this layer runs (``index`` None if
-        none).
+        none), by the rule of ``mode`` (``token_choice.choose_tokens``).
 
         The first real token of a sequence (the attention sink every later token attends
         to) always runs while ``keep_first_token`` is set; in top-k mode it counts
         toward ``K``. ``has_past``: the batch continues from a cache.
         """
-        mode = mode or self.resolved_routing_mode()
-        ratio = float(self.retention_ratio)
-        if ratio <= 0.0:
-            return None, None, 0
-        first = self.forced_tokens(real, has_past, attention_mask)
-        if first is not None:
-            scores = scores.masked_fill(first, float("inf"))
-        if mode == "topk":
-            keep = tokens_to_keep_per_row(real, ratio)
-            k_max = int(keep.max())
-            if k_max == 0:
-                return None, None, 0
-            index, valid = select_topk(scores, real, keep, k_max)
-            return index, valid, k_max
-        if mode in ("causal", "quantile"):
-            if mode == "quantile":
-                threshold = self._batch_threshold(scores, real, first, ratio)
-            elif self.causal_threshold is None:
-                raise RuntimeError(
-                    f"layer {self.layer_index} has no causal threshold; calibrate "
-                    "thresholds first (adadsf_modifier.routing.calibrate_thresholds)"
-                )
-            else:
-                threshold = self.causal_threshold
-            selected = real & (scores > threshold)
-            if first is not None:
-                selected = selected | first
-            k_max = int(selected.sum(dim=1).max())
-            if k_max == 0:
-                return None, None, 0
-            index, valid = select_by_mask(selected, k_max)
-            return index, valid, k_max
-        raise ValueError(f"unknown routing mode {mode!r}")
-
-    @staticmethod
-    def _batch_threshold(
-        scores: torch.Tensor,
-        real: torch.Tensor,
-        first: torch.Tensor | None,
-        ratio: float,
-    ) -> float:
-        """The causal rule's threshold fitted on this batch: ``ratio`` of its real
-        tokens score above it, the forced first tokens counted as running (as
-        :func:`~adadsf_modifier.routing.calibrate_thresholds` fits it on calibration
-        data)."""
-        free = real if first is None else real & ~first
-        total = int(real.sum())
-        threshold, _ = threshold_beside_forced(
-            scores.detach()[free], total, total - int(free.sum()), ratio
+        return choose_tokens(
+            mode or self.resolved_routing_mode(),
+            scores,
+            real,
+            self.forced_tokens(real, has_past, attention_mask),
+            float(self.retention_ratio),
+            self.causal_threshold,
+            f"layer {self.layer_index}",
         )
-        return threshold
 
     def forced_tokens(
         self,

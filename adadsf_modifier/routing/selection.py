@@ -1,5 +1,5 @@
-"""Tensor helpers that turn router scores into a compacted batch of selected tokens and
-back.
+"""Tensor helpers that turn the chosen tokens (:mod:`~adadsf_modifier.routing.
+token_choice`) into a compacted batch and back.
 
 All of them work on the whole batch at once (no Python loop over rows): a routed layer
 gathers the selected tokens of every row into a dense ``[batch, K_max, hidden]`` tensor,
@@ -18,11 +18,6 @@ from adadsf_modifier.utils import allowed_by_mask
 
 __all__ = [
     "is_causal_padding_mask",
-    "keep_counts",
-    "tokens_to_keep",
-    "tokens_to_keep_per_row",
-    "select_topk",
-    "select_by_mask",
     "gather_tokens",
     "gather_position_embeddings",
     "compact_attention_mask",
@@ -31,9 +26,6 @@ __all__ = [
     "attention_mask_kwargs",
     "to_attention_dtype",
     "scatter_tokens",
-    "cut_for_ratio",
-    "threshold_beside_forced",
-    "threshold_for_ratio",
 ]
 
 
@@ -73,126 +65,6 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
         del _MASK_VERDICTS[k]
     _MASK_VERDICTS[key] = (weakref.ref(attention_mask), verdict)
     return verdict
-
-
-def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
-    """A threshold with ``mean(scores > t) ~= ratio``, midway between neighbouring
-    distinct scores.
-
-    Equal scores fall on the same side of any threshold, so with ties the cut goes to
-    the gap between distinct values whose kept count is closest to ``ratio * n``.
-    """
-    return cut_for_ratio(scores, ratio)[0]
-
-
-def cut_for_ratio(scores: torch.Tensor, ratio: float) -> tuple[float, int]:
-    """``(threshold, scores kept by it)`` for :func:`threshold_for_ratio`."""
-    n = scores.numel()
-    if ratio >= 1.0:
-        return float("-inf"), n
-    if ratio <= 0.0 or n == 0:
-        return float("inf"), 0
-    s = scores.flatten().double().sort(descending=True).values
-    n_keep = int(round(ratio * n))
-    gaps = (s[:-1] > s[1:]).nonzero().flatten() + 1  # keeping c tokens is possible
-    cuts = torch.cat([gaps.new_tensor([0]), gaps, gaps.new_tensor([n])])
-    best = int(cuts[(cuts - n_keep).abs().argmin()])
-    if best == 0:
-        return float(s[0]) + 1.0, 0
-    if best == n:
-        return float(s[-1]) - 1.0, n
-    hi, lo = float(s[best - 1]), float(s[best])
-    mid = 0.5 * (hi + lo)
-    # scores are compared in their own dtype: a midpoint that rounds onto ``hi`` there
-    # would drop the tokens at ``hi``, so fall back to ``lo`` (kept: exactly ``> lo``)
-    as_scored = float(torch.tensor(mid, dtype=scores.dtype))
-    return (mid if lo <= as_scored < hi else lo), best
-
-
-def threshold_beside_forced(
-    free_scores: torch.Tensor, total: int, forced: int, ratio: float
-) -> tuple[float, float]:
-    """``(threshold, kept fraction)``: the threshold over the scores of the tokens
-    that are free to skip (``free_scores``) at which ``ratio`` of all ``total`` real
-    tokens run, ``forced`` of them (the attention sinks) running whatever their score;
-    the fraction is what that threshold actually keeps (ties and the forced tokens can
-    make ``ratio`` itself unreachable)."""
-    if total == forced:  # every token is forced: nothing left to choose
-        return (float("inf") if ratio < 1.0 else float("-inf")), 1.0
-    free_ratio = (ratio * total - forced) / (total - forced)
-    threshold, kept = cut_for_ratio(free_scores, min(max(free_ratio, 0.0), 1.0))
-    return threshold, (kept + forced) / total
-
-
-#: Absorbs float error in ``ratio * n`` (0.29 * 100 = 28.999999999999996 must keep 29).
-_KEEP_EPS = 1e-6
-
-
-def keep_counts(real_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
-    """The keep-count rule: ``K = max(1, floor(ratio * n))`` for each real length ``n``.
-
-    The one place the rule lives (top-k routing, :func:`tokens_to_keep` and the FLOPs
-    model's planned counts all call it). A sequence with no real token keeps none, and
-    a ratio of 0 (a removed layer) keeps none. Computed in float64.
-    """
-    n = real_lengths
-    if ratio <= 0:
-        return torch.zeros_like(n)
-    k = torch.floor(n.to(torch.float64) * ratio + _KEEP_EPS).to(n.dtype)
-    return torch.where(n > 0, k.clamp(min=1), torch.zeros_like(n))
-
-
-def tokens_to_keep(ratio: float, real_length: int) -> int:
-    """:func:`keep_counts` for one sequence of ``real_length`` real tokens."""
-    return int(keep_counts(torch.tensor([int(real_length)]), float(ratio))[0])
-
-
-def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
-    """:func:`keep_counts` of each row of a ``[batch, seq]`` real-token mask."""
-    return keep_counts(real.sum(dim=1), ratio)
-
-
-def select_topk(
-    scores: torch.Tensor, real: torch.Tensor, keep: torch.Tensor, k_max: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``keep[b]`` real tokens of each row by score, returned in position order.
-
-    Returns ``index [batch, k_max]`` (positions ascending; unused slots hold
-    ``seq_len``, one past the end, so they sort last and scatter into a discarded slot)
-    and ``valid [batch, k_max]``. Padding gets ``-inf`` and is never chosen while a real
-    token remains (``keep <= n_real``).
-
-    Equal scores are common (a repeated token that skipped the earlier layers has the
-    same hidden state, hence the same score, at every occurrence), so ties are broken
-    explicitly: the earlier token wins. A stable sort does that, and because padding
-    never reorders the real tokens of a row, a prompt selects the same tokens alone and
-    inside a padded batch (``topk`` breaks ties by memory layout instead).
-    """
-    batch, seq_len = scores.shape
-    masked = scores.masked_fill(~real, float("-inf"))
-    order = masked.sort(dim=1, descending=True, stable=True).indices
-    top = order[:, :k_max]  # rank order, best first
-    slot = torch.arange(k_max, device=scores.device).expand(batch, k_max)
-    valid_rank = slot < keep.unsqueeze(1)
-    top = torch.where(valid_rank, top, torch.full_like(top, seq_len))
-    index = top.sort(dim=1).values
-    valid = index < seq_len
-    return index, valid
-
-
-def select_by_mask(
-    selected: torch.Tensor, k_max: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of the ``selected`` tokens of each row, ascending, padded to ``k_max``
-    slots.
-
-    Same output convention as :func:`select_topk` (unused slots hold ``seq_len``).
-    """
-    batch, seq_len = selected.shape
-    pos = torch.arange(seq_len, device=selected.device).expand(batch, seq_len)
-    key = torch.where(selected, pos, torch.full_like(pos, seq_len))
-    index = key.sort(dim=1).values[:, :k_max]
-    return index, index < seq_len
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

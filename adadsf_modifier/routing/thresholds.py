@@ -37,7 +37,7 @@ from torch import nn
 from adadsf_modifier import distributed
 from adadsf_modifier.routing.modes import routing_mode
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
-from adadsf_modifier.routing.selection import (
+from adadsf_modifier.routing.token_choice import (
     threshold_beside_forced,
     threshold_for_ratio,
 )

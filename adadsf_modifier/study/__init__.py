@@ -16,8 +16,8 @@ from adadsf_modifier.study.command import (
     build_settings,
     run_study_command,
 )
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.settings import (
-    METHODS,
     StudyInputError,
     StudySettings,
     quick_settings,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from adadsf_modifier.study.settings import METHODS
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.stats import (
     mean_ci,
     paired_difference,

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from adadsf_modifier.study.settings import METHODS, StudySettings
+from adadsf_modifier.study.methods import METHODS
+from adadsf_modifier.study.settings import StudySettings
 
 __all__ = ["Tuned", "modifier_fields", "quantization_fields"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.settings import (
-    METHODS,
     StudyInputError,
     StudySettings,
     quick_settings,

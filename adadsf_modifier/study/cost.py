@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adadsf_modifier.study.settings import METHODS, StudySettings
+from adadsf_modifier.study.methods import METHODS
+from adadsf_modifier.study.settings import StudySettings
 
 __all__ = [
     "TASK_SIZES",

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from adadsf_modifier.study.arms import Tuned, modifier_fields, quantization_fields
-from adadsf_modifier.study.settings import METHODS, StudySettings
+from adadsf_modifier.study.methods import METHODS
+from adadsf_modifier.study.settings import StudySettings
 from adadsf_modifier.study.spec import RunSpec
 
 __all__ = [

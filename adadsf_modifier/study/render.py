@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plots import PLOT_FILES
-from adadsf_modifier.study.settings import METHODS
 
 __all__ = ["MARKER", "render_markdown"]
 

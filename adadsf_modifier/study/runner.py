@@ -30,7 +30,7 @@ from adadsf_modifier.study.measure import (
     measure_tasks,
     task_mean,
 )
-from adadsf_modifier.study.settings import METHODS
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.spec import RunSpec
 
 __all__ = ["RunEnv", "execute_run", "load_dense"]

@@ -1,4 +1,4 @@
-"""The study's methods and settings: what is compared and every knob of how.
+"""The study's settings: every knob of how the methods (`methods.py`) are compared.
 
 ``StudySettings`` holds everything a study can vary (methods, budgets, seeds, data and
 alignment sizes, tuning grids, evaluation limits); ``adadsf study --set KEY=VALUE``
@@ -9,7 +9,6 @@ overrides any field, and pydantic validation turns bad values into one-line erro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,11 +23,10 @@ from adadsf_modifier.constraints import (
 
 # The 7 lm-eval tasks (the project's offline copies; each task's validation split).
 from adadsf_modifier.evaluation.lm_eval_tasks import SUPPORTED_TASKS as ALL_TASKS
+from adadsf_modifier.study.methods import METHODS
 
 __all__ = [
     "ALL_TASKS",
-    "METHODS",
-    "Method",
     "StudyInputError",
     "StudySettings",
     "quick_settings",
@@ -37,153 +35,6 @@ __all__ = [
 
 class StudyInputError(ValueError):
     """Bad study input: reported as one line before any heavy work."""
-
-
-@dataclass(frozen=True)
-class Method:
-    """One arm of the study: how the dense model is turned into the compared model."""
-
-    name: str
-    label: str
-    allocation: str | None  # None: the dense model, untouched
-    align: bool = True
-    lm_loss_only: bool = False
-    quantize: bool = False
-    match_flops: bool = False  # layer removal: keep as many layers as AdaDSF's FLOPs
-    description: str = ""
-    # further modifier fields of this arm (e.g. the skip path of issue 13)
-    fields: dict[str, Any] = field(default_factory=dict)
-    modifier: Literal["adadsf", "ftp"] = "adadsf"  # which modifier builds the arm
-
-    @property
-    def short_label(self) -> str:
-        """The name in prose: "AdaDSF", not "AdaDSF (similarity)"."""
-        return self.label.split(" (")[0]
-
-
-_RIDGE_KV: dict[str, Any] = {
-    "skip_path": "ridge",
-    "skip_path_rank": 64,
-    "skipped_tokens_kv": True,
-}
-
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("dense", "dense", None, align=False, description="the dense model"),
-        Method(
-            "adadsf",
-            "AdaDSF (similarity)",
-            "similarity",
-            description="similarity allocation + feature alignment (the paper)",
-        ),
-        Method(
-            "uniform", "uniform (MoD)", "uniform", description="same ratio per layer"
-        ),
-        Method(
-            "reversed",
-            "reversed",
-            "reversed",
-            description="similarity ranking inverted",
-        ),
-        Method(
-            "random",
-            "random",
-            "random",
-            description="similarity ratios, seeded random layer order",
-        ),
-        Method(
-            "layer_drop",
-            "layer removal (ShortGPT)",
-            "layer_drop",
-            align=False,
-            match_flops=True,
-            description="lowest Block-Influence layers removed, no training",
-        ),
-        Method(
-            "layer_drop_healed",
-            "layer removal + healing",
-            "layer_drop",
-            match_flops=True,
-            description="layer removal, then the same alignment as AdaDSF",
-        ),
-        Method(
-            "adadsf_no_align",
-            "AdaDSF, no alignment",
-            "similarity",
-            align=False,
-            description="similarity allocation, warm-started routers, no training",
-        ),
-        Method(
-            "adadsf_lm_only",
-            "AdaDSF, LM loss only",
-            "similarity",
-            lm_loss_only=True,
-            description="alignment with the causal-LM loss instead of KL + hidden",
-        ),
-        Method(
-            "adadsf_ridge_kv",
-            "AdaDSF + ridge skip path + K/V",
-            "similarity",
-            fields=_RIDGE_KV,
-            description="skipped tokens get a fitted rank-64 ridge map and still "
-            "give keys/values; maps refitted after alignment",
-        ),
-        Method(
-            "adadsf_ridge_kv_no_align",
-            "AdaDSF + ridge + K/V, no alignment",
-            "similarity",
-            align=False,
-            fields=_RIDGE_KV,
-            description="the ridge/K-V variant with no training at all",
-        ),
-        Method(
-            "layer_drop_ridge",
-            "layer removal + ridge maps",
-            "layer_drop",
-            align=False,
-            match_flops=True,
-            fields={"skip_path": "ridge"},
-            description="layer removal, each removed layer replaced by its fitted "
-            "full-rank ridge map, no training",
-        ),
-        Method(
-            "layer_drop_ridge_healed",
-            "layer removal + ridge maps + healing",
-            "layer_drop",
-            match_flops=True,
-            fields={"skip_path": "ridge"},
-            description="layer removal with ridge maps in place of the removed "
-            "layers, then the same alignment as AdaDSF (maps refitted after it)",
-        ),
-        Method(
-            "ftp",
-            "FTP (shared 4-feature router)",
-            "genetic",
-            align=False,
-            modifier="ftp",
-            description="FTPModifier: genetic per-layer schedule, router-only training "
-            "(as many steps as AdaDSF's alignment), causal thresholds",
-        ),
-        Method(
-            "ftp_ridge_kv",
-            "FTP + ridge skip path + K/V",
-            "genetic",
-            align=False,
-            modifier="ftp",
-            fields=_RIDGE_KV,
-            description="FTP with AdaDSF's rank-64 ridge skip path and skipped tokens' "
-            "keys/values",
-        ),
-        Method(
-            "adadsf_w8a8",
-            "AdaDSF + GPTQ W8A8",
-            "similarity",
-            quantize=True,
-            description="AdaDSF, then GPTQ W8A8 (recipes/adadsf_w8a8.yaml stage)",
-        ),
-    )
-}
 
 
 def _check_budget(b: float, what: str = "budget") -> float:

@@ -36,6 +36,7 @@ from adadsf_modifier.study.cost import (
 )
 from adadsf_modifier.study.hardware import hardware
 from adadsf_modifier.study.measure import TokenStreams
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plan import (
     Context,
     Tuned,
@@ -48,7 +49,7 @@ from adadsf_modifier.study.plan import (
 from adadsf_modifier.study.plots import PLOT_FILES, write_plots
 from adadsf_modifier.study.render import MARKER, render_markdown
 from adadsf_modifier.study.runner import RunEnv, execute_run
-from adadsf_modifier.study.settings import METHODS, StudyInputError, StudySettings
+from adadsf_modifier.study.settings import StudyInputError, StudySettings
 from adadsf_modifier.study.spec import RunSpec, code_versions, model_fingerprint
 from adadsf_modifier.study.stats import resolvable_task_mean_difference
 
