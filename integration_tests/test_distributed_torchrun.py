@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,19 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
         isinstance(o, DistributedDataParallel) for o in gc.get_objects()
     )
 
-    # AdaDSF stacked with GPTQ: every tensor identical on both ranks
+    # AdaDSF stacked with GPTQ: every tensor identical on both ranks, even when the
+    # rank that owns a module writes its quantized weights late (on CPU they are in
+    # shared memory, written in place: adadsf_modifier/qparam_sync.py)
+    import llmcompressor.modifiers.gptq.base as gptq_base
+
+    write = gptq_base.update_batch_qparams
+
+    def late_write(*args, **kwargs):
+        if rank == 1:
+            time.sleep(0.5)
+        return write(*args, **kwargs)
+
+    gptq_base.update_batch_qparams = late_write
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     oneshot(
         model=model,
@@ -219,6 +232,7 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
             ),
         ],
     )
+    gptq_base.update_batch_qparams = write
     res["gptq"] = {
         n: float(t.detach().double().sum())
         for n, t in model.state_dict().items()
