@@ -38,9 +38,8 @@ from adadsf_modifier.routing.thresholds import (
     ThresholdReport,
     calibrate_thresholds,
     check_calibration_rows,
-    threshold_for_ratio,
 )
-from adadsf_modifier.routing.token_choice import tokens_to_keep
+from adadsf_modifier.routing.token_choice import threshold_for_ratio, tokens_to_keep
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

@@ -37,10 +37,7 @@ from torch import nn
 from adadsf_modifier import distributed
 from adadsf_modifier.routing.modes import routing_mode
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
-from adadsf_modifier.routing.token_choice import (
-    threshold_beside_forced,
-    threshold_for_ratio,
-)
+from adadsf_modifier.routing.token_choice import threshold_beside_forced
 from adadsf_modifier.utils import real_token_mask, run_calibration_batches
 
 __all__ = [
@@ -48,7 +45,6 @@ __all__ = [
     "ThresholdReport",
     "calibrate_thresholds",
     "check_calibration_rows",
-    "threshold_for_ratio",
 ]
 
 

@@ -172,14 +172,11 @@ class StudySettings(BaseModel):
     @field_validator("tune_methods")
     @classmethod
     def _tune_methods(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        tunable = [k for k, m in METHODS.items() if m.align and m.modifier == "adadsf"]
         for name in v:
-            m = METHODS.get(name)
-            if m is None or not m.align or m.modifier != "adadsf":
-                aligned = [
-                    k for k, x in METHODS.items() if x.align and x.modifier != "ftp"
-                ]
+            if name not in tunable:
                 raise ValueError(
-                    f"{name!r} is not an aligned method; tunable: {', '.join(aligned)}"
+                    f"{name!r} is not an aligned method; tunable: {', '.join(tunable)}"
                 )
         if METHODS[v[0]].allocation == "layer_drop":
             raise ValueError(
