@@ -166,6 +166,24 @@ def test_count_runs_default_study():
     assert count_runs(StudySettings(tune=False))["tune"] == 0
 
 
+def test_cost_model_prices_a_bfloat16_alignment_below_a_float32_one():
+    from adadsf_modifier.study.cost import cpu_align_seconds, estimate_run_seconds
+
+    fp32, bf16 = StudySettings(), StudySettings(dtype="bfloat16")
+    assert cpu_align_seconds(bf16, 135e6) < cpu_align_seconds(fp32, 135e6)
+    assert cpu_align_seconds(StudySettings(align_bf16=True), 135e6) == (
+        cpu_align_seconds(bf16, 135e6)
+    )
+    # twice the steps, about twice the price; dense runs do not align at all
+    double = StudySettings(align_steps=2 * fp32.align_steps)
+    assert cpu_align_seconds(double, 135e6) == pytest.approx(
+        2 * cpu_align_seconds(fp32, 135e6)
+    )
+    for phase in ("tune", "main"):
+        dense = estimate_run_seconds(fp32, phase, "dense", 135e6, "cpu")
+        assert dense == estimate_run_seconds(bf16, phase, "dense", 135e6, "cpu")
+
+
 def skip_fields(f: dict) -> tuple:
     return f["skip_path"], f["skip_path_rank"], f["skipped_tokens_kv"]
 

@@ -2,8 +2,8 @@
 
 Two sources, best first: the measured seconds of finished runs of the same study (the
 cache), and otherwise a simple model whose per-token constants were measured on this
-project's CPU machine (1 thread, SmolLM2-135M, float32), scaled by the model's
-parameter count. The GPU factor is a guess until a GPU run is cached; the estimate is
+project's CPU machine the way studies run there (2 threads, SmolLM2-135M), scaled by
+the model's parameter count. The GPU factor is a guess until a GPU run is cached; the estimate is
 printed as such.
 """
 
@@ -23,11 +23,14 @@ __all__ = [
     "planned_task_n",
 ]
 
-# Measured on the project's CPU machine (docs/measurements.md sections 3-5 and the
-# study's SmolLM2 smoke runs; the machine was shared, so these lean pessimistic).
-_CPU_FORWARD_S_PER_TOKEN = 2.8e-3  # SmolLM2-135M prefill, fp32, 1 thread
-_CPU_ALIGN_S_PER_TOKEN = 11e-3  # routers_and_layers, fp32, with the dense teacher
+# Measured on the project's 2-core CPU machine with both threads (OMP_NUM_THREADS=2, how
+# the studies run there; study caches of docs/measurements.md sections 8-10 and the
+# results study's bfloat16 runs): a dense run scoring ~120k float32 tokens took 182 s;
+# 36 x 8 x 512-token alignments took 818-960 s in float32, 455-770 s in bfloat16.
+_CPU_FORWARD_S_PER_TOKEN = 1.5e-3  # SmolLM2-135M prefill, fp32
+_CPU_ALIGN_S_PER_TOKEN = 5.4e-3  # routers_and_layers, fp32, with the dense teacher
 _CPU_ALIGN_S_PER_STEP = 3.0  # AdamW update and clipping over ~100M parameters
+_BF16_ALIGN_FACTOR = 0.6  # a bfloat16 model's alignment against float32's
 _CPU_LM_EVAL_S_PER_REQUEST = 0.08
 _CPU_DECODE_STEP_S = {1: 0.04, 8: 0.07}
 _LM_EVAL_OVERHEAD_S = 20.0
@@ -65,7 +68,8 @@ def cpu_align_seconds(s: StudySettings, params: float) -> float:
     model's rates; issue 13 caps it at 30 minutes there), whatever device ran it."""
     scale = params / _REFERENCE_PARAMS
     tokens = s.align_steps * s.align_batch_size * s.align_seq_len
-    per_token = _CPU_ALIGN_S_PER_TOKEN / (2.0 if s.align_bf16 else 1.0)
+    bf16 = s.dtype == "bfloat16" or s.align_bf16
+    per_token = _CPU_ALIGN_S_PER_TOKEN * (_BF16_ALIGN_FACTOR if bf16 else 1.0)
     return (tokens * per_token + s.align_steps * _CPU_ALIGN_S_PER_STEP) * scale
 
 
