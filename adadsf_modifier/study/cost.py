@@ -3,8 +3,8 @@
 Two sources, best first: the measured seconds of finished runs of the same study (the
 cache), and otherwise a simple model whose per-token constants were measured on this
 project's CPU machine the way studies run there (2 threads, SmolLM2-135M), scaled by
-the model's parameter count. The GPU factor is a guess until a GPU run is cached; the estimate is
-printed as such.
+the model's parameter count. The GPU factor is a guess until a GPU run is cached; the
+estimate is printed as such.
 """
 
 from __future__ import annotations
