@@ -52,6 +52,7 @@ from adadsf_modifier.importance import (
 )
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
+    RouterRefit,
     ThresholdReport,
     TokenRouter,
     calibrate_thresholds,
@@ -120,7 +121,11 @@ class AdaDSFModifier(
     :param seed: seeds router initialisation and the ``random`` allocation
     :param router_init: ``similarity`` (default) fits each router, before alignment, to
         predict how much the dense layer changes each calibration token (``1 - cos``);
-        ``random`` keeps the random initialisation (the ablation)
+        ``skip_error`` (with ``skip_path: ridge``) does that, then refits each router,
+        once its layer's skip path is fitted, to predict the relative error that path
+        makes on each token, layer by layer on the routed model's inputs, and refits the
+        path on the tokens the router then skips (``routing.skip_fit``); ``random``
+        keeps the random initialisation (the ablation)
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
     :param threshold_passes: calibration passes fitting the causal-routing thresholds
@@ -144,7 +149,7 @@ class AdaDSFModifier(
     router_hidden_size: PositiveInt = 64
     seed: int = 0
     threshold_passes: PositiveInt = 2
-    router_init: Literal["similarity", "random"] = "similarity"
+    router_init: Literal["similarity", "skip_error", "random"] = "similarity"
     router_init_steps: PositiveInt = 100
     router_init_tokens: PositiveInt = 2048
 
@@ -255,7 +260,7 @@ class AdaDSFModifier(
             f"[{', '.join(f'{r:.3f}' for r in full)}]"
         )
         self._warm_start_routers(model)
-        self.fit_skip_paths_of(model, calib)
+        self.fit_skip_paths_of(model, calib, refit_routers=self._router_refit())
         self._align(model, calib)
         self.fit_skip_paths_of(model, calib, after_alignment=True)
         # Causal routing (the eval-mode default) needs thresholds fitted to the final
@@ -276,7 +281,7 @@ class AdaDSFModifier(
 
     # ------------------------------------------------------------------ steps
     def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
-        samples = self.router_init_tokens if self.router_init == "similarity" else 0
+        samples = self.router_init_tokens if self.router_init != "random" else 0
         acc = SimilarityAccumulator(len(layers), samples, self.seed, self.route_target)
         self._accumulator = acc
         for i, (_, layer) in enumerate(layers):
@@ -324,7 +329,7 @@ class AdaDSFModifier(
 
     def _warm_start_routers(self, model) -> None:
         acc, self._accumulator = self._accumulator, None
-        if self.router_init != "similarity":
+        if self.router_init == "random":
             return
         results = warm_start_routers(
             model, acc.local_sample, self.router_init_steps, self.seed
@@ -338,6 +343,12 @@ class AdaDSFModifier(
                 f"AdaDSF router warm start: {len(results)} routers fit to per-token "
                 f"similarity; mean held-out rank correlation {corr:.3f}"
             )
+
+    def _router_refit(self) -> RouterRefit | None:
+        """``router_init: skip_error``: how the skip-path fit refits the routers."""
+        if self.router_init != "skip_error":
+            return None
+        return RouterRefit(self.router_init_tokens, self.router_init_steps, self.seed)
 
     def _route(self, model, cache_kwarg: str, targeted, ratios: list[float]) -> None:
         hidden = model.config.hidden_size

@@ -14,6 +14,8 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
   pass, as METHOD.md section 3 measured), then thresholds re-calibrated
 * ``ridge_auto`` / ``ridge_r64_auto`` / ``ridge_r32`` - ``skip_path_ridge: auto`` (per
   layer penalty by two-fold held-out error), and a lower rank
+* ``ridge_r64_kv_auto_err``  - ``ridge_r64_kv_auto`` with ``router_init: skip_error``
+  (each router refit to its skip path's relative error, the path refit after)
 * ``kv``                    - ``skipped_tokens_kv: true`` (identity skip path)
 * ``ridge_kv`` / ``ridge_r64_kv`` (``_auto``) - both
 * ``layer_drop_<d>``        - ``allocation: layer_drop`` removing ``d`` whole layers
@@ -78,6 +80,9 @@ ROUTED = {
                       "skipped_tokens_kv": True},
     "ridge_r64_kv_auto": {"skip_path": "ridge", "skip_path_rank": 64,
                           "skip_path_ridge": "auto", "skipped_tokens_kv": True},
+    "ridge_r64_kv_auto_err": {"skip_path": "ridge", "skip_path_rank": 64,
+                              "skip_path_ridge": "auto", "skipped_tokens_kv": True,
+                              "router_init": "skip_error"},
     "attention": {"route_target": "attention"},
     "attention_kv": {"route_target": "attention", "skipped_tokens_kv": True},
     "mlp": {"route_target": "mlp"},

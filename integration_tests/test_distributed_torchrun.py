@@ -7,6 +7,9 @@ ranks with each other and with a single-process run of the same thing in this pr
 * calibration similarities over two partitions == one process over their union;
 * router warm start: identical routers on both ranks;
 * causal thresholds fit on both ranks' scores == one process over the union (exact);
+* ridge skip paths: identical maps on both ranks, == one process over the union; with
+  the routers refit to the skip error (``router_init: skip_error``), identical routers
+  and maps on both ranks;
 * alignment, DDP: each rank trains on its half of the rows; == one process training on
   the concatenated batch (rows of different lengths, so each rank's loss must be
   weighted by its share of the tokens); identical weights on both ranks;
@@ -46,9 +49,11 @@ from adadsf_modifier.alignment import (  # noqa: E402
 )
 from adadsf_modifier.calibration import SimilarityAccumulator  # noqa: E402
 from adadsf_modifier.routing import (  # noqa: E402
+    RouterRefit,
     TokenRouter,
     calibrate_thresholds,
     decoder_layers,
+    fit_skip_paths,
     route_layer,
 )
 from adadsf_modifier.utils import run_calibration_batches  # noqa: E402
@@ -102,6 +107,14 @@ def similarities(batches) -> list[float]:
         h.remove()
     acc.all_reduce()
     return acc.similarities()
+
+
+def skip_paths(batches, refit: RouterRefit | None = None) -> dict:
+    """Ridge skip paths (rank 4, penalty chosen per layer) fit on ``batches``."""
+    model, _ = routed_tiny()
+    fit_skip_paths(model, batches, rank=4, refit_routers=refit)
+    maps = {k: v.clone() for k, v in model.state_dict().items() if "skip_path" in k}
+    return {"maps": maps, "routers": trained(model, "routers")}
 
 
 def align(parallel: str, batch_size: int, trainable: str = "routers"):
@@ -186,6 +199,8 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
         "kept": report.kept_fraction,
         "tokens": report.num_tokens,
     }
+    res["skip_paths"] = skip_paths(mine)
+    res["skip_paths_refit"] = skip_paths(mine, RouterRefit(tokens=24, steps=5))
 
     for parallel, trainable in (
         ("ddp", "routers"),
@@ -352,6 +367,19 @@ def test_thresholds_from_both_ranks_scores_equal_one_process(ranks):
     assert ranks[0]["thresholds"]["thresholds"] == report.thresholds
     assert ranks[0]["thresholds"]["kept"] == report.kept_fraction
     assert ranks[0]["thresholds"]["tokens"] == report.num_tokens == 8 * 16
+
+
+def test_skip_paths_fit_on_both_ranks_equal_one_process_over_the_union(ranks):
+    assert_same(ranks[0]["skip_paths"], ranks[1]["skip_paths"])
+    # the regression sums are reduced over the ranks (float64, another order)
+    assert_same(ranks[0]["skip_paths"], skip_paths(calibration_batches()), atol=1e-5)
+
+
+def test_routers_refit_to_the_skip_error_identical_on_both_ranks(ranks):
+    refit = ranks[0]["skip_paths_refit"]
+    assert_same(refit, ranks[1]["skip_paths_refit"])
+    before = ranks[0]["skip_paths"]["routers"]
+    assert any(not torch.equal(refit["routers"][k], before[k]) for k in before)
 
 
 @pytest.mark.parametrize("trainable", ["routers", "routers_and_layers"])

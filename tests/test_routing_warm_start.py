@@ -10,7 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from adadsf_modifier import AdaDSFModifier
 from adadsf_modifier.routing import TokenRouter
-from adadsf_modifier.routing.warm_start import MIN_HELDOUT_SAMPLE, warm_start_router
+from adadsf_modifier.routing.warm_start import (
+    MIN_HELDOUT_SAMPLE,
+    importance_target,
+    warm_start_router,
+)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 7, 8, 40])
@@ -20,7 +24,9 @@ def test_warm_start_fits_any_sample_size(tokens):
     before = {k: v.clone() for k, v in router.state_dict().items()}
     x = torch.randn(tokens, 16)
     cos = torch.rand(tokens) * 0.5 + 0.4
-    result = warm_start_router(router, x, cos, layer_index=1, steps=5)
+    result = warm_start_router(
+        router, x, importance_target(cos), layer_index=1, steps=5
+    )
     assert result.tokens == tokens
     assert math.isfinite(result.loss_last)
     assert all(torch.isfinite(v).all() for v in router.state_dict().values())
@@ -30,7 +36,7 @@ def test_warm_start_fits_any_sample_size(tokens):
 
 
 def test_warm_start_rejects_mismatched_inputs():
-    with pytest.raises(ValueError, match="similarities"):
+    with pytest.raises(ValueError, match="importance targets"):
         warm_start_router(TokenRouter(16, 4), torch.randn(5, 16), torch.rand(4), 0)
 
 

@@ -30,7 +30,7 @@ from adadsf_modifier.routing.routed_layer import (
 )
 from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.skip_fields import SkipPathFields
-from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
+from adadsf_modifier.routing.skip_fit import RouterRefit, SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
 from adadsf_modifier.routing.sub_blocks import ROUTE_TARGETS
 from adadsf_modifier.routing.thresholds import (
@@ -68,6 +68,7 @@ __all__ = [
     "SKIP_PATHS",
     "SkipPath",
     "SkipPathFields",
+    "RouterRefit",
     "SkipPathReport",
     "fit_skip_paths",
     "ThresholdCalibrationError",

@@ -18,7 +18,11 @@ from torch import nn
 from adadsf_modifier.constraints import PositiveInt
 from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
 from adadsf_modifier.routing.route_target_fields import RouteTargetFields
-from adadsf_modifier.routing.skip_fit import SkipPathReport, fit_skip_paths
+from adadsf_modifier.routing.skip_fit import (
+    RouterRefit,
+    SkipPathReport,
+    fit_skip_paths,
+)
 from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 
 __all__ = ["RidgePenalty", "SkipPathFields"]
@@ -89,6 +93,13 @@ class SkipPathFields(RouteTargetFields):
         quantization modifier that would quantize the skip paths, and a
         ``route_target`` the model or these options cannot take."""
         self.check_route_target(model)
+        refit = getattr(self, "router_init", None) == "skip_error"
+        if refit and (self.skip_path, self.skip_path_tokens) != ("ridge", "skipped"):
+            raise ValueError(
+                "router_init 'skip_error' fits each router to the error of its layer's "
+                "fitted skip path: it needs skip_path 'ridge' and skip_path_tokens "
+                f"'skipped', got {self.skip_path!r} and {self.skip_path_tokens!r}"
+            )
         if self.skip_path == "identity":
             return
         hidden, rank = int(model.config.hidden_size), self.skip_path_rank
@@ -108,11 +119,16 @@ class SkipPathFields(RouteTargetFields):
             install_skip_path(layer, layer.router.hidden_size, self.skip_path_rank)
 
     def fit_skip_paths_of(
-        self, model: nn.Module, batches: Iterable[Any], after_alignment: bool = False
+        self,
+        model: nn.Module,
+        batches: Iterable[Any],
+        after_alignment: bool = False,
+        refit_routers: RouterRefit | None = None,
     ) -> SkipPathReport | None:
-        """Fit the skip paths (``ridge``) on ``batches``. After alignment only when it
-        trained the layers: a routers-only alignment leaves the layers' updates, hence
-        the fit's targets, as they were."""
+        """Fit the skip paths (``ridge``) on ``batches`` (``refit_routers``: and the
+        routers to their skip error, see :func:`fit_skip_paths`). After alignment only
+        when it trained the layers: a routers-only alignment leaves the layers'
+        updates, hence the fit's targets, as they were."""
         if self.skip_path == "identity":
             return None
         trained = getattr(self, "align_trainable", "routers") != "routers"
@@ -124,5 +140,6 @@ class SkipPathFields(RouteTargetFields):
             rank=self.skip_path_rank,
             ridge=self.skip_path_ridge,
             tokens=self.skip_path_tokens,
+            refit_routers=refit_routers,
         )
         return self._skip_path_report

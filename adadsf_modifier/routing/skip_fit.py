@@ -11,6 +11,18 @@ on ``[x, 1]`` over the real tokens the router skips (``tokens="skipped"``, what 
 is used for) or over every real token (``tokens="all"``), then runs the routed layer
 to produce the next layer's inputs.
 
+With ``refit_routers`` (``router_init: skip_error``), each layer's router is refit,
+right after its map, to predict the relative error the fitted map makes on each token
+(``|layer(x) - (x + u(x))| / |x|``, :func:`~adadsf_modifier.routing.warm_start.\
+skip_error_target`), and the map is then refit on the tokens the new router skips:
+the router learns which tokens the map cannot stand in for, on the inputs it will see
+(``benchmarks/oracle_router.py``: the similarity-trained router is no better than one
+ranking by absolute error, while relative error ranks best).
+
+Under ``torchrun`` the regression statistics are summed over the ranks and routers are
+refit on the gathered sample and broadcast, so every rank ends with the same maps and
+routers, fit on every partition.
+
 Cost: about two forward passes over the calibration data (each routed layer runs once
 densely for the targets and once routed), plus one cheap pass that only records every
 layer's keyword arguments (masks, rotary embeddings). Memory: one batch-set of hidden
@@ -29,15 +41,18 @@ import torch
 from loguru import logger
 from torch import nn
 
+from adadsf_modifier import distributed
 from adadsf_modifier.routing.architectures import decoder_layers
 from adadsf_modifier.routing.routed_layer import RoutedLayer
 from adadsf_modifier.routing.skip_path import (
+    RidgeFit,
     RidgeStats,
     SkipPath,
     choose_ridge,
     fit_ridge,
     install_skip_path,
 )
+from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
     model_device,
@@ -45,7 +60,7 @@ from adadsf_modifier.utils import (
     tensors_to_device,
 )
 
-__all__ = ["SkipPathReport", "fit_skip_paths", "install_skip_paths"]
+__all__ = ["RouterRefit", "SkipPathReport", "fit_skip_paths", "install_skip_paths"]
 
 
 @dataclass
@@ -58,6 +73,20 @@ class SkipPathReport:
     tokens: list[int] = field(default_factory=list)
     r2: list[float] = field(default_factory=list)
     ridge: list[float] = field(default_factory=list)
+    #: with ``refit_routers``: each refit router's held-out rank correlation with the
+    #: skip error it was fit to
+    router_rank_corr: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RouterRefit:
+    """How :func:`fit_skip_paths` refits each router to its layer's skip error: on a
+    sample of ``tokens`` calibration tokens, ``steps`` full-batch Adam steps (as the
+    similarity warm start), seeded by ``seed``."""
+
+    tokens: int = 2048
+    steps: int = 100
+    seed: int = 0
 
 
 class _Stop(Exception):
@@ -148,6 +177,7 @@ def fit_skip_paths(
     ridge: float | Literal["auto"] = "auto",
     tokens: Literal["skipped", "all"] = "skipped",
     inputs: Literal["routed", "dense"] = "routed",
+    refit_routers: RouterRefit | None = None,
 ) -> SkipPathReport:
     """Fit (installing where missing) the skip path of every routed layer below ratio 1.
 
@@ -162,11 +192,19 @@ def fit_skip_paths(
     :param inputs: ``routed`` (each layer sees the routed model's activations, the
         layers below already fitted) or ``dense`` (the dense model's, as a one-pass fit
         on dense calibration activations would)
+    :param refit_routers: also refit each router to its layer's skip error, then the
+        map on the tokens it skips (see the module docstring); needs ``tokens``
+        ``skipped`` and ``inputs`` ``routed``
     """
     if tokens not in ("skipped", "all"):
         raise ValueError(f"tokens must be 'skipped' or 'all', got {tokens!r}")
     if inputs not in ("routed", "dense"):
         raise ValueError(f"inputs must be 'routed' or 'dense', got {inputs!r}")
+    if refit_routers is not None and (tokens, inputs) != ("skipped", "routed"):
+        raise ValueError(
+            "refitting the routers to the skip error needs tokens='skipped' and "
+            f"inputs='routed', got {tokens!r} and {inputs!r}"
+        )
     targets = install_skip_paths(model, rank)
     report = SkipPathReport()
     if not targets:
@@ -185,9 +223,8 @@ def fit_skip_paths(
             fitted = layer in targets
             ys = []
             if fitted:
-                ys = _fit_layer(
-                    layer, xs, calls[i], rank, ridge, tokens, device, report
-                )
+                ys = _fit_layer(layer, xs, calls[i], rank, ridge, tokens, device,
+                                report, refit_routers)  # fmt: skip
             if inputs == "dense" and fitted:
                 xs = ys
             else:
@@ -198,6 +235,12 @@ def fit_skip_paths(
         f"AdaDSF skip paths (rank {rank or 'full'}, {tokens} tokens, {inputs} "
         f"inputs, ridge {ridge}): R^2 [{', '.join(f'{r:.2f}' for r in report.r2)}]"
         f", ridge [{', '.join(f'{r:g}' for r in report.ridge)}]"
+        + (
+            f", routers refit to the skip error (held-out rank correlation "
+            f"[{', '.join(f'{c:.2f}' for c in report.router_rank_corr)}])"
+            if refit_routers is not None
+            else ""
+        )
     )
     return report
 
@@ -224,18 +267,50 @@ def _fit_layer(
     tokens: str,
     device: torch.device,
     report: SkipPathReport,
+    refit: RouterRefit | None = None,
 ) -> list[torch.Tensor]:
-    """Fit ``layer``'s skip path on ``xs``; returns the dense layer's outputs."""
+    """Fit ``layer``'s skip path on ``xs`` (and with ``refit``, its router, then the
+    map again); returns the dense layer's outputs."""
+    dense_out = []
+    for x, call in zip(xs, calls):
+        with _dense(layer):
+            dense_out.append(_layer_call(layer, x, call))
+    use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
+    fit = _fit_map(layer, xs, calls, dense_out, rank, ridge, use_skipped, device)
+    if refit is not None and layer.retention_ratio > 0.0:
+        x_s, err = _skip_error_sample(layer, xs, calls, dense_out, refit)
+        target = skip_error_target(err)
+        result = warm_start_router(
+            layer.router, x_s, target, layer.layer_index, refit.steps, seed=refit.seed
+        )
+        distributed.broadcast_module(layer.router)  # the source rank's fit everywhere
+        report.router_rank_corr.append(result.heldout_rank_corr)
+        fit = _fit_map(layer, xs, calls, dense_out, rank, ridge, use_skipped, device)
+    report.layer_indices.append(layer.layer_index)
+    report.tokens.append(fit.tokens)
+    report.r2.append(fit.r2 if math.isfinite(fit.r2) else float("nan"))
+    report.ridge.append(fit.ridge)
+    return dense_out
+
+
+def _fit_map(
+    layer: RoutedLayer,
+    xs: list[torch.Tensor],
+    calls: list[tuple],
+    ys: list[torch.Tensor],
+    rank: int | None,
+    ridge: float | str,
+    use_skipped: bool,
+    device: torch.device,
+) -> RidgeFit:
+    """Fit and load ``layer``'s map from inputs ``xs`` and dense outputs ``ys``, on
+    the real tokens its router skips (``use_skipped``) or on all of them."""
     hidden = xs[0].shape[-1]
     # per token set ("skipped", "all"): the two folds' statistics
     stats = {k: (RidgeStats(hidden, device), RidgeStats(hidden, device))
              for k in ("skipped", "all")}  # fmt: skip
-    use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
-    dense_out, rows_seen = [], 0
-    for x, call in zip(xs, calls):
-        with _dense(layer):
-            y = _layer_call(layer, x, call)
-        dense_out.append(y)
+    rows_seen = 0
+    for x, call, y in zip(xs, calls, ys):
         mask = call[1].get("attention_mask")
         real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
         free = real & ~layer.selected_mask(x, mask) if use_skipped else None
@@ -244,6 +319,9 @@ def _fit_layer(
             if free is not None:
                 stats["skipped"][fold].add(x[part & free], (y - x)[part & free])
         rows_seen += x.shape[0]
+    for pair in stats.values():
+        for one in pair:
+            one.all_reduce()
     chosen = "all"
     if use_skipped:
         n_skipped = sum(f.n for f in stats["skipped"])
@@ -260,8 +338,40 @@ def _fit_layer(
         ridge = choose_ridge(folds, rank) if min(f.n for f in folds) > 1 else 1e-3
     fit = fit_ridge(folds[0] + folds[1], rank, float(ridge))
     layer.skip_path.load_fit(fit)
-    report.layer_indices.append(layer.layer_index)
-    report.tokens.append(fit.tokens)
-    report.r2.append(fit.r2 if math.isfinite(fit.r2) else float("nan"))
-    report.ridge.append(fit.ridge)
-    return dense_out
+    return fit
+
+
+def _skip_error_sample(
+    layer: RoutedLayer,
+    xs: list[torch.Tensor],
+    calls: list[tuple],
+    ys: list[torch.Tensor],
+    refit: RouterRefit,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs [N, h], relative skip error [N])`` of a seeded sample of the real
+    tokens that are free to skip (not forced to run), gathered over the ranks."""
+    x_parts, err_parts = [], []
+    for x, call, y in zip(xs, calls, ys):
+        mask = call[1].get("attention_mask")
+        real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
+        forced = layer.forced_tokens(real)
+        free = real if forced is None else real & ~forced
+        xf = x[free]
+        skipped = (xf + layer.skip_path(xf)).float()
+        err = (y[free].float() - skipped).norm(dim=-1)
+        err_parts.append(err / xf.float().norm(dim=-1).clamp(min=1e-6))
+        x_parts.append(xf)
+    x_all, err_all = torch.cat(x_parts), torch.cat(err_parts)
+    share = -(-refit.tokens // distributed.world_size())  # each rank's part
+    g = torch.Generator().manual_seed(
+        refit.seed + layer.layer_index + 7919 * distributed.rank()
+    )
+    pick = torch.randperm(x_all.shape[0], generator=g)[:share].to(x_all.device)
+    x_s = distributed.all_gather_variable(x_all[pick])
+    err_s = distributed.all_gather_variable(err_all[pick])
+    if x_s.shape[0] == 0:
+        raise ValueError(
+            f"no calibration token is free to skip decoder layer {layer.layer_index}: "
+            "the router cannot be refit to the skip error"
+        )
+    return x_s, err_s

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adadsf_modifier import distributed
+
 __all__ = [
     "RIDGE_GRID",
     "SKIP_PATHS",
@@ -151,6 +153,16 @@ class RidgeStats:
         self.sxx += x.T @ x
         self.sxy += x.T @ y
         self.syy += float((y * y).sum())
+
+    def all_reduce(self) -> None:
+        """Sum these statistics over the ranks under ``torchrun`` (in place; nothing
+        in one process), so every rank fits the same map on every partition."""
+        if not distributed.is_distributed():
+            return
+        for name in ("sx", "sy", "sxx", "sxy"):
+            setattr(self, name, distributed.sum_across_ranks(getattr(self, name)))
+        (self.n,) = distributed.sum_across_ranks([int(self.n)])
+        (self.syy,) = distributed.sum_across_ranks([float(self.syy)])
 
     def __add__(self, other: RidgeStats) -> RidgeStats:
         out = RidgeStats(self.sx.shape[0], self.sx.device)

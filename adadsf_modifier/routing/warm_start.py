@@ -33,6 +33,7 @@ __all__ = [
     "MIN_HELDOUT_SAMPLE",
     "WarmStartResult",
     "importance_target",
+    "skip_error_target",
     "warm_start_router",
     "warm_start_routers",
     "rank_correlation",
@@ -60,7 +61,17 @@ def importance_target(similarity: torch.Tensor) -> torch.Tensor:
 
     A single token has no spread to standardise by: its target is 0.
     """
-    t = torch.log((1.0 - similarity.double()).clamp(min=1e-6))
+    return _standardised_log(1.0 - similarity.double())
+
+
+def skip_error_target(error: torch.Tensor) -> torch.Tensor:
+    """Standardised ``log(error)`` of each token's relative skip error
+    ``|layer(x) - (x + u(x))| / |x|``: larger = skipping this token costs more."""
+    return _standardised_log(error.double())
+
+
+def _standardised_log(v: torch.Tensor) -> torch.Tensor:
+    t = torch.log(v.clamp(min=1e-6))
     if t.numel() < 2:
         return torch.zeros_like(t, dtype=torch.float32)
     return ((t - t.mean()) / t.std().clamp(min=1e-6)).float()
@@ -79,14 +90,15 @@ def rank_correlation(a: torch.Tensor, b: torch.Tensor) -> float:
 def warm_start_router(
     router: TokenRouter,
     inputs: torch.Tensor,
-    similarity: torch.Tensor,
+    importance: torch.Tensor,
     layer_index: int,
     steps: int = 100,
     lr: float = 1e-2,
     seed: int = 0,
 ) -> WarmStartResult:
-    """Fit ``router`` (in place) so its score predicts the importance of each sampled
-    token.
+    """Fit ``router`` (in place) so its score predicts the ``importance`` of each
+    sampled token (a standardised target, larger = keep: :func:`importance_target`,
+    :func:`skip_error_target`).
 
     Trains a float32 copy (bf16 Adam updates would be lost to rounding) and copies it
     back in the router's own dtype. A quarter of the sample is held out to report rank
@@ -95,10 +107,10 @@ def warm_start_router(
     held-out correlation is NaN. Any sample of at least one token works.
     """
     n = inputs.shape[0]
-    if n != similarity.shape[0]:
+    if n != importance.shape[0]:
         raise ValueError(
-            f"layer {layer_index}: {n} sampled inputs but {similarity.shape[0]} "
-            "similarities"
+            f"layer {layer_index}: {n} sampled inputs but {importance.shape[0]} "
+            "importance targets"
         )
     if n < 1:
         raise ValueError(f"layer {layer_index}: no sampled tokens to fit the router on")
@@ -106,7 +118,7 @@ def warm_start_router(
     perm = torch.randperm(n, generator=g)
     n_hold = max(2, n // 4) if n >= MIN_HELDOUT_SAMPLE else 0
     hold, fit = perm[:n_hold], perm[n_hold:]
-    target = importance_target(similarity)
+    target = importance.float()
     device = next(router.parameters()).device
     work = copy.deepcopy(router).float().to(device)
     x = inputs.float().to(device)
@@ -172,7 +184,12 @@ def warm_start_routers(
             )
         if k % world == me:
             mine[k] = warm_start_router(
-                layer.router, x, cos, layer.layer_index, steps=steps, seed=seed
+                layer.router,
+                x,
+                importance_target(cos),
+                layer.layer_index,
+                steps=steps,
+                seed=seed,
             )
     if world == 1:
         return [mine[k] for k in range(len(layers))]
