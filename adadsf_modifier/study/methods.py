@@ -100,6 +100,15 @@ METHODS: dict[str, Method] = {
             "give keys/values; maps refitted after alignment",
         ),
         Method(
+            "adadsf_ridge_kv_err",
+            "AdaDSF + ridge + K/V, skip-error routers",
+            "similarity",
+            fields={**_RIDGE_KV, "router_init": "skip_error"},
+            description="the ridge/K-V variant with each router refit, before "
+            "alignment, to the relative error of its layer's fitted map "
+            "(router_init: skip_error)",
+        ),
+        Method(
             "adadsf_ridge_kv_no_align",
             "AdaDSF + ridge + K/V, no alignment",
             "similarity",
