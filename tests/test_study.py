@@ -16,9 +16,11 @@ from adadsf_modifier.study.plan import (
     Context,
     Tuned,
     count_runs,
+    fixed_rates,
     layer_drop_retention,
     main_specs,
     modifier_fields,
+    rate_grid,
     tune_specs,
 )
 from adadsf_modifier.study.render import MARKER, render_markdown
@@ -248,9 +250,39 @@ def test_tune_methods_choose_their_own_rates_with_the_first_ones_tau_and_beta():
     }
 
 
+def test_tune_rates_replace_a_methods_grid_and_one_pair_fixes_its_rates():
+    s = StudySettings(
+        methods=("dense", "adadsf_ridge_kv_err", "uniform", "layer_drop_healed"),
+        tune_methods=("adadsf_ridge_kv_err", "uniform", "layer_drop_healed"),
+        tune_lrs=(1e-3,),
+        tune_layer_lrs=(1e-4, 1e-3),
+        tune_temperatures=(0.05,),
+        tune_rates={
+            "adadsf_ridge_kv_err": [[1e-4, 1e-5], [1e-4, None], [1e-3, 1e-4]],
+            "layer_drop_healed": [[1e-3, 1e-3]],
+        },  # fmt: skip
+    )
+    assert rate_grid(s, "adadsf_ridge_kv_err") == [
+        (1e-4, 1e-5), (1e-4, None), (1e-3, 1e-4)
+    ]  # fmt: skip
+    assert rate_grid(s, "uniform") == [(1e-3, 1e-4), (1e-3, 1e-3)]  # the product
+    assert fixed_rates(s, "layer_drop_healed") == (1e-3, 1e-3)
+    assert fixed_rates(s, "uniform") is None
+    # the first method's three pairs (its one temperature is among them), uniform's
+    # two, none for layer removal
+    assert count_runs(s)["tune"] == 3 + 2
+    mods = [x.config["modifier"] for x in tune_specs(s, CTX)]
+    assert [(m["align_lr"], m["align_layer_lr"]) for m in mods] == [
+        (1e-4, 1e-5), (1e-4, None), (1e-3, 1e-4)
+    ]  # fmt: skip
+    assert {m["router_init"] for m in mods} == {"skip_error"}
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
+        ({"tune_rates": {"uniform": [[1e-3, None]]}}, "are not among tune_methods"),
+        ({"tune_rates": {"adadsf": []}}, "give no rate pair"),
         ({"tune_methods": ("layer_drop_healed",)}, "put a routed method first"),
         ({"tune_methods": ("adadsf", "ftp")}, "'ftp' is not an aligned method"),
         ({"tune_methods": ("adadsf", "layer_drop")}, "is not an aligned method"),

@@ -113,6 +113,7 @@ def fake_executor(calls, fail=()):
         return {
             "phase": spec.phase, "method": spec.method, "budget": spec.budget,
             "seed": spec.seed, "ppl_val": ppl, "ppl_test": ppl, "align_lr": lr,
+            "align_layer_lr": mod.get("align_layer_lr"),
             "temperature": mod.get("temperature"), "beta": mod.get("beta"),
             "normalized_flops": mod.get("retention", 1.0) - 0.013, "num_layers": 30,
             "num_routed": 29, "tasks": {}, "task_n": {}, "task_mean": None,
@@ -151,6 +152,27 @@ def test_orchestration_tuning_matching_and_failures(tiny_dir, tmp_path):
                     executor=fake_executor(calls))  # fmt: skip
     assert calls == ["main:uniform@0.8/seed0", "main:uniform@0.8/seed1"]
     assert not res["failed"] and res["runtime"]["runs_cached"] == 9
+
+
+def test_a_method_with_fixed_tune_rates_runs_no_tuning_and_trains_at_them(
+    tiny_dir, tmp_path
+):
+    s = StudySettings(methods=("dense", "adadsf", "layer_drop_healed"),
+                      tune_methods=("adadsf", "layer_drop_healed"),
+                      tune_rates={"layer_drop_healed": [[3e-4, 1e-5]]},
+                      budgets=(0.8,), seeds=1, tune_lrs=(1e-4, 3e-4),
+                      tune_temperatures=(0.05,), calib_samples=2, calib_seq_len=16,
+                      align_steps=2, align_batch_size=1, align_seq_len=16)  # fmt: skip
+    calls: list[str] = []
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls))  # fmt: skip
+    assert [c for c in calls if c.startswith("tune:")] == ["tune:adadsf@0.8/seed0"] * 2
+    fixed = {"align_lr": 3e-4, "align_layer_lr": 1e-5, "source": "fixed by tune_rates"}
+    assert res["tuned"]["per_method"] == {"layer_drop_healed": fixed}
+    healed = [r for r in res["runs"] if r["method"] == "layer_drop_healed"]
+    assert [(r["align_lr"], r["align_layer_lr"]) for r in healed] == [(3e-4, 1e-5)]
+    md = (tmp_path / "o" / "RESULTS.md").read_text()
+    assert "learning rate 0.0003 (layer weights 1e-05) (fixed by tune_rates)" in md
 
 
 def test_a_variant_tuned_for_itself_trains_at_its_own_rates_and_sets_the_flops(

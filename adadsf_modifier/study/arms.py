@@ -44,15 +44,16 @@ class Tuned:
     """Hyper-parameters the main runs use, and where they came from.
 
     ``align_lr``/``align_layer_lr`` are the rates of every aligned method except those
-    in ``per_method`` (``{method: {"align_lr", "align_layer_lr"}}``: the methods of
-    ``tune_methods`` after the first, each tuned for itself)."""
+    in ``per_method`` (``{method: {"align_lr", "align_layer_lr"[, "source"]}}``: the
+    methods of ``tune_methods`` after the first, each tuned for itself, or with a
+    ``source`` saying where its fixed rates came from)."""
 
     align_lr: float
     temperature: float
     beta: float
     source: str  # "validation split" or "settings (tuning off)"
     align_layer_lr: float | None = None  # None: align_lr for the layers too
-    per_method: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    per_method: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, s: StudySettings, source: str) -> Tuned:

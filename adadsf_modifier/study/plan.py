@@ -151,11 +151,8 @@ def tune_specs(
         return []
     method = method or s.tune_methods[0]
     if best_lrs is None:
-        layer_lrs = s.tune_layer_lrs or (s.align_layer_lr,)
         tau, beta = (base.temperature, base.beta) if base else (s.temperature, s.beta)
-        grid = [
-            (lr, layer_lr, tau, beta) for lr in s.tune_lrs for layer_lr in layer_lrs
-        ]
+        grid = [(lr, layer_lr, tau, beta) for lr, layer_lr in rate_grid(s, method)]
     else:
         grid = [(*best_lrs, t, b) for t in s.tune_temperatures for b in s.tune_betas]
     out = []
@@ -177,6 +174,24 @@ def tune_specs(
     return out
 
 
+def rate_grid(s: StudySettings, method: str) -> list[tuple[float, float | None]]:
+    """The (learning rate, layer learning rate) pairs ``method``'s tuning tries:
+    its ``tune_rates`` entry, else ``tune_lrs`` x ``tune_layer_lrs``."""
+    pairs = s.tune_rates.get(method)
+    if pairs:
+        return [(float(lr), layer_lr) for lr, layer_lr in pairs]
+    layer_lrs = s.tune_layer_lrs or (s.align_layer_lr,)
+    return [(lr, layer_lr) for lr in s.tune_lrs for layer_lr in layer_lrs]
+
+
+def fixed_rates(s: StudySettings, method: str) -> tuple[float, float | None] | None:
+    """The one pair of a later tuned method whose ``tune_rates`` entry has a single
+    pair: it trains at it, with no tuning run (None otherwise)."""
+    if method == s.tune_methods[0] or len(s.tune_rates.get(method, ())) != 1:
+        return None
+    return rate_grid(s, method)[0]
+
+
 def choose_best(records: list[dict]) -> dict:
     """The tune record with the lowest validation perplexity (ties: first)."""
     finite = [r for r in records if math.isfinite(r.get("ppl_val") or math.inf)]
@@ -187,13 +202,14 @@ def choose_best(records: list[dict]) -> dict:
 
 def tune_count(s: StudySettings) -> int:
     """Tuning runs of the whole plan: both stages for the first of ``tune_methods``,
-    the rate grid for each later one."""
+    the rate grid for each later one (none for a later one with fixed rates)."""
     if not s.tune:
         return 0
     stage2 = len(s.tune_temperatures) * len(s.tune_betas)
     default_in_grid = s.temperature in s.tune_temperatures and s.beta in s.tune_betas
-    stage1 = len(s.tune_lrs) * max(1, len(s.tune_layer_lrs))
-    return stage1 * len(s.tune_methods) + stage2 - (1 if default_in_grid else 0)
+    first, *later = s.tune_methods
+    runs = len(rate_grid(s, first)) + stage2 - (1 if default_in_grid else 0)
+    return runs + sum(len(rate_grid(s, m)) for m in later if not fixed_rates(s, m))
 
 
 # --------------------------------------------------------------------------------------

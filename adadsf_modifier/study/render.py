@@ -84,9 +84,10 @@ def _own_rates(t: dict) -> tuple[str, str]:
     names = ", ".join(_label(m) for m in own)
     chosen = "; ".join(
         f"{_label(m)}: learning rate {_num(x['align_lr'], 'g')}{_layer_rate(x)}"
+        + (f" ({x['source']})" if x.get("source") else "")
         for m, x in own.items()
     )
-    return f" (except {names}: tuned for itself, below)", f" {chosen}."
+    return f" (except {names}: own rates, below)", f" {chosen}."
 
 
 def _setup(r: dict) -> list[str]:

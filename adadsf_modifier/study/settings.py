@@ -120,6 +120,14 @@ class StudySettings(BaseModel):
     # study's default rule); list a variant (e.g. adadsf_ridge_kv, whose pre-trained
     # layers want a lower rate, docs/measurements.md section 9) to tune it on its own.
     tune_methods: Annotated[tuple[str, ...], Field(min_length=1)] = ("adadsf",)
+    # Per method of tune_methods: the (align_lr, align_layer_lr) pairs its tuning tries
+    # instead of tune_lrs x tune_layer_lrs (a null layer rate: align_layer_lr), e.g.
+    # {adadsf_ridge_kv_err: [[1e-4, 1e-4], [1e-3, 1e-4]], uniform: [[1e-3, 1e-3]]}.
+    # A later method given a single pair is not tuned: it trains at that pair, a choice
+    # made on the validation split before (the doc says where).
+    tune_rates: dict[str, tuple[tuple[PositiveFloat, PositiveFloat | None], ...]] = (
+        Field(default_factory=dict)
+    )
     # The routed method whose mean measured FLOPs layer removal matches at each budget
     # (when it is not among the methods: the nominal budget).
     flops_reference: str = "adadsf"
@@ -228,6 +236,13 @@ class StudySettings(BaseModel):
             )
         if self.ppl_max_length < 2:
             raise ValueError("ppl_max_length must be >= 2")
+        stray = [m for m in self.tune_rates if m not in self.tune_methods]
+        empty = [m for m, pairs in self.tune_rates.items() if not pairs]
+        if stray or empty:
+            raise ValueError(
+                f"tune_rates: {stray or empty} "
+                + ("are not among tune_methods" if stray else "give no rate pair")
+            )
         missing = [m for m in self.tune_methods[1:] if m not in self.methods]
         if self.tune and missing:
             raise ValueError(

@@ -43,6 +43,7 @@ from adadsf_modifier.study.plan import (
     budgets_of,
     choose_best,
     count_runs,
+    fixed_rates,
     main_specs,
     tune_specs,
 )
@@ -200,6 +201,10 @@ def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None
         )
         per_method = {}
         for method in s.tune_methods[1:]:
+            if (pair := fixed_rates(s, method)) is not None:
+                per_method[method] = {"align_lr": pair[0], "align_layer_lr": pair[1],
+                                      "source": "fixed by tune_rates"}  # fmt: skip
+                continue
             if (own := run_all(tune_specs(s, ctx, method=method, base=tuned))) is None:
                 return None, list(records.values())
             pick = choose_best(own)
@@ -232,7 +237,7 @@ def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) ->
         return estimate_run_seconds(s, phase, method, params, ctx.device)
 
     counts = count_runs(s)
-    per_tuned = counts["tune"] / len(s.tune_methods)
+    per_tuned = counts["tune"] / len(s.tune_methods)  # roughly: grids may differ
     total = sum(per_tuned * one("tune", m) for m in s.tune_methods)
     for m in s.methods:
         n = 1 if m == "dense" else len(s.seeds_of(m)) * len(budgets_of(s, m))
