@@ -266,7 +266,9 @@ def test_tune_rates_replace_a_methods_grid_and_one_pair_fixes_its_rates():
         (1e-4, 1e-5), (1e-4, None), (1e-3, 1e-4)
     ]  # fmt: skip
     assert rate_grid(s, "uniform") == [(1e-3, 1e-4), (1e-3, 1e-3)]  # the product
-    assert fixed_rates(s, "layer_drop_healed") == (1e-3, 1e-3)
+    assert fixed_rates(s, "layer_drop_healed") == {
+        "align_lr": 1e-3, "align_layer_lr": 1e-3, "source": "fixed by tune_rates"
+    }  # fmt: skip
     assert fixed_rates(s, "uniform") is None
     # the first method's three pairs (its one temperature is among them), uniform's
     # two, none for layer removal

@@ -184,12 +184,14 @@ def rate_grid(s: StudySettings, method: str) -> list[tuple[float, float | None]]
     return [(lr, layer_lr) for lr in s.tune_lrs for layer_lr in layer_lrs]
 
 
-def fixed_rates(s: StudySettings, method: str) -> tuple[float, float | None] | None:
-    """The one pair of a later tuned method whose ``tune_rates`` entry has a single
-    pair: it trains at it, with no tuning run (None otherwise)."""
+def fixed_rates(s: StudySettings, method: str) -> dict[str, Any] | None:
+    """The rates of a later tuned method whose ``tune_rates`` entry has a single pair
+    (``Tuned.per_method``'s form): it trains at them, with no tuning run (None
+    otherwise)."""
     if method == s.tune_methods[0] or len(s.tune_rates.get(method, ())) != 1:
         return None
-    return rate_grid(s, method)[0]
+    lr, layer_lr = rate_grid(s, method)[0]
+    return {"align_lr": lr, "align_layer_lr": layer_lr, "source": "fixed by tune_rates"}
 
 
 def choose_best(records: list[dict]) -> dict:
@@ -200,16 +202,21 @@ def choose_best(records: list[dict]) -> dict:
     return min(finite, key=lambda r: r["ppl_val"])
 
 
-def tune_count(s: StudySettings) -> int:
-    """Tuning runs of the whole plan: both stages for the first of ``tune_methods``,
-    the rate grid for each later one (none for a later one with fixed rates)."""
-    if not s.tune:
+def tune_runs_of(s: StudySettings, method: str) -> int:
+    """Tuning runs of ``method``: both stages for the first of ``tune_methods``, the
+    rate grid for each later one (none for a later one with fixed rates)."""
+    if not s.tune or method not in s.tune_methods:
         return 0
+    if method != s.tune_methods[0]:
+        return 0 if fixed_rates(s, method) else len(rate_grid(s, method))
     stage2 = len(s.tune_temperatures) * len(s.tune_betas)
     default_in_grid = s.temperature in s.tune_temperatures and s.beta in s.tune_betas
-    first, *later = s.tune_methods
-    runs = len(rate_grid(s, first)) + stage2 - (1 if default_in_grid else 0)
-    return runs + sum(len(rate_grid(s, m)) for m in later if not fixed_rates(s, m))
+    return len(rate_grid(s, method)) + stage2 - (1 if default_in_grid else 0)
+
+
+def tune_count(s: StudySettings) -> int:
+    """Tuning runs of the whole plan (:func:`tune_runs_of` each tuned method)."""
+    return sum(tune_runs_of(s, m) for m in s.tune_methods)
 
 
 # --------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from adadsf_modifier.study.plan import (
     count_runs,
     fixed_rates,
     main_specs,
+    tune_runs_of,
     tune_specs,
 )
 from adadsf_modifier.study.plots import PLOT_FILES, write_plots
@@ -201,9 +202,8 @@ def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None
         )
         per_method = {}
         for method in s.tune_methods[1:]:
-            if (pair := fixed_rates(s, method)) is not None:
-                per_method[method] = {"align_lr": pair[0], "align_layer_lr": pair[1],
-                                      "source": "fixed by tune_rates"}  # fmt: skip
+            if (fixed := fixed_rates(s, method)) is not None:
+                per_method[method] = fixed
                 continue
             if (own := run_all(tune_specs(s, ctx, method=method, base=tuned))) is None:
                 return None, list(records.values())
@@ -236,9 +236,7 @@ def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) ->
             return sum(done) / len(done)
         return estimate_run_seconds(s, phase, method, params, ctx.device)
 
-    counts = count_runs(s)
-    per_tuned = counts["tune"] / len(s.tune_methods)  # roughly: grids may differ
-    total = sum(per_tuned * one("tune", m) for m in s.tune_methods)
+    total = sum(tune_runs_of(s, m) * one("tune", m) for m in s.tune_methods)
     for m in s.methods:
         n = 1 if m == "dense" else len(s.seeds_of(m)) * len(budgets_of(s, m))
         total += n * one("main", m)
