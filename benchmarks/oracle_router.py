@@ -104,24 +104,6 @@ def oracle_routers(model: nn.Module, kind: str):
             layer._modules["router"] = router
 
 
-def _routed_model(method: str, args, env: dict) -> nn.Module:
-    """``skip_paths.run_method``'s model, built the same way and returned."""
-    from compressed_tensors.offload import remove_dispatch
-    from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM
-
-    from adadsf_modifier import AdaDSFModifier
-
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(env["path"], dtype=torch.float32)
-    kw = skip_paths._modifier_kwargs(method, args, model.config.num_hidden_layers)
-    oneshot(model=model, processor=env["tok"], dataset=env["calib_rows"],
-            recipe=[AdaDSFModifier(**kw)], num_calibration_samples=args.calib_samples,
-            max_seq_length=args.calib_seq_len)  # fmt: skip
-    remove_dispatch(model, onload_tensors=True)
-    return model.eval()
-
-
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
@@ -143,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     n = args.ppl_max_length
     out: dict[str, dict[str, float]] = {}
     for method in args.methods.split(","):
-        model = _routed_model(method.strip(), args, env)
+        model = skip_paths.build_model(method.strip(), args, env)[0].eval()
         ids = val[: args.flops_batch * n].view(args.flops_batch, n)
         with torch.no_grad():
             flops = normalized_flops(model, {"input_ids": ids}).normalized

@@ -155,27 +155,39 @@ def _dense_input_fit(model, calib) -> dict:
     return {"skip_r2": rep.r2}
 
 
-def run_method(method: str, args, env: dict) -> dict[str, Any]:
+def build_model(method: str, args, env: dict) -> tuple[Any, Any, dict]:
+    """``(model, modifier, fields)`` of a row: the dense model (modifier None) or a
+    fresh ``oneshot`` of ``AdaDSFModifier`` with the row's fields on it."""
     import torch
     from compressed_tensors.offload import remove_dispatch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM
 
     from adadsf_modifier import AdaDSFModifier
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(env["path"], dtype=torch.float32)
+    if method == "dense":
+        return model, None, {}
+    kw = _modifier_kwargs(method, args, model.config.num_hidden_layers)
+    mod = AdaDSFModifier(**kw, align_dataset=env.get("align"))
+    oneshot(model=model, processor=env["tok"], dataset=env["calib_rows"],
+            recipe=[mod], num_calibration_samples=args.calib_samples,
+            max_seq_length=args.calib_seq_len)  # fmt: skip
+    remove_dispatch(model, onload_tensors=True)
+    return model, mod, kw
+
+
+def run_method(method: str, args, env: dict) -> dict[str, Any]:
+    import torch
+
     from adadsf_modifier.flops import normalized_flops
     from adadsf_modifier.study.measure import measure_perplexity
 
     t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(env["path"], dtype=torch.float32)
+    model, mod, kw = build_model(method, args, env)
     row: dict[str, Any] = {"method": method}
-    if method != "dense":
-        kw = _modifier_kwargs(method, args, model.config.num_hidden_layers)
-        mod = AdaDSFModifier(**kw, align_dataset=env.get("align"))
-        oneshot(model=model, processor=env["tok"], dataset=env["calib_rows"],
-                recipe=[mod], num_calibration_samples=args.calib_samples,
-                max_seq_length=args.calib_seq_len)  # fmt: skip
-        remove_dispatch(model, onload_tensors=True)
+    if mod is not None:
         row["settings"] = {k: v for k, v in kw.items() if k != "ignore"}
         if mod.skip_path_report is not None:
             row["skip_r2"] = mod.skip_path_report.r2

@@ -306,39 +306,54 @@ def _fit_map(
     """Fit and load ``layer``'s map from inputs ``xs`` and dense outputs ``ys``, on
     the real tokens its router skips (``use_skipped``) or on all of them."""
     hidden = xs[0].shape[-1]
-    # per token set ("skipped", "all"): the two folds' statistics
-    stats = {k: (RidgeStats(hidden, device), RidgeStats(hidden, device))
-             for k in ("skipped", "all")}  # fmt: skip
-    rows_seen = 0
-    for x, call, y in zip(xs, calls, ys):
-        mask = call[1].get("attention_mask")
-        real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
-        free = real & ~layer.selected_mask(x, mask) if use_skipped else None
-        for fold, part in enumerate(_folds(real, rows_seen)):
-            stats["all"][fold].add(x[part], (y - x)[part])
-            if free is not None:
-                stats["skipped"][fold].add(x[part & free], (y - x)[part & free])
-        rows_seen += x.shape[0]
-    for pair in stats.values():
-        for one in pair:
-            one.all_reduce()
-    chosen = "all"
+    folds = None
     if use_skipped:
-        n_skipped = sum(f.n for f in stats["skipped"])
-        if n_skipped >= hidden:
-            chosen = "skipped"
-        else:
+        folds = _fold_stats(layer, xs, calls, ys, device, skipped_only=True)
+        n_skipped = sum(f.n for f in folds)  # summed over the ranks: same choice
+        if n_skipped < hidden:
             logger.warning(
                 f"AdaDSF skip path of layer {layer.layer_index}: its router skipped "
                 f"{n_skipped} calibration tokens, fewer than the hidden size "
                 f"{hidden}; fitting on all real tokens instead"
             )
-    folds = stats[chosen]
+            folds = None
+    if folds is None:
+        folds = _fold_stats(layer, xs, calls, ys, device, skipped_only=False)
     if ridge == "auto":
         ridge = choose_ridge(folds, rank) if min(f.n for f in folds) > 1 else 1e-3
     fit = fit_ridge(folds[0] + folds[1], rank, float(ridge))
     layer.skip_path.load_fit(fit)
     return fit
+
+
+def _fold_stats(
+    layer: RoutedLayer,
+    xs: list[torch.Tensor],
+    calls: list[tuple],
+    ys: list[torch.Tensor],
+    device: torch.device,
+    skipped_only: bool,
+) -> tuple[RidgeStats, RidgeStats]:
+    """The two folds' regression statistics of the update ``y - x`` on ``x`` over the
+    real tokens (``skipped_only``: those the router skips), summed over the ranks."""
+    hidden = xs[0].shape[-1]
+    folds = (RidgeStats(hidden, device), RidgeStats(hidden, device))
+    rows_seen = 0
+    for x, call, y in zip(xs, calls, ys):
+        mask, real = _real_tokens(x, call)
+        keep = real & ~layer.selected_mask(x, mask) if skipped_only else real
+        for fold, part in enumerate(_folds(real, rows_seen)):
+            folds[fold].add(x[part & keep], (y - x)[part & keep])
+        rows_seen += x.shape[0]
+    for one in folds:
+        one.all_reduce()
+    return folds
+
+
+def _real_tokens(x: torch.Tensor, call: tuple) -> tuple[Any, torch.Tensor]:
+    """``(attention_mask, real [batch, seq])`` of a recorded layer call on ``x``."""
+    mask = call[1].get("attention_mask")
+    return mask, real_token_mask(mask, x.shape[0], x.shape[1], x.device)
 
 
 def _skip_error_sample(
@@ -352,8 +367,7 @@ def _skip_error_sample(
     tokens that are free to skip (not forced to run), gathered over the ranks."""
     x_parts, err_parts = [], []
     for x, call, y in zip(xs, calls, ys):
-        mask = call[1].get("attention_mask")
-        real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
+        _, real = _real_tokens(x, call)
         forced = layer.forced_tokens(real)
         free = real if forced is None else real & ~forced
         xf = x[free]

@@ -179,7 +179,7 @@ def rate_grid(s: StudySettings, method: str) -> list[tuple[float, float | None]]
     its ``tune_rates`` entry, else ``tune_lrs`` x ``tune_layer_lrs``."""
     pairs = s.tune_rates.get(method)
     if pairs:
-        return [(float(lr), layer_lr) for lr, layer_lr in pairs]
+        return [tuple(p) for p in pairs]
     layer_lrs = s.tune_layer_lrs or (s.align_layer_lr,)
     return [(lr, layer_lr) for lr in s.tune_lrs for layer_lr in layer_lrs]
 
