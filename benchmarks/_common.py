@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -12,9 +14,11 @@ def build_routed_checkpoint(
     calibration_samples: int = 16,
     seq_len: int = 256,
     dtype: torch.dtype = torch.float32,
+    fields: dict[str, Any] | None = None,
 ) -> str:
     """AdaDSF at ``retention`` (no alignment) on ``model_path``, saved to
-    ``output_dir``.
+    ``output_dir``; ``fields``: further ``AdaDSFModifier`` fields (a variant such as
+    ``skip_path: ridge``), checked by the modifier itself.
 
     What the speed benchmarks time: speed depends on how many tokens run each layer, not
     on how well the routers were trained.
@@ -29,7 +33,7 @@ def build_routed_checkpoint(
     oneshot(
         model=AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype),
         dataset=calibration_dataset(tok, calibration_samples, seq_len),
-        recipe=[AdaDSFModifier(retention=retention)],
+        recipe=[AdaDSFModifier(retention=retention, **(fields or {}))],
         output_dir=output_dir,
     )
     return output_dir

@@ -1,8 +1,8 @@
 """Speed of AdaDSF routing vs the dense model, side by side in one process.
 
-    python benchmarks/speed.py                      # embedded SmolLM2-135M, retention
-    0.8 python benchmarks/speed.py --seq-lens 256 1024 --batch-sizes 1 --repeats 3   #
-    quicker
+    python benchmarks/speed.py      # embedded SmolLM2-135M, retention 0.8
+    python benchmarks/speed.py --seq-lens 256 1024 --batch-sizes 1 --repeats 3  # short
+    python benchmarks/speed.py --field skip_path=ridge --field skipped_tokens_kv=true
 
 Builds the routed model with ``oneshot`` (AdaDSF, no alignment: speed depends on how
 many tokens run each layer, not on router quality), saves it, and loads dense and routed
@@ -23,6 +23,7 @@ import tempfile
 import time
 
 import torch
+import yaml
 from loguru import logger
 from transformers import AutoTokenizer
 
@@ -36,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--retention", type=float, default=0.8)
     p.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an AdaDSFModifier field of the routed model, VALUE in YAML (repeatable), "
+        "e.g. --field skip_path=ridge --field skipped_tokens_kv=true",
+    )
+    p.add_argument(
         "--seq-lens",
         type=int,
         nargs="*",
@@ -44,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-prompt", type=int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=32, help="0 skips decoding")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--decode-repeats", type=int, default=None, help="default max(7, --repeats)"
@@ -57,16 +66,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
+    fields = {}
+    for item in args.field:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            p.error(f"--field {item!r}: expected KEY=VALUE")
+        fields[key] = yaml.safe_load(raw)
 
     from _common import build_routed_checkpoint
 
     from adadsf_modifier.evaluation import load_text_splits, resolve_model
     from adadsf_modifier.evaluation.speed import (
+        check_speed_grid,
         format_table,
         load_pair,
         run_speed_benchmark,
     )
 
+    try:  # before minutes of building: a grid with nothing to time is refused now
+        check_speed_grid(
+            args.seq_lens,
+            args.batch_sizes,
+            args.decode_prompt,
+            args.decode_tokens,
+            args.repeats,
+        )
+    except ValueError as err:
+        p.error(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(
@@ -83,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = tempfile.mkdtemp(prefix="adadsf-speed-")
     atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
     build_routed_checkpoint(
-        path, checkpoint, args.retention, args.calibration_samples, dtype=dtype
+        path,
+        checkpoint,
+        args.retention,
+        args.calibration_samples,
+        dtype=dtype,
+        fields=fields,
     )
     # both twins from the saved checkpoint, loaded alike (see load_pair)
     dense, routed = load_pair(checkpoint, dtype=dtype, device=device)
@@ -103,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_repeats=args.decode_repeats,
     )
     header = (
-        f"# AdaDSF speed, retention {args.retention}, {device.type} "
+        f"# AdaDSF speed, retention {args.retention}"
+        f"{''.join(f', {k}={v}' for k, v in fields.items())}, {device.type} "
         f"({torch.get_num_threads()} threads), {dtype}, torch {torch.__version__}, "
         f"{platform.processor() or platform.machine()}"
     )

@@ -65,3 +65,38 @@ def test_benchmark_refuses_models_in_different_dispatch_states():
         )
     remove_dispatch(routed, onload_tensors=True)
     assert not is_dispatched(routed)
+
+
+def test_zero_decode_tokens_skips_decoding():
+    dense, routed = pair()
+    stream = torch.randint(4, 128, (200,), generator=torch.Generator().manual_seed(1))
+    results = run_speed_benchmark(
+        dense, routed, stream, seq_lens=(8,), batch_sizes=(1,), decode_tokens=0,
+        repeats=1,
+    )  # fmt: skip
+    assert [r.kind for r in results] == ["prefill"]
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        (dict(seq_lens=(0,)), "seq_len 0"),
+        (dict(batch_sizes=(1, 0)), "batch size 0"),
+        (dict(batch_sizes=()), "no batch sizes"),
+        (dict(repeats=0), "repeats 0"),
+        (dict(decode_tokens=-1), "decode_tokens -1"),
+        (dict(decode_prompt=0), "decode_prompt 0"),
+    ],
+)
+def test_unmeasurable_grids_are_refused_before_any_forward(grid, message):
+    calls = []
+
+    class Counting(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            calls.append(1)
+
+    kwargs = dict(seq_lens=(8,), batch_sizes=(1,), decode_prompt=4, decode_tokens=2)
+    kwargs.update(grid)
+    with pytest.raises(ValueError, match=message):
+        run_speed_benchmark(Counting(), Counting(), torch.arange(100), **kwargs)
+    assert not calls

@@ -28,6 +28,7 @@ __all__ = [
     "measure_prefill",
     "measure_decode",
     "run_speed_benchmark",
+    "check_speed_grid",
     "format_table",
     "is_dispatched",
     "load_pair",
@@ -269,14 +270,18 @@ def run_speed_benchmark(
 ) -> list[SpeedResult]:
     """The full grid: prefill at each (seq_len, batch) and decoding at each batch size.
 
-    ``seq_lens=()`` skips prefill. A decoding run is short (seconds) and noisier than a
-    long prefill, so it is repeated ``decode_repeats`` times (default ``max(7,
-    repeats)``).
+    ``seq_lens=()`` skips prefill, ``decode_tokens=0`` decoding. A decoding run is
+    short (seconds) and noisier than a long prefill, so it is repeated
+    ``decode_repeats`` times (default ``max(7, repeats)``). Sizes that cannot be
+    measured raise ``ValueError`` before anything runs.
 
     ``token_stream`` is a 1D tensor of real token ids; inputs are consecutive,
     non-overlapping chunks of it (real text routes like real text; random ids would
     not). Both models must be in the same dispatch state (see :func:`is_dispatched`).
     """
+    check_speed_grid(seq_lens, batch_sizes, decode_prompt, decode_tokens, repeats)
+    if decode_repeats is not None and decode_repeats < 1:
+        raise ValueError(f"decode_repeats must be >= 1, got {decode_repeats}")
     if is_dispatched(dense) != is_dispatched(routed):
         which = "routed" if is_dispatched(routed) else "dense"
         raise ValueError(
@@ -303,7 +308,7 @@ def run_speed_benchmark(
             res = measure_prefill(dense, routed, chunk(b, n), repeats=repeats)
             logger.info(_row(res))
             results.append(res)
-    for b in batch_sizes:
+    for b in batch_sizes if decode_tokens else ():
         res = measure_decode(
             dense,
             routed,
@@ -314,6 +319,25 @@ def run_speed_benchmark(
         logger.info(_row(res))
         results.append(res)
     return results
+
+
+def check_speed_grid(
+    seq_lens, batch_sizes, decode_prompt: int, decode_tokens: int, repeats: int
+) -> None:
+    """Refuse a grid with nothing to time in it (a 0-token decode would divide its
+    FLOPs by zero after minutes of work)."""
+    bad = [f"seq_len {n}" for n in seq_lens if n < 1]
+    bad += [f"batch size {b}" for b in batch_sizes if b < 1]
+    if not batch_sizes:
+        bad.append("no batch sizes")
+    if repeats < 1:
+        bad.append(f"repeats {repeats}")
+    if decode_tokens < 0:
+        bad.append(f"decode_tokens {decode_tokens} (0 skips decoding)")
+    if decode_tokens and decode_prompt < 1:
+        bad.append(f"decode_prompt {decode_prompt}")
+    if bad:
+        raise ValueError(f"speed benchmark: nothing to measure for {', '.join(bad)}")
 
 
 def _row(r: SpeedResult) -> str:

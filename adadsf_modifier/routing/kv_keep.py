@@ -31,7 +31,7 @@ from adadsf_modifier.routing.architectures import ArchitectureSpec
 from adadsf_modifier.routing.selection import gather_position_embeddings, gather_tokens
 from adadsf_modifier.utils import allowed_by_mask
 
-__all__ = ["MergedKV", "project_kv", "query_rows_mask", "stored_keys"]
+__all__ = ["MergedKV", "place_kv", "project_kv", "query_rows_mask", "stored_keys"]
 
 
 def project_kv(
@@ -102,11 +102,7 @@ class MergedKV:
     def _merge(self, base: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         if self.rows is not None:  # decoding: new [rows, heads, 1, d]
             return base.index_copy(0, self.rows, new)
-        batch, heads, _, dim = new.shape
-        if base is None:
-            base = new.new_zeros(batch, heads, self.seq_len + 1, dim)
-        idx = self.index[:, None, :, None].expand(batch, heads, -1, dim)
-        return base.scatter(2, idx, new)[:, :, : self.seq_len]
+        return place_kv(base, new, self.index, self.seq_len)[:, :, : self.seq_len]
 
     def update(
         self,
@@ -128,6 +124,34 @@ class MergedKV:
         return keys, values
 
 
+def place_kv(
+    base: torch.Tensor | None,
+    new: torch.Tensor,
+    index: torch.Tensor,
+    seq_len: int,
+) -> torch.Tensor:
+    """``base`` ``[batch, heads, seq + 1, d]`` (``None``: zeros) with ``new``
+    ``[batch, heads, n, d]`` written at the positions ``index [batch, n]`` (unused
+    slots at ``seq``, the extra position). ``base`` itself is left as it was.
+
+    Stored position-major (a ``[batch, heads, seq + 1, d]`` view of ``[batch, seq + 1,
+    heads, d]`` memory, the layout the attention module's own keys have), so the write
+    is a row-wise ``index_copy`` over the flattened ``batch * (seq + 1)`` positions:
+    cheaper on CPU than ``scatter`` with an index expanded over heads and dims.
+    """
+    batch, heads, _, dim = new.shape
+    rows = (
+        index + torch.arange(batch, device=index.device).unsqueeze(1) * (seq_len + 1)
+    ).reshape(-1)
+    src = new.transpose(1, 2).reshape(-1, heads, dim)
+    if base is None:
+        out = new.new_zeros(batch * (seq_len + 1), heads, dim).index_copy_(0, rows, src)
+    else:
+        flat = base.transpose(1, 2).reshape(batch * (seq_len + 1), heads, dim)
+        out = flat.index_copy(0, rows, src.to(flat.dtype))
+    return out.view(batch, seq_len + 1, heads, dim).transpose(1, 2)
+
+
 def skipped_kv(
     layer: Any,
     spec: ArchitectureSpec,
@@ -141,10 +165,9 @@ def skipped_kv(
     """
     pe = gather_position_embeddings(position_embeddings, skip_index)
     k, v = project_kv(layer, spec, x_skipped, pe)
-    batch, heads, _, dim = k.shape
-    idx = skip_index[:, None, :, None].expand(batch, heads, -1, dim)
-    full = k.new_zeros(batch, heads, seq_len + 1, dim)
-    return full.scatter(2, idx, k), full.scatter(2, idx, v)
+    return place_kv(None, k, skip_index, seq_len), place_kv(
+        None, v, skip_index, seq_len
+    )
 
 
 def query_rows_mask(
@@ -165,15 +188,15 @@ def query_rows_mask(
     """
     batch = index.shape[0]
     if attention_mask is None:
+        # unused slots hold ``seq_len`` (select_by_mask's convention): they see all
         keys = torch.arange(kv_len, device=index.device)
-        allowed = keys.view(1, 1, -1) <= (kv_len - seq_len + index).unsqueeze(-1)
-    else:
-        full = attention_mask[:, 0]
-        idx = index.clamp(max=full.shape[-2] - 1)
-        if full.shape[0] == 1 and batch > 1:
-            full = full.expand(batch, *full.shape[1:])
-        rows = torch.arange(batch, device=index.device).view(batch, 1)
-        allowed = allowed_by_mask(full[rows, idx])
+        return keys.view(1, 1, -1) <= (kv_len - seq_len + index).unsqueeze(-1)
+    full = attention_mask[:, 0]
+    idx = index.clamp(max=full.shape[-2] - 1)
+    if full.shape[0] == 1 and batch > 1:
+        full = full.expand(batch, *full.shape[1:])
+    rows = torch.arange(batch, device=index.device).view(batch, 1)
+    allowed = allowed_by_mask(full[rows, idx])
     return allowed | ~valid.unsqueeze(-1)
 
 

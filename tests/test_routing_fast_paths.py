@@ -1,0 +1,118 @@
+"""The row-copy forms of the routing's gather/scatter (``index_select`` /
+``index_copy``) against the element-wise definitions, and the router's normalisation
+after ``fc1`` against ``rms_norm`` first.
+
+These replaced ``gather``/``scatter`` with expanded indices and a leading ``rms_norm``
+for speed (``docs/measurements.md`` §4); they must compute the same thing, gradients
+included."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adadsf_modifier.routing.kv_keep import place_kv
+from adadsf_modifier.routing.router import TokenRouter
+from adadsf_modifier.routing.selection import gather_tokens, scatter_tokens
+from adadsf_modifier.routing.token_choice import select_by_mask
+
+
+def _selection(batch=3, seq=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.rand(batch, seq, generator=g) < 0.5
+    chosen[:, 0] = True
+    chosen[1] = False  # a row with fewer tokens: unused slots hold ``seq``
+    chosen[1, :2] = True
+    k_max = int(chosen.sum(1).max())
+    return select_by_mask(chosen, k_max)
+
+
+def test_gather_tokens_reads_each_rows_positions_and_the_last_token_for_unused():
+    index, valid = _selection()
+    x = torch.randn(3, 10, 4, requires_grad=True)
+    out = gather_tokens(x, index)
+    for b in range(3):
+        for k in range(index.shape[1]):
+            pos = min(int(index[b, k]), 9)
+            assert torch.equal(out[b, k], x[b, pos])
+    out.sum().backward()
+    counts = torch.zeros(3, 10)
+    for b in range(3):
+        for k in range(index.shape[1]):
+            counts[b, min(int(index[b, k]), 9)] += 1
+    assert torch.equal(x.grad, counts.unsqueeze(-1).expand(3, 10, 4))
+
+
+def test_gather_tokens_broadcasts_a_batch_one_table_over_the_index_rows():
+    index, _ = _selection()
+    table = torch.randn(1, 10, 6)  # e.g. rotary cos/sin shared by the batch
+    out = gather_tokens(table, index)
+    assert out.shape == (3, index.shape[1], 6)
+    for b in range(3):
+        assert torch.equal(out[b], table[0, index[b].clamp(max=9)])
+    ids = torch.arange(30).view(3, 10)  # 2D inputs (position ids)
+    assert torch.equal(gather_tokens(ids, index), ids.gather(1, index.clamp(max=9)))
+
+
+def test_scatter_tokens_writes_used_slots_only_and_passes_gradients():
+    index, valid = _selection()
+    x = torch.randn(3, 10, 4, requires_grad=True)
+    values = torch.randn(3, index.shape[1], 4, requires_grad=True)
+    out = scatter_tokens(x, index, values)
+    expected = x.detach().clone()
+    for b in range(3):
+        for k in range(index.shape[1]):
+            if valid[b, k]:
+                expected[b, index[b, k]] = values[b, k].detach()
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    written = torch.zeros(3, 10, dtype=torch.bool)
+    for b in range(3):
+        written[b, index[b][valid[b]]] = True
+    assert torch.equal(x.grad, (~written).float().unsqueeze(-1).expand(3, 10, 4))
+    assert torch.equal(values.grad, valid.float().unsqueeze(-1).expand_as(values))
+
+
+def test_place_kv_puts_each_slot_at_its_position_and_keeps_the_base():
+    index, valid = _selection()
+    seq, heads, dim = 10, 2, 3
+    new = torch.randn(3, heads, index.shape[1], dim)
+    placed = place_kv(None, new, index, seq)
+    assert placed.shape == (3, heads, seq + 1, dim)
+    expected = torch.zeros(3, heads, seq + 1, dim)
+    for b in range(3):
+        for k in range(index.shape[1]):
+            if valid[b, k]:
+                expected[b, :, index[b, k]] = new[b, :, k]
+    assert torch.equal(placed[:, :, :seq], expected[:, :, :seq])
+    base = torch.randn(3, heads, seq + 1, dim)
+    before = base.clone()
+    merged = place_kv(base, new, index, seq)
+    assert torch.equal(base, before)
+    keep = expected.abs().sum(-1, keepdim=True) == 0  # positions not written
+    assert torch.equal(
+        merged[:, :, :seq], torch.where(keep, base, expected)[:, :, :seq]
+    )
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_router_equals_rms_norm_then_mlp(dtype, tol):
+    torch.manual_seed(0)
+    router = TokenRouter(48, 8, eps=1e-5).to(dtype)
+    # residual-stream-like inputs whose norms span five orders of magnitude
+    x = torch.randn(2, 20, 48) * torch.logspace(-2, 3, 20).view(1, 20, 1)
+    x = x.to(dtype)
+    w = {n: p.detach().double() for n, p in router.named_parameters()}
+    ref = F.linear(
+        F.gelu(
+            F.linear(
+                F.rms_norm(x.double(), (48,), eps=1e-5), w["fc1.weight"], w["fc1.bias"]
+            )
+        ),
+        w["fc2.weight"],
+        w["fc2.bias"],
+    ).squeeze(-1)
+    out = router(x)
+    assert out.dtype == torch.float32 and out.shape == (2, 20)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    out.sum().backward()  # every parameter is reached
+    assert all(p.grad is not None for p in router.parameters())
