@@ -18,6 +18,7 @@ import torch
 from adadsf_modifier.routing.architectures import architecture_for_config
 from adadsf_modifier.routing.cache import RoutedCacheLayer
 from adadsf_modifier.routing.decode import gated
+from adadsf_modifier.routing.kept_attention import KeptQueries, causal_kernel_applies
 from adadsf_modifier.routing.kv_keep import (
     MergedKV,
     gather_for_kept,
@@ -141,8 +142,11 @@ def run_routed(
         if slots is not None:
             keys, values = skipped_kv(layer, spec, x_s, pe, slots[0], q_len)
         kv_len = stored_keys(cache, layer.layer_index) + q_len
-        rows = query_rows_mask(attention_mask, index, valid, q_len, kv_len)
-        allowed = rows.unsqueeze(1)
+        causal_kernel = causal_kernel_applies(attention_mask, impl, kv_len, q_len)
+        rows = allowed = None
+        if not causal_kernel:
+            rows = query_rows_mask(attention_mask, index, valid, q_len, kv_len)
+            allowed = rows.unsqueeze(1)
         inner[layer.cache_kwarg] = MergedKV(keys, values, index, q_len, cache)
         inner["use_cache"] = cache is not None
     else:
@@ -156,23 +160,30 @@ def run_routed(
         kept = valid.sum(1)
         kv_count = None
         if keep_kv:
-            pairs = (rows & valid.unsqueeze(-1)).sum((1, 2))
+            if rows is None:  # plain causal, nothing cached: position p sees p + 1
+                pairs = ((index + 1) * valid).sum(1)
+            else:
+                pairs = (rows & valid.unsqueeze(-1)).sum((1, 2))
             kv_count = n_skip if n_skip is not None else torch.zeros_like(kept)
         else:
             pairs = attended_pairs(attention_mask, index, valid, cache_layer, allowed)
         skipped = n_skip if skip_map is not None else None
         rec.record(layer.layer_index, "gather", kept, pairs, skip_path=skipped,
                    kv=kv_count)  # fmt: skip
-    inner.update(
-        attention_mask_kwargs(
-            allowed,
-            x.dtype,
-            impl,
-            layer.grouped_query_attention,
-            float_mask=attention_mask is not None
-            and attention_mask.dtype != torch.bool,
+    if keep_kv and causal_kernel:
+        inner.update(attention_mask=None, is_causal=False,
+                     position_bias=KeptQueries(index, q_len))  # fmt: skip
+    else:
+        inner.update(
+            attention_mask_kwargs(
+                allowed,
+                x.dtype,
+                impl,
+                layer.grouped_query_attention,
+                float_mask=attention_mask is not None
+                and attention_mask.dtype != torch.bool,
+            )
         )
-    )
     x_sel = gather_tokens(x, index)
     y = forward(x_sel, **inner)
     y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)

@@ -1,0 +1,120 @@
+"""The kept tokens' attention on SDPA's causal kernel (``routing/kept_attention.py``):
+used exactly when it applies, equal to the explicit-mask form it replaces (outputs,
+gradients, measured FLOPs), and loud when anything else touches its marker."""
+
+import pytest
+import torch
+from test_kv_keep import keep_kv
+from test_routing import route_all
+from tiny_models import ARCHITECTURES, tiny_model
+
+from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.routing import kept_attention, paths, routed_layers
+
+RATIOS = [0.8, 0.5, 1.0, 0.6]
+
+
+def kv_model(arch, attn="sdpa"):
+    return keep_kv(route_all(tiny_model(arch, 4, attn=attn), RATIOS), skip_rank=4)
+
+
+def ids(batch=3, seq=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 128, (batch, seq), generator=g)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+    real = kept_attention._attend
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kept_attention, "_attend", counting)
+    return calls
+
+
+def explicit_mask(monkeypatch):
+    monkeypatch.setattr(paths, "causal_kernel_applies", lambda *a: False)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefill_runs_the_causal_kernel_and_equals_the_explicit_mask(
+    arch, kernel_calls, monkeypatch
+):
+    model = kv_model(arch)
+    model.train()  # top-k routing: no thresholds needed, gradients flow
+    x = ids()
+    out = model(input_ids=x, use_cache=False).logits
+    out.square().mean().backward()
+    grads = {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+    assert len(kernel_calls) == 3  # the three layers that skip tokens
+    model.zero_grad()
+    explicit_mask(monkeypatch)
+    ref = model(input_ids=x, use_cache=False).logits
+    ref.square().mean().backward()
+    assert len(kernel_calls) == 3  # not used with the explicit mask
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_padding_eager_and_cached_past_keep_the_explicit_mask(arch, kernel_calls):
+    model = kv_model(arch, attn="eager")
+    model.train()
+    with torch.no_grad():
+        model(input_ids=ids(), use_cache=False)
+    assert kernel_calls == []
+    model = kv_model(arch)
+    model.train()
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[0, :4] = 0  # left padding: transformers passes a 4D mask
+    with torch.no_grad():
+        model(input_ids=ids(), attention_mask=mask, use_cache=False)
+    assert kernel_calls == []
+
+
+def test_measured_flops_are_the_same_on_both_paths(monkeypatch):
+    model = kv_model("llama")
+    model.eval()
+    for layer in routed_layers(model):
+        layer.routing_mode = "topk"
+    batch = {"input_ids": ids()}
+    fast = normalized_flops(model, batch)
+    explicit_mask(monkeypatch)
+    slow = normalized_flops(model, batch)
+    assert fast.normalized == pytest.approx(slow.normalized, rel=0, abs=1e-12)
+    assert fast.normalized < 1.0
+
+
+def test_the_marker_refuses_any_other_use():
+    marker = kept_attention.KeptQueries(torch.tensor([[0, 2]]), 4)
+    assert marker.shape == (0,) and "KeptQueries" in repr(marker)
+    with pytest.raises(RuntimeError, match="only valid as the attn_mask"):
+        marker + 1
+    q = torch.randn(1, 2, 2, 8)
+    kv = torch.randn(1, 2, 5, 8)  # 5 keys for a 4-token marker: a cached past
+    with pytest.raises(RuntimeError, match="expects 4 keys"):
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=marker)
+
+
+def test_the_causal_form_equals_the_masked_form_on_random_positions():
+    g = torch.Generator().manual_seed(1)
+    index = torch.tensor([[0, 3, 4, 7, 9], [0, 1, 5, 10, 10]])  # row 1: one unused
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=kept_attention.KeptQueries(index, 10), enable_gqa=True
+    )
+    allowed = torch.arange(10).view(1, 1, 1, 10) <= index.view(2, 1, 5, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, enable_gqa=True
+    )
+    valid = (index < 10).view(2, 1, 5, 1).expand_as(out)
+    torch.testing.assert_close(out[valid], ref[valid], rtol=0, atol=1e-6)
