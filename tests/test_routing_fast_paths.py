@@ -116,3 +116,37 @@ def test_router_equals_rms_norm_then_mlp(dtype, tol):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     out.sum().backward()  # every parameter is reached
     assert all(p.grad is not None for p in router.parameters())
+
+
+def test_scatter_tokens_second_write_and_a_full_cover_skip_the_copy_of_x():
+    chosen = torch.tensor([[1, 0, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    index, _ = select_by_mask(chosen, 3)
+    rest, _ = select_by_mask(~chosen, 4)
+    x = torch.randn(2, 6, 5)
+    a, b = torch.randn(2, 3, 5), torch.randn(2, 4, 5)
+    expected = scatter_tokens(scatter_tokens(x, index, a), rest, b)
+    for covers_all in (False, True):
+        out = scatter_tokens(x, index, a, (rest, b), covers_all=covers_all)
+        assert torch.equal(out, expected)
+    # every position was written: nothing of x is left
+    assert not any(
+        torch.equal(expected[i, j], x[i, j]) for i in range(2) for j in range(6)
+    )
+
+
+def test_place_kv_in_place_writes_into_its_own_layout_only():
+    index, _ = _selection()
+    new = torch.randn(3, 2, index.shape[1], 4)
+    base = place_kv(
+        None, torch.randn(3, 2, 5, 4), torch.tensor([[1, 3, 5, 7, 9]] * 3), 10
+    )
+    expected = place_kv(base, new, index, 10)
+    out = place_kv(base, new, index, 10, inplace=True)
+    assert torch.equal(out, expected) and torch.equal(
+        base, expected
+    )  # written in place
+    other = torch.randn(3, 2, 11, 4)  # head-major memory: not this layout, left alone
+    before = other.clone()
+    assert torch.equal(place_kv(other, new, index, 10, inplace=True),
+                       place_kv(before, new, index, 10))  # fmt: skip
+    assert torch.equal(other, before)

@@ -102,7 +102,9 @@ class MergedKV:
     def _merge(self, base: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         if self.rows is not None:  # decoding: new [rows, heads, 1, d]
             return base.index_copy(0, self.rows, new)
-        return place_kv(base, new, self.index, self.seq_len)[:, :, : self.seq_len]
+        # the skipped tokens' buffers are this call's own: the kept keys go in place
+        out = place_kv(base, new, self.index, self.seq_len, inplace=True)
+        return out[:, :, : self.seq_len]
 
     def update(
         self,
@@ -129,10 +131,12 @@ def place_kv(
     new: torch.Tensor,
     index: torch.Tensor,
     seq_len: int,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """``base`` ``[batch, heads, seq + 1, d]`` (``None``: zeros) with ``new``
     ``[batch, heads, n, d]`` written at the positions ``index [batch, n]`` (unused
-    slots at ``seq``, the extra position). ``base`` itself is left as it was.
+    slots at ``seq``, the extra position). ``base`` is left as it was unless
+    ``inplace`` (the caller owns it) and it has the layout this function returns.
 
     Stored position-major (a ``[batch, heads, seq + 1, d]`` view of ``[batch, seq + 1,
     heads, d]`` memory, the layout the attention module's own keys have), so the write
@@ -146,6 +150,9 @@ def place_kv(
     src = new.transpose(1, 2).reshape(-1, heads, dim)
     if base is None:
         out = new.new_zeros(batch * (seq_len + 1), heads, dim).index_copy_(0, rows, src)
+    elif inplace and base.transpose(1, 2).is_contiguous():
+        out = base.transpose(1, 2).view(-1, heads, dim)
+        out.index_copy_(0, rows, src.to(out.dtype))
     else:
         flat = base.transpose(1, 2).reshape(batch * (seq_len + 1), heads, dim)
         out = flat.index_copy(0, rows, src.to(flat.dtype))

@@ -193,8 +193,10 @@ def run_routed(
         # the router learns how much running the layer beats the skip path
         base = x_sel if skip_map is None else x_sel + skip_map(x_sel)
         y = gated(y, base, scores.gather(1, index.clamp(max=q_len - 1)))
+    more = None
     if skip_map is not None and slots is not None:
-        index = torch.cat([index, slots[0]], dim=1)
-        y = torch.cat([y, x_s + skip_map(x_s)], dim=1)
-    out = scatter_tokens(x, index, y)
+        more = (slots[0], x_s + skip_map(x_s))
+    # no mask means no padding: the kept and skipped tokens then fill every position
+    covers_all = more is not None and attention_mask is None
+    out = scatter_tokens(x, index, y, more, covers_all=covers_all)
     return (out, *rest) if rest is not None else out

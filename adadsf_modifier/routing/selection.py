@@ -252,19 +252,29 @@ def to_attention_dtype(
 
 
 def scatter_tokens(
-    x: torch.Tensor, index: torch.Tensor, values: torch.Tensor
+    x: torch.Tensor,
+    index: torch.Tensor,
+    values: torch.Tensor,
+    more: tuple[torch.Tensor, torch.Tensor] | None = None,
+    covers_all: bool = False,
 ) -> torch.Tensor:
     """``x`` with ``values`` written at ``index`` (unused slots land in a dropped extra
-    slot).
+    slot), then ``more = (index, values)`` if given (e.g. the skip path's outputs).
 
-    Tokens that were not selected come back bit-identical to ``x``. One copy of ``x``
-    and a row-wise ``index_copy_`` into it (cheaper on CPU than ``scatter`` with an
-    index expanded over the hidden size, like :func:`gather_tokens`).
+    Tokens that were not selected come back bit-identical to ``x``. One buffer and a
+    row-wise ``index_copy_`` per write (cheaper on CPU than ``scatter`` with an index
+    expanded over the hidden size, like :func:`gather_tokens`); ``covers_all``: the
+    writes reach every position, so ``x`` is not copied into the buffer first.
     """
     batch, seq_len, hidden = x.shape
-    padded = torch.cat([x, x.new_zeros(batch, 1, hidden)], dim=1)
-    flat = index + torch.arange(batch, device=index.device).unsqueeze(1) * (seq_len + 1)
-    padded.view(-1, hidden).index_copy_(
-        0, flat.reshape(-1), values.reshape(-1, hidden).to(x.dtype)
-    )
+    if covers_all:
+        padded = x.new_empty(batch, seq_len + 1, hidden)
+    else:
+        padded = torch.cat([x, x.new_zeros(batch, 1, hidden)], dim=1)
+    offsets = torch.arange(batch, device=index.device).unsqueeze(1) * (seq_len + 1)
+    flat = padded.view(-1, hidden)
+    for idx, val in ((index, values), more) if more is not None else ((index, values),):
+        flat.index_copy_(
+            0, (idx + offsets).reshape(-1), val.reshape(-1, hidden).to(x.dtype)
+        )
     return padded[:, :seq_len]
