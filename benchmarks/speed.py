@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             args.decode_prompt,
             args.decode_tokens,
             args.repeats,
+            args.decode_repeats,
         )
     except ValueError as err:
         p.error(str(err))

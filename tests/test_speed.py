@@ -86,6 +86,7 @@ def test_zero_decode_tokens_skips_decoding():
         (dict(repeats=0), "repeats 0"),
         (dict(decode_tokens=-1), "decode_tokens -1"),
         (dict(decode_prompt=0), "decode_prompt 0"),
+        (dict(decode_repeats=0), "decode_repeats 0"),
     ],
 )
 def test_unmeasurable_grids_are_refused_before_any_forward(grid, message):

@@ -279,9 +279,9 @@ def run_speed_benchmark(
     non-overlapping chunks of it (real text routes like real text; random ids would
     not). Both models must be in the same dispatch state (see :func:`is_dispatched`).
     """
-    check_speed_grid(seq_lens, batch_sizes, decode_prompt, decode_tokens, repeats)
-    if decode_repeats is not None and decode_repeats < 1:
-        raise ValueError(f"decode_repeats must be >= 1, got {decode_repeats}")
+    check_speed_grid(
+        seq_lens, batch_sizes, decode_prompt, decode_tokens, repeats, decode_repeats
+    )
     if is_dispatched(dense) != is_dispatched(routed):
         which = "routed" if is_dispatched(routed) else "dense"
         raise ValueError(
@@ -322,7 +322,12 @@ def run_speed_benchmark(
 
 
 def check_speed_grid(
-    seq_lens, batch_sizes, decode_prompt: int, decode_tokens: int, repeats: int
+    seq_lens,
+    batch_sizes,
+    decode_prompt: int,
+    decode_tokens: int,
+    repeats: int,
+    decode_repeats: int | None = None,
 ) -> None:
     """Refuse a grid with nothing to time in it (a 0-token decode would divide its
     FLOPs by zero after minutes of work)."""
@@ -332,6 +337,8 @@ def check_speed_grid(
         bad.append("no batch sizes")
     if repeats < 1:
         bad.append(f"repeats {repeats}")
+    if decode_repeats is not None and decode_repeats < 1:
+        bad.append(f"decode_repeats {decode_repeats}")
     if decode_tokens < 0:
         bad.append(f"decode_tokens {decode_tokens} (0 skips decoding)")
     if decode_tokens and decode_prompt < 1:

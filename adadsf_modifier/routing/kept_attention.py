@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KeptQueries", "causal_kernel_applies"]
+from adadsf_modifier.routing.selection import flat_positions
 
-_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+__all__ = ["KeptQueries", "causal_kernel_applies"]
 
 
 def causal_kernel_applies(
@@ -56,7 +56,7 @@ class KeptQueries(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SDPA:
+        if func is F.scaled_dot_product_attention:
             return _attend(*args, **kwargs)
         if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
             return f"KeptQueries(seq_len={args[0].seq_len})"
@@ -89,14 +89,13 @@ def _attend(
             f"adadsf routing: kept-queries attention expects {n} keys and "
             f"is_causal=False, got {key.shape[-2]} keys and is_causal={is_causal}"
         )
-    offsets = torch.arange(batch, device=index.device).unsqueeze(1)
-    slots = (index + offsets * (n + 1)).reshape(-1)  # unused: the extra row n
+    slots = flat_positions(index, n + 1)  # unused slots: the extra row n
     full = query.new_zeros(batch * (n + 1), heads, dim)
     full = full.index_copy(0, slots, query.transpose(1, 2).reshape(-1, heads, dim))
     full = full.view(batch, n + 1, heads, dim)[:, :n].transpose(1, 2)
     out = F.scaled_dot_product_attention(
         full, key, value, dropout_p=dropout_p, is_causal=True, scale=scale, **kwargs
     )
-    rows = (index.clamp(max=n - 1) + offsets * n).reshape(-1)
+    rows = flat_positions(index.clamp(max=n - 1), n)
     out = out.transpose(1, 2).reshape(batch * n, heads, dim).index_select(0, rows)
     return out.view(batch, k, heads, dim).transpose(1, 2)

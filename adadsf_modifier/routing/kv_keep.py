@@ -28,7 +28,11 @@ from typing import Any
 import torch
 
 from adadsf_modifier.routing.architectures import ArchitectureSpec
-from adadsf_modifier.routing.selection import gather_position_embeddings, gather_tokens
+from adadsf_modifier.routing.selection import (
+    flat_positions,
+    gather_position_embeddings,
+    gather_tokens,
+)
 from adadsf_modifier.utils import allowed_by_mask
 
 __all__ = ["MergedKV", "place_kv", "project_kv", "query_rows_mask", "stored_keys"]
@@ -144,9 +148,7 @@ def place_kv(
     cheaper on CPU than ``scatter`` with an index expanded over heads and dims.
     """
     batch, heads, _, dim = new.shape
-    rows = (
-        index + torch.arange(batch, device=index.device).unsqueeze(1) * (seq_len + 1)
-    ).reshape(-1)
+    rows = flat_positions(index, seq_len + 1)
     src = new.transpose(1, 2).reshape(-1, heads, dim)
     if base is None:
         out = new.new_zeros(batch * (seq_len + 1), heads, dim).index_copy_(0, rows, src)

@@ -137,6 +137,7 @@ def run_routed(
 
     inner = gather_for_kept(kwargs, index)
     attention_mask = kwargs.get("attention_mask")
+    causal_kernel = False
     if keep_kv:
         keys = values = None
         if slots is not None:
@@ -160,7 +161,7 @@ def run_routed(
         kept = valid.sum(1)
         kv_count = None
         if keep_kv:
-            if rows is None:  # plain causal, nothing cached: position p sees p + 1
+            if causal_kernel:  # plain causal, nothing cached: position p sees p + 1
                 pairs = ((index + 1) * valid).sum(1)
             else:
                 pairs = (rows & valid.unsqueeze(-1)).sum((1, 2))
@@ -170,7 +171,7 @@ def run_routed(
         skipped = n_skip if skip_map is not None else None
         rec.record(layer.layer_index, "gather", kept, pairs, skip_path=skipped,
                    kv=kv_count)  # fmt: skip
-    if keep_kv and causal_kernel:
+    if causal_kernel:
         inner.update(attention_mask=None, is_causal=False,
                      position_bias=KeptQueries(index, q_len))  # fmt: skip
     else:

@@ -18,6 +18,7 @@ from adadsf_modifier.utils import allowed_by_mask
 
 __all__ = [
     "is_causal_padding_mask",
+    "flat_positions",
     "gather_tokens",
     "gather_position_embeddings",
     "compact_attention_mask",
@@ -67,6 +68,14 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
     return verdict
 
 
+def flat_positions(index: torch.Tensor, row_len: int) -> torch.Tensor:
+    """``[batch * K]`` positions of ``index [batch, K]`` in a tensor whose batch and
+    sequence dims are flattened into one of ``batch * row_len`` rows: what a row-wise
+    ``index_select`` / ``index_copy_`` over ``[batch, seq, ...]`` reads or writes."""
+    offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
+    return (index + offsets * row_len).reshape(-1)
+
+
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[b, index[b, k]]`` along dim 1; out-of-range (unused) slots read the last
     token. ``x`` may have batch 1 for any ``index`` batch (broadcast, e.g. rotary
@@ -83,12 +92,8 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     rest = x.shape[2:]
     if x.shape[0] == 1:
         return x[0].index_select(0, idx.reshape(-1)).view(batch, k, *rest)
-    flat = idx + torch.arange(batch, device=idx.device).unsqueeze(1) * seq
-    return (
-        x.reshape(batch * seq, *rest)
-        .index_select(0, flat.reshape(-1))
-        .view(batch, k, *rest)
-    )
+    rows = x.reshape(batch * seq, *rest).index_select(0, flat_positions(idx, seq))
+    return rows.view(batch, k, *rest)
 
 
 def gather_position_embeddings(
@@ -271,10 +276,8 @@ def scatter_tokens(
         padded = x.new_empty(batch, seq_len + 1, hidden)
     else:
         padded = torch.cat([x, x.new_zeros(batch, 1, hidden)], dim=1)
-    offsets = torch.arange(batch, device=index.device).unsqueeze(1) * (seq_len + 1)
     flat = padded.view(-1, hidden)
-    for idx, val in ((index, values), more) if more is not None else ((index, values),):
-        flat.index_copy_(
-            0, (idx + offsets).reshape(-1), val.reshape(-1, hidden).to(x.dtype)
-        )
+    for idx, val in [(index, values)] + ([more] if more is not None else []):
+        rows = flat_positions(idx, seq_len + 1)
+        flat.index_copy_(0, rows, val.reshape(-1, hidden).to(x.dtype))
     return padded[:, :seq_len]
