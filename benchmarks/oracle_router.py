@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
     from adadsf_modifier.evaluation import calibration_dataset, embedded_model_path
-    from adadsf_modifier.flops import normalized_flops
+    from adadsf_modifier.flops import stream_flops
     from adadsf_modifier.study.measure import TokenStreams, measure_perplexity
 
     args = skip_paths.parse_args(argv)
@@ -126,9 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for method in args.methods.split(","):
         model = skip_paths.build_model(method.strip(), args, env)[0].eval()
-        ids = val[: args.flops_batch * n].view(args.flops_batch, n)
-        with torch.no_grad():
-            flops = normalized_flops(model, {"input_ids": ids}).normalized
+        flops = stream_flops(model, val, n, args.flops_batch).normalized
         row = {"normalized_flops_causal": flops}
         for mode in ("causal", "topk"):
             ppl = measure_perplexity(model, val, n, args.ppl_stride, mode)["ppl"]

@@ -37,9 +37,10 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
 Every row is evaluated in causal routing (the eval-mode default): perplexity over the
 first ``--ppl-tokens`` tokens of the ``validation`` split in non-overlapping windows of
 ``--ppl-max-length`` tokens (METHOD.md's setting: dense 34.46), and normalized FLOPs
-(:func:`~adadsf_modifier.flops.normalized_flops`, decoder stack, routers, skip paths
-and skipped tokens' keys/values included) measured on ``--flops-batch`` validation
-windows of ``--ppl-max-length`` tokens.
+(:func:`~adadsf_modifier.flops.stream_flops`, decoder stack, routers, skip paths
+and skipped tokens' keys/values included) measured on the same validation tokens, in
+rows of ``--ppl-max-length`` tokens, ``--flops-batch`` rows per forward (before
+2026-12-01: on the first ``--flops-batch`` rows only, ``docs/measurements.md`` §12).
 
 ``--align-steps N --align-rows ROWS`` (with ``--methods`` naming the variant) adds
 alignment (``align_trainable: routers_and_layers``, KL + hidden loss) to every routed
@@ -179,9 +180,7 @@ def build_model(method: str, args, env: dict) -> tuple[Any, Any, dict]:
 
 
 def run_method(method: str, args, env: dict) -> dict[str, Any]:
-    import torch
-
-    from adadsf_modifier.flops import normalized_flops
+    from adadsf_modifier.flops import stream_flops
     from adadsf_modifier.study.measure import measure_perplexity
 
     t0 = time.perf_counter()
@@ -199,10 +198,8 @@ def run_method(method: str, args, env: dict) -> dict[str, Any]:
     res = measure_perplexity(model, val, args.ppl_max_length, args.ppl_stride,
                              "causal")  # fmt: skip
     row["ppl_val"] = res["ppl"]
-    n = args.ppl_max_length
-    ids = val[: args.flops_batch * n].view(args.flops_batch, n)
-    with torch.no_grad():
-        rep = normalized_flops(model, {"input_ids": ids})
+    # FLOPs on the perplexity's own tokens (causal routing's share depends on the text)
+    rep = stream_flops(model, val, args.ppl_max_length, args.flops_batch)
     row["normalized_flops"] = rep.normalized
     routed = sorted(rep.routed_layers) or range(1, len(rep.kept))
     real = sum(rep.seq_lens)

@@ -510,3 +510,62 @@ def test_observed_counts_when_decoding_one_sequence_token_by_token():
     full = observe_routing(model, dict(input_ids=ids[:, :9]))
     assert [full.kept[li][0] for li in (1, 2)] == [cached[1], cached[2]]
     assert full.kept[0] == [9] and full.kept[3] == [0]
+
+
+# --------------------------------------------------------------------------------------
+# Several batches, one report: FlopsReport.combine and stream_flops
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_reports_of_several_batches_combine_to_the_report_of_one_batch(mode):
+    from adadsf_modifier.flops import FlopsReport
+    from adadsf_modifier.routing import routing_mode
+
+    model = route(tiny_model("llama"), RATIOS).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 128, (5, 12), generator=g)
+    set_median_thresholds(model, {"input_ids": ids, "attention_mask": ids > -1})
+    with routing_mode(model, mode):
+        whole = normalized_flops(model, ids)
+        parts = [normalized_flops(model, ids[:2]), normalized_flops(model, ids[2:])]
+    combined = FlopsReport.combine(parts).as_dict()
+    one = whole.as_dict()
+    # gather traffic depends on how rows are padded together: the only batch-level term
+    for key in ("memory_traffic_bytes", "memory_traffic_per_layer"):
+        combined.pop(key), one.pop(key)
+    assert combined == one
+    # a ratio of sums, not a mean of the batches' ratios
+    assert FlopsReport.combine(parts).normalized == pytest.approx(whole.normalized)
+
+
+def test_combine_refuses_nothing_and_reports_of_different_models():
+    from adadsf_modifier.flops import FlopsReport
+
+    with pytest.raises(ValueError, match="at least one"):
+        FlopsReport.combine([])
+    a = normalized_flops(route(tiny_model("llama"), RATIOS), torch.ones(1, 4).long())
+    b = normalized_flops(tiny_model("gpt_neox"), torch.ones(1, 4).long())
+    with pytest.raises(ValueError, match="one model"):
+        FlopsReport.combine([a, b])
+
+
+def test_stream_flops_counts_every_token_of_the_stream_in_rows():
+    from adadsf_modifier.flops import FlopsReport, stream_flops
+
+    model = route(tiny_model("llama"), RATIOS).eval()
+    ids = torch.randint(4, 128, (37,), generator=torch.Generator().manual_seed(5))
+    rep = stream_flops(model, ids, seq_len=8, batch_size=2)
+    assert sum(rep.seq_lens) == 37 and list(rep.seq_lens) == [8, 8, 8, 8, 5]
+    ref = FlopsReport.combine(
+        [
+            normalized_flops(model, ids[:16].view(2, 8)),
+            normalized_flops(model, ids[16:32].view(2, 8)),
+            normalized_flops(model, ids[32:][None]),
+        ]
+    )
+    assert rep.as_dict() == ref.as_dict()
+    with pytest.raises(ValueError, match="1-D"):
+        stream_flops(model, ids.view(1, 37), seq_len=8)
+    with pytest.raises(ValueError, match=">= 1"):
+        stream_flops(model, ids, seq_len=0)

@@ -76,10 +76,13 @@ def test_load_pair_on_an_ftp_folder_gives_the_original_dense_twin(ftp_dir):
 def test_cli_eval_and_bench_run_on_an_ftp_folder(ftp_dir, tmp_path, capsys):
     path, _ = ftp_dir
     out = tmp_path / "eval.json"
-    assert main(["eval", "--model", str(path), "--no-ppl", "--output", str(out)]) == 0
+    argv = ["eval", "--model", str(path), "--no-ppl", "--ppl-tokens", "700",
+            "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["routed"] is True and record["routing_mode"] == "causal"
     assert record["label"] == "sparse" and record["normalized_flops"] < 1.0
+    assert record["flops_tokens"] == 700  # the perplexity's tokens, rows of 512
     bench = tmp_path / "bench.json"
     argv = ["bench", "--routed", path, "--seq-lens", 16, "--batch-sizes", 1,
             "--repeats", 1, "--decode-tokens", 2, "--output", bench]  # fmt: skip

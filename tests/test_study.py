@@ -493,6 +493,22 @@ def test_render_with_nothing_finished():
     assert "pending: main:adadsf@0.8/seed0" in md
 
 
+def test_render_says_which_tokens_each_run_counted_its_flops_on():
+    from adadsf_modifier.study.render import _flops_text
+
+    settings = {"flops_batch": 4, "flops_seq_len": 512}
+    new = {"flops_tokens": 32768, "flops_split": "test"}
+    old = {}
+    first = "the first 4 x 512 test tokens"
+    whole = "the 32,768 test tokens of the perplexity (rows of 512)"
+    text = _flops_text({"settings": settings, "dense": new, "runs": [new, new]})
+    assert text == whole
+    text = _flops_text({"settings": settings, "dense": old, "runs": [old]})
+    assert text.startswith(first) and "§12" in text
+    text = _flops_text({"settings": settings, "dense": new, "runs": [old, old, new]})
+    assert text.startswith(whole) and f"2 older cached runs on {first} only" in text
+
+
 # ------------------------------------------------------------------------ the cache
 def test_cache_round_trip_is_atomic_strict_json_and_keyed(tmp_path):
     from adadsf_modifier.study.cache import RunCache

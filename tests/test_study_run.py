@@ -80,6 +80,13 @@ def test_quick_study_end_to_end_resumes_and_reuses_the_cache(
             assert key in run, key
         assert run["task_n"] == {"piqa": 2}
         assert 0.0 < run["normalized_flops"] < 1.0
+    # FLOPs counted on the perplexity's own tokens (tuning: the validation split's)
+    for run in [res["dense"], *res["runs"]]:
+        assert run["flops_split"] == "test"
+        assert run["flops_tokens"] == res["settings"]["ppl_tokens"]
+    for run in res["tuning"]:
+        assert run["flops_split"] == "validation"
+        assert run["flops_tokens"] == res["settings"]["ppl_val_tokens"]
     speed = {(r["method"], r["seed"]): r["prefill_speedup"] for r in res["runs"]}
     assert speed[("adadsf", 0)] > 0 and speed[("adadsf", 1)] is None  # speed_seeds=1
     drop = [r for r in res["runs"] if r["method"] == "layer_drop"]
@@ -93,6 +100,7 @@ def test_quick_study_end_to_end_resumes_and_reuses_the_cache(
     assert ("adadsf", "layer_drop", "task_mean") in pairs
     assert all(c["n_seeds"] == 2 for c in res["comparisons"])
     md = (out / "RESULTS.md").read_text()
+    assert "128 test tokens of the perplexity (rows of 32)" in md
     for c in res["comparisons"]:
         assert c["verdict"] in md
     for name in ("results_ppl_vs_flops.png", "results_acc_vs_speedup.png",

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from adadsf_modifier.checkpoint import checkpoint_sidecar, from_pretrained
 from adadsf_modifier.evaluation.assets import load_text_splits, resolve_model
-from adadsf_modifier.evaluation.perplexity import perplexity
-from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.evaluation.perplexity import perplexity, token_stream
+from adadsf_modifier.flops import stream_flops
 from adadsf_modifier.routing import routed_layers, set_routing_mode
 
 __all__ = ["EvalRecord", "load_for_eval", "evaluate_model"]
@@ -77,8 +77,10 @@ def evaluate_model(
     probe.
 
     Routed models are evaluated in ``routing_mode`` (``causal`` is what ``generate()``
-    uses). Normalized FLOPs are counted on the first ``flops_seq_len`` test tokens as
-    the model routes them (1.0 for a dense model).
+    uses). Normalized FLOPs are counted on the perplexity's test tokens (the first
+    ``ppl_max_tokens``), in rows of ``flops_seq_len``, as the model routes them (1.0
+    for a dense model): causal routing keeps a share of tokens that depends on the text,
+    so a few rows can miss by points (``docs/measurements.md`` §12).
     """
     t0 = time.perf_counter()
     routed = bool(routed_layers(model))
@@ -91,15 +93,16 @@ def evaluate_model(
         routed=routed,
         routing_mode=routing_mode if routed else None,
     )
-    test_text = "\n\n".join(load_text_splits()["test"]["text"])
+    test_ids = token_stream(tokenizer, load_text_splits()["test"]["text"], None)
+    test_ids = test_ids[:ppl_max_tokens]
     if ppl:
         res = perplexity(
             model,
-            tokenizer,
-            test_text,
+            None,
+            None,
             max_length=ppl_max_length,
             stride=ppl_stride,
-            max_tokens=ppl_max_tokens,
+            input_ids=test_ids,
         )
         record.ppl, record.ppl_tokens = float(res.ppl), int(res.tokens)
         logger.info(
@@ -109,13 +112,9 @@ def evaluate_model(
         from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
 
         record.tasks = evaluate_tasks(model, tokenizer, list(tasks), limit=limit)
-    ids = torch.tensor(
-        tokenizer(test_text[: flops_seq_len * 16])["input_ids"][:flops_seq_len]
-    )
-    with torch.no_grad():
-        report = normalized_flops(model, {"input_ids": ids[None]})
+    report = stream_flops(model, test_ids, flops_seq_len)
     record.normalized_flops = float(report.normalized)
     record.normalized_flops_with_lm_head = float(report.normalized_with_lm_head)
-    record.flops_tokens = int(ids.numel())
+    record.flops_tokens = int(sum(report.seq_lens))
     record.seconds = time.perf_counter() - t0
     return record

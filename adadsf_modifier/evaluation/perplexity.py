@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from adadsf_modifier.utils import model_device
 
-__all__ = ["PerplexityResult", "perplexity", "sliding_windows"]
+__all__ = ["PerplexityResult", "perplexity", "sliding_windows", "token_stream"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _validate(
         raise ValueError(f"max_tokens must be at least 2 (or None), got {max_tokens}")
 
 
-def _token_stream(
+def token_stream(
     tokenizer, texts: Sequence[str] | str | None, input_ids
 ) -> torch.Tensor:
     """Return the 1-D token stream: given ids, or ``"\\n\\n".join(texts)`` tokenized
@@ -181,7 +181,7 @@ def perplexity(
             empty text, or a stream of fewer than two tokens.
     """
     _validate(max_length, stride, batch_size, max_tokens)
-    ids = _token_stream(tokenizer, texts, input_ids)
+    ids = token_stream(tokenizer, texts, input_ids)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     n = int(ids.numel())

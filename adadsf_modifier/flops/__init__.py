@@ -22,14 +22,15 @@ Conventions (see the docs for the full list):
 * the gather/scatter of a routed layer costs no FLOPs but moves memory; it is reported
   separately as :attr:`FlopsReport.memory_traffic_bytes`.
 
-Three entry points:
+Entry points:
 
 * :func:`count_flops` -- pure arithmetic from a config and per-layer, per-sequence kept
   counts;
 * :func:`observe_routing` / :func:`observe_kept_tokens` -- run a (routed) model on a
   batch and read off how many tokens ran each layer (exact: the routed layers record
   what they ran, see :mod:`adadsf_modifier.routing.recorder`);
-* :func:`normalized_flops` -- both together.
+* :func:`normalized_flops` -- both together; :func:`stream_flops` over a whole token
+  stream, batch by batch.
 """
 
 from adadsf_modifier.flops.count import count_flops, planned_kept
@@ -45,6 +46,7 @@ from adadsf_modifier.flops.observe import (
     normalized_flops,
     observe_kept_tokens,
     observe_routing,
+    stream_flops,
 )
 
 __all__ = [
@@ -59,4 +61,5 @@ __all__ = [
     "observe_routing",
     "observe_kept_tokens",
     "normalized_flops",
+    "stream_flops",
 ]

@@ -6,8 +6,8 @@ derivations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from adadsf_modifier.routing.architectures import (
@@ -181,6 +181,12 @@ class LayerFlops:
             "total": self.total,
         }
 
+    def __add__(self, other: LayerFlops) -> LayerFlops:
+        """The same layer's FLOPs over two batches (every term is a sum over tokens)."""
+        return LayerFlops(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
+        )
+
 
 @dataclass(frozen=True)
 class FlopsReport:
@@ -259,6 +265,49 @@ class FlopsReport:
     @property
     def routed_by_term(self) -> dict[str, int]:
         return self._by_term(self.routed_per_layer)
+
+    @classmethod
+    def combine(cls, reports: Sequence[FlopsReport]) -> FlopsReport:
+        """One report over the sequences of several batches of the same model.
+
+        Every count is a sum over tokens (and token pairs), so the batches' sequences
+        are concatenated and their per-layer FLOPs added: the combined ratio weighs
+        each batch by its FLOPs, as one large batch would (a mean of per-batch ratios
+        would not).
+        """
+        if not reports:
+            raise ValueError("combine needs at least one FlopsReport")
+        first = reports[0]
+        for r in reports[1:]:
+            if r.shape != first.shape or len(r.kept) != len(first.kept):
+                raise ValueError("combine takes reports of one model only")
+        layers = range(len(first.kept))
+        return cls(
+            shape=first.shape,
+            kept=tuple(tuple(k for r in reports for k in r.kept[i]) for i in layers),
+            seq_lens=tuple(n for r in reports for n in r.seq_lens),
+            routed_layers=frozenset().union(*(r.routed_layers for r in reports)),
+            dense_per_layer=tuple(
+                sum(
+                    (r.dense_per_layer[i] for r in reports[1:]),
+                    first.dense_per_layer[i],
+                )
+                for i in range(len(first.dense_per_layer))
+            ),
+            routed_per_layer=tuple(
+                sum(
+                    (r.routed_per_layer[i] for r in reports[1:]),
+                    first.routed_per_layer[i],
+                )
+                for i in range(len(first.routed_per_layer))
+            ),
+            lm_head=sum(r.lm_head for r in reports),
+            memory_traffic_per_layer=tuple(
+                sum(t) for t in zip(*(r.memory_traffic_per_layer for r in reports))
+            ),
+            dtype_bytes=first.dtype_bytes,
+            notes=tuple(dict.fromkeys(n for r in reports for n in r.notes)),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary (totals, ratios, per-term and per-layer breakdowns)."""

@@ -22,6 +22,7 @@ __all__ = [
     "observe_routing",
     "observe_kept_tokens",
     "normalized_flops",
+    "stream_flops",
 ]
 
 
@@ -214,6 +215,40 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         route_targets=targets,
         router_flops_per_token=per_token,
     )
+
+
+@torch.no_grad()
+def stream_flops(
+    model: nn.Module, input_ids: torch.Tensor, seq_len: int, batch_size: int = 4
+) -> FlopsReport:
+    """:func:`normalized_flops` over a whole 1-D token stream: consecutive rows of
+    ``seq_len`` tokens (the last one shorter if the stream does not divide),
+    ``batch_size`` rows per forward, combined into one report
+    (:meth:`FlopsReport.combine`).
+
+    Why a stream and not one batch: causal routing keeps a different share of tokens on
+    different text (a threshold, not a count, decides), so the FLOPs of a few rows can
+    miss those of the text a perplexity is measured on by points
+    (``docs/measurements.md`` §12). Measure on the same tokens as the metric the FLOPs
+    are plotted against.
+    """
+    if input_ids.dim() != 1 or input_ids.numel() == 0:
+        raise ValueError(
+            f"stream_flops takes a non-empty 1-D token stream, got shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(
+            f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}"
+        )
+    rows = list(torch.split(input_ids, seq_len))
+    full = [r for r in rows if r.numel() == seq_len]
+    batches = [
+        torch.stack(full[i : i + batch_size]) for i in range(0, len(full), batch_size)
+    ]
+    if len(full) < len(rows):
+        batches.append(rows[-1][None])
+    return FlopsReport.combine([normalized_flops(model, b) for b in batches])
 
 
 def observe_kept_tokens(model: nn.Module, batch: Any) -> list[list[int]]:

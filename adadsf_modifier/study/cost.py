@@ -88,9 +88,12 @@ def estimate_run_seconds(
             secs += cpu_align_seconds(s, params)
         if m.quantize:
             secs += _GPTQ_S * scale
-    secs += s.ppl_val_tokens * window * fwd + 2 * s.flops_batch * s.flops_seq_len * fwd
+    secs += s.ppl_val_tokens * window * fwd
+    # FLOPs counted in both routing modes over the perplexity's tokens
     if phase == "main":
-        secs += 2 * s.ppl_tokens * window * fwd
+        secs += 2 * s.ppl_tokens * (window + 1) * fwd
+    else:
+        secs += 2 * s.ppl_val_tokens * fwd
         if s.tasks:
             reqs = sum(n * _TASK_CHOICES[t] for t, n in planned_task_n(s).items())
             secs += _LM_EVAL_OVERHEAD_S + reqs * _CPU_LM_EVAL_S_PER_REQUEST * scale

@@ -20,7 +20,7 @@ from torch import nn
 from adadsf_modifier.evaluation import load_text_splits, perplexity
 from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
 from adadsf_modifier.evaluation.speed import load_pair, run_speed_benchmark
-from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.flops import stream_flops
 from adadsf_modifier.routing import routed_layers, routing_mode
 
 __all__ = [
@@ -98,25 +98,19 @@ def measure_perplexity(
     return {"ppl": float(res.ppl), "tokens": int(res.tokens)}
 
 
-@torch.no_grad()
 def measure_flops(
     model: nn.Module, stream: torch.Tensor, batch: int, seq_len: int, mode: str
-) -> dict[str, float]:
-    """Normalized FLOPs counted from the tokens that actually ran each layer on
-    ``batch`` consecutive test chunks of ``seq_len`` tokens (decoder stack incl.
-    routers; and with the lm_head on both sides)."""
-    need = batch * seq_len
-    ids = stream[:need]
-    if ids.numel() < need:
-        ids = ids.repeat(need // max(ids.numel(), 1) + 1)[:need]
-    device = next(model.parameters()).device
+) -> dict[str, float | int]:
+    """Normalized FLOPs counted from the tokens that actually ran each layer on the
+    whole test ``stream`` (the perplexity's tokens), in consecutive rows of ``seq_len``
+    tokens, ``batch`` rows per forward (decoder stack incl. routers; and with the
+    lm_head on both sides)."""
     with _in_mode(model, mode):
-        report = normalized_flops(
-            model, {"input_ids": ids.view(batch, seq_len).to(device)}
-        )
+        report = stream_flops(model, stream, seq_len, batch)
     return {
         "normalized": float(report.normalized),
         "normalized_with_lm_head": float(report.normalized_with_lm_head),
+        "tokens": int(sum(report.seq_lens)),
     }
 
 

@@ -128,13 +128,39 @@ def _setup(r: dict) -> list[str]:
         "",
         "Normalized FLOPs are *measured*: counted from the tokens that actually ran"
         " each layer under causal routing (the mode `generate()` uses) on"
-        f" {s['flops_batch']} x {s['flops_seq_len']} test tokens; decoder stack with"
+        f" {_flops_text(r)}; decoder stack with"
         " router overhead, and with the lm_head on both sides"
         " (`adadsf_modifier.flops`, `docs/flops.md`). Layer removal keeps the number of"
         f" layers closest to {_label(s.get('flops_reference', 'adadsf'))}'s measured"
         " FLOPs at the same budget.",
         "",
     ]
+
+
+def _flops_text(r: dict) -> str:
+    """Which tokens the FLOPs were counted on. Runs record it (``flops_tokens``) since
+    the count covers the perplexity's test tokens; older cached runs counted the first
+    ``flops_batch`` rows of ``flops_seq_len`` test tokens."""
+    s = r["settings"]
+    runs = [x for x in [r.get("dense"), *r["runs"]] if x is not None]
+    counted = sorted({x["flops_tokens"] for x in runs if x.get("flops_tokens")})
+    old = sum(1 for x in runs if not x.get("flops_tokens"))
+    first = f"the first {s['flops_batch']} x {s['flops_seq_len']} test tokens"
+    whole = (
+        f"the {' / '.join(f'{n:,}' for n in counted)} test tokens of the perplexity"
+        f" (rows of {s['flops_seq_len']})"
+    )
+    if not counted:
+        return (
+            f"{first} (a sample that can miss the text's FLOPs by points:"
+            " `docs/measurements.md` §12)"
+        )
+    if not old:
+        return whole
+    return (
+        f"{whole}; {old} older cached runs on {first} only (a sample that can miss"
+        " the whole text's FLOPs by points: `docs/measurements.md` §12)"
+    )
 
 
 def _tuning(r: dict) -> list[str]:

@@ -163,22 +163,26 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
     bs = ev.get("ppl_batch_size", 1)
     val = env.streams.get("validation", ev["ppl_val_tokens"])
     record["ppl_val"] = measure_perplexity(model, val, ml, stride, "causal", bs)["ppl"]
-    test = env.streams.get(
-        "test", max(ev.get("ppl_tokens", 0), ev["flops_seq_len"] * ev["flops_batch"])
-    )
+    # FLOPs on the very tokens of the perplexity they are plotted against: causal
+    # routing's share of kept tokens depends on the text (tuning: validation only)
+    tuning = bool(ev.get("validation_only"))
+    test = None if tuning else env.streams.get("test", ev["ppl_tokens"])
+    flops_text = val if tuning else test
     for mode in ("causal", "topk") if routed else ("causal",):
-        fl = measure_flops(model, test, ev["flops_batch"], ev["flops_seq_len"], mode)
+        fl = measure_flops(
+            model, flops_text, ev["flops_batch"], ev["flops_seq_len"], mode
+        )
         suffix = "" if mode == "causal" else "_topk"
         record[f"normalized_flops{suffix}"] = fl["normalized"]
         record[f"normalized_flops_with_lm_head{suffix}"] = fl["normalized_with_lm_head"]
-    if ev.get("validation_only"):
+    record["flops_tokens"] = fl["tokens"]
+    record["flops_split"] = "validation" if tuning else "test"
+    if tuning:
         return
-    res = measure_perplexity(model, test[: ev["ppl_tokens"]], ml, stride, "causal", bs)
+    res = measure_perplexity(model, test, ml, stride, "causal", bs)
     record["ppl_test"], record["ppl_tokens"] = res["ppl"], res["tokens"]
     record["ppl_test_topk"] = (
-        measure_perplexity(model, test[: ev["ppl_tokens"]], ml, stride, "topk", bs)[
-            "ppl"
-        ]
+        measure_perplexity(model, test, ml, stride, "topk", bs)["ppl"]
         if routed
         else res["ppl"]
     )
