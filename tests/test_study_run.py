@@ -11,6 +11,7 @@ import pytest
 from tiny_models import save_tiny_model
 
 from adadsf_modifier.study.command import main
+from adadsf_modifier.study.plan import tune_count
 from adadsf_modifier.study.settings import StudyInputError, StudySettings
 from adadsf_modifier.study.study import run_study
 
@@ -49,25 +50,27 @@ def test_quick_study_end_to_end_resumes_and_reuses_the_cache(
     out, cache = tmp_path / "docs", tmp_path / "cache"
     argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(cache), "--output-dir",
             str(out), "--methods", "dense,adadsf,uniform,layer_drop", "--budgets",
-            "0.8", "--seeds", "2", *TINY]  # fmt: skip
-    # 1 tuning run + dense + 3 methods x 2 seeds = 8; stop after 3 (an interruption)
+            "0.8", "--seeds", "2", *TINY,
+            "--set", "tune_temperatures=0.05,0.1"]  # fmt: skip
+    # 2 tuning runs (tau 0.05, 0.1) + dense + 3 methods x 2 seeds = 9; stop after 3
+    # (an interruption)
     assert main([*argv, "--max-runs", "3"]) == 0
     first = json.loads((out / "results.json").read_text())
     assert first["runtime"]["runs_computed"] == 3 and first["pending"]
-    assert "8 runs (1 tuning on validation, 7 main)" in capsys.readouterr().out
+    assert "9 runs (2 tuning on validation, 7 main)" in capsys.readouterr().out
     assert len(cache_files(cache)) == 3
 
-    assert main(argv) == 0  # resumes: only the 5 missing runs are computed
+    assert main(argv) == 0  # resumes: only the 6 missing runs are computed
     res = json.loads((out / "results.json").read_text())
-    assert res["runtime"]["runs_computed"] == 5 and res["runtime"]["runs_cached"] == 3
+    assert res["runtime"]["runs_computed"] == 6 and res["runtime"]["runs_cached"] == 3
     assert not res["pending"] and not res["failed"]
     before = cache_files(cache)
-    assert len(before) == 8
+    assert len(before) == 9
 
     assert main(argv) == 0  # everything cached: renders only, rewrites no run
     again = json.loads((out / "results.json").read_text())
     assert (
-        again["runtime"]["runs_computed"] == 0 and again["runtime"]["runs_cached"] == 8
+        again["runtime"]["runs_computed"] == 0 and again["runtime"]["runs_cached"] == 9
     )
     assert cache_files(cache) == before
 
@@ -93,7 +96,8 @@ def test_quick_study_end_to_end_resumes_and_reuses_the_cache(
     assert all(r["matched_to"] == "AdaDSF measured FLOPs" for r in drop)
     assert all(r["layers_kept"] < r["num_layers"] for r in drop)
     assert res["tuned"]["source"] == "validation split"
-    assert [r["align_lr"] for r in res["tuning"]] == [1e-3]
+    assert [r["align_lr"] for r in res["tuning"]] == [1e-3, 1e-3]
+    assert sorted(r["temperature"] for r in res["tuning"]) == [0.05, 0.1]
     assert {r["align_lr"] for r in res["runs"] if r["method"] != "layer_drop"} == {1e-3}
     pairs = {(c["a"], c["b"], c["metric"]) for c in res["comparisons"]}
     assert ("adadsf", "uniform", "ppl_test") in pairs
@@ -181,6 +185,32 @@ def test_a_method_with_fixed_tune_rates_runs_no_tuning_and_trains_at_them(
     assert [(r["align_lr"], r["align_layer_lr"]) for r in healed] == [(3e-4, 1e-5)]
     md = (tmp_path / "o" / "RESULTS.md").read_text()
     assert "learning rate 0.0003 (layer weights 1e-05) (fixed by tune_rates)" in md
+
+
+def test_one_candidate_everywhere_spends_no_tuning_run_and_trains_at_it(
+    tiny_dir, tmp_path
+):
+    s = StudySettings(methods=("dense", "uniform", "adadsf_ridge_kv"),
+                      tune_methods=("uniform", "adadsf_ridge_kv"),
+                      tune_rates={"uniform": [[1e-3, 1e-3]],
+                                  "adadsf_ridge_kv": [[1e-4, 1e-4]]},
+                      tune_temperatures=(0.05,), budgets=(0.8,), seeds=1,
+                      calib_samples=2, calib_seq_len=16, align_steps=2,
+                      align_batch_size=1, align_seq_len=16)  # fmt: skip
+    assert tune_count(s) == 0
+    calls: list[str] = []
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls))  # fmt: skip
+    assert not [c for c in calls if c.startswith("tune:")] and res["tuning"] == []
+    tuned = res["tuned"]
+    assert (tuned["align_lr"], tuned["align_layer_lr"], tuned["temperature"]) == (
+        1e-3, 1e-3, 0.05)  # fmt: skip
+    assert tuned["source"] == "the only candidate (no tuning run)"
+    lrs = {(r["method"], r["align_lr"], r["temperature"]) for r in res["runs"]}
+    assert lrs == {("uniform", 1e-3, 0.05), ("adadsf_ridge_kv", 1e-4, 0.05)}
+    # two temperatures to choose from: the tuning runs are back
+    two = s.model_copy(update={"tune_temperatures": (0.05, 0.1)})
+    assert tune_count(two) == 2
 
 
 def test_a_variant_tuned_for_itself_trains_at_its_own_rates_and_sets_the_flops(

@@ -29,6 +29,7 @@ __all__ = [
     "main_specs",
     "modifier_fields",
     "quantization_fields",
+    "single_candidate",
     "tune_specs",
 ]
 
@@ -194,6 +195,17 @@ def fixed_rates(s: StudySettings, method: str) -> dict[str, Any] | None:
     return {"align_lr": lr, "align_layer_lr": layer_lr, "source": "fixed by tune_rates"}
 
 
+def single_candidate(s: StudySettings) -> Tuned | None:
+    """The first tuned method's hyper-parameters when its grids hold one candidate
+    each (one rate pair, one tau, one beta): nothing to choose, so no tuning run is
+    spent on it (None otherwise)."""
+    grid = rate_grid(s, s.tune_methods[0])
+    if len(grid) != 1 or len(s.tune_temperatures) * len(s.tune_betas) != 1:
+        return None
+    (lr, layer_lr), tau, beta = grid[0], s.tune_temperatures[0], s.tune_betas[0]
+    return Tuned(lr, tau, beta, "the only candidate (no tuning run)", layer_lr)
+
+
 def choose_best(records: list[dict]) -> dict:
     """The tune record with the lowest validation perplexity (ties: first)."""
     finite = [r for r in records if math.isfinite(r.get("ppl_val") or math.inf)]
@@ -209,6 +221,8 @@ def tune_runs_of(s: StudySettings, method: str) -> int:
         return 0
     if method != s.tune_methods[0]:
         return 0 if fixed_rates(s, method) else len(rate_grid(s, method))
+    if single_candidate(s) is not None:
+        return 0
     stage2 = len(s.tune_temperatures) * len(s.tune_betas)
     default_in_grid = s.temperature in s.tune_temperatures and s.beta in s.tune_betas
     return len(rate_grid(s, method)) + stage2 - (1 if default_in_grid else 0)

@@ -124,7 +124,9 @@ class StudySettings(BaseModel):
     # instead of tune_lrs x tune_layer_lrs (a null layer rate: align_layer_lr), e.g.
     # {adadsf_ridge_kv_err: [[1e-4, 1e-4], [1e-3, 1e-4]], uniform: [[1e-3, 1e-3]]}.
     # A later method given a single pair is not tuned: it trains at that pair, a choice
-    # made on the validation split before (the doc says where).
+    # made on the validation split before (the doc says where). Neither is the first
+    # when its pair, tune_temperatures and tune_betas all hold one value each: nothing
+    # is left to choose, so no tuning run is spent.
     tune_rates: dict[str, tuple[tuple[PositiveFloat, PositiveFloat | None], ...]] = (
         Field(default_factory=dict)
     )

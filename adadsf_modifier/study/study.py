@@ -15,7 +15,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -41,12 +40,9 @@ from adadsf_modifier.study.plan import (
     Context,
     Tuned,
     budgets_of,
-    choose_best,
     count_runs,
-    fixed_rates,
     main_specs,
     tune_runs_of,
-    tune_specs,
 )
 from adadsf_modifier.study.plots import PLOT_FILES, write_plots
 from adadsf_modifier.study.render import MARKER, render_markdown
@@ -54,6 +50,7 @@ from adadsf_modifier.study.runner import RunEnv, execute_run
 from adadsf_modifier.study.settings import StudyInputError, StudySettings
 from adadsf_modifier.study.spec import RunSpec, code_versions, model_fingerprint
 from adadsf_modifier.study.stats import resolvable_task_mean_difference
+from adadsf_modifier.study.tuning import tune_on_validation
 
 __all__ = ["check_output_dir", "hardware", "run_study"]
 
@@ -167,55 +164,6 @@ def _reference(records: list[dict], method: str) -> Callable[[float], dict | Non
         }
 
     return ref
-
-
-def _tune(s: StudySettings, ctx: Context, runner: _Runner) -> tuple[Tuned | None, list]:
-    """For the first of ``tune_methods``, stage 1 picks the learning rates and stage 2
-    tau and beta; each later method then picks its own rates with that tau and beta;
-    every choice by the lowest validation perplexity. ``None`` when the runs are not
-    all finished (stopped by the time or run budget, or failed)."""
-    if not s.tune:
-        return Tuned.from_settings(s, "settings (tuning off)"), []
-    records: dict[str, dict] = {}
-
-    def run_all(specs: list[RunSpec]) -> list[dict] | None:
-        """The records of ``specs`` (cached or computed); None if the runner stopped
-        before all of them finished."""
-        for spec in specs:
-            if spec.key not in records and (r := runner.run(spec)) is not None:
-                records[spec.key] = r
-        if any(x.key not in records for x in specs) and runner.stopped:
-            return None
-        return [records[x.key] for x in specs if x.key in records]
-
-    try:  # a failed (e.g. diverged) setting simply loses
-        if (stage1 := run_all(tune_specs(s, ctx))) is None:
-            return None, list(records.values())
-        first = choose_best(stage1)
-        best_lrs = (first["align_lr"], first.get("align_layer_lr"))
-        if (stage2 := run_all(tune_specs(s, ctx, best_lrs))) is None:
-            return None, list(records.values())
-        best = choose_best(stage2)
-        lr, layer_lr = best_lrs
-        tuned = Tuned(
-            lr, best["temperature"], best["beta"], "validation split", layer_lr
-        )
-        per_method = {}
-        for method in s.tune_methods[1:]:
-            if (fixed := fixed_rates(s, method)) is not None:
-                per_method[method] = fixed
-                continue
-            if (own := run_all(tune_specs(s, ctx, method=method, base=tuned))) is None:
-                return None, list(records.values())
-            pick = choose_best(own)
-            per_method[method] = {
-                "align_lr": pick["align_lr"],
-                "align_layer_lr": pick.get("align_layer_lr"),
-            }
-    except RuntimeError as err:
-        runner.failed.append(f"tuning: {err}")
-        return None, list(records.values())
-    return replace(tuned, per_method=per_method), list(records.values())
 
 
 def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) -> float:
@@ -339,7 +287,7 @@ def run_study(
     origin = {"command": command, "hardware": hw}
     runner = _Runner(cache, env, total, deadline, max_runs, executor, origin)
     runner.lenient = render_only
-    tuned, tuning = _tune(settings, ctx, runner)
+    tuned, tuning = tune_on_validation(settings, ctx, runner)
     dense, runs = None, []
     if tuned is not None:
         for spec in main_specs(
