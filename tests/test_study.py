@@ -186,6 +186,26 @@ def test_cost_model_prices_a_bfloat16_alignment_below_a_float32_one():
         assert dense == estimate_run_seconds(bf16, phase, "dense", 135e6, "cpu")
 
 
+def test_cost_model_prices_tasks_and_speed_in_main_runs_only():
+    from adadsf_modifier.study.cost import estimate_run_seconds
+
+    def cost(phase, **kw):
+        return estimate_run_seconds(StudySettings(**kw), phase, "adadsf", 135e6, "cpu")
+
+    bare = dict(tasks=(), speed=False)
+    for phase in ("tune", "main"):  # tuning runs score neither tasks nor speed
+        assert (cost(phase) > cost(phase, **bare)) == (phase == "main")
+    # one request per forward costs more than batches of 8 (the CPU default)
+    assert (
+        cost("main", task_batch_size=1)
+        > cost("main")
+        == cost("main", task_batch_size=8)
+    )
+    # the main run counts FLOPs on its test tokens, tuning on its validation tokens
+    assert cost("main", ppl_tokens=65536, **bare) > cost("main", **bare)
+    assert cost("tune", ppl_tokens=65536) == cost("tune")
+
+
 def skip_fields(f: dict) -> tuple:
     return f["skip_path"], f["skip_path_rank"], f["skipped_tokens_kv"]
 
@@ -329,7 +349,7 @@ def test_layer_drop_retention_matches_measured_flops():
 def test_main_specs_order_and_layer_drop_matching():
     s = StudySettings(methods=("layer_drop", "uniform", "adadsf", "dense"), seeds=2,
                       budgets=(0.8, 0.9))  # fmt: skip
-    refs = {0.8: {"flops": 0.787, "num_layers": 30, "num_routed": 29}}
+    refs = {0.8: {"flops": 0.787, "seed": 0, "num_layers": 30, "num_routed": 29}}
     specs = list(main_specs(s, CTX, TUNED, refs.get))
     assert specs[0].method == "dense"
     # the tune budget (0.8) first, one seed at a time, AdaDSF first in each seed
@@ -341,7 +361,7 @@ def test_main_specs_order_and_layer_drop_matching():
     assert [b for b, _, _ in labels[6:]] == [0.9] * 6
     drop08 = [x for x in specs if x.method == "layer_drop" and x.budget == 0.8]
     assert drop08[0].config["modifier"]["retention"] == pytest.approx(23 / 29)
-    assert drop08[0].notes["matched_to"] == "AdaDSF measured FLOPs"
+    assert drop08[0].notes["matched_to"] == "AdaDSF measured FLOPs (seed 0)"
     drop09 = [x for x in specs if x.method == "layer_drop" and x.budget == 0.9]
     assert drop09[0].config["modifier"]["retention"] == 0.9  # no reference: nominal
     assert drop09[0].notes["matched_to"] == "nominal budget"

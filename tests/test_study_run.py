@@ -93,7 +93,7 @@ def test_quick_study_end_to_end_resumes_and_reuses_the_cache(
     speed = {(r["method"], r["seed"]): r["prefill_speedup"] for r in res["runs"]}
     assert speed[("adadsf", 0)] > 0 and speed[("adadsf", 1)] is None  # speed_seeds=1
     drop = [r for r in res["runs"] if r["method"] == "layer_drop"]
-    assert all(r["matched_to"] == "AdaDSF measured FLOPs" for r in drop)
+    assert all(r["matched_to"] == "AdaDSF measured FLOPs (seed 0)" for r in drop)
     assert all(r["layers_kept"] < r["num_layers"] for r in drop)
     assert res["tuned"]["source"] == "validation split"
     assert [r["align_lr"] for r in res["tuning"]] == [1e-3, 1e-3]
@@ -251,12 +251,35 @@ def test_a_variant_tuned_for_itself_trains_at_its_own_rates_and_sets_the_flops(
     drop = [r for r in res["runs"] if r["method"] == "layer_drop"]
     assert [r["flops_target"] for r in drop] == pytest.approx([0.767, 0.767])
     assert {r["matched_to"] for r in drop} == {
-        "AdaDSF + ridge skip path + K/V measured FLOPs"
+        "AdaDSF + ridge skip path + K/V measured FLOPs (seed 0)"
     }
     md = (tmp_path / "o" / "RESULTS.md").read_text()
     assert "| method | lr | tau | beta | PPL val | FLOPs |" in md
     assert "AdaDSF + ridge skip path + K/V: learning rate 0.0001." in md
     assert "closest to AdaDSF + ridge skip path + K/V's measured FLOPs" in md
+
+
+def test_every_seed_of_layer_removal_matches_the_reference_of_seed_0(
+    tiny_dir, tmp_path
+):
+    s = StudySettings(methods=("adadsf", "layer_drop"), budgets=(0.8,), seeds=3,
+                      tune=False, calib_samples=2, calib_seq_len=16, align_steps=2,
+                      align_batch_size=1, align_seq_len=16)  # fmt: skip
+    calls: list[str] = []
+    base = fake_executor(calls)
+
+    def run(spec, env):  # causal routing's FLOPs move with the seed
+        r = base(spec, env)
+        r["retention"] = spec.config["modifier"]["retention"]
+        if spec.method == "adadsf":
+            r["normalized_flops"] = [0.80, 0.73, 0.76][spec.seed]
+        return r
+
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c", executor=run)
+    drop = sorted((r for r in res["runs"] if r["method"] == "layer_drop"),
+                  key=lambda r: r["seed"])  # fmt: skip
+    assert [r["flops_target"] for r in drop] == [0.80, 0.80, 0.80]
+    assert len({r["retention"] for r in drop}) == 1  # the same layers removed
 
 
 def test_render_only_renders_runs_computed_with_other_versions_and_computes_none(

@@ -31,7 +31,8 @@ _CPU_FORWARD_S_PER_TOKEN = 1.5e-3  # SmolLM2-135M prefill, fp32
 _CPU_ALIGN_S_PER_TOKEN = 5.4e-3  # routers_and_layers, fp32, with the dense teacher
 _CPU_ALIGN_S_PER_STEP = 3.0  # AdamW update and clipping over ~100M parameters
 _BF16_ALIGN_FACTOR = 0.6  # a bfloat16 model's alignment against float32's
-_CPU_LM_EVAL_S_PER_REQUEST = 0.08
+_CPU_LM_EVAL_S_PER_REQUEST = 0.08  # one request per forward
+_CPU_LM_EVAL_BATCHED = 0.4  # its share in batches of 8 (docs/measurements.md §13)
 _CPU_DECODE_STEP_S = {1: 0.04, 8: 0.07}
 _LM_EVAL_OVERHEAD_S = 20.0
 _RUN_OVERHEAD_S = 15.0  # load model, text, warm start, bookkeeping
@@ -89,14 +90,18 @@ def estimate_run_seconds(
         if m.quantize:
             secs += _GPTQ_S * scale
     secs += s.ppl_val_tokens * window * fwd
-    # FLOPs counted in both routing modes over the perplexity's tokens
+    # FLOPs are counted in both routing modes over the perplexity's tokens
+    flops_tokens = s.ppl_tokens if phase == "main" else s.ppl_val_tokens
+    secs += 2 * flops_tokens * fwd
     if phase == "main":
-        secs += 2 * s.ppl_tokens * (window + 1) * fwd
-    else:
-        secs += 2 * s.ppl_val_tokens * fwd
+        secs += 2 * s.ppl_tokens * window * fwd
         if s.tasks:
             reqs = sum(n * _TASK_CHOICES[t] for t, n in planned_task_n(s).items())
-            secs += _LM_EVAL_OVERHEAD_S + reqs * _CPU_LM_EVAL_S_PER_REQUEST * scale
+            batched = (s.task_batch_size or 8) > 1
+            per_request = _CPU_LM_EVAL_S_PER_REQUEST * (
+                _CPU_LM_EVAL_BATCHED if batched else 1.0
+            )
+            secs += _LM_EVAL_OVERHEAD_S + reqs * per_request * scale
         if s.speed and m.allocation is not None and not m.quantize:
             share = min(s.speed_seeds, s.seeds) / s.seeds
             speed = 10.0 * scale

@@ -73,7 +73,7 @@ def _eval_main(s: StudySettings, ctx: Context, speed: bool) -> dict[str, Any]:
         "ppl_stride": s.ppl_stride,
         "tasks": list(s.tasks),
         "task_limit": s.task_limit,
-        "task_batch_size": s.task_batch_size or (16 if ctx.device == "cuda" else 1),
+        "task_batch_size": s.task_batch_size or (16 if ctx.device == "cuda" else 8),
         "flops_batch": s.flops_batch,
         "flops_seq_len": s.flops_seq_len,
         "speed": (
@@ -283,9 +283,9 @@ def main_specs(
     measured FLOPs), the others in the settings' order, the ablations
     (``ablation_methods``) after the main methods' seeds.
 
-    ``reference(budget)`` returns ``{"flops": mean measured normalized FLOPs of the
-    finished ``flops_reference`` runs at that budget, "num_layers": L, "num_routed":
-    n}`` or None;
+    ``reference(budget)`` returns ``{"flops": measured normalized FLOPs of the
+    lowest-seed finished ``flops_reference`` run at that budget, "seed": its seed,
+    "num_layers": L, "num_routed": n}`` or None;
     without it layer removal uses the nominal budget.
     """
     methods = list(s.methods)
@@ -332,7 +332,11 @@ def _main_spec(
             )
             notes["flops_target"] = ref["flops"]
         reference = METHODS[s.flops_reference].short_label
-        notes["matched_to"] = f"{reference} measured FLOPs" if ref else "nominal budget"
+        notes["matched_to"] = (
+            f"{reference} measured FLOPs (seed {ref['seed']})"
+            if ref
+            else "nominal budget"
+        )
     mod = modifier_fields(s, method, retention, seed, tuned)
     speed = s.speed and i < s.speed_seeds and not m.quantize
     return _spec(
