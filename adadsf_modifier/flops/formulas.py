@@ -190,7 +190,7 @@ class LayerFlops:
 
 @dataclass(frozen=True)
 class FlopsReport:
-    """Dense vs routed FLOPs of one batch.
+    """Dense vs routed FLOPs of one batch (or of several, :meth:`combine`).
 
     ``dense_per_layer`` / ``routed_per_layer`` hold a :class:`LayerFlops` per decoder
     layer (the routed one includes that layer's router). ``dense`` and ``routed`` are
@@ -270,10 +270,11 @@ class FlopsReport:
     def combine(cls, reports: Sequence[FlopsReport]) -> FlopsReport:
         """One report over the sequences of several batches of the same model.
 
-        Every count is a sum over tokens (and token pairs), so the batches' sequences
-        are concatenated and their per-layer FLOPs added: the combined ratio weighs
-        each batch by its FLOPs, as one large batch would (a mean of per-batch ratios
-        would not).
+        Every FLOPs count is a sum over tokens (and token pairs), so the batches'
+        sequences are concatenated and their per-layer FLOPs added: the combined ratio
+        weighs each batch by its FLOPs, as one large batch would (a mean of per-batch
+        ratios would not). The gather/scatter memory traffic is summed over the batches
+        as they ran: one padded batch of all the rows could move a different amount.
         """
         if not reports:
             raise ValueError("combine needs at least one FlopsReport")

@@ -51,7 +51,9 @@ class Tuned:
     align_lr: float
     temperature: float
     beta: float
-    source: str  # "validation split" or "settings (tuning off)"
+    # "validation split", "settings (tuning off)" or "the only candidate (no tuning
+    # run)"
+    source: str
     align_layer_lr: float | None = None  # None: align_lr for the layers too
     per_method: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -90,9 +90,11 @@ def estimate_run_seconds(
         if m.quantize:
             secs += _GPTQ_S * scale
     secs += s.ppl_val_tokens * window * fwd
-    # FLOPs are counted in both routing modes over the perplexity's tokens
+    # FLOPs are counted over the perplexity's tokens: main runs of a routed method in
+    # both routing modes, the rest in one
     flops_tokens = s.ppl_tokens if phase == "main" else s.ppl_val_tokens
-    secs += 2 * flops_tokens * fwd
+    modes = 2 if phase == "main" and m.allocation is not None else 1
+    secs += modes * flops_tokens * fwd
     if phase == "main":
         secs += 2 * s.ppl_tokens * window * fwd
         if s.tasks:

@@ -122,7 +122,7 @@ def _setup(r: dict) -> list[str]:
         f" `{s['align_trainable']}`; layers"
         f" ignored: `{', '.join(s['ignore']) or 'none'}`; model weights in"
         f" {s.get('dtype', 'float32')}.",
-        f"Chosen hyper-parameters ({t['source']}): learning rate"
+        f"{_chosen(t['source'])}: learning rate"
         f" {_num(t['align_lr'], 'g')}{_layer_rate(t)}, tau"
         f" {_num(t['temperature'], 'g')}, beta {_num(t['beta'], 'g')}.{own_chosen}",
         "",
@@ -132,9 +132,17 @@ def _setup(r: dict) -> list[str]:
         " router overhead, and with the lm_head on both sides"
         " (`adadsf_modifier.flops`, `docs/flops.md`). Layer removal keeps the number of"
         f" layers closest to {_label(s.get('flops_reference', 'adadsf'))}'s measured"
-        " FLOPs at the same budget.",
+        " FLOPs at the same budget (its lowest finished seed's run; each layer-removal"
+        " run records which, `matched_to`).",
         "",
     ]
+
+
+def _chosen(source: str) -> str:
+    """How the hyper-parameters came about, as the sentence's head."""
+    if source.startswith("the only candidate"):
+        return "Hyper-parameters (one candidate each: no tuning run)"
+    return f"Chosen hyper-parameters ({source})"
 
 
 def _flops_text(r: dict) -> str:

@@ -168,7 +168,8 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
     tuning = bool(ev.get("validation_only"))
     test = None if tuning else env.streams.get("test", ev["ppl_tokens"])
     flops_text = val if tuning else test
-    for mode in ("causal", "topk") if routed else ("causal",):
+    # top-K FLOPs are reported beside causal ones in main runs only
+    for mode in ("causal", "topk") if routed and not tuning else ("causal",):
         fl = measure_flops(
             model, flops_text, ev["flops_batch"], ev["flops_seq_len"], mode
         )

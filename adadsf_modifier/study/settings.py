@@ -130,8 +130,9 @@ class StudySettings(BaseModel):
     tune_rates: dict[str, tuple[tuple[PositiveFloat, PositiveFloat | None], ...]] = (
         Field(default_factory=dict)
     )
-    # The routed method whose mean measured FLOPs layer removal matches at each budget
-    # (when it is not among the methods: the nominal budget).
+    # The routed method whose measured FLOPs (its lowest finished seed's run) layer
+    # removal matches at each budget (when it is not among the methods: the nominal
+    # budget).
     flops_reference: str = "adadsf"
     # ---- evaluation
     ppl_tokens: PositiveInt = 32768  # test split

@@ -150,7 +150,8 @@ class _Runner:
 
 def _reference(records: list[dict], method: str) -> Callable[[float], dict | None]:
     """The FLOPs layer removal matches at a budget: those of the ``method`` run of the
-    lowest finished seed (seed 0: the reference runs first in each seed). One run, not
+    lowest finished seed (normally seed 0: the reference runs first in each seed; if
+    seed 0's failed, a later one until a resume finishes it). One run, not
     the mean of those finished so far, so every seed of layer removal removes the same
     layers whenever it runs (a moving mean gave seeds different architectures)."""
 

@@ -41,7 +41,7 @@ AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
 tm.tiny_tokenizer().save_pretrained(d)
 tiny = ["--set", "calib_samples=4", "--set", "calib_seq_len=32", "--set", "router_hidden_size=4",
         "--set", "router_init_steps=5", "--set", "router_init_tokens=64", "--set", "align_steps=2",
-        "--set", "align_seq_len=32", "--set", "tune_lrs=1e-3", "--set", "tune_temperatures=0.05",
+        "--set", "align_seq_len=32", "--set", "tune_lrs=1e-3", "--set", "tune_temperatures=0.05,0.1",
         "--set", "ppl_tokens=128", "--set", "ppl_val_tokens=96", "--set", "ppl_max_length=64",
         "--set", "ppl_stride=32", "--set", "tasks=piqa,hellaswag", "--set", "task_limit=4",
         "--set", "flops_seq_len=32", "--set", "speed_seq_len=32", "--set", "speed_batch_sizes=1,2",
