@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from adadsf_modifier.checkpoint import from_pretrained
 from adadsf_modifier.evaluation import resolve_model
-from adadsf_modifier.flops import stream_flops
+from adadsf_modifier.flops import FlopsReport, stream_flops
 from adadsf_modifier.routing import routing_mode
 from adadsf_modifier.study.measure import TokenStreams
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         first = {}
         n = 1
         while n <= len(slices):
-            report = type(slices[0]).combine(slices[:n])
+            report = FlopsReport.combine(slices[:n])
             first[n * a.slice] = round(report.normalized, 4)
             n *= 2
         per_slice = [round(s.normalized, 4) for s in slices]

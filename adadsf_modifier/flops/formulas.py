@@ -282,30 +282,19 @@ class FlopsReport:
         for r in reports[1:]:
             if r.shape != first.shape or len(r.kept) != len(first.kept):
                 raise ValueError("combine takes reports of one model only")
-        layers = range(len(first.kept))
+
+        def per_layer(column):  # [layer] of each report's [layer]: sum over reports
+            return tuple(sum(c[1:], c[0]) for c in zip(*map(column, reports)))
+
         return cls(
             shape=first.shape,
-            kept=tuple(tuple(k for r in reports for k in r.kept[i]) for i in layers),
+            kept=per_layer(lambda r: r.kept),  # tuples concatenate: every sequence
             seq_lens=tuple(n for r in reports for n in r.seq_lens),
             routed_layers=frozenset().union(*(r.routed_layers for r in reports)),
-            dense_per_layer=tuple(
-                sum(
-                    (r.dense_per_layer[i] for r in reports[1:]),
-                    first.dense_per_layer[i],
-                )
-                for i in range(len(first.dense_per_layer))
-            ),
-            routed_per_layer=tuple(
-                sum(
-                    (r.routed_per_layer[i] for r in reports[1:]),
-                    first.routed_per_layer[i],
-                )
-                for i in range(len(first.routed_per_layer))
-            ),
+            dense_per_layer=per_layer(lambda r: r.dense_per_layer),
+            routed_per_layer=per_layer(lambda r: r.routed_per_layer),
             lm_head=sum(r.lm_head for r in reports),
-            memory_traffic_per_layer=tuple(
-                sum(t) for t in zip(*(r.memory_traffic_per_layer for r in reports))
-            ),
+            memory_traffic_per_layer=per_layer(lambda r: r.memory_traffic_per_layer),
             dtype_bytes=first.dtype_bytes,
             notes=tuple(dict.fromkeys(n for r in reports for n in r.notes)),
         )

@@ -217,7 +217,6 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
     )
 
 
-@torch.no_grad()
 def stream_flops(
     model: nn.Module, input_ids: torch.Tensor, seq_len: int, batch_size: int = 4
 ) -> FlopsReport:

@@ -158,17 +158,15 @@ def _flops_text(r: dict) -> str:
         f"the {' / '.join(f'{n:,}' for n in counted)} test tokens of the perplexity"
         f" (rows of {s['flops_seq_len']})"
     )
+    caveat = (
+        "(a sample that can miss the whole text's FLOPs by points:"
+        " `docs/measurements.md` §12)"
+    )
     if not counted:
-        return (
-            f"{first} (a sample that can miss the text's FLOPs by points:"
-            " `docs/measurements.md` §12)"
-        )
+        return f"{first} {caveat}"
     if not old:
         return whole
-    return (
-        f"{whole}; {old} older cached runs on {first} only (a sample that can miss"
-        " the whole text's FLOPs by points: `docs/measurements.md` §12)"
-    )
+    return f"{whole}; {old} older cached runs on {first} only {caveat}"
 
 
 def _tuning(r: dict) -> list[str]:
