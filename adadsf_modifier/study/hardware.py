@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["hardware"]
+__all__ = ["bfloat16_warning", "cpu_has_native_bfloat16", "hardware"]
 
 
 def hardware(device: str) -> dict[str, Any]:
@@ -29,10 +29,35 @@ def hardware(device: str) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
     }
+    if device == "cpu":
+        info["cpu_native_bfloat16"] = cpu_has_native_bfloat16()
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ", no GPU"
+    bf16 = "" if info.get("cpu_native_bfloat16", True) else ", no native bfloat16"
     info["summary"] = (
-        f"{cpu}, {info['cpu_count']} CPUs, torch threads {info['torch_threads']}{gpu}"
+        f"{cpu}, {info['cpu_count']} CPUs, torch threads {info['torch_threads']}"
+        f"{gpu}{bf16}"
     )
     return info
+
+
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Without them
+    torch emulates bfloat16 matmuls: ~5x slower than float32 on the 2-core AVX2 machine
+    of 2026-12-01, and rounded differently from a machine with them, so bfloat16 runs of
+    two such CPUs do not agree (``docs/measurements.md`` §14)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
+def bfloat16_warning(device: str, dtype: str) -> str | None:
+    """A warning, before any run, when bfloat16 is asked of a CPU that emulates it."""
+    if device != "cpu" or dtype != "bfloat16" or cpu_has_native_bfloat16():
+        return None
+    return (
+        "dtype=bfloat16 on a CPU without bfloat16 instructions (no AVX512-BF16, no "
+        "AMX): torch emulates it, several times slower than float32, and its numbers "
+        "differ from a CPU that has them; use --set dtype=float32 here, or a machine "
+        "with AMX/AVX512-BF16 to resume a bfloat16 study computed on one"
+    )

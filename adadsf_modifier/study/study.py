@@ -33,7 +33,7 @@ from adadsf_modifier.study.cost import (
     model_params,
     planned_task_n,
 )
-from adadsf_modifier.study.hardware import hardware
+from adadsf_modifier.study.hardware import bfloat16_warning, hardware
 from adadsf_modifier.study.measure import TokenStreams
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plan import (
@@ -265,6 +265,9 @@ def run_study(
         f"{est / 3600:.2f} h of compute for all of them (runs already cached are "
         "reused, not recomputed)"
     )
+    slow_bf16 = None if render_only else bfloat16_warning(device, settings.dtype)
+    if slow_bf16:
+        logger.warning(slow_bf16)
     task_n = planned_task_n(settings)
     resolvable = resolvable_task_mean_difference(task_n)
     if task_n:
