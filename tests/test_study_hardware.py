@@ -29,11 +29,12 @@ def test_native_bfloat16_follows_the_cpu_flags(monkeypatch, avx512_bf16, amx, na
 
 def test_bfloat16_warning_only_for_emulated_bfloat16_on_cpu(monkeypatch):
     _cpu_flags(monkeypatch, False, False)
-    assert "without bfloat16 instructions" in bfloat16_warning("cpu", "bfloat16")
-    assert bfloat16_warning("cpu", "float32") is None
-    assert bfloat16_warning("cuda", "bfloat16") is None
+    emulated = hardware("cpu")
+    assert "without bfloat16 instructions" in bfloat16_warning(emulated, "bfloat16")
+    assert bfloat16_warning(emulated, "float32") is None
+    assert bfloat16_warning({"device": "cuda"}, "bfloat16") is None
     _cpu_flags(monkeypatch, False, True)
-    assert bfloat16_warning("cpu", "bfloat16") is None
+    assert bfloat16_warning(hardware("cpu"), "bfloat16") is None
 
 
 def test_hardware_summary_says_when_bfloat16_is_emulated(monkeypatch):

@@ -51,9 +51,10 @@ def cpu_has_native_bfloat16() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
-def bfloat16_warning(device: str, dtype: str) -> str | None:
-    """A warning, before any run, when bfloat16 is asked of a CPU that emulates it."""
-    if device != "cpu" or dtype != "bfloat16" or cpu_has_native_bfloat16():
+def bfloat16_warning(hw: dict[str, Any], dtype: str) -> str | None:
+    """A warning, before any run, when bfloat16 is asked of a CPU that emulates it;
+    ``hw`` is :func:`hardware`'s record (a GPU's has no ``cpu_native_bfloat16``)."""
+    if dtype != "bfloat16" or hw.get("cpu_native_bfloat16", True):
         return None
     return (
         "dtype=bfloat16 on a CPU without bfloat16 instructions (no AVX512-BF16, no "

@@ -265,7 +265,7 @@ def run_study(
         f"{est / 3600:.2f} h of compute for all of them (runs already cached are "
         "reused, not recomputed)"
     )
-    slow_bf16 = None if render_only else bfloat16_warning(device, settings.dtype)
+    slow_bf16 = None if render_only else bfloat16_warning(hw, settings.dtype)
     if slow_bf16:
         logger.warning(slow_bf16)
     task_n = planned_task_n(settings)
