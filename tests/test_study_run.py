@@ -328,6 +328,51 @@ def test_render_only_renders_runs_computed_with_other_versions_and_computes_none
     assert res["runtime"]["runs_cached"] == 1  # only dense (no modifier) matches
 
 
+def test_runs_of_other_weights_are_named_before_any_run_and_recomputed(
+    tiny_dir, tmp_path
+):
+    """Another machine converted the same model to other bytes: the study says so
+    (and which files differ) before computing, and reuses none of those runs."""
+    import shutil
+
+    from loguru import logger
+    from safetensors.torch import load_file, save_file
+
+    s = StudySettings(methods=("dense", "uniform"), budgets=(0.8,), seeds=1,
+                      tune=False, calib_samples=2, calib_seq_len=16, align_steps=2,
+                      align_batch_size=1, align_seq_len=16)  # fmt: skip
+    here, there = tmp_path / "a" / "m", tmp_path / "b" / "m"  # same name, two copies
+    shutil.copytree(tiny_dir, here)
+    shutil.copytree(tiny_dir, there)
+    weights = load_file(there / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1e-3  # what another CPU's conversion might give
+    save_file(weights, there / "model.safetensors", metadata={"format": "pt"})
+    calls: list[str] = []
+    messages: list[str] = []
+    sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
+    try:
+        run_study(s, str(there), tmp_path / "o", tmp_path / "c",
+                  executor=fake_executor(calls))  # fmt: skip
+        assert len(calls) == 2 and not any("other weights" in m for m in messages)
+        kept = [json.loads(p.read_text())["record"]["model_files"]
+                for p in (tmp_path / "c").rglob("*.json")]  # fmt: skip
+        assert kept and all(
+            set(k) >= {"config.json", "model.safetensors"} for k in kept
+        )
+        calls.clear()
+        res = run_study(s, str(here), tmp_path / "o", tmp_path / "c",
+                        executor=fake_executor(calls))  # fmt: skip
+    finally:
+        logger.remove(sink)
+    assert len(calls) == 2 and res["runtime"]["runs_cached"] == 0
+    warned = [m for m in messages if "computed from other weights" in m]
+    assert len(warned) == 1
+    assert "2 cached runs" in warned[0]
+    assert "files that differ: model.safetensors" in warned[0]
+    assert "config.json" not in warned[0].split("files that differ:")[1]
+
+
 def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
     calls: list[str] = []
     res = run_study(StudySettings(), tiny_dir, tmp_path / "o", tmp_path / "c",

@@ -144,6 +144,17 @@ class RunCache:
         cfg = newest["config"]
         return cfg["device"], cfg["versions"], newest["record"].get("hardware")
 
+    def other_weights(self, name: str, fingerprint: str) -> list[dict[str, Any]]:
+        """Cached runs of the model called ``name`` whose weights are not
+        ``fingerprint``'s: runs this study will not reuse (their keys hold the other
+        fingerprint). :func:`weights_mismatch_warning` says so before any run."""
+        return [
+            entry
+            for entry in self
+            if entry.get("config", {}).get("model", {}).get("name") == name
+            and entry["config"]["model"].get("fingerprint") != fingerprint
+        ]
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Every readable cached run (``{"key", "config", "record", ...}``)."""
         if not self.root.is_dir():
@@ -153,3 +164,39 @@ class RunCache:
                 yield json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
+
+
+def weights_mismatch_warning(
+    others: list[dict[str, Any]], fingerprint: str, files: dict[str, str]
+) -> str | None:
+    """A warning, before any run, when the cache holds runs of this model computed
+    from other weights (:meth:`RunCache.other_weights`): they will all be recomputed.
+    Names the files whose digests differ where those runs kept them
+    (``model_files``)."""
+    if not others:
+        return None
+    prints = sorted({e["config"]["model"].get("fingerprint", "?")[:12] for e in others})
+    machines = sorted(
+        {
+            e["record"].get("hardware", {}).get("summary", "an unrecorded machine")
+            for e in others
+        }
+    )
+    differ: set[str] = set()
+    kept = [
+        e["record"]["model_files"] for e in others if e["record"].get("model_files")
+    ]
+    for theirs in kept:
+        differ |= {n for n in set(theirs) | set(files) if theirs.get(n) != files.get(n)}
+    which = (
+        f"files that differ: {', '.join(sorted(differ))}"
+        if kept
+        else "those runs kept no per-file digests, so which files differ is unknown"
+    )
+    return (
+        f"{len(others)} cached runs of this model were computed from other weights "
+        f"(fingerprint {', '.join(prints)}, on {'; '.join(machines)}) and will not be "
+        f"reused: this copy's fingerprint is {fingerprint[:12]} ({which}). The "
+        "embedded model's GGUF conversion gave other bytes on another CPU "
+        "(docs/measurements.md §14)."
+    )

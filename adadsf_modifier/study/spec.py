@@ -22,6 +22,7 @@ __all__ = [
     "RunSpec",
     "canonical_json",
     "code_versions",
+    "model_file_digests",
     "model_fingerprint",
     "source_digest",
 ]
@@ -68,6 +69,27 @@ def model_fingerprint(path: str) -> str:
     for p in weights:
         _file_digest(p, h)
     return h.hexdigest()
+
+
+def model_file_digests(path: str) -> dict[str, str]:
+    """SHA-256 of every file of a local model folder (name -> hex; empty for a hub id).
+
+    Not part of any key (:func:`model_fingerprint` is): kept with each computed run so
+    that, when a cache's runs stop matching on another machine, the files that differ
+    can be named (the embedded model's conversion gave other bytes on another CPU,
+    ``docs/measurements.md`` §14)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            h = hashlib.sha256()
+            with p.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+            out[p.name] = h.hexdigest()
+    return out
 
 
 # Modules whose code cannot change a run's numbers (presentation and command line).

@@ -26,7 +26,12 @@ from tqdm.auto import tqdm
 # Project APIs used here (one place, so a module move needs one edit).
 from adadsf_modifier.evaluation import calibration_dataset, resolve_model
 from adadsf_modifier.study.aggregate import build_results
-from adadsf_modifier.study.cache import RunCache, atomic_write_text, json_text
+from adadsf_modifier.study.cache import (
+    RunCache,
+    atomic_write_text,
+    json_text,
+    weights_mismatch_warning,
+)
 from adadsf_modifier.study.cost import (
     cpu_align_seconds,
     estimate_run_seconds,
@@ -48,7 +53,12 @@ from adadsf_modifier.study.plots import PLOT_FILES, write_plots
 from adadsf_modifier.study.render import MARKER, render_markdown
 from adadsf_modifier.study.runner import RunEnv, execute_run
 from adadsf_modifier.study.settings import StudyInputError, StudySettings
-from adadsf_modifier.study.spec import RunSpec, code_versions, model_fingerprint
+from adadsf_modifier.study.spec import (
+    RunSpec,
+    code_versions,
+    model_file_digests,
+    model_fingerprint,
+)
 from adadsf_modifier.study.stats import resolvable_task_mean_difference
 from adadsf_modifier.study.tuning import tune_on_validation
 
@@ -108,7 +118,8 @@ class _Runner:
 
     def __init__(self, cache, env, total, deadline, max_runs, executor, origin):
         self.cache, self.env, self.executor = cache, env, executor
-        self.origin = origin  # {"command", "hardware"}: kept with every computed run
+        # {"command", "hardware", "model_files"}: kept with every computed run
+        self.origin = origin
         self.lenient = False  # --render-only: see RunCache.get
         self.deadline, self.max_runs = deadline, max_runs
         self.computed = self.cached = 0
@@ -265,9 +276,19 @@ def run_study(
         f"{est / 3600:.2f} h of compute for all of them (runs already cached are "
         "reused, not recomputed)"
     )
-    slow_bf16 = None if render_only else bfloat16_warning(hw, settings.dtype)
-    if slow_bf16:
-        logger.warning(slow_bf16)
+    files = {} if render_only else model_file_digests(model_path)
+    warnings = (
+        []
+        if render_only
+        else [
+            bfloat16_warning(hw, settings.dtype),
+            weights_mismatch_warning(
+                cache.other_weights(name, fingerprint), fingerprint, files
+            ),
+        ]
+    )
+    for warning in filter(None, warnings):
+        logger.warning(warning)
     task_n = planned_task_n(settings)
     resolvable = resolvable_task_mean_difference(task_n)
     if task_n:
@@ -295,7 +316,7 @@ def run_study(
         return {"plan": plan}
     env = RunEnv(model_path, device, tok, TokenStreams(tok))
     deadline = t0 + max_hours * 3600 if max_hours else None
-    origin = {"command": command, "hardware": hw}
+    origin = {"command": command, "hardware": hw, "model_files": files}
     runner = _Runner(cache, env, total, deadline, max_runs, executor, origin)
     runner.lenient = render_only
     tuned, tuning = tune_on_validation(settings, ctx, runner)
