@@ -29,8 +29,10 @@ from adadsf_modifier.alignment import (
     AlignmentReport,
     align_model,
     check_alignment_supported,
+    check_teacher_cache_fits,
     make_teacher,
     release_memory,
+    training_rows,
 )
 from adadsf_modifier.allocation import (
     Allocation,
@@ -221,6 +223,7 @@ class AdaDSFModifier(
             n_batches = None
         if n_batches == 0:
             raise ValueError("AdaDSFModifier: the calibration set is empty (0 batches)")
+        self._check_teacher_cache(model, calib)
 
         # A quantization modifier later in the recipe must not quantize the routers:
         # fail now, not after calibration (see adadsf_modifier.recipe_checks).
@@ -304,6 +307,16 @@ class AdaDSFModifier(
             f"[{', '.join(f'{s:.3f}' for s in sims)}]"
         )
         return sims
+
+    def _check_teacher_cache(self, model: torch.nn.Module, calib) -> None:
+        """``align_teacher_cache``: its memory, checked before any heavy work."""
+        if not (self.align_teacher_cache and self.align_needs_teacher):
+            return
+        data = self.align_dataset if self.align_dataset is not None else calib
+        rows = training_rows(data, self.align_seq_len)
+        need_hidden = self.alignment_weights().hidden > 0
+        device = next(model.parameters()).device
+        check_teacher_cache_fits(model, rows, need_hidden, device)
 
     def _align(self, model: torch.nn.Module, calib) -> None:
         """Alignment fine-tune of the routed model (``align_steps > 0``); always frees

@@ -7,6 +7,8 @@ teacher.
   causal LM).
 * :mod:`~adadsf_modifier.alignment.data` - training rows and their seeded re-batching.
 * :mod:`~adadsf_modifier.alignment.teacher` - the frozen dense teacher.
+* :mod:`~adadsf_modifier.alignment.teacher_cache` - its outputs kept per row
+  (``align_teacher_cache``).
 * :mod:`~adadsf_modifier.alignment.params` - what trains, fp32 master copies, and
   :func:`check_alignment_supported`.
 * :mod:`~adadsf_modifier.alignment.parallel` - data parallelism under ``torchrun``
@@ -38,6 +40,7 @@ from adadsf_modifier.alignment.params import (
     select_trainable,
 )
 from adadsf_modifier.alignment.teacher import make_teacher, release_memory
+from adadsf_modifier.alignment.teacher_cache import check_teacher_cache_fits
 from adadsf_modifier.alignment.trainer import align_model
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "alignment_loss",
     "causal_lm_loss",
     "check_alignment_supported",
+    "check_teacher_cache_fits",
     "hidden_alignment_loss",
     "kl_divergence_loss",
     "make_teacher",

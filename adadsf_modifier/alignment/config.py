@@ -167,6 +167,8 @@ class AlignmentConfig(BaseModel):
     :param bf16: run forward passes under bf16 autocast (losses stay float32)
     :param gradient_checkpointing: recompute decoder layers in backward to save
         activation memory
+    :param teacher_cache: compute the teacher's outputs once per row and reuse them in
+        later epochs (:mod:`~adadsf_modifier.alignment.teacher_cache`)
     :param show_progress: show a tqdm bar with the running loss (on the source rank)
     :param parallel: under ``torchrun``, ``ddp`` or ``fsdp`` (:data:`PARALLEL_MODES`);
         ``batch_size`` is then per rank
@@ -190,6 +192,7 @@ class AlignmentConfig(BaseModel):
     seed: int = 0
     bf16: bool = False
     gradient_checkpointing: bool = False
+    teacher_cache: bool = False
     show_progress: bool = True
     parallel: Parallel = "ddp"
 
@@ -205,6 +208,12 @@ class AlignmentConfig(BaseModel):
             raise ValueError(
                 f"anneal_steps ({self.anneal_steps}) must not exceed steps "
                 f"({self.steps}) (in a recipe: align_anneal_steps, align_steps)"
+            )
+        if self.teacher_cache and self.parallel == "fsdp":
+            raise ValueError(
+                "teacher_cache cannot be used with parallel='fsdp' (the sharded "
+                "teacher's output embedding is not called on its own); use ddp or turn "
+                "it off (in a recipe: align_teacher_cache, align_parallel)"
             )
         if self.steps and self.warmup_steps >= self.steps:
             raise ValueError(
@@ -229,6 +238,7 @@ class AlignmentReport:
     num_rows: int = 0
     peak_memory_mb: float = 0.0
     memory_kind: str = "peak RSS"
+    teacher_batches: int | None = None  # batches the teacher ran on; None: every step
 
     @property
     def first_loss(self) -> float | None:

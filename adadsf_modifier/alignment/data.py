@@ -98,8 +98,12 @@ class RowBatcher:
         return self._order.pop(0)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        chosen = [self.rows[self._next_index()] for _ in range(self.batch_size)]
+        """``input_ids``, ``attention_mask`` and ``row_index`` (which rows, for the
+        teacher cache)."""
+        index = [self._next_index() for _ in range(self.batch_size)]
+        chosen = [self.rows[i] for i in index]
         return {
+            "row_index": torch.tensor(index, dtype=torch.long),
             "input_ids": pad_sequence(
                 chosen, batch_first=True, padding_value=self.pad_token_id
             ),

@@ -81,6 +81,12 @@ class AlignmentFields(BaseModel):
         hardware)
     :param align_gradient_checkpointing: recompute decoder layers in backward to save
         memory
+    :param align_teacher_cache: compute the dense teacher's outputs once per training
+        row (its last hidden state, and every layer's with the hidden term; logits
+        recomputed through its lm_head) and reuse them in later epochs instead of
+        running the teacher every step: faster steps for memory (checked before the
+        first step). Later epochs then differ from a fresh forward only in the last
+        bits
     :param align_parallel: under ``torchrun``, how the stage is data-parallel: ``ddp``
         (a whole student and teacher per rank) or ``fsdp`` (FSDP2: both sharded over
         the ranks, for when they do not fit one device together); see
@@ -109,6 +115,7 @@ class AlignmentFields(BaseModel):
     align_seed: int = 0
     align_bf16: bool = False
     align_gradient_checkpointing: bool = False
+    align_teacher_cache: bool = False
     align_parallel: Parallel = "ddp"
     align_dataset: Any = Field(default=None, exclude=True, repr=False)
 
@@ -174,6 +181,7 @@ class AlignmentFields(BaseModel):
             seed=self.align_seed,
             bf16=self.align_bf16,
             gradient_checkpointing=self.align_gradient_checkpointing,
+            teacher_cache=self.align_teacher_cache,
             show_progress=show_progress,
             parallel=self.align_parallel,
         )

@@ -76,6 +76,7 @@ from adadsf_modifier.alignment.params import (
     select_trainable,
 )
 from adadsf_modifier.alignment.schedule import annealed_retention, make_optimizer
+from adadsf_modifier.alignment.teacher_cache import TeacherCache
 from adadsf_modifier.routing import routed_layers, routing_mode
 from adadsf_modifier.utils import tensors_to_device
 
@@ -290,6 +291,9 @@ def align_model(
         run = stack.enter_context(
             data_parallel(student, teacher, params, config.parallel, device)
         )
+        cache = None
+        if config.teacher_cache and weights.needs_teacher:
+            cache = TeacherCache(run.teacher, rows, need_hidden, _forward, run.device)
         trainable = TrainableParams(run.params)
         optimizer, scheduler = make_optimizer(trainable.masters, added, config)
         set_retention = stack.enter_context(
@@ -311,8 +315,10 @@ def align_model(
             teacher_logits = teacher_hidden = None
             if weights.needs_teacher:
                 with torch.no_grad(), autocast:
-                    teacher_logits, teacher_hidden = _forward(
-                        run.teacher, batch, need_hidden
+                    teacher_logits, teacher_hidden = (
+                        cache.outputs(batch)
+                        if cache is not None
+                        else _forward(run.teacher, batch, need_hidden)
                     )
             with autocast:
                 student_logits, student_hidden = _forward(
@@ -359,6 +365,8 @@ def align_model(
         trainable.zero_grad()
         del optimizer, scheduler, trainable
 
+        if cache is not None:
+            report.teacher_batches = cache.computed
     report.seconds = time.perf_counter() - start
     report.peak_memory_mb, report.memory_kind = _peak_memory_mb(device)
     parts = ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}" for k, v in report.terms.items())
