@@ -187,7 +187,7 @@ def weights_mismatch_warning(
         e["record"]["model_files"] for e in others if e["record"].get("model_files")
     ]
     for theirs in kept:
-        differ |= {n for n in set(theirs) | set(files) if theirs.get(n) != files.get(n)}
+        differ |= {n for n in set(theirs) & set(files) if theirs[n] != files[n]}
     which = (
         f"files that differ: {', '.join(sorted(differ))}"
         if kept

@@ -60,35 +60,43 @@ def model_fingerprint(path: str) -> str:
     if not folder.is_dir():
         return "name:" + str(path)
     h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (folder / name).is_file():
-            h.update(name.encode() + b"\0" + (folder / name).read_bytes())
-    weights = sorted(
-        p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")
-    )
-    for p in weights:
-        _file_digest(p, h)
+    for p in _fingerprinted_files(folder):
+        if p.suffix in _WEIGHT_SUFFIXES:
+            _file_digest(p, h)
+        else:
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
 
 
-def model_file_digests(path: str) -> dict[str, str]:
-    """SHA-256 of every file of a local model folder (name -> hex; empty for a hub id).
+_FINGERPRINTED = ("config.json", "tokenizer.json", "tokenizer_config.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
-    Not part of any key (:func:`model_fingerprint` is): kept with each computed run so
-    that, when a cache's runs stop matching on another machine, the files that differ
-    can be named (the embedded model's conversion gave other bytes on another CPU,
+
+def _fingerprinted_files(folder: Path) -> list[Path]:
+    """The files :func:`model_fingerprint` reads: config, tokenizer, weights."""
+    named = [folder / n for n in _FINGERPRINTED if (folder / n).is_file()]
+    weights = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    return named + weights
+
+
+def model_file_digests(path: str) -> dict[str, str]:
+    """SHA-256 of each file :func:`model_fingerprint` reads (name -> hex; empty for a
+    hub id), whole files.
+
+    Not part of any key (the fingerprint is): kept with each computed run so that,
+    when a cache's runs stop matching on another machine, the files that differ can be
+    named (the embedded model's conversion gave other bytes on another CPU,
     ``docs/measurements.md`` §14)."""
     folder = Path(path)
     if not folder.is_dir():
         return {}
     out = {}
-    for p in sorted(folder.iterdir()):
-        if p.is_file():
-            h = hashlib.sha256()
-            with p.open("rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    h.update(block)
-            out[p.name] = h.hexdigest()
+    for p in _fingerprinted_files(folder):
+        h = hashlib.sha256()
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        out[p.name] = h.hexdigest()
     return out
 
 
