@@ -313,7 +313,10 @@ class AdaDSFModifier(
         if not (self.align_teacher_cache and self.align_needs_teacher):
             return
         data = self.align_dataset if self.align_dataset is not None else calib
-        rows = training_rows(data, self.align_seq_len)
+        # a shuffling loader draws its order from the global RNG: leave it untouched,
+        # so a later stage of the recipe sees the order it would without the cache
+        with torch.random.fork_rng(devices=[]):
+            rows = training_rows(data, self.align_seq_len)
         need_hidden = self.alignment_weights().hidden > 0
         device = next(model.parameters()).device
         check_teacher_cache_fits(model, rows, need_hidden, device)

@@ -14,8 +14,8 @@ batches read the stored states, which equal a fresh forward up to the last bits 
 differently composed batch. The first computed batch checks that the output embedding
 applied to the last hidden state reproduces the teacher's logits; a model whose logits
 are not ``lm_head(last hidden state)`` (say, soft-capped) is refused there. Memory is
-``rows x tokens x hidden x (1 or layers) x bytes``, checked against the free memory
-before the first step.
+``tokens x hidden x (1 or layers) x bytes``, checked against the free memory before
+calibration (the modifier) and again before the first step.
 """
 
 from __future__ import annotations

@@ -52,6 +52,17 @@ def _file_digest(path: Path, h: "hashlib._Hash", chunk: int = 4 << 20) -> None:
             h.update(f.read())
 
 
+_FINGERPRINTED = ("config.json", "tokenizer.json", "tokenizer_config.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def _fingerprinted_files(folder: Path) -> list[Path]:
+    """The files :func:`model_fingerprint` reads: config, tokenizer, weights."""
+    named = [folder / n for n in _FINGERPRINTED if (folder / n).is_file()]
+    weights = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    return named + weights
+
+
 def model_fingerprint(path: str) -> str:
     """Identity of a local model folder: ``config.json`` plus each weight file's name,
     size, first and last 4 MiB (fast, and changes when the weights do). A hub id is
@@ -66,17 +77,6 @@ def model_fingerprint(path: str) -> str:
         else:
             h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
-
-
-_FINGERPRINTED = ("config.json", "tokenizer.json", "tokenizer_config.json")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-
-
-def _fingerprinted_files(folder: Path) -> list[Path]:
-    """The files :func:`model_fingerprint` reads: config, tokenizer, weights."""
-    named = [folder / n for n in _FINGERPRINTED if (folder / n).is_file()]
-    weights = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
-    return named + weights
 
 
 def model_file_digests(path: str) -> dict[str, str]:

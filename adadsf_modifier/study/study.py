@@ -276,19 +276,16 @@ def run_study(
         f"{est / 3600:.2f} h of compute for all of them (runs already cached are "
         "reused, not recomputed)"
     )
-    files = {} if render_only else model_file_digests(model_path)
-    warnings = (
-        []
-        if render_only
-        else [
+    files: dict[str, str] = {}
+    if not render_only:
+        files = model_file_digests(model_path)
+        others = cache.other_weights(name, fingerprint)
+        for warning in (
             bfloat16_warning(hw, settings.dtype),
-            weights_mismatch_warning(
-                cache.other_weights(name, fingerprint), fingerprint, files
-            ),
-        ]
-    )
-    for warning in filter(None, warnings):
-        logger.warning(warning)
+            weights_mismatch_warning(others, fingerprint, files),
+        ):
+            if warning:
+                logger.warning(warning)
     task_n = planned_task_n(settings)
     resolvable = resolvable_task_mean_difference(task_n)
     if task_n:
