@@ -32,6 +32,7 @@ from adadsf_modifier.alignment import (
     check_teacher_cache_fits,
     make_teacher,
     release_memory,
+    rows_read_again,
     training_rows,
 )
 from adadsf_modifier.allocation import (
@@ -317,6 +318,8 @@ class AdaDSFModifier(
         # so a later stage of the recipe sees the order it would without the cache
         with torch.random.fork_rng(devices=[]):
             rows = training_rows(data, self.align_seq_len)
+        if not rows_read_again(len(rows), self.align_steps, self.align_batch_size):
+            return  # one pass over the rows: the trainer says so and builds no cache
         need_hidden = self.alignment_weights().hidden > 0
         device = next(model.parameters()).device
         check_teacher_cache_fits(model, rows, need_hidden, device)

@@ -55,7 +55,7 @@ def test_cached_outputs_equal_a_fresh_teacher_forward_on_new_batch_compositions(
     assert cache.reused > 0 and cache.computed + cache.reused == 6
 
 
-def test_first_epoch_is_bit_identical_and_later_epochs_match_without_the_cache():
+def test_one_epoch_is_bit_identical_and_later_epochs_match_without_the_cache():
     data = token_dataset(4, 16)
     runs, reports = [], []
     for cached, steps in ((False, 2), (True, 2), (False, 6), (True, 6)):
@@ -69,11 +69,11 @@ def test_first_epoch_is_bit_identical_and_later_epochs_match_without_the_cache()
             )
         )
         runs.append(router_state(student))
-    for k in runs[0]:  # one epoch: the teacher ran on every batch, as without cache
+    for k in runs[0]:  # one epoch: no row comes back, so no cache is built at all
         assert torch.equal(runs[0][k], runs[1][k]), k
     for k in runs[2]:  # three epochs: the last two read the cache
         torch.testing.assert_close(runs[2][k], runs[3][k], rtol=1e-4, atol=1e-5)
-    assert reports[0].teacher_batches is None and reports[1].teacher_batches == 2
+    assert reports[0].teacher_batches is None and reports[1].teacher_batches is None
     assert reports[3].teacher_batches == 2 and reports[3].steps == 6
     torch.testing.assert_close(
         torch.tensor(reports[2].losses), torch.tensor(reports[3].losses), rtol=1e-4,
@@ -123,7 +123,8 @@ def test_the_modifier_refuses_a_cache_that_does_not_fit_before_calibration(
     monkeypatch.setattr(modifier_module.AdaDSFModifier, "_calibrate", no_calibration)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     before = snapshot(model)
-    mod = AdaDSFModifier(retention=0.6, align_steps=2, align_teacher_cache=True)
+    mod = AdaDSFModifier(retention=0.6, align_steps=3, align_batch_size=4,
+                         align_teacher_cache=True)  # 12 > 8 rows  # fmt: skip
     with pytest.raises(MemoryError, match="align_teacher_cache needs"):
         oneshot(model=model, recipe=[mod], dataset=token_dataset(8, 16),
                 num_calibration_samples=8, max_seq_length=16)  # fmt: skip
@@ -170,3 +171,43 @@ def test_rows_are_named_in_every_batch():
             assert torch.equal(ids, rows[i])
             seen.append(i)
     assert sorted(seen) == sorted(list(range(5)) * 2)
+
+
+def test_rows_are_read_again_only_past_one_pass():
+    assert not tc.rows_read_again(800, 100, 8)  # the study: one pass of fresh rows
+    assert tc.rows_read_again(128, 100, 8)  # the modifier's 128 calibration rows
+    assert tc.rows_read_again(8, 2, 4) is False and tc.rows_read_again(8, 3, 4)
+    assert tc.rows_read_again(3, 2, 8)  # fewer rows than a batch: all, every step
+
+
+def test_one_pass_over_the_rows_builds_no_cache_and_says_so(monkeypatch):
+    student, teacher = routed_pair()
+    built = []
+    monkeypatch.setattr(
+        "adadsf_modifier.alignment.trainer.TeacherCache",
+        lambda *a, **kw: built.append(a) or TeacherCache(*a, **kw),
+    )
+    messages = []
+    from loguru import logger
+
+    sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
+    try:
+        cfg = config(steps=2, batch_size=4, teacher_cache=True)  # 8 rows, once
+        report = align_model(student, teacher, token_dataset(8, 16), cfg)
+    finally:
+        logger.remove(sink)
+    assert not built and report.teacher_batches is None  # the teacher ran every step
+    assert any("align_teacher_cache not used" in m for m in messages)
+
+
+def test_the_modifier_skips_the_memory_check_of_a_cache_it_will_not_build(
+    tmp_path, monkeypatch
+):
+    path = save_tiny_model("llama", str(tmp_path / "m"), num_layers=4)
+    monkeypatch.setattr(tc, "_free_bytes", lambda device: 1024)  # no cache would fit
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mod = AdaDSFModifier(retention=0.6, align_steps=2, align_batch_size=4,
+                         align_seq_len=16, align_teacher_cache=True)  # fmt: skip
+    oneshot(model=model, recipe=[mod], dataset=token_dataset(8, 16),
+            num_calibration_samples=8, max_seq_length=16)  # fmt: skip
+    assert mod.alignment_report.teacher_batches is None

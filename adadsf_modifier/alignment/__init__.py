@@ -40,7 +40,10 @@ from adadsf_modifier.alignment.params import (
     select_trainable,
 )
 from adadsf_modifier.alignment.teacher import make_teacher, release_memory
-from adadsf_modifier.alignment.teacher_cache import check_teacher_cache_fits
+from adadsf_modifier.alignment.teacher_cache import (
+    check_teacher_cache_fits,
+    rows_read_again,
+)
 from adadsf_modifier.alignment.trainer import align_model
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "causal_lm_loss",
     "check_alignment_supported",
     "check_teacher_cache_fits",
+    "rows_read_again",
     "hidden_alignment_loss",
     "kl_divergence_loss",
     "make_teacher",

@@ -28,12 +28,26 @@ from loguru import logger
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["TeacherCache", "check_teacher_cache_fits", "teacher_cache_bytes"]
+__all__ = [
+    "TeacherCache",
+    "check_teacher_cache_fits",
+    "rows_read_again",
+    "teacher_cache_bytes",
+]
 
 Forward = Callable[
     [nn.Module, Mapping[str, torch.Tensor], bool],
     tuple[torch.Tensor, tuple[torch.Tensor, ...] | None],
 ]
+
+
+def rows_read_again(n_rows: int, steps: int, batch_size: int) -> bool:
+    """Whether ``steps`` batches of ``batch_size`` rows (fewer when there are fewer
+    rows, as :class:`~adadsf_modifier.alignment.data.RowBatcher` draws them) read some
+    of the ``n_rows`` rows a second time: only then is a cached output ever read back.
+    One pass over fresh rows (the results study's design) would only pay the cache's
+    memory."""
+    return steps * min(batch_size, n_rows) > n_rows
 
 
 def teacher_cache_bytes(

@@ -76,7 +76,7 @@ from adadsf_modifier.alignment.params import (
     select_trainable,
 )
 from adadsf_modifier.alignment.schedule import annealed_retention, make_optimizer
-from adadsf_modifier.alignment.teacher_cache import TeacherCache
+from adadsf_modifier.alignment.teacher_cache import TeacherCache, rows_read_again
 from adadsf_modifier.routing import routed_layers, routing_mode
 from adadsf_modifier.utils import tensors_to_device
 
@@ -293,7 +293,17 @@ def align_model(
         )
         cache = None
         if config.teacher_cache and weights.needs_teacher:
-            cache = TeacherCache(run.teacher, rows, need_hidden, _forward, run.device)
+            if rows_read_again(len(rows), config.steps, batcher.batch_size):
+                cache = TeacherCache(
+                    run.teacher, rows, need_hidden, _forward, run.device
+                )
+            else:
+                logger.warning(
+                    f"AdaDSF alignment: align_teacher_cache not used: {config.steps} "
+                    f"steps of {batcher.batch_size} rows read each of the {len(rows)} "
+                    "rows at most once, so no cached output would be read back (it "
+                    "would only cost memory); the teacher runs every step"
+                )
         trainable = TrainableParams(run.params)
         optimizer, scheduler = make_optimizer(trainable.masters, added, config)
         set_retention = stack.enter_context(

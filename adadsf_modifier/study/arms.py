@@ -118,7 +118,6 @@ def modifier_fields(
         align_routing=s.align_routing,
         align_seed=seed,
         align_bf16=s.align_bf16,
-        align_teacher_cache=s.align_teacher_cache,
     )
     if m.lm_loss_only:
         kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)

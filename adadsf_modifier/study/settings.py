@@ -96,7 +96,6 @@ class StudySettings(BaseModel):
     align_anneal_steps: NonNegativeInt = 0  # retention 1.0 -> allocation over these
     align_routing: TrainingRouting = "topk"  # quantile: inference's rule in training
     align_bf16: bool = False
-    align_teacher_cache: bool = False  # the teacher's outputs computed once per row
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
     tune: bool = True
     tune_budget: float = 0.8
