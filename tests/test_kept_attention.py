@@ -1,6 +1,7 @@
-"""The kept tokens' attention on SDPA's causal kernel (``routing/kept_attention.py``):
-used exactly when it applies, equal to the explicit-mask form it replaces (outputs,
-gradients, measured FLOPs), and loud when anything else touches its marker."""
+"""The kept tokens' attention on SDPA's causal kernel (``routing/kept_attention.py``),
+or on a CPU in chunks of kept queries: used exactly when it applies, equal to the
+explicit-mask form it replaces (outputs, gradients, measured FLOPs), and loud when
+anything else touches its marker."""
 
 import pytest
 import torch
@@ -40,10 +41,13 @@ def explicit_mask(monkeypatch):
     monkeypatch.setattr(paths, "causal_kernel_applies", lambda *a: False)
 
 
+@pytest.mark.parametrize("chunk", [256, 3])  # 3: the kept queries in chunks
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_prefill_runs_the_causal_kernel_and_equals_the_explicit_mask(
-    arch, kernel_calls, monkeypatch
+    arch, chunk, kernel_calls, monkeypatch
 ):
+    monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", chunk)
+    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_DTYPES", (torch.float32,))
     model = kv_model(arch)
     model.train()  # top-k routing: no thresholds needed, gradients flow
     x = ids()
@@ -104,7 +108,10 @@ def test_the_marker_refuses_any_other_use():
         torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=marker)
 
 
-def test_the_causal_form_equals_the_masked_form_on_random_positions():
+@pytest.mark.parametrize("chunk", [256, 1, 2, 3])  # 256: the causal kernel
+def test_the_causal_form_equals_the_masked_form_on_random_positions(chunk, monkeypatch):
+    monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", chunk)
+    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_DTYPES", (torch.float32,))
     g = torch.Generator().manual_seed(1)
     index = torch.tensor([[0, 3, 4, 7, 9], [0, 1, 5, 10, 10]])  # row 1: one unused
     q = torch.randn(2, 4, 5, 8, generator=g)
@@ -118,3 +125,19 @@ def test_the_causal_form_equals_the_masked_form_on_random_positions():
     )
     valid = (index < 10).view(2, 1, 5, 1).expand_as(out)
     torch.testing.assert_close(out[valid], ref[valid], rtol=0, atol=1e-6)
+
+
+def test_bfloat16_queries_go_in_chunks_on_a_cpu_and_float32_ones_do_not(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", 2)
+    real = kept_attention._attend_in_chunks
+    monkeypatch.setattr(
+        kept_attention, "_attend_in_chunks", lambda *a: calls.append(1) or real(*a)
+    )
+    index = torch.tensor([[0, 2, 3, 5, 6]])
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 2, 5, 8, dtype=dtype)
+        kv = torch.randn(1, 2, 7, 8, dtype=dtype)
+        marker = kept_attention.KeptQueries(index, 7)
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=marker)
+    assert calls == [1]  # the bfloat16 call only

@@ -11,6 +11,17 @@ full-length query tensor (zeros elsewhere), attention runs with ``is_causal=True
 and the kept rows are read back (4.9 ms; the outputs are bit-identical in that
 measurement, and equal to the masked form in the tests).
 
+That form still does the dense layer's attention work: the skipped positions' query rows
+are zeros, not absent. On a CPU in bfloat16, when more than :data:`CPU_QUERY_CHUNK`
+queries are kept, they are instead split by position into a few equal chunks, each
+attending (through an explicit mask) only to the keys up to its last query: about half
+the keys per query on average, as the causal kernel would, and no zero rows. Measured on
+an AVX512-BF16 CPU (one thread, the quality variant at 79% kept, twins interleaved;
+``docs/measurements.md`` §4.2): bfloat16 prefill 3-10% faster at seq 1024 and 2048 in
+every run; float32 within the run-to-run noise either way (-5% to +2.5%), so float32
+keeps the causal kernel, as does CUDA (an arbitrary mask would leave the flash kernel;
+not measured).
+
 How it reaches the kernel without re-implementing each architecture's attention: the
 routed layer passes a :class:`KeptQueries` as transformers' ``position_bias`` (with
 ``attention_mask=None, is_causal=False``, which ``sdpa_attention_forward`` hands to
@@ -29,7 +40,20 @@ import torch.nn.functional as F
 
 from adadsf_modifier.routing.selection import flat_positions
 
-__all__ = ["KeptQueries", "causal_kernel_applies"]
+__all__ = [
+    "CPU_CHUNKED_DTYPES",
+    "CPU_QUERY_CHUNK",
+    "KeptQueries",
+    "causal_kernel_applies",
+]
+
+#: Largest chunk of kept queries per masked attention call on a CPU in bfloat16
+#: (chunks are made equal, each at most this many); at most this many kept queries
+#: take the causal kernel. Measured best at ~200-260 queries a chunk for seq 1024
+#: and 2048 (``docs/measurements.md`` §4.2).
+CPU_QUERY_CHUNK = 256
+#: The CPU dtypes whose kept queries go in chunks (where the measurement favoured it).
+CPU_CHUNKED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 
 
 def causal_kernel_applies(
@@ -89,6 +113,12 @@ def _attend(
             f"adadsf routing: kept-queries attention expects {n} keys and "
             f"is_causal=False, got {key.shape[-2]} keys and is_causal={is_causal}"
         )
+    if (
+        query.device.type == "cpu"
+        and query.dtype in CPU_CHUNKED_DTYPES
+        and k > CPU_QUERY_CHUNK
+    ):
+        return _attend_in_chunks(query, key, value, index, n, dropout_p, scale, kwargs)
     slots = flat_positions(index, n + 1)  # unused slots: the extra row n
     full = query.new_zeros(batch * (n + 1), heads, dim)
     full = full.index_copy(0, slots, query.transpose(1, 2).reshape(-1, heads, dim))
@@ -99,3 +129,44 @@ def _attend(
     rows = flat_positions(index.clamp(max=n - 1), n)
     out = out.transpose(1, 2).reshape(batch * n, heads, dim).index_select(0, rows)
     return out.view(batch, k, heads, dim).transpose(1, 2)
+
+
+def _attend_in_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    index: torch.Tensor,
+    n: int,
+    dropout_p: float,
+    scale: float | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """The same result as the causal form: the kept queries in equal chunks along
+    their slots, each chunk against the keys up to its last real position, causality
+    through the mask (unused slots, at ``n``, see every key: their rows are dropped)."""
+    k = query.shape[2]
+    chunks = -(-k // CPU_QUERY_CHUNK)
+    size = -(-k // chunks)
+    real = torch.where(index < n, index, -1)
+    pad = chunks * size - k
+    if pad:
+        real = F.pad(real, (0, pad), value=-1)
+    # the last real position each chunk holds, over the batch: one host sync
+    ends = (real.view(real.shape[0], chunks, size).amax((0, 2)) + 1).tolist()
+    keys_at = torch.arange(n, device=index.device)
+    out = []
+    for c, end in enumerate(ends):
+        a, b, end = c * size, min((c + 1) * size, k), max(int(end), 1)
+        allowed = keys_at[:end].view(1, 1, end) <= index[:, a:b].unsqueeze(-1)
+        out.append(
+            F.scaled_dot_product_attention(
+                query[:, :, a:b],
+                key[:, :, :end],
+                value[:, :, :end],
+                attn_mask=allowed.unsqueeze(1),
+                dropout_p=dropout_p,
+                scale=scale,
+                **kwargs,
+            )
+        )
+    return torch.cat(out, dim=2)

@@ -1,0 +1,116 @@
+"""Prefill of a K/V-keeping variant with the kept queries' attention in chunks (the
+CPU bfloat16 default) and on the zero-padded causal kernel, against dense, side by side.
+
+    OMP_NUM_THREADS=1 python benchmarks/kept_attention.py        # the quality variant
+    OMP_NUM_THREADS=1 python benchmarks/kept_attention.py --seq-lens 1024 2048 \\
+        --dtypes float32 bfloat16 --repeats 9
+
+Builds the quality study's variant (rank-64 ridge skip path, skipped tokens' keys and
+values, skip-error routers, layer 0 dense; no alignment: speed depends on kept counts
+only) with ``oneshot``, saves it and loads dense and routed twins from that checkpoint
+(``load_pair``). Per repeat, in shuffled order: dense, routed with the kept queries in
+chunks of at most ``kept_attention.CPU_QUERY_CHUNK`` (whatever the dtype) and routed
+with every kept query on the causal kernel (zero rows for the skipped ones). Prints
+median prefill latencies, speedups, each speedup's fraction of the FLOPs ideal, and
+which of the two paths the package takes for that dtype (``CPU_CHUNKED_DTYPES``;
+``docs/measurements.md`` §4.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import random
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+VARIANT = {
+    "skip_path": "ridge",
+    "skip_path_rank": 64,
+    "skipped_tokens_kv": True,
+    "router_init": "skip_error",
+    "temperature": 0.05,
+    "ignore": [r"re:.*layers\.0$"],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--retention", type=float, default=0.79)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+
+    from _common import build_routed_checkpoint
+
+    from adadsf_modifier.evaluation import load_text_splits, resolve_model
+    from adadsf_modifier.evaluation.speed import load_pair
+    from adadsf_modifier.flops import normalized_flops
+    from adadsf_modifier.routing import kept_attention
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    checkpoint = tempfile.mkdtemp(prefix="adadsf-kept-attention-")
+    atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
+    build_routed_checkpoint(path, checkpoint, args.retention, 16, fields=VARIANT)
+    tok = AutoTokenizer.from_pretrained(path)
+    stream = tok("\n\n".join(load_text_splits()["test"]["text"]))["input_ids"]
+    shipped = kept_attention.CPU_CHUNKED_DTYPES
+    rng = random.Random(0)
+    print(f"# kept-queries attention, retention {args.retention}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
+    print("| seq | dtype | path | dense | routed | speedup | FLOPs ideal | / ideal |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for dtype_name in args.dtypes:
+        dense, routed = load_pair(checkpoint, dtype=getattr(torch, dtype_name))
+        for n in args.seq_lens:
+            ids = torch.tensor(stream[:n]).view(1, -1)
+
+            def run(model, chunked: bool) -> float:
+                kept_attention.CPU_CHUNKED_DTYPES = (model.dtype,) if chunked else ()
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                return time.perf_counter() - t
+
+            arms = {
+                "dense": (dense, False),
+                "chunks": (routed, True),
+                "causal kernel, zero rows": (routed, False),
+            }
+            for arm in arms.values():  # warm-up
+                run(*arm)
+            times: dict[str, list[float]] = {k: [] for k in arms}
+            for _ in range(args.repeats):
+                order = list(arms)
+                rng.shuffle(order)
+                for k in order:
+                    times[k].append(run(*arms[k]))
+            kept_attention.CPU_CHUNKED_DTYPES = shipped
+            ideal = 1.0 / normalized_flops(routed, {"input_ids": ids}).normalized
+            d = statistics.median(times["dense"])
+            default = "chunks" if routed.dtype in shipped else "causal kernel"
+            for k in list(arms)[1:]:
+                r = statistics.median(times[k])
+                mark = " (default)" if k.startswith(default) else ""
+                print(f"| {n} | {dtype_name} | {k}{mark} | {d * 1e3:.0f} ms | "
+                      f"{r * 1e3:.0f} ms | {d / r:.3f}x | {ideal:.3f}x | "
+                      f"{d / r / ideal:.3f} |", flush=True)  # fmt: skip
+        del dense, routed
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
