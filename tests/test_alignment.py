@@ -96,6 +96,36 @@ def test_kl_is_zero_for_identical_logits_and_positive_otherwise():
     assert kl_divergence_loss(t, s).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_kl_equals_the_elementwise_formula_and_its_gradient(dtype, monkeypatch):
+    import adadsf_modifier.alignment.chunked_kl as chunked_kl
+
+    monkeypatch.setattr(chunked_kl, "CHUNK_BYTES", 3 * 4 * 11)  # 3 rows a chunk
+    g = torch.Generator().manual_seed(0)
+    t = (2 * torch.randn(2, 7, 11, generator=g)).to(dtype)  # 14 rows: 4 full + 2
+    s = (2 * torch.randn(2, 7, 11, generator=g)).to(dtype).requires_grad_(True)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    out = kl_divergence_loss(t, s, mask)
+    out.backward()
+    ref_s = s.detach().clone().requires_grad_(True)
+    per_token = F.kl_div(F.log_softmax(ref_s.float(), -1), F.log_softmax(t.float(), -1),
+                         reduction="none", log_target=True).sum(-1)  # fmt: skip
+    ref = (per_token * mask).sum() / mask.sum()
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert s.grad.dtype == dtype and s.grad[1, 5:].abs().max() == 0
+    tol = {"rtol": 1e-2, "atol": 1e-4} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(s.grad.float(), ref_s.grad.float(), **tol)
+
+
+def test_chunked_kl_of_no_real_token_is_zero_with_a_gradient():
+    s = torch.randn(1, 3, 5, requires_grad=True)
+    out = kl_divergence_loss(torch.randn(1, 3, 5), s, torch.zeros(1, 3))
+    out.backward()
+    assert out.item() == 0.0 and s.grad.abs().max() == 0
+
+
 def test_losses_ignore_padding():
     t, s = torch.randn(2, 6, 9), torch.randn(2, 6, 9)
     ids = torch.randint(0, 9, (2, 6))

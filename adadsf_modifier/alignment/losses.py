@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from adadsf_modifier.alignment.chunked_kl import forward_kl_mean
 from adadsf_modifier.alignment.config import AlignmentLossWeights
 
 __all__ = [
@@ -95,14 +96,8 @@ def kl_divergence_loss(
             f"{tuple(student_logits.shape)} differ in shape"
         )
     real = _real_mask(mask, student_logits.shape[:-1], student_logits.device)
-    log_p_teacher = F.log_softmax(teacher_logits.float(), dim=-1)
-    log_p_student = F.log_softmax(student_logits.float(), dim=-1)
-    # kl_div(input=log q, target=log p, log_target=True) = sum p (log p - log q),
-    # elementwise.
-    per_token = F.kl_div(
-        log_p_student, log_p_teacher, reduction="none", log_target=True
-    ).sum(-1)
-    return _masked_mean(per_token, real)
+    # a few tokens at a time, no float32 copy of the logits (alignment/chunked_kl.py)
+    return forward_kl_mean(teacher_logits, student_logits, real)
 
 
 def hidden_alignment_loss(
