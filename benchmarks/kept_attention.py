@@ -29,14 +29,19 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-VARIANT = {
-    "skip_path": "ridge",
-    "skip_path_rank": 64,
-    "skipped_tokens_kv": True,
-    "router_init": "skip_error",
-    "temperature": 0.05,
-    "ignore": [r"re:.*layers\.0$"],
-}
+
+def _variant_fields() -> dict:
+    """The quality study's variant as the study builds it: the method's own fields
+    and the study's default temperature and dense layers."""
+    from adadsf_modifier.study.methods import METHODS
+    from adadsf_modifier.study.settings import StudySettings
+
+    defaults = StudySettings()
+    return {
+        **METHODS["adadsf_ridge_kv_err"].fields,
+        "temperature": defaults.temperature,
+        "ignore": list(defaults.ignore),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     checkpoint = tempfile.mkdtemp(prefix="adadsf-kept-attention-")
     atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
-    build_routed_checkpoint(path, checkpoint, args.retention, 16, fields=VARIANT)
+    build_routed_checkpoint(
+        path, checkpoint, args.retention, 16, fields=_variant_fields()
+    )
     tok = AutoTokenizer.from_pretrained(path)
     stream = tok("\n\n".join(load_text_splits()["test"]["text"]))["input_ids"]
     shipped = kept_attention.CPU_CHUNKED_DTYPES

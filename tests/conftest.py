@@ -18,3 +18,14 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def logged_warnings():
+    """The loguru messages of level WARNING and above logged during the test."""
+    from loguru import logger
+
+    messages: list[str] = []
+    sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
+    yield messages
+    logger.remove(sink)

@@ -329,13 +329,12 @@ def test_render_only_renders_runs_computed_with_other_versions_and_computes_none
 
 
 def test_runs_of_other_weights_are_named_before_any_run_and_recomputed(
-    tiny_dir, tmp_path
+    tiny_dir, tmp_path, logged_warnings
 ):
     """Another machine converted the same model to other bytes: the study says so
     (and which files differ) before computing, and reuses none of those runs."""
     import shutil
 
-    from loguru import logger
     from safetensors.torch import load_file, save_file
 
     s = StudySettings(methods=("dense", "uniform"), budgets=(0.8,), seeds=1,
@@ -349,22 +348,16 @@ def test_runs_of_other_weights_are_named_before_any_run_and_recomputed(
     weights[name] = weights[name] + 1e-3  # what another CPU's conversion might give
     save_file(weights, there / "model.safetensors", metadata={"format": "pt"})
     calls: list[str] = []
-    messages: list[str] = []
-    sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
-    try:
-        run_study(s, str(there), tmp_path / "o", tmp_path / "c",
-                  executor=fake_executor(calls))  # fmt: skip
-        assert len(calls) == 2 and not any("other weights" in m for m in messages)
-        kept = [json.loads(p.read_text())["record"]["model_files"]
-                for p in (tmp_path / "c").rglob("*.json")]  # fmt: skip
-        assert kept and all(
-            set(k) >= {"config.json", "model.safetensors"} for k in kept
-        )
-        calls.clear()
-        res = run_study(s, str(here), tmp_path / "o", tmp_path / "c",
-                        executor=fake_executor(calls))  # fmt: skip
-    finally:
-        logger.remove(sink)
+    messages = logged_warnings
+    run_study(s, str(there), tmp_path / "o", tmp_path / "c",
+              executor=fake_executor(calls))  # fmt: skip
+    assert len(calls) == 2 and not any("other weights" in m for m in messages)
+    kept = [json.loads(p.read_text())["record"]["model_files"]
+            for p in (tmp_path / "c").rglob("*.json")]  # fmt: skip
+    assert kept and all(set(k) >= {"config.json", "model.safetensors"} for k in kept)
+    calls.clear()
+    res = run_study(s, str(here), tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls))  # fmt: skip
     assert len(calls) == 2 and res["runtime"]["runs_cached"] == 0
     warned = [m for m in messages if "computed from other weights" in m]
     assert len(warned) == 1

@@ -61,11 +61,11 @@ __all__ = [
     "causal_lm_loss",
     "check_alignment_supported",
     "check_teacher_cache_fits",
-    "rows_read_again",
     "hidden_alignment_loss",
     "kl_divergence_loss",
     "make_teacher",
     "release_memory",
+    "rows_read_again",
     "select_trainable",
     "training_rows",
 ]
