@@ -14,6 +14,7 @@ from adadsf_modifier.study.stats import (
     resolvable_task_mean_difference,
     verdict,
 )
+from adadsf_modifier.study.targets import target_rows, target_sentence
 
 __all__ = ["COMPARISONS", "PAPER_RESULTS", "SUMMARY_METRICS", "build_results"]
 
@@ -174,6 +175,9 @@ def build_results(
     tasks = list(settings.get("tasks", []))
     with_dense = ([dense] if dense else []) + runs
     comparisons, verdicts = _comparisons(runs)
+    targets = target_rows(dense, runs)
+    for row in targets:
+        row["sentence"] = target_sentence(row)
     task_n = (dense or {}).get("task_n") or next(
         (r.get("task_n") for r in runs if r.get("task_n")), {}
     )
@@ -197,6 +201,7 @@ def build_results(
         "summary": _summary(with_dense, tasks),
         "comparisons": comparisons,
         "verdicts": verdicts,
+        "targets": targets,
         "task_resolution": resolution,
         "paper": PAPER_RESULTS,
     }
