@@ -450,23 +450,28 @@ def record(method, budget, seed, ppl, acc, flops):
             "align_seconds": 5.0}  # fmt: skip
 
 
-def test_markdown_numbers_come_from_results_json():
-    settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
-    runs = [record("adadsf", 0.8, s, 40.0 + s, 0.5, 0.787) for s in range(3)]
-    runs += [record("uniform", 0.8, s, 43.5 + s, 0.48, 0.791) for s in range(3)]
-    meta = {
-        "command": "adadsf study --test",
+def study_meta(command, hardware, runs_total, computed=0):
+    """The run-independent part of ``results.json`` that ``build_results`` is given."""
+    return {
+        "command": command,
         "date": "2026-11-30",
-        "hardware": {"summary": "test box"},
+        "hardware": {"summary": hardware},
         "model": {"name": "tiny", "fingerprint": "ab" * 32},
         "runtime": {
             "this_invocation_s": 1.0,
             "sum_of_runs_s": 60.0,
-            "runs_total": 6,
-            "runs_computed": 6,
-            "runs_cached": 0,
-        },  # fmt: skip
+            "runs_total": runs_total,
+            "runs_computed": computed,
+            "runs_cached": runs_total - computed,
+        },
     }
+
+
+def test_markdown_numbers_come_from_results_json():
+    settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
+    runs = [record("adadsf", 0.8, s, 40.0 + s, 0.5, 0.787) for s in range(3)]
+    runs += [record("uniform", 0.8, s, 43.5 + s, 0.48, 0.791) for s in range(3)]
+    meta = study_meta("adadsf study --test", "test box", runs_total=6, computed=6)
     res = build_results(None, runs, [], TUNED.__dict__, settings, meta)
     json.dumps(res)  # JSON-able as it stands
     cmp = [c for c in res["comparisons"] if c["metric"] == "ppl_test"][0]
@@ -494,23 +499,23 @@ def test_markdown_numbers_come_from_results_json():
 
 def test_render_with_nothing_finished():
     settings = StudySettings().model_dump(mode="json")
-    meta = {
-        "command": "adadsf study",
-        "date": "d",
-        "hardware": {"summary": "h"},
-        "model": {"name": "m", "fingerprint": "0" * 64},
-        "runtime": {
-            "this_invocation_s": 0.0,
-            "sum_of_runs_s": 0.0,
-            "runs_total": 81,
-            "runs_computed": 0,
-            "runs_cached": 0,
-        },  # fmt: skip
-        "pending": ["main:adadsf@0.8/seed0"],
-    }
+    meta = study_meta("adadsf study", "h", runs_total=81)
+    meta["pending"] = ["main:adadsf@0.8/seed0"]
     md = render_markdown(build_results(None, [], [], TUNED.__dict__, settings, meta))
     assert "no paired comparison is available yet" in md
     assert "pending: main:adadsf@0.8/seed0" in md
+
+
+def test_results_json_carries_the_quality_targets_and_results_md_says_them():
+    settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
+    dense = record("dense", 1.0, 0, 30.0, 0.5, 1.0)
+    runs = [record("adadsf", 0.8, s, 36.0, 0.5, 0.84) for s in range(3)]  # 1.20x
+    meta = study_meta("adadsf study", "h", runs_total=4)
+    res = build_results(dense, runs, [], TUNED.__dict__, settings, meta)
+    (row,) = res["targets"]
+    assert row["ppl_met"] is False and "missed by 0.100" in row["sentence"]
+    md = render_markdown(res)
+    assert "## Quality targets" in md and row["sentence"] in md
 
 
 def test_render_says_which_tokens_each_run_counted_its_flops_on():

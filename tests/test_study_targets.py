@@ -103,33 +103,3 @@ def test_prefill_fraction_is_read_from_the_batch1_seq1024_cell_only():
 
 def test_no_dense_run_no_targets():
     assert target_rows(None, [run("adadsf", 0, 30.0, 0.8)]) == []
-
-
-def test_results_json_carries_the_targets_and_results_md_says_them():
-    from adadsf_modifier.study.aggregate import build_results
-    from adadsf_modifier.study.arms import Tuned
-    from adadsf_modifier.study.render import render_markdown
-    from adadsf_modifier.study.settings import StudySettings
-
-    settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
-    meta = {
-        "command": "adadsf study --test",
-        "date": "d",
-        "hardware": {"summary": "h"},
-        "model": {"name": "m", "fingerprint": "0" * 64},
-        "runtime": {
-            "this_invocation_s": 0.0,
-            "sum_of_runs_s": 0.0,
-            "runs_total": 3,
-            "runs_computed": 0,
-            "runs_cached": 3,
-        },  # fmt: skip
-    }
-    runs = [run("adadsf", s, 36.0, 0.84) for s in range(3)]  # 1.20x at 0.84
-    tuned = Tuned(3e-4, 0.05, 10.0, "validation split").__dict__
-    res = build_results(DENSE, runs, [], tuned, settings, meta)
-    (row,) = res["targets"]
-    assert row["ppl_met"] is False
-    md = render_markdown(res)
-    assert "## Quality targets" in md
-    assert row["sentence"] in md and "missed by 0.100" in row["sentence"]
