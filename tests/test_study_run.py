@@ -13,6 +13,7 @@ from tiny_models import save_tiny_model
 from adadsf_modifier.study.command import main
 from adadsf_modifier.study.plan import tune_count
 from adadsf_modifier.study.settings import StudyInputError, StudySettings
+from adadsf_modifier.study.spec import model_fingerprint
 from adadsf_modifier.study.study import run_study
 
 TINY = [
@@ -355,6 +356,12 @@ def test_runs_of_other_weights_are_named_before_any_run_and_recomputed(
     kept = [json.loads(p.read_text())["record"]["model_files"]
             for p in (tmp_path / "c").rglob("*.json")]  # fmt: skip
     assert kept and all(set(k) >= {"config.json", "model.safetensors"} for k in kept)
+    # rendering computes nothing: the other conversion's runs render as computed
+    res = run_study(s, str(here), tmp_path / "r", tmp_path / "c",
+                    executor=fake_executor(calls), render_only=True)  # fmt: skip
+    assert len(calls) == 2 and res["runtime"]["runs_cached"] == 2
+    assert res["model"]["fingerprint"] == model_fingerprint(str(there))
+    assert any("holds no run of this machine's conversion" in m for m in messages)
     calls.clear()
     res = run_study(s, str(here), tmp_path / "o", tmp_path / "c",
                     executor=fake_executor(calls))  # fmt: skip

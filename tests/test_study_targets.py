@@ -61,11 +61,12 @@ def test_ratio_to_dense_is_averaged_per_seed_and_held_to_the_limit_at_its_flops(
 
 def test_the_looser_limit_applies_at_lower_flops_and_none_above_085():
     runs = [run("uniform", s, 36.0, 0.74) for s in range(3)]  # 1.20x
-    runs += [run("adadsf", s, 31.0, 0.90) for s in range(3)]
+    runs += [run("adadsf", s, 31.0, 0.90, align=0.0) for s in range(3)]
     rows = {r["method"]: r for r in target_rows(DENSE, runs)}
     assert (rows["uniform"]["max_ratio"], rows["uniform"]["ppl_met"]) == (1.30, True)
     assert rows["adadsf"]["max_ratio"] is None and rows["adadsf"]["ppl_met"] is None
-    assert "no target above 0.85 FLOPs" in target_sentence(rows["adadsf"])
+    text = target_sentence(rows["adadsf"])
+    assert "no target above 0.85 FLOPs; no alignment;" in text
     assert rows["adadsf"]["task_met"] is None  # the task limit goes with a PPL target
 
 
@@ -75,7 +76,9 @@ def test_fewer_than_three_seeds_are_reported_but_not_judged():
     assert not row["judged"] and row["n_seeds"] == 2
     assert row["ppl_met"] is None and row["align_met"] is None
     text = target_sentence(row)
-    assert "not judged: fewer than 3 seeds; 0.010 over so far" in text
+    assert "(0.840 measured FLOPs, 2 seeds, not judged: fewer than 3)" in text
+    assert "limit 1.10 at <= 0.85 FLOPs (0.010 over so far)" in text
+    assert "alignment 33.3 min at most (limit 30);" in text  # no verdict
 
 
 def test_alignment_tasks_and_prefill_each_have_their_own_verdict():

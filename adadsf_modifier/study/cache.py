@@ -126,23 +126,34 @@ class RunCache:
         return path
 
     def computed_context(
-        self, fingerprint: str
-    ) -> tuple[str, dict[str, str], dict[str, Any] | None] | None:
-        """``(device, versions, hardware)`` of the newest cached run of the model with
-        ``fingerprint`` (None if there is none): what ``--render-only`` needs to find
-        runs computed on another machine (their keys include device and versions).
-        ``hardware`` is the computing machine's description when the run kept it."""
-        newest = None
+        self, name: str, fingerprint: str
+    ) -> tuple[str, str, dict[str, str], dict[str, Any] | None] | None:
+        """``(fingerprint, device, versions, hardware)`` of the newest cached run of the
+        model ``name``: what ``--render-only`` needs to find runs computed on another
+        machine (their keys include fingerprint, device and versions). Runs of this
+        machine's ``fingerprint`` come first; only without any, the newest run of
+        another conversion of the same model (another CPU converts the embedded GGUF
+        to other bytes: ``docs/measurements.md`` §14), since rendering computes
+        nothing. None if the cache holds no run of the model. ``hardware`` is the
+        computing machine's description when the run kept it."""
+        newest: dict[str, Any] | None = None
         for entry in self:
-            cfg = entry.get("config", {})
-            if cfg.get("model", {}).get("fingerprint") != fingerprint:
+            model = entry.get("config", {}).get("model", {})
+            if model.get("name") != name:
                 continue
-            if newest is None or entry.get("finished", "") > newest.get("finished", ""):
-                newest = entry
+            rank = (model.get("fingerprint") == fingerprint, entry.get("finished", ""))
+            if newest is None or rank > newest["rank"]:
+                newest = {"rank": rank, "entry": entry}
         if newest is None:
             return None
-        cfg = newest["config"]
-        return cfg["device"], cfg["versions"], newest["record"].get("hardware")
+        entry = newest["entry"]
+        cfg = entry["config"]
+        return (
+            cfg["model"]["fingerprint"],
+            cfg["device"],
+            cfg["versions"],
+            entry["record"].get("hardware"),
+        )
 
     def other_weights(self, name: str, fingerprint: str) -> list[dict[str, Any]]:
         """Cached runs of the model called ``name`` whose weights are not

@@ -250,20 +250,22 @@ def run_study(
     cache = RunCache(cache_root)
     hw = hardware(device)
     if render_only:
-        found = cache.computed_context(fingerprint)
+        found = cache.computed_context(name, fingerprint)
         if found is None:
             raise StudyInputError(
                 f"--render-only: no cached run of {name} in {cache_dir}"
             )
-        device, versions, hw = (
-            found[0],
-            found[1],
-            found[2]
-            or {
-                "device": found[0],
-                "summary": f"{found[0]} (the computing machine was not recorded)",
-            },
-        )
+        if found[0] != fingerprint:
+            logger.warning(
+                f"--render-only: {cache_dir} holds no run of this machine's conversion "
+                f"of {name} (fingerprint {fingerprint[:12]}); rendering the runs of "
+                f"fingerprint {found[0][:12]}, as they were computed"
+            )
+        fingerprint, device, versions = found[:3]
+        hw = found[3] or {
+            "device": device,
+            "summary": f"{device} (the computing machine was not recorded)",
+        }
         max_runs = 0
     ctx = Context(name, fingerprint, versions, device, settings.dtype)
     counts = count_runs(settings)

@@ -135,60 +135,57 @@ def target_rows(dense: dict | None, runs: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
-def _state(met: bool | None, miss: str) -> str:
-    return "not judged" if met is None else ("met" if met else miss)
+def _judged(met: bool | None, miss: str) -> str:
+    return "" if met is None else (": met" if met else f": {miss}")
 
 
 def target_sentence(row: dict[str, Any]) -> str:
     """The row in plain words, e.g. ``"uniform (MoD) at 0.81 (0.842 measured FLOPs, 3
     seeds): test PPL 1.152 ± 0.010 x dense, limit 1.10 at <= 0.85 FLOPs: missed by
-    0.052; ..."``."""
+    0.052; alignment 47.5 min at most (limit 30): over; ..."``; with fewer than
+    :data:`MIN_SEEDS` seeds the numbers so far, and no verdict."""
     label = METHODS[row["method"]].label
-    r, f = row["ppl_ratio"], row["normalized_flops"]
-    seeds = f"{row['n_seeds']} seed{'s' if row['n_seeds'] != 1 else ''}"
+    r, f, n = row["ppl_ratio"], row["normalized_flops"], row["n_seeds"]
+    seeds = f"{n} seed{'s' if n != 1 else ''}"
+    if not row["judged"]:
+        seeds += f", not judged: fewer than {MIN_SEEDS}"
     ci = f" ± {r['ci95']:.3f}" if r["ci95"] is not None else ""
-    head = (
+    ppl = (
         f"{label} at {row['budget']:g} ({f['mean']:.3f} measured FLOPs, {seeds}):"
         f" test PPL {r['mean']:.3f}{ci} x dense"
     )
     if row["max_ratio"] is None:
-        ppl = f"{head}, no target above {PPL_TARGETS[-1].max_flops:g} FLOPs"
+        ppl += f", no target above {PPL_TARGETS[-1].max_flops:g} FLOPs"
     else:
         gap = r["mean"] - row["max_ratio"]
-        limit = f"limit {row['max_ratio']:.2f} at <= {row['max_flops']:g} FLOPs"
+        ppl += f", limit {row['max_ratio']:.2f} at <= {row['max_flops']:g} FLOPs"
         if row["ppl_met"] is None:
-            ppl = (
-                f"{head}, {limit} (not judged: fewer than {MIN_SEEDS} seeds;"
-                f" {abs(gap):.3f} {'over' if gap > 0 else 'under'} so far)"
-            )
+            ppl += f" ({abs(gap):.3f} {'over' if gap > 0 else 'under'} so far)"
+        elif row["ppl_met"]:
+            ppl += f": met with {-gap:.3f} to spare"
         else:
-            ppl = f"{head}, {limit}: " + (
-                f"met with {-gap:.3f} to spare"
-                if row["ppl_met"]
-                else f"missed by {gap:.3f}"
-            )
+            ppl += f": missed by {gap:.3f}"
     parts = [ppl]
-    if row["align_seconds_max"] is not None:
-        minutes = row["align_seconds_max"] / 60.0
+    align = row["align_seconds_max"]
+    if align == 0:
+        parts.append("no alignment")
+    elif align is not None:
         parts.append(
-            f"alignment {minutes:.1f} min at most (limit {MAX_ALIGN_SECONDS / 60:.0f}):"
-            f" {_state(row['align_met'], 'over')}"
+            f"alignment {align / 60.0:.1f} min at most (limit"
+            f" {MAX_ALIGN_SECONDS / 60:.0f}){_judged(row['align_met'], 'over')}"
         )
     if row["task_mean_diff"] is not None:
-        points = 100.0 * row["task_mean_diff"]["mean"]
+        limit = ""
+        if row["max_flops"] is not None:
+            limit = f" (limit -{100 * MAX_TASK_DROP:.0f})"
         parts.append(
-            f"7-task mean {points:+.1f} points vs dense"
-            + (
-                f" (limit -{100 * MAX_TASK_DROP:.0f}): "
-                f"{_state(row['task_met'], 'missed')}"
-                if row["max_flops"] is not None
-                else ""
-            )
+            f"7-task mean {100.0 * row['task_mean_diff']['mean']:+.1f} points vs dense"
+            f"{limit}{_judged(row['task_met'], 'missed')}"
         )
     if row["prefill_of_ideal"] is not None:
         parts.append(
             f"prefill (seq 1024, batch 1) {row['prefill_of_ideal']['mean']:.2f} of its"
-            f" FLOPs ideal (target {MIN_PREFILL_OF_IDEAL:g}):"
-            f" {_state(row['prefill_met'], 'missed')}"
+            f" FLOPs ideal (target {MIN_PREFILL_OF_IDEAL:g})"
+            f"{_judged(row['prefill_met'], 'missed')}"
         )
     return "; ".join(parts)
