@@ -8,13 +8,7 @@ from typing import Any
 
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plots import PLOT_FILES
-from adadsf_modifier.study.targets import (
-    MAX_ALIGN_SECONDS,
-    MAX_TASK_DROP,
-    MIN_PREFILL_OF_IDEAL,
-    MIN_SEEDS,
-    PPL_TARGETS,
-)
+from adadsf_modifier.study.targets import targets_markdown
 
 __all__ = ["MARKER", "render_markdown"]
 
@@ -342,29 +336,6 @@ def _paper(r: dict) -> list[str]:
     ]
 
 
-def _targets(r: dict) -> list[str]:
-    rows = r.get("targets") or []
-    if not rows:
-        return []
-    limits = " and ".join(
-        f"<= {t.max_ratio:.2f}x at <= {t.max_flops:g}" for t in reversed(PPL_TARGETS)
-    )
-    return [
-        "## Quality targets",
-        "",
-        f"Test PPL as a multiple of dense, per seed, then mean ± 95% CI: {limits}"
-        f" measured FLOPs, judged on the mean of >= {MIN_SEEDS} seeds; alignment <="
-        f" {MAX_ALIGN_SECONDS / 60:.0f} minutes (the longest run, on the hardware"
-        " above);"
-        f" 7-task mean at most {100 * MAX_TASK_DROP:.0f} points under dense where a PPL"
-        f" target applies; prefill at seq 1024, batch 1 >= {MIN_PREFILL_OF_IDEAL:g} of"
-        " its FLOPs ideal. Beating the baselines is the paired verdicts' question.",
-        "",
-        *[f"- {row['sentence']}" for row in rows],
-        "",
-    ]
-
-
 def render_markdown(r: dict[str, Any]) -> str:
     rt = r["runtime"]
     hw = r["hardware"]
@@ -394,7 +365,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     ]
     if not r["verdicts"]:
         lines.insert(-1, "- no paired comparison is available yet")
-    lines += _targets(r) + _setup(r) + _tuning(r)
+    lines += targets_markdown(r.get("targets") or []) + _setup(r) + _tuning(r)
     lines += ["## Results (mean ± 95% CI over seeds; test split)", ""]
     for b in budgets:
         lines += _budget_table(r, b)

@@ -31,6 +31,7 @@ __all__ = [
     "prefill_of_ideal",
     "target_rows",
     "target_sentence",
+    "targets_markdown",
 ]
 
 
@@ -189,3 +190,27 @@ def target_sentence(row: dict[str, Any]) -> str:
             f"{_judged(row['prefill_met'], 'missed')}"
         )
     return "; ".join(parts)
+
+
+def targets_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """RESULTS.md's section: what the targets are, then each row's sentence (nothing
+    without rows)."""
+    if not rows:
+        return []
+    limits = " and ".join(
+        f"<= {t.max_ratio:.2f}x at <= {t.max_flops:g}" for t in reversed(PPL_TARGETS)
+    )
+    return [
+        "## Quality targets",
+        "",
+        f"Test PPL as a multiple of dense, per seed, then mean ± 95% CI: {limits}"
+        f" measured FLOPs, judged on the mean of >= {MIN_SEEDS} seeds; alignment <="
+        f" {MAX_ALIGN_SECONDS / 60:.0f} minutes (the longest run, on the hardware"
+        f" above); 7-task mean at most {100 * MAX_TASK_DROP:.0f} points under dense"
+        " where a PPL target applies; prefill at seq 1024, batch 1 >="
+        f" {MIN_PREFILL_OF_IDEAL:g} of its FLOPs ideal. Beating the baselines is the"
+        " paired verdicts' question.",
+        "",
+        *[f"- {row['sentence']}" for row in rows],
+        "",
+    ]
