@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from adadsf_modifier.study.methods import METHODS
+from adadsf_modifier.study.methods import METHODS, by_method_and_budget
 from adadsf_modifier.study.stats import (
     mean_ci,
     paired_difference,
@@ -96,14 +96,8 @@ PAPER_RESULTS: list[dict[str, Any]] = [
 
 
 def _summary(runs: list[dict], tasks: list[str]) -> list[dict[str, Any]]:
-    groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
-    for r in runs:
-        groups[(r["method"], r["budget"])].append(r)
-    order = list(METHODS)
     out = []
-    for (method, budget), rs in sorted(
-        groups.items(), key=lambda kv: (order.index(kv[0][0]), -kv[0][1])
-    ):
+    for (method, budget), rs in by_method_and_budget(runs):
         metrics = {
             m: mean_ci([r.get(m) for r in rs]).as_dict() for m in SUMMARY_METRICS
         }

@@ -129,24 +129,28 @@ class RunCache:
         self, name: str, fingerprint: str
     ) -> tuple[str, str, dict[str, str], dict[str, Any] | None] | None:
         """``(fingerprint, device, versions, hardware)`` of the newest cached run of the
-        model ``name``: what ``--render-only`` needs to find runs computed on another
-        machine (their keys include fingerprint, device and versions). Runs of this
-        machine's ``fingerprint`` come first; only without any, the newest run of
-        another conversion of the same model (another CPU converts the embedded GGUF
-        to other bytes: ``docs/measurements.md`` §14), since rendering computes
-        nothing. None if the cache holds no run of the model. ``hardware`` is the
-        computing machine's description when the run kept it."""
-        newest: dict[str, Any] | None = None
-        for entry in self:
-            model = entry.get("config", {}).get("model", {})
-            if model.get("name") != name:
-                continue
-            rank = (model.get("fingerprint") == fingerprint, entry.get("finished", ""))
-            if newest is None or rank > newest["rank"]:
-                newest = {"rank": rank, "entry": entry}
-        if newest is None:
+        model (its ``fingerprint``, or another conversion called ``name``): what
+        ``--render-only`` needs to find runs computed on another machine (their keys
+        include fingerprint, device and versions). Runs of this machine's
+        ``fingerprint`` come first; only without any, the newest run of another
+        conversion of the same model (another CPU converts the embedded GGUF to other
+        bytes: ``docs/measurements.md`` §14), since rendering computes nothing. None if
+        the cache holds no run of the model. ``hardware`` is the computing machine's
+        description when the run kept it."""
+
+        def same(entry: dict[str, Any]) -> bool:  # this machine's conversion
+            return entry.get("config", {}).get("model", {}).get("fingerprint") == (
+                fingerprint
+            )
+
+        ours = [
+            e
+            for e in self
+            if same(e) or e.get("config", {}).get("model", {}).get("name") == name
+        ]
+        if not ours:
             return None
-        entry = newest["entry"]
+        entry = max(ours, key=lambda e: (same(e), e.get("finished", "")))
         cfg = entry["config"]
         return (
             cfg["model"]["fingerprint"],

@@ -3,10 +3,11 @@ model into the compared model (allocation, alignment, extra modifier fields)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["METHODS", "Method"]
+__all__ = ["METHODS", "Method", "by_method_and_budget"]
 
 
 @dataclass(frozen=True)
@@ -163,3 +164,15 @@ METHODS: dict[str, Method] = {
         ),
     )
 }
+
+
+def by_method_and_budget(
+    runs: list[dict[str, Any]],
+) -> list[tuple[tuple[str, float], list[dict[str, Any]]]]:
+    """Run records grouped by ``(method, budget)``, in :data:`METHODS` order and from
+    the highest budget down: the order every table of the study lists them in."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["method"], r["budget"])].append(r)
+    order = list(METHODS)
+    return sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), -kv[0][1]))

@@ -14,11 +14,10 @@ this module's.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from adadsf_modifier.study.methods import METHODS
+from adadsf_modifier.study.methods import METHODS, by_method_and_budget
 from adadsf_modifier.study.stats import mean_ci
 
 __all__ = [
@@ -81,15 +80,9 @@ def target_rows(dense: dict | None, runs: list[dict]) -> list[dict[str, Any]]:
     dense run to divide by."""
     if not dense or not dense.get("ppl_test"):
         return []
-    groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
-    for r in runs:
-        if r.get("ppl_test") is not None:
-            groups[(r["method"], r["budget"])].append(r)
-    order = list(METHODS)
     rows = []
-    for (method, budget), rs in sorted(
-        groups.items(), key=lambda kv: (order.index(kv[0][0]), -kv[0][1])
-    ):
+    scored = [r for r in runs if r.get("ppl_test") is not None]
+    for (method, budget), rs in by_method_and_budget(scored):
         flops = mean_ci([r.get("normalized_flops") for r in rs])
         ratio = mean_ci([r["ppl_test"] / dense["ppl_test"] for r in rs])
         task = mean_ci(
