@@ -518,6 +518,18 @@ def test_results_json_carries_the_quality_targets_and_results_md_says_them():
     assert "## Quality targets" in md and row["sentence"] in md
 
 
+def test_results_md_names_each_machine_when_the_runs_were_spread_over_several():
+    settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
+    runs = [record("adadsf", 0.8, s, 36.0, 0.5, 0.84) for s in range(3)]
+    meta = study_meta("adadsf study", "box B", runs_total=3)
+    meta["computed_on"] = {"box A": 1, "box B": 2}
+    md = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
+    assert "- runs computed on: box A (1 run)\n- runs computed on: box B (2 runs)" in md
+    meta["computed_on"] = {"box B": 3}  # all here: the hardware line says it
+    md = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
+    assert "runs computed on" not in md
+
+
 def test_render_says_which_tokens_each_run_counted_its_flops_on():
     from adadsf_modifier.study.render import _flops_text
 

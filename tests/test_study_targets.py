@@ -106,3 +106,21 @@ def test_prefill_fraction_is_read_from_the_batch1_seq1024_cell_only():
 
 def test_no_dense_run_no_targets():
     assert target_rows(None, [run("adadsf", 0, 30.0, 0.8)]) == []
+
+
+def test_alignment_time_is_kept_per_machine_when_the_seeds_ran_on_several():
+    runs = [
+        run("adadsf", s, 30.0, 0.84, align=a) for s, a in enumerate((3000, 1600, 1700))
+    ]
+    runs[0]["hardware"] = {"cpu": "AMD EPYC", "summary": "AMD EPYC, 2 CPUs"}
+    for r in runs[1:]:
+        r["hardware"] = {"cpu": "Intel Xeon", "summary": "Intel Xeon, 2 CPUs"}
+    (row,) = target_rows(DENSE, runs)
+    assert row["align_seconds_max_by_machine"] == {"AMD EPYC": 3000, "Intel Xeon": 1700}
+    assert (
+        row["align_seconds_max"] == 3000 and row["align_met"] is False
+    )  # every machine
+    text = target_sentence(row)
+    assert "alignment 50.0 min at most (AMD EPYC: 50.0; Intel Xeon: 28.3)" in text
+    runs[0]["hardware"] = runs[1]["hardware"]  # one machine: no breakdown
+    assert "at most (limit 30)" in target_sentence(target_rows(DENSE, runs)[0])

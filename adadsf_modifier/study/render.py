@@ -352,6 +352,11 @@ def render_markdown(r: dict[str, Any]) -> str:
         ],
         f"- date: {r['date']}",
         f"- hardware: {hw['summary']}",
+        *[
+            f"- runs computed on: {m} ({n} run{'s' if n != 1 else ''})"
+            for m, n in sorted(r.get("computed_on", {}).items())
+            if len(r.get("computed_on", {})) > 1 or m != hw["summary"]
+        ],
         f"- model: {r['model']['name']} (fingerprint {r['model']['fingerprint'][:12]})",
         f"- total runtime: {_hours(rt['sum_of_runs_s'])} of compute over"
         f" {rt['runs_total']} runs (all sessions); this invocation"

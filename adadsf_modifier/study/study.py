@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -341,6 +342,14 @@ def run_study(
         "hardware": hw,
         "computed_by": sorted(
             {r["command"] for r in [dense, *runs, *tuning] if r and "command" in r}
+        ),
+        # {hardware summary: runs}: which machine ran what, when the study moved
+        "computed_on": dict(
+            Counter(
+                r["hardware"]["summary"]
+                for r in [dense, *runs, *tuning]
+                if r and "hardware" in r
+            )
         ),
         "model": {"name": name, "path": model_path, "fingerprint": ctx.fingerprint},
         "versions": ctx.versions,
