@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from adadsf_modifier.study.hardware import cpu_has_native_bfloat16
+from adadsf_modifier.precision import cpu_has_native_bfloat16
 
 
 def main(repeats: int = 30) -> None:

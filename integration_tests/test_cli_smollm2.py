@@ -134,6 +134,7 @@ def test_run_overwrite_swaps_in_complete_results(compressed, monkeypatch):
 
     def reuse(model_path, recipe, target, *args):  # compress itself: the fixture
         shutil.copytree(sparse_dir, target)
+        return {"dtype": "float32", "alignment_rows": None}
 
     monkeypatch.setattr(commands, "compress", reuse)
     argv = ["run", "--recipe", root / "recipe.yaml", "--output-dir", out]
@@ -150,3 +151,7 @@ def test_run_overwrite_swaps_in_complete_results(compressed, monkeypatch):
     assert json.loads((out / "speed.json").read_text())["model"] == sparse["model"]
     report = json.loads((out / "report.json").read_text())
     assert [row["label"] for row in report["rows"]] == ["dense", "AdaDSF+W8A8"]
+    # dense and sparse evaluated and timed in the precision the model was compressed in
+    dense = json.loads((out / "eval_dense.json").read_text())
+    assert dense["dtype"] == sparse["dtype"] == "float32"
+    assert json.loads((out / "speed.json").read_text())["dtype"] == "float32"

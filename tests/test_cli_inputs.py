@@ -64,6 +64,11 @@ def no_heavy_work(monkeypatch):
         (["run", "--limit", "0"], "--limit"),
         (["run", "--seq-len", "-1"], "--seq-len"),
         (["run", "--bench-repeats", "0"], "--bench-repeats"),
+        (["compress", "--align-samples", "-1"], "--align-samples"),
+        (["run", "--align-samples", "some"], "--align-samples"),
+        (["compress", "--dtype", "float16"], "--dtype"),
+        (["eval", "--dtype", "half"], "--dtype"),
+        (["bench", "--dtype", "fp8"], "--dtype"),
     ],
 )
 def test_bad_numbers_fail_at_parse_time(capsys, tmp_path, no_heavy_work, argv, option):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import adadsf_modifier  # noqa: F401  (registers the modifier)
 from adadsf_modifier import AdaDSFModifier, RoutedLayer, routed_layers
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "adadsf.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "adadsf_paper.yaml"
 NUM_LAYERS = 4
 
 

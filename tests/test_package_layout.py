@@ -11,6 +11,7 @@ LEAVES = (
     "adadsf_modifier.utils",
     "adadsf_modifier.constraints",
     "adadsf_modifier.atomic",
+    "adadsf_modifier.precision",
 )
 
 

@@ -6,25 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adadsf_modifier.study.hardware import (
-    bfloat16_warning,
-    cpu_has_native_bfloat16,
-    hardware,
-)
+from adadsf_modifier.study.hardware import bfloat16_warning, hardware
 
 
 def _cpu_flags(monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool) -> None:
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-
-
-@pytest.mark.parametrize(
-    ("avx512_bf16", "amx", "native"),
-    [(False, False, False), (True, False, True), (False, True, True)],
-)
-def test_native_bfloat16_follows_the_cpu_flags(monkeypatch, avx512_bf16, amx, native):
-    _cpu_flags(monkeypatch, avx512_bf16, amx)
-    assert cpu_has_native_bfloat16() is native
 
 
 def test_bfloat16_warning_only_for_emulated_bfloat16_on_cpu(monkeypatch):

@@ -26,6 +26,7 @@ from adadsf_modifier.cli.checks import (
     Parser,
     UsageError,
     model_name,
+    non_negative_int,
     positive_int,
     token_count,
 )
@@ -39,6 +40,7 @@ from adadsf_modifier.cli.commands import (
     compress,
     evaluate,
 )
+from adadsf_modifier.precision import DTYPES
 from adadsf_modifier.study import (
     StudyInputError,
     add_study_arguments,
@@ -64,6 +66,26 @@ def build_parser() -> argparse.ArgumentParser:
     def model(sp, help_="folder, hub id or `embedded` (default: embedded SmolLM2)"):
         sp.add_argument("--model", type=model_name, default=None, help=help_)
 
+    def dtype(sp):
+        sp.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            default="auto",
+            help="precision the models are loaded in (default auto: bfloat16 where "
+            "the GPU or CPU has bfloat16 instructions, ~3x faster on such a CPU; "
+            "else float32)",
+        )
+
+    def align_samples(sp):
+        sp.add_argument(
+            "--align-samples",
+            type=non_negative_int,
+            default=None,
+            help="rows of calibration text (each align_seq_len tokens) the recipe's "
+            "alignment trains on (default: align_steps x align_batch_size, one pass; "
+            "0: cycle through the calibration rows)",
+        )
+
     recipe_help = "YAML recipe (default recipes/adadsf_w8a8.yaml)"
     c = add("compress", "model + recipe -> compressed AdaDSF checkpoint", cmd_compress)
     model(c)
@@ -72,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration-samples", type=positive_int, default=64)
     c.add_argument("--seq-len", type=positive_int, default=256)
     c.add_argument("--seed", type=int, default=0)
+    dtype(c)
+    align_samples(c)
     c.add_argument("--overwrite", action="store_true")
 
     e = add("eval", "perplexity and/or lm-eval tasks -> JSON", cmd_eval)
@@ -84,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-ppl", action="store_true")
     e.add_argument("--ppl-tokens", type=token_count, default=16384)
     e.add_argument("--routing-mode", choices=["causal", "topk"], default="causal")
+    dtype(e)
     e.add_argument("--output", default=None, help="JSON file (default: stdout)")
     e.add_argument("--overwrite", action="store_true")
 
@@ -101,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=positive_int, default=5)
     b.add_argument("--decode-tokens", type=positive_int, default=32)
     b.add_argument("--threads", type=positive_int, default=None)
+    dtype(b)
     b.add_argument("--output", default=None)
     b.add_argument("--overwrite", action="store_true")
 
@@ -121,14 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tasks", default="all")
     m.add_argument("--limit", type=positive_int, default=50)
     m.add_argument("--ppl-tokens", type=token_count, default=16384)
-    m.add_argument("--calibration-samples", type=positive_int, default=64)
-    m.add_argument("--seq-len", type=positive_int, default=256)
+    m.add_argument("--calibration-samples", type=positive_int, default=128)
+    m.add_argument("--seq-len", type=positive_int, default=512)
     m.add_argument(
         "--bench-seq-lens", type=positive_int, nargs="+", default=[256, 1024]
     )
     m.add_argument("--bench-repeats", type=positive_int, default=3)
     m.add_argument("--decode-tokens", type=positive_int, default=32)
     m.add_argument("--seed", type=int, default=0)
+    dtype(m)
+    align_samples(m)
     m.add_argument("--overwrite", action="store_true")
 
     st = add(

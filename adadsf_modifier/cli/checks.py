@@ -48,6 +48,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+non_negative_int = _int_at_least(0)
 positive_int = _int_at_least(1)
 token_count = _int_at_least(2)  # perplexity scores n - 1 tokens: at least one
 

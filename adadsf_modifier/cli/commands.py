@@ -41,7 +41,14 @@ def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
     created = distributed.init_distributed()
     try:
         return compress(
-            model_path, recipe, out, args.calibration_samples, args.seq_len, args.seed
+            model_path,
+            recipe,
+            out,
+            args.calibration_samples,
+            args.seq_len,
+            args.seed,
+            args.dtype,
+            args.align_samples,
         )
     finally:
         if created:
@@ -51,22 +58,40 @@ def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compress(
-    model_path: str, recipe: str, out: Path, samples: int, seq_len: int, seed: int
+    model_path: str,
+    recipe: str,
+    out: Path,
+    samples: int,
+    seq_len: int,
+    seed: int,
+    dtype: str = "float32",
+    align_samples: int | None = None,
 ) -> dict[str, Any]:
     """Under ``torchrun`` every rank builds the same calibration set and keeps its own
     contiguous slice of it, so every modifier of the recipe (GPTQ included) calibrates
-    each rank on its own rows; only the source rank writes and logs."""
+    each rank on its own rows; only the source rank writes and logs. Alignment rows
+    (:mod:`.alignment_rows`) are given whole to every rank: the trainer splits them.
+
+    ``dtype`` is the precision the model is loaded and compressed in
+    (:func:`adadsf_modifier.precision.resolve_dtype`; ``auto``: bfloat16 where the
+    hardware runs it natively)."""
     import torch
     from llmcompressor import oneshot
+    from llmcompressor.recipe import Recipe
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from adadsf_modifier import distributed
+    from adadsf_modifier.cli.alignment_rows import alignment_rows
     from adadsf_modifier.evaluation import calibration_dataset
+    from adadsf_modifier.precision import resolve_dtype
 
     t0 = time.perf_counter()
+    torch_dtype = resolve_dtype(dtype)
     tok = AutoTokenizer.from_pretrained(model_path)
+    modifiers = Recipe.create_instance(recipe).modifiers
     try:  # before the model loads: too little text, or no rows at all
         data = calibration_dataset(tok, samples, seq_len, seed=seed)
+        aligned = alignment_rows(modifiers, tok, align_samples, seed)
     except ValueError as e:
         raise CLIError(f"calibration data: {e}") from e
     if len(data) == 0:
@@ -79,7 +104,7 @@ def compress(
     if distributed.is_distributed():
         data = data.select(range(*distributed.partition_bounds(len(data))))
         samples = len(data)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
     if distributed.is_distributed() and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))  # NCCL: own GPU
     source = distributed.is_source_process()
@@ -89,7 +114,7 @@ def compress(
         model=model,
         processor=tok,
         dataset=data,
-        recipe=recipe,
+        recipe=Recipe(modifiers=modifiers),
         output_dir=str(out),
         num_calibration_samples=samples,
         max_seq_length=seq_len,
@@ -103,6 +128,8 @@ def compress(
         "model": model_path,
         "recipe": recipe,
         "output_dir": str(out),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "alignment_rows": aligned,
         "seconds": seconds,
     }
 
@@ -120,6 +147,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         not args.no_ppl,
         args.ppl_tokens,
         args.routing_mode,
+        dtype=args.dtype,
     )
     write_json(out, record)
     return record
@@ -134,11 +162,14 @@ def evaluate(
     ppl_tokens: int | None,
     routing_mode: str,
     name: str | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """One evaluation record; ``name`` is the model's name in it (default the path)."""
     from adadsf_modifier.evaluation.evaluate import evaluate_model, load_for_eval
+    from adadsf_modifier.precision import resolve_dtype
 
-    model, tok, routed = load_for_eval(model_path)
+    torch_dtype = resolve_dtype(dtype)
+    model, tok, routed = load_for_eval(model_path, dtype=torch_dtype)
     record = evaluate_model(
         model,
         tok,
@@ -150,7 +181,7 @@ def evaluate(
         limit=limit,
         routing_mode=routing_mode,
     )
-    return record.as_dict()
+    return {**record.as_dict(), "dtype": str(torch_dtype).removeprefix("torch.")}
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,6 +195,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         args.repeats,
         args.decode_tokens,
         args.threads,
+        args.dtype,
     )
     write_json(out, result)
     return result
@@ -176,9 +208,10 @@ def bench(
     repeats: int,
     decode_tokens: int,
     threads: int | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Routed checkpoint vs the same checkpoint with routing removed (identical
-    weights)."""
+    weights), both loaded in ``dtype``."""
     import torch
     from transformers import AutoTokenizer
 
@@ -188,11 +221,13 @@ def bench(
         load_pair,
         run_speed_benchmark,
     )
+    from adadsf_modifier.precision import resolve_dtype
 
     if threads:
         torch.set_num_threads(threads)
+    torch_dtype = resolve_dtype(dtype, "cpu")
     tok = AutoTokenizer.from_pretrained(routed_path)
-    dense, routed = load_pair(routed_path, dtype=torch.float32)
+    dense, routed = load_pair(routed_path, dtype=torch_dtype)
     text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     results = run_speed_benchmark(
@@ -210,6 +245,7 @@ def bench(
         "model": routed_path,
         "threads": torch.get_num_threads(),
         "device": "cpu",
+        "dtype": str(torch_dtype).removeprefix("torch."),
         "results": [r.as_dict() for r in results],
         "table": table,
     }
@@ -281,7 +317,16 @@ def _main_job(
     timings = {}
     step = time.perf_counter()
     samples, seq_len = args.calibration_samples, args.seq_len
-    compress(model_path, recipe, work / sparse, samples, seq_len, args.seed)
+    compressed = compress(
+        model_path,
+        recipe,
+        work / sparse,
+        samples,
+        seq_len,
+        args.seed,
+        args.dtype,
+        args.align_samples,
+    )
     timings["compress_s"] = time.perf_counter() - step
     records = []
     for label, path, name in (
@@ -290,7 +335,15 @@ def _main_job(
     ):
         step = time.perf_counter()
         rec = evaluate(
-            path, label, tasks, args.limit, True, args.ppl_tokens, "causal", name
+            path,
+            label,
+            tasks,
+            args.limit,
+            True,
+            args.ppl_tokens,
+            "causal",
+            name,
+            compressed["dtype"],  # dense and sparse alike
         )
         write_json(work / f"eval_{'dense' if label == 'dense' else 'sparse'}.json", rec)
         records.append(rec)
@@ -302,6 +355,7 @@ def _main_job(
         [1],
         args.bench_repeats,
         args.decode_tokens,
+        dtype=compressed["dtype"],
     )
     speed["model"] = str(out / sparse)
     write_json(work / "speed.json", speed)
@@ -310,6 +364,8 @@ def _main_job(
     meta = {
         "model": model_path,
         "recipe": recipe,
+        "dtype": compressed["dtype"],
+        "alignment_rows": compressed["alignment_rows"],
         "tasks": tasks,
         "limit": args.limit,
         "ppl_tokens": args.ppl_tokens,

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["bfloat16_warning", "cpu_has_native_bfloat16", "hardware"]
+from adadsf_modifier.precision import cpu_has_native_bfloat16
+
+__all__ = ["bfloat16_warning", "hardware"]
 
 
 def hardware(device: str) -> dict[str, Any]:
@@ -40,15 +42,6 @@ def hardware(device: str) -> dict[str, Any]:
         f"{gpu}{bf16}"
     )
     return info
-
-
-def cpu_has_native_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Without them
-    torch emulates bfloat16 matmuls: ~5x slower than float32 on the 2-core AVX2 machine
-    of 2026-12-01, and rounded differently from a machine with them, so bfloat16 runs of
-    two such CPUs do not agree (``docs/measurements.md`` §14)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
 def bfloat16_warning(hw: dict[str, Any], dtype: str) -> str | None:

@@ -1,0 +1,43 @@
+"""Rows of their own for the recipe's alignment stages, so that ``adadsf compress``
+trains the way the results study measured instead of cycling the calibration rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from loguru import logger
+
+from adadsf_modifier import distributed
+from adadsf_modifier.evaluation import calibration_dataset
+from adadsf_modifier.modifier import AdaDSFModifier
+
+__all__ = ["alignment_rows"]
+
+
+def alignment_rows(
+    modifiers: Sequence[Any], tok: Any, rows: int | None, seed: int
+) -> int | None:
+    """Gives each AdaDSF modifier of the recipe that trains (``align_steps > 0``) and
+    has no ``align_dataset`` its own training rows of the calibration text, cut to its
+    ``align_seq_len``: ``rows`` of them, or by default one pass of its steps
+    (``align_steps x align_batch_size`` per process) so that no row is seen twice.
+    ``rows == 0`` keeps the old behaviour: training cycles through the calibration
+    rows (few, and short, by default). Returns the row count given (``None``: none).
+
+    The same text and seed as the calibration rows: what the results study measured
+    (``docs/study_runs_cpu_829b1cc_quality``)."""
+    given = None
+    for mod in modifiers:
+        if not isinstance(mod, AdaDSFModifier) or not mod.align_steps:
+            continue
+        if mod.align_dataset is not None or rows == 0:
+            continue
+        n = rows or mod.align_steps * mod.align_batch_size * distributed.world_size()
+        mod.align_dataset = calibration_dataset(tok, n, mod.align_seq_len, seed=seed)
+        logger.info(
+            f"alignment: {n} rows of {mod.align_seq_len} tokens "
+            f"({mod.align_steps} steps x {mod.align_batch_size} rows)"
+        )
+        given = n
+    return given

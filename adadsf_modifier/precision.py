@@ -1,0 +1,43 @@
+"""Which floating-point precision to load a model in, on this machine.
+
+bfloat16 halves memory and, where the hardware has bfloat16 instructions (a CUDA GPU
+that supports it; a CPU with AVX512-BF16 or AMX), runs SmolLM2-135M's forwards ~3x
+faster than float32 on a 2-core CPU. Where it has none, torch emulates bfloat16: slower
+than float32 and rounded differently, so ``auto`` picks float32 there.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["DTYPES", "DtypeName", "cpu_has_native_bfloat16", "resolve_dtype"]
+
+DtypeName = Literal["float32", "bfloat16", "auto"]
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "auto")
+
+
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Without them
+    torch emulates bfloat16 matmuls: ~5x slower than float32 on the 2-core AVX2 machine
+    of 2026-12-01, and rounded differently from a machine with them, so bfloat16 runs of
+    two such CPUs do not agree (``docs/measurements.md`` §14)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
+def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
+    """``float32``/``bfloat16`` as asked; ``auto``: bfloat16 where ``device`` (default:
+    CUDA when available, else the CPU) has bfloat16 instructions, else float32."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name != "auto":
+        return getattr(torch, name)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        native = torch.cuda.is_bf16_supported()
+    else:
+        native = cpu_has_native_bfloat16()
+    return torch.bfloat16 if native else torch.float32

@@ -1,0 +1,101 @@
+"""`adadsf compress` end to end on a tiny model: the precision it loads the model in
+(``--dtype``) is the checkpoint's, and the recipe's alignment trains on rows of its own
+(``--align-samples``; by default one pass of its steps) instead of cycling the few
+calibration rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from tiny_models import save_tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import adadsf_modifier
+from adadsf_modifier import AdaDSFModifier
+from adadsf_modifier.cli import main
+from adadsf_modifier.cli.alignment_rows import alignment_rows
+from adadsf_modifier.evaluation import calibration_dataset
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return save_tiny_model("llama", str(tmp_path_factory.mktemp("m") / "llama"), 2)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """One token per byte (the tiny models' word-level tokenizer maps this text to
+    unknown tokens only, so rows of different text would compare equal)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe)
+
+
+def aligned(**kw) -> AdaDSFModifier:
+    return AdaDSFModifier(retention=0.8, align_seq_len=16, **kw)
+
+
+def test_alignment_gets_one_pass_of_its_steps_of_its_own_rows(tok):
+    trains = aligned(align_steps=3, align_batch_size=2)
+    frozen = aligned()  # align_steps 0: nothing to train, no rows
+    assert alignment_rows([trains, frozen], tok, None, seed=0) == 6
+    rows = trains.align_dataset["input_ids"]
+    assert len(rows) == 6 and {len(r) for r in rows} == {16}
+    assert frozen.align_dataset is None
+    # the calibration text, cut alike: the first rows are the calibration rows
+    calib = calibration_dataset(tok, 2, 16, seed=0)["input_ids"]
+    assert rows[:2] == calib
+    assert rows != calibration_dataset(tok, 6, 16, seed=1)["input_ids"]
+
+
+def test_align_samples_sets_the_rows_and_zero_keeps_the_calibration_rows(tok):
+    trains = aligned(align_steps=3, align_batch_size=2)
+    assert alignment_rows([trains], tok, 5, seed=0) == 5
+    assert len(trains.align_dataset) == 5
+    cycles = aligned(align_steps=3, align_batch_size=2)
+    assert alignment_rows([cycles], tok, 0, seed=0) is None
+    assert cycles.align_dataset is None
+
+
+def test_a_dataset_given_in_the_recipe_is_kept(tok):
+    own = calibration_dataset(tok, 4, 8, seed=3)
+    mod = aligned(align_steps=3, align_dataset=own)
+    assert alignment_rows([mod], tok, None, seed=0) is None
+    assert mod.align_dataset is own
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compress_writes_the_checkpoint_in_the_asked_precision(
+    tmp_path, dense_dir, dtype, monkeypatch
+):
+    recipe = tmp_path / "recipe.yaml"
+    block = {"retention": 0.8, "align_steps": 2, "align_batch_size": 2}
+    block |= {"align_seq_len": 16, "router_init_steps": 5, "threshold_passes": 1}
+    recipe.write_text(
+        yaml.safe_dump(
+            {"sparsity_stage": {"sparsity_modifiers": {"AdaDSFModifier": block}}}
+        )
+    )
+    seen = {}
+    real = AdaDSFModifier.on_initialize
+
+    def spy(self, state, **kwargs):  # what the modifier is given to train on
+        seen["rows"] = None if self.align_dataset is None else len(self.align_dataset)
+        seen["dtype"] = next(state.model.parameters()).dtype
+        return real(self, state, **kwargs)
+
+    monkeypatch.setattr(AdaDSFModifier, "on_initialize", spy)
+    out = tmp_path / "out"
+    argv = ["compress", "--model", dense_dir, "--recipe", recipe, "--output-dir", out]
+    argv += ["--calibration-samples", "4", "--seq-len", "16", "--dtype", dtype]
+    assert main([str(a) for a in argv]) == 0
+    assert seen == {"rows": 4, "dtype": getattr(torch, dtype)}  # 2 steps x 2 rows
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == dtype
+    model = adadsf_modifier.from_pretrained(out)
+    assert model.get_input_embeddings().weight.dtype == getattr(torch, dtype)
