@@ -4,11 +4,11 @@ pipeline.
     OMP_NUM_THREADS=1 python benchmarks/w8a8_interplay.py                 # all rows, ~6
     min CPU OMP_NUM_THREADS=1 python benchmarks/w8a8_interplay.py --rows recipe+sq
 
-Rows: ``dense`` (no oneshot), ``recipe`` (``recipes/adadsf_w8a8.yaml``'s GPTQ W8A8 stage
-after the AdaDSF block it shipped when this was measured, ``MEASURED_ADADSF``: the paper's
-AdaDSF at retention 0.9 with layer 0 dense and a 20-step router alignment; the recipe now
-ships the study's variant, whose alignment alone takes ~45 min) and ``recipe+sq`` (the
-same with ``SmoothQuantModifier`` inserted before GPTQ).
+Rows: ``dense`` (no oneshot), ``recipe`` (``recipes/adadsf_w8a8.yaml``'s GPTQ W8A8
+stage after the AdaDSF block it shipped when this was measured, ``MEASURED_ADADSF``:
+the paper's AdaDSF at retention 0.9 with layer 0 dense and a 20-step router alignment;
+the recipe now ships the study's variant, whose alignment alone takes ~45 min) and
+``recipe+sq`` (the same with ``SmoothQuantModifier`` inserted before GPTQ).
 Calibration: 8 x 128 tokens of the calibration split; perplexity: the first 1,024 tokens
 of the test split.
 """
