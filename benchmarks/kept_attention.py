@@ -4,6 +4,8 @@ CPU bfloat16 default) and on the zero-padded causal kernel, against dense, side 
     OMP_NUM_THREADS=1 python benchmarks/kept_attention.py        # the quality variant
     OMP_NUM_THREADS=1 python benchmarks/kept_attention.py --seq-lens 1024 2048 \\
         --dtypes float32 bfloat16 --repeats 9
+    OMP_NUM_THREADS=2 python benchmarks/kept_attention.py --threads 2 \\
+        --dtypes bfloat16 --retention 0.81 --profile-threads 1 2  # ops per thread
 
 Builds the quality study's variant (rank-64 ridge skip path, skipped tokens' keys and
 values, skip-error routers, layer 0 dense; no alignment: speed depends on kept counts
@@ -44,6 +46,46 @@ def _variant_fields() -> dict:
     }
 
 
+def _op_times(model, ids, repeats: int) -> dict[str, float]:
+    """Self CPU time per operator (ms), median over ``repeats`` profiled prefills."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runs: dict[str, list[float]] = {}
+    for i in range(repeats):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with torch.inference_mode():
+                model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        for ev in prof.key_averages():
+            runs.setdefault(ev.key, [0.0] * repeats)[i] += ev.self_cpu_time_total / 1e3
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def _profile(dense, routed, ids, threads: list[int], repeats: int) -> None:
+    """Operator table: each twin at each thread count; the rows that take the most
+    routed time first, and each thread change's speedup per operator."""
+    cols, table = [], {}
+    for n in threads:
+        torch.set_num_threads(n)
+        for name, model in (("dense", dense), ("routed", routed)):
+            col = f"{name}@{n}"
+            cols.append(col)
+            for op, ms in _op_times(model, ids, repeats).items():
+                table.setdefault(op, {})[col] = ms
+    last = f"routed@{threads[-1]}"
+    print(f"\n# self CPU ms per prefill (median of {repeats} profiled), seq "
+          f"{ids.shape[1]}, {routed.dtype}")  # fmt: skip
+    print("| operator | " + " | ".join(cols) + " |")
+    print("|---|" + "---:|" * len(cols))
+    rows = sorted(table.items(), key=lambda kv: -kv[1].get(last, 0.0))
+    for op, v in rows[:25]:
+        cells = " | ".join(f"{v.get(c, 0.0):.1f}" for c in cols)
+        print(f"| {op} | {cells} |")
+    totals = " | ".join(
+        f"{sum(v.get(c, 0.0) for v in table.values()):.0f}" for c in cols
+    )
+    print(f"| total | {totals} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -54,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--profile-threads",
+        type=int,
+        nargs="*",
+        default=[],
+        help="after the timing: torch.profiler operator times (ms, median of the "
+        "repeats) of dense and of the routed default path at each of these thread "
+        "counts, side by side, to show which operators scale worse with threads",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -106,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                 for k in order:
                     times[k].append(run(*arms[k]))
             kept_attention.CPU_CHUNKED_DTYPES = shipped
+            if args.profile_threads:
+                _profile(dense, routed, ids, args.profile_threads, args.repeats)
+                torch.set_num_threads(args.threads)
             ideal = 1.0 / normalized_flops(routed, {"input_ids": ids}).normalized
             d = statistics.median(times["dense"])
             default = "chunks" if routed.dtype in shipped else "causal kernel"
