@@ -8,13 +8,10 @@ than float32 and rounded differently, so ``auto`` picks float32 there.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-__all__ = ["DTYPES", "DtypeName", "cpu_has_native_bfloat16", "resolve_dtype"]
+__all__ = ["DTYPES", "cpu_has_native_bfloat16", "dtype_name", "resolve_dtype"]
 
-DtypeName = Literal["float32", "bfloat16", "auto"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "auto")
 
 
@@ -41,3 +38,8 @@ def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
     else:
         native = cpu_has_native_bfloat16()
     return torch.bfloat16 if native else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the name records and JSON files carry."""
+    return str(dtype).removeprefix("torch.")

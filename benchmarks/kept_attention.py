@@ -61,8 +61,8 @@ def _op_times(model, ids, repeats: int) -> dict[str, float]:
 
 
 def _profile(dense, routed, ids, threads: list[int], repeats: int) -> None:
-    """Operator table: each twin at each thread count; the rows that take the most
-    routed time first, and each thread change's speedup per operator."""
+    """Operator table: each twin at each thread count side by side, the operators
+    that take the routed model most time at the last thread count first."""
     cols, table = [], {}
     for n in threads:
         torch.set_num_threads(n)

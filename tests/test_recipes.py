@@ -45,11 +45,10 @@ def test_the_adadsf_recipes_ship_one_variant():
 
 
 def test_the_shipped_variant_is_the_configuration_the_study_measured():
-    (run,) = [
-        json.loads(p.read_text())
-        for p in (MEASURED / MEASURED_METHOD).glob("*.json")
-        if json.loads(p.read_text())["config"]["seed"] == 0
+    runs = [
+        json.loads(p.read_text()) for p in (MEASURED / MEASURED_METHOD).glob("*.json")
     ]
+    (run,) = [r for r in runs if r["config"]["seed"] == 0]
     measured = run["config"]["modifier"]
     shipped = adadsf_block("adadsf.yaml")
     assert shipped["retention"] == run["config"]["budget"]

@@ -28,10 +28,11 @@ def alignment_rows(
     The same text and seed as the calibration rows: what the results study measured
     (``docs/study_runs_cpu_829b1cc_quality``)."""
     given = None
+    if rows == 0:
+        return given
     for mod in modifiers:
-        if not isinstance(mod, AdaDSFModifier) or not mod.align_steps:
-            continue
-        if mod.align_dataset is not None or rows == 0:
+        trains = isinstance(mod, AdaDSFModifier) and mod.align_steps
+        if not trains or mod.align_dataset is not None:
             continue
         n = rows or mod.align_steps * mod.align_batch_size * distributed.world_size()
         mod.align_dataset = calibration_dataset(tok, n, mod.align_seq_len, seed=seed)

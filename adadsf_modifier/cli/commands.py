@@ -83,7 +83,7 @@ def compress(
     from adadsf_modifier import distributed
     from adadsf_modifier.cli.alignment_rows import alignment_rows
     from adadsf_modifier.evaluation import calibration_dataset
-    from adadsf_modifier.precision import resolve_dtype
+    from adadsf_modifier.precision import dtype_name, resolve_dtype
 
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
@@ -128,7 +128,7 @@ def compress(
         "model": model_path,
         "recipe": recipe,
         "output_dir": str(out),
-        "dtype": str(torch_dtype).removeprefix("torch."),
+        "dtype": dtype_name(torch_dtype),
         "alignment_rows": aligned,
         "seconds": seconds,
     }
@@ -166,7 +166,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """One evaluation record; ``name`` is the model's name in it (default the path)."""
     from adadsf_modifier.evaluation.evaluate import evaluate_model, load_for_eval
-    from adadsf_modifier.precision import resolve_dtype
+    from adadsf_modifier.precision import dtype_name, resolve_dtype
 
     torch_dtype = resolve_dtype(dtype)
     model, tok, routed = load_for_eval(model_path, dtype=torch_dtype)
@@ -181,7 +181,7 @@ def evaluate(
         limit=limit,
         routing_mode=routing_mode,
     )
-    return {**record.as_dict(), "dtype": str(torch_dtype).removeprefix("torch.")}
+    return {**record.as_dict(), "dtype": dtype_name(torch_dtype)}
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +221,7 @@ def bench(
         load_pair,
         run_speed_benchmark,
     )
-    from adadsf_modifier.precision import resolve_dtype
+    from adadsf_modifier.precision import dtype_name, resolve_dtype
 
     if threads:
         torch.set_num_threads(threads)
@@ -245,7 +245,7 @@ def bench(
         "model": routed_path,
         "threads": torch.get_num_threads(),
         "device": "cpu",
-        "dtype": str(torch_dtype).removeprefix("torch."),
+        "dtype": dtype_name(torch_dtype),
         "results": [r.as_dict() for r in results],
         "table": table,
     }
