@@ -7,7 +7,8 @@
 # seeds. The identity-skip-path methods train at uniform's fixed rates (1e-3, chosen on the
 # validation split at c64a006; no tuning run). Resume it like the quality study: first copy
 # docs/study_runs_cpu_829b1cc_quality/main to outputs/quality6_bf16/main. Extra arguments go
-# to `adadsf study` (--max-hours, --max-runs, --plan, --render-only --output-dir docs).
+# to `adadsf study` (--max-hours, --max-runs, --plan). Render for docs/ with main's
+# `adadsf study --render-only` and the same arguments (main's renderer adds the quality targets).
 cd "$(dirname "$0")/.."
 RATES='{adadsf_ridge_kv_err: [[1e-4, 1e-4]], uniform: [[1e-3, 1e-3]], layer_drop_healed: [[1e-3, 1e-3]], adadsf: [[1e-3, 1e-3]], reversed: [[1e-3, 1e-3]], random: [[1e-3, 1e-3]], adadsf_lm_only: [[1e-3, 1e-3]], adadsf_w8a8: [[1e-3, 1e-3]]}'
 exec benchmarks/quality_study_829b1cc.sh \
