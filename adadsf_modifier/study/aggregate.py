@@ -45,9 +45,11 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("adadsf_ridge_kv", "layer_drop_ridge_healed"),
     ("layer_drop_ridge_healed", "layer_drop_healed"),
     ("ftp", "adadsf"),
+    ("ftp", "adadsf_ridge_kv_err"),  # FTP against the AdaDSF the recipes ship
     ("ftp", "uniform"),
     ("ftp", "layer_drop_healed"),
     ("ftp_ridge_kv", "adadsf_ridge_kv"),
+    ("ftp_ridge_kv", "adadsf_ridge_kv_err"),
     ("ftp_ridge_kv", "layer_drop_healed"),
 )
 """``(a, b)``: ``a - b`` per seed. AdaDSF against uniform and against layer removal

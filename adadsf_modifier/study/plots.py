@@ -6,8 +6,8 @@
 * ``results_acc_vs_speedup.png``: 7-task mean accuracy against measured prefill speedup
   (batch 1), for the runs whose speed was measured.
 * ``results_layer_ratios.png``: each method's per-layer retention ratios at the tuning
-  budget (seed 0): AdaDSF's similarity allocation beside FTP's genetic schedule, uniform
-  and layer removal.
+  budget (seed 0): AdaDSF's similarity allocation (the paper's and the shipped
+  variant's) beside FTP's genetic schedule, uniform and layer removal.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ PLOT_FILES = (
     "results_acc_vs_speedup.png",
     "results_layer_ratios.png",
 )
-_RATIO_METHODS = ("adadsf", "ftp", "ftp_ridge_kv", "uniform", "layer_drop")
+_RATIO_METHODS = (
+    "adadsf",
+    "adadsf_ridge_kv_err",  # the shipped AdaDSF: the same allocation, its own run
+    "ftp",
+    "ftp_ridge_kv",
+    "uniform",
+    "layer_drop",
+)
 
 
 def _xy(row: dict, x: str, y: str) -> tuple[float, float, float, float] | None:
