@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import re
+import time
 
 import pytest
 
@@ -565,3 +566,30 @@ def test_cache_round_trip_is_atomic_strict_json_and_keyed(tmp_path):
     assert cache.get(other) is None
     path.write_text("{truncated")
     assert cache.get(spec) is None
+
+
+def test_under_a_deadline_no_run_starts_that_would_not_finish_before_it(tmp_path):
+    from adadsf_modifier.study.cache import RunCache
+    from adadsf_modifier.study.study import _Runner
+
+    def spec(method: str, seed: int) -> RunSpec:
+        return RunSpec.create("main", method, 0.8, seed, {"modifier": {"x": 1}})
+
+    cost = {"layer_drop": 60.0, "adadsf": 3600.0}  # estimated seconds per run
+    ran: list[str] = []
+
+    def executor(s, env):
+        ran.append(s.label)
+        return {"method": s.method, "seed": s.seed}
+
+    runner = _Runner(RunCache(tmp_path), None, 4, time.time() + 600.0, None,
+                     executor, {}, estimate=lambda s: cost[s.method])  # fmt: skip
+    assert runner.run(spec("layer_drop", 0)) is not None  # 60 s fits in 600
+    assert runner.run(spec("adadsf", 0)) is None  # an hour does not: not started
+    assert runner.stopped
+    # nor does a cheap run after it start: the plan's order is kept
+    assert runner.run(spec("layer_drop", 1)) is None
+    assert ran == [spec("layer_drop", 0).label]
+    assert runner.pending == [spec("adadsf", 0).label, spec("layer_drop", 1).label]
+    # a finished run is still read from the cache after the stop
+    assert runner.run(spec("layer_drop", 0)) == {"method": "layer_drop", "seed": 0}

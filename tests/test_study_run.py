@@ -383,6 +383,32 @@ def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
     assert not (tmp_path / "o" / "results.json").exists()
 
 
+def test_plan_prints_each_methods_time_per_run_measured_once_runs_are_cached(
+    tiny_dir, tmp_path, capsys
+):
+    s = StudySettings(methods=("dense", "uniform"), budgets=(0.8,), seeds=2,
+                      tune_methods=("uniform",),
+                      tune_rates={"uniform": ((1e-3, 1e-3),)},  # no tuning run
+                      calib_samples=2, calib_seq_len=16,
+                      align_steps=2, align_batch_size=1, align_seq_len=16)  # fmt: skip
+    before = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                       executor=fake_executor([]), plan_only=True)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "uniform                2 runs" in out and "(cost model)" in out
+    modelled = before["plan"]["per_run_s"]["uniform"]
+    assert modelled > 1.0  # the cost model's seconds, not a measured 1.0
+    run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c", executor=fake_executor([]))
+    capsys.readouterr()
+    after = run_study(s, tiny_dir, tmp_path / "o2", tmp_path / "c",
+                      executor=fake_executor([]), plan_only=True)  # fmt: skip
+    out = capsys.readouterr().out
+    # the fake runs took 1.0 s each: the plan now says so, per method
+    assert after["plan"]["per_run_s"] == {"dense": 1.0, "uniform": 1.0}
+    assert "mean of 2 finished runs" in out and "mean of 1 finished run)" in out
+    runs = after["plan"]["runs"]  # every run, tuning ones too, measured at 1.0 s
+    assert after["plan"]["estimated_s"] == pytest.approx(runs["tune"] + runs["main"])
+
+
 def test_bad_model_path_fails_before_work(tmp_path, capsys):
     missing = str(tmp_path / "missing")
     code = main(["--model", missing, "--output-dir", str(tmp_path / "o"),

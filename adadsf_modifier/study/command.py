@@ -4,7 +4,7 @@
     adadsf study --quick               # one seed, small limits: a smoke test (minutes)
     adadsf study --plan                # print the runs and their estimated cost only
     adadsf study --methods adadsf,uniform --budgets 0.8 --seeds 3
-    adadsf study --max-hours 5         # stop starting runs after 5 h; rerun to resume
+    adadsf study --max-hours 5         # only runs that fit in 5 h; rerun to resume
     adadsf study --set task_limit=200 --set speed=false
 
 ``cli.py`` wires it with :func:`add_study_arguments` and :func:`run_study_command`;
@@ -89,7 +89,9 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-hours",
         type=float,
         default=None,
-        help="start no new run after this many hours (rerun later to resume)",
+        help="start no run that would not finish within this many hours by its "
+        "estimate (the mean of its method's finished runs, else the cost model; "
+        "--plan prints them); rerun later to resume",
     )
     parser.add_argument(
         "--max-runs",

@@ -117,22 +117,30 @@ def _preflight_data(s: StudySettings, tok: Any) -> None:
 class _Runner:
     """Runs specs through the cache with one progress bar and a time/run budget."""
 
-    def __init__(self, cache, env, total, deadline, max_runs, executor, origin):
+    def __init__(
+        self, cache, env, total, deadline, max_runs, executor, origin, estimate=None
+    ):
         self.cache, self.env, self.executor = cache, env, executor
         # {"command", "hardware", "model_files"}: kept with every computed run
         self.origin = origin
         self.lenient = False  # --render-only: see RunCache.get
         self.deadline, self.max_runs = deadline, max_runs
+        # RunSpec -> its estimated seconds: under a deadline no run starts that would
+        # not finish before it (an unfinished run is lost, not cached)
+        self.estimate: Callable[[RunSpec], float] | None = estimate
+        self.stopped = False  # a run was refused: the time or run budget is spent
         self.computed = self.cached = 0
         self.failed: list[str] = []
         self.pending: list[str] = []
         self.bar = tqdm(total=total, desc="study runs", unit="run")
 
-    @property
-    def stopped(self) -> bool:
-        over_time = self.deadline is not None and time.time() > self.deadline
-        over_runs = self.max_runs is not None and self.computed >= self.max_runs
-        return over_time or over_runs
+    def _refuses(self, spec: RunSpec) -> bool:
+        if self.max_runs is not None and self.computed >= self.max_runs:
+            return True
+        if self.deadline is None:
+            return False
+        needed = self.estimate(spec) if self.estimate is not None else 0.0
+        return time.time() + needed > self.deadline
 
     def run(self, spec: RunSpec) -> dict | None:
         record = self.cache.get(spec, lenient=self.lenient)
@@ -141,7 +149,8 @@ class _Runner:
             self.bar.total -= 1  # the bar (and its ETA) counts runs still to compute
             self.bar.refresh()
             return record
-        if self.stopped:
+        if self.stopped or self._refuses(spec):
+            self.stopped = True  # later runs wait too: the plan's order is kept
             self.pending.append(spec.label)
             return None
         self.bar.set_postfix_str(spec.label)
@@ -186,9 +195,12 @@ def _reference(records: list[dict], method: str) -> Callable[[float], dict | Non
     return ref
 
 
-def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) -> float:
-    """Seconds for the whole plan: measured means of this model's finished runs on this
-    device where the cache has them, else the cost model."""
+def _per_run_estimates(
+    s: StudySettings, ctx: Context, cache: RunCache, params: float
+) -> dict[tuple[str, str], tuple[float, int]]:
+    """Seconds of one run per ``(phase, method)`` of the plan, and how many finished
+    runs that is the mean of: this model's finished runs on this device where the cache
+    has them (0: the cost model's estimate)."""
     seen: dict[tuple[str, str], list[float]] = {}
     for entry in cache:
         cfg = entry.get("config", {})
@@ -197,18 +209,28 @@ def _estimate(s: StudySettings, ctx: Context, cache: RunCache, params: float) ->
         ):
             key = (cfg.get("phase"), cfg.get("method"))
             seen.setdefault(key, []).append(entry["record"].get("seconds", 0.0))
+    out = {}
+    for phase, methods in (("tune", s.tune_methods), ("main", s.methods)):
+        for m in methods:
+            done = seen.get((phase, m))
+            out[(phase, m)] = (
+                (sum(done) / len(done), len(done))
+                if done
+                else (estimate_run_seconds(s, phase, m, params, ctx.device), 0)
+            )
+    return out
 
-    def one(phase: str, method: str) -> float:
-        done = seen.get((phase, method))
-        if done:
-            return sum(done) / len(done)
-        return estimate_run_seconds(s, phase, method, params, ctx.device)
 
-    total = sum(tune_runs_of(s, m) * one("tune", m) for m in s.tune_methods)
-    for m in s.methods:
-        n = 1 if m == "dense" else len(s.seeds_of(m)) * len(budgets_of(s, m))
-        total += n * one("main", m)
-    return total
+def _runs_of(s: StudySettings, m: str) -> int:
+    return 1 if m == "dense" else len(s.seeds_of(m)) * len(budgets_of(s, m))
+
+
+def _estimate(
+    s: StudySettings, per_run: dict[tuple[str, str], tuple[float, int]]
+) -> float:
+    """Seconds for the whole plan, from :func:`_per_run_estimates`."""
+    total = sum(tune_runs_of(s, m) * per_run[("tune", m)][0] for m in s.tune_methods)
+    return total + sum(_runs_of(s, m) * per_run[("main", m)][0] for m in s.methods)
 
 
 def run_study(
@@ -272,7 +294,8 @@ def run_study(
     counts = count_runs(settings)
     total = counts["tune"] + counts["main"]
     params = model_params(model_path)
-    est = _estimate(settings, ctx, cache, params)
+    per_run = _per_run_estimates(settings, ctx, cache, params)
+    est = _estimate(settings, per_run)
     print(
         f"adadsf study: {total} runs ({counts['tune']} tuning on validation, "
         f"{counts['main']} main), model {name}, device {device}; estimated "
@@ -306,18 +329,33 @@ def run_study(
         "resolvable_task_mean_difference": resolvable,
     }
     if plan_only:
+        # per method: a study spread over sessions is cut into session-sized parts
         for m in settings.methods:
-            n = (
-                1
-                if m == "dense"
-                else len(settings.seeds_of(m)) * len(budgets_of(settings, m))
+            secs, measured = per_run[("main", m)]
+            source = (
+                f"mean of {measured} finished run{'s' * (measured > 1)}"
+                if measured
+                else "cost model"
             )
-            print(f"  {m:20s} {n:3d} runs  ({METHODS[m].description})")
+            print(
+                f"  {m:20s} {_runs_of(settings, m):3d} runs, {secs / 3600:5.2f} h "
+                f"each ({source})  ({METHODS[m].description})"
+            )
+        plan["per_run_s"] = {m: per_run[("main", m)][0] for m in settings.methods}
         return {"plan": plan}
     env = RunEnv(model_path, device, tok, TokenStreams(tok))
     deadline = t0 + max_hours * 3600 if max_hours else None
     origin = {"command": command, "hardware": hw, "model_files": files}
-    runner = _Runner(cache, env, total, deadline, max_runs, executor, origin)
+    runner = _Runner(
+        cache,
+        env,
+        total,
+        deadline,
+        max_runs,
+        executor,
+        origin,
+        estimate=lambda spec: per_run[(spec.phase, spec.method)][0],
+    )
     runner.lenient = render_only
     tuned, tuning = tune_on_validation(settings, ctx, runner)
     dense, runs = None, []
