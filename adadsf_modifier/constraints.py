@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Annotated
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BeforeValidator, ValidationInfo
 
 __all__ = [
     "FiniteFloat",
@@ -21,6 +21,7 @@ __all__ = [
     "PositiveInt",
     "UnitInterval",
     "constrained",
+    "one_of",
 ]
 
 
@@ -33,6 +34,20 @@ def constrained(ok: Callable[[float], bool], requirement: str) -> AfterValidator
         return value
 
     return AfterValidator(check)
+
+
+def one_of(choices: tuple[str, ...]) -> BeforeValidator:
+    """A ``BeforeValidator`` for a ``Literal`` field that names the field and the
+    allowed values (pydantic's own message lists them as a Python type)."""
+
+    def check(value: object, info: ValidationInfo) -> object:
+        if value not in choices:
+            raise ValueError(
+                f"{info.field_name} must be one of {list(choices)}, got {value!r}"
+            )
+        return value
+
+    return BeforeValidator(check)
 
 
 def _finite(v: float) -> bool:

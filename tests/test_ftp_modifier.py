@@ -58,6 +58,7 @@ def test_registered_and_both_recipes_instantiate():
         (dict(ga_population=1), "ga_population"),
         (dict(schedule=[0.5, 1.5]), "schedule"),
         (dict(lr=-1.0), "lr"),
+        (dict(train_routing="topk"), "train_routing"),
     ],
 )
 def test_bad_fields_fail_with_one_line_errors(kwargs, field):

@@ -12,6 +12,7 @@ from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.ftp import FTPLayerRouter, FTPTrainConfig, train_router
 from adadsf_modifier.ftp.features import key_probe, probe_scores
 from adadsf_modifier.ftp.static import static_keep_mask
+from adadsf_modifier.routing.recorder import RoutingRecorder
 
 FTP_ARCHS = ("llama", "qwen2", "mistral")
 
@@ -82,6 +83,44 @@ def test_training_changes_only_the_shared_router_mlp():
     assert all(isinstance(r, FTPLayerRouter) for r in routers)
     assert len({id(r.shared_mlp) for r in routers}) == 1
     assert sum(".mlp.fc1.weight" in n and "router" in n for n in before) == 1
+
+
+def test_quantile_training_runs_each_layers_ratio_where_the_threshold_gate_runs_none():
+    # a collapsed router: every score far below 0, so the hard gate s > 0 closes
+    model, _ = ftp_model(steps=0)
+    layers = routed_layers(model)
+    with torch.no_grad():
+        layers[0].router.shared_mlp.fc2.bias.fill_(-50.0)
+    modes = [(m.routing_mode, m.causal_threshold) for m in layers]
+    batches = calib_batches(1, rows=4, length=16)
+    kept, reps = {}, {}
+    for routing in ("threshold", "quantile"):
+        with RoutingRecorder().attached(layers) as rec:
+            reps[routing] = train_router(
+                model, batches, FTPTrainConfig(steps=1, lr=1e-9, routing=routing)
+            )
+        # per routed layer, tokens that ran it in the student pass (the teacher's
+        # pass runs every layer in full and records no counts)
+        kept[routing] = [
+            sum(
+                int(r.kept.sum())
+                for r in rec.records[m.layer_index]
+                if r.kept is not None
+            )
+            for m in layers
+        ]
+    ratios = [m.retention_ratio for m in layers]  # 0.7, 0.5, 1.0, 0.6
+    for i, r in enumerate(ratios):
+        if r < 1.0:
+            assert kept["threshold"][i] == 4  # only each row's first token
+            assert abs(kept["quantile"][i] / 64 - r) <= 1 / 16  # the layer's ratio
+    # the sparsity loss reads the hard gate either way: kept 0 against the ratios
+    # 0.7, 0.5 and 0.6 (the 1.0 layer is left out): (0.49 + 0.25 + 0.36) / 3
+    for rep in reps.values():
+        assert rep.sparsity[0] == pytest.approx((0.49 + 0.25 + 0.36) / 3, abs=1e-6)
+    assert [(m.routing_mode, m.causal_threshold) for m in layers] == modes
+    with pytest.raises(ValueError, match="threshold"):
+        FTPTrainConfig(routing="topk")
 
 
 @pytest.mark.parametrize("arch", FTP_ARCHS)

@@ -14,14 +14,7 @@ import dataclasses
 import math
 from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
 from adadsf_modifier.constraints import (
@@ -29,6 +22,7 @@ from adadsf_modifier.constraints import (
     NonNegativeInt,
     PositiveInt,
     constrained,
+    one_of,
 )
 
 __all__ = [
@@ -75,19 +69,6 @@ re-fitted on every batch so that the layer's ratio of the batch's tokens runs; r
 then keep different counts, as they do at inference."""
 
 
-def _one_of(choices: tuple[str, ...]) -> BeforeValidator:
-    """A validator that names the field and the allowed values."""
-
-    def check(value: object, info: ValidationInfo) -> object:
-        if value not in choices:
-            raise ValueError(
-                f"{info.field_name} must be one of {list(choices)}, got {value!r}"
-            )
-        return value
-
-    return BeforeValidator(check)
-
-
 Steps = Annotated[
     int, constrained(lambda v: v >= 0, "an integer >= 0 (0 skips the alignment stage)")
 ]
@@ -104,10 +85,10 @@ GradClip = Annotated[
     ),
 ]
 """Max global gradient norm; 0 disables clipping."""
-Trainable = Annotated[Literal["routers", "routers_and_layers"], _one_of(TRAINABLE_SETS)]
-Parallel = Annotated[Literal["ddp", "fsdp"], _one_of(PARALLEL_MODES)]
-LRSchedule = Annotated[Literal["constant", "cosine"], _one_of(LR_SCHEDULES)]
-TrainingRouting = Annotated[Literal["topk", "quantile"], _one_of(TRAINING_ROUTING)]
+Trainable = Annotated[Literal["routers", "routers_and_layers"], one_of(TRAINABLE_SETS)]
+Parallel = Annotated[Literal["ddp", "fsdp"], one_of(PARALLEL_MODES)]
+LRSchedule = Annotated[Literal["constant", "cosine"], one_of(LR_SCHEDULES)]
+TrainingRouting = Annotated[Literal["topk", "quantile"], one_of(TRAINING_ROUTING)]
 
 
 @dataclass(frozen=True)

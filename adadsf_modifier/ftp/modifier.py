@@ -12,7 +12,7 @@ never written.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from llmcompressor.core import State
@@ -27,6 +27,7 @@ from adadsf_modifier.constraints import (
     PositiveFloat,
     PositiveInt,
     UnitInterval,
+    one_of,
 )
 from adadsf_modifier.ftp.checkpoint import install_ftp_save_hook
 from adadsf_modifier.ftp.features import calibrate_features, check_probe_supported
@@ -40,7 +41,12 @@ from adadsf_modifier.ftp.scheduler import (
     genetic_schedule,
     validation_loss,
 )
-from adadsf_modifier.ftp.trainer import FTPTrainConfig, FTPTrainReport, train_router
+from adadsf_modifier.ftp.trainer import (
+    TRAIN_ROUTINGS,
+    FTPTrainConfig,
+    FTPTrainReport,
+    train_router,
+)
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
     SkipPathFields,
@@ -82,6 +88,10 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
         the scheduler's candidates; never used for features, training or thresholds
     :param ga_population, ga_generations, ga_mutation: the genetic search's size
     :param train_steps, lr: router training (0 steps: the router keeps its init)
+    :param train_routing: which tokens run while the router trains: ``threshold``
+        (FTP's hard gate ``s > 0``, the sparsity loss pulling its kept fraction to the
+        ratio) or ``quantile`` (inference's rule: each layer's ratio of the batch runs,
+        thresholds fitted per batch); :mod:`~adadsf_modifier.ftp.trainer`
     :param distill_weight, sparsity_weight, guide_weight, guide_steps: loss weights;
         the guide weight decays to 0 over ``guide_steps``
     :param threshold_passes: causal-threshold fitting passes (see AdaDSF)
@@ -107,6 +117,9 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     ga_mutation: PositiveFloat = 0.25
     train_steps: NonNegativeInt = 50
     lr: PositiveFloat = 1e-3
+    train_routing: Annotated[
+        Literal["threshold", "quantile"], one_of(TRAIN_ROUTINGS)
+    ] = "threshold"
     distill_weight: NonNegativeFloat = 1.0
     sparsity_weight: NonNegativeFloat = 1.0
     guide_weight: NonNegativeFloat = 1.0
@@ -231,6 +244,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             guide_weight=self.guide_weight,
             guide_steps=self.guide_steps,
             keep_last=self.keep_last_tokens,
+            routing=self.train_routing,
         )
 
     def _route(self, model, cache_kwarg, targeted, stats, max_len) -> None:
