@@ -48,6 +48,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("ftp", "adadsf_ridge_kv_err"),  # FTP against the AdaDSF the recipes ship
     ("ftp", "uniform"),
     ("ftp", "layer_drop_healed"),
+    ("ftp_quantile", "ftp"),
     ("ftp_ridge_kv", "adadsf_ridge_kv"),
     ("ftp_ridge_kv", "adadsf_ridge_kv_err"),
     ("ftp_ridge_kv", "layer_drop_healed"),

@@ -146,6 +146,16 @@ METHODS: dict[str, Method] = {
             "(as many steps as AdaDSF's alignment), causal thresholds",
         ),
         Method(
+            "ftp_quantile",
+            "FTP, trained on inference's rule",
+            "genetic",
+            align=False,
+            modifier="ftp",
+            fields={"train_routing": "quantile"},
+            description="FTP with its router trained on each layer's ratio of the "
+            "batch (train_routing: quantile) instead of the hard gate s > 0",
+        ),
+        Method(
             "ftp_ridge_kv",
             "FTP + ridge skip path + K/V",
             "genetic",
