@@ -52,6 +52,9 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("ftp_ridge_kv", "adadsf_ridge_kv"),
     ("ftp_ridge_kv", "adadsf_ridge_kv_err"),
     ("ftp_ridge_kv", "layer_drop_healed"),
+    ("ftp_ridge_kv_quantile", "ftp_ridge_kv"),
+    ("ftp_ridge_kv_quantile", "adadsf_ridge_kv_err"),
+    ("ftp_ridge_kv_quantile", "layer_drop_healed"),
 )
 """``(a, b)``: ``a - b`` per seed. AdaDSF against uniform and against layer removal
 first: the questions the method's reviewers asked."""

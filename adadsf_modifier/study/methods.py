@@ -166,6 +166,16 @@ METHODS: dict[str, Method] = {
             "keys/values",
         ),
         Method(
+            "ftp_ridge_kv_quantile",
+            "FTP + ridge + K/V, trained on inference's rule",
+            "genetic",
+            align=False,
+            modifier="ftp",
+            fields={**_RIDGE_KV, "train_routing": "quantile"},
+            description="FTP with the ridge skip path, skipped tokens' keys/values and "
+            "its router trained on each layer's ratio of the batch",
+        ),
+        Method(
             "adadsf_w8a8",
             "AdaDSF + GPTQ W8A8",
             "similarity",
