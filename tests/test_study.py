@@ -161,9 +161,9 @@ def test_method_fields():
 
 # ------------------------------------------------------------------------ the plan
 def test_count_runs_default_study():
-    # dense 1 + 15 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 139 main;
+    # dense 1 + 17 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 157 main;
     # tuning: 3 learning rates + 3 temperatures - the shared default = 5
-    assert count_runs(StudySettings()) == {"tune": 5, "main": 139}
+    assert count_runs(StudySettings()) == {"tune": 5, "main": 157}
     quick = StudySettings(methods=("dense", "adadsf"), budgets=(0.8,), seeds=2)
     assert count_runs(quick) == {"tune": 5, "main": 3}
     assert count_runs(StudySettings(tune=False))["tune"] == 0

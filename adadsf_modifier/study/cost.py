@@ -10,9 +10,11 @@ estimate is printed as such.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from adadsf_modifier.study.methods import METHODS
+from adadsf_modifier.study.plan import runs_of, tune_runs_of
 from adadsf_modifier.study.settings import StudySettings
 
 __all__ = [
@@ -20,8 +22,13 @@ __all__ = [
     "cpu_align_seconds",
     "estimate_run_seconds",
     "model_params",
+    "per_run_estimates",
+    "plan_seconds",
     "planned_task_n",
 ]
+
+PerRun = dict[tuple[str, str], tuple[float, int]]
+"""``(phase, method) -> (seconds of one run, finished runs that is the mean of)``."""
 
 # Measured on the project's 2-core CPU machine with both threads (OMP_NUM_THREADS=2, how
 # the studies run there; study caches of docs/measurements.md sections 8-10 and the
@@ -116,3 +123,40 @@ def estimate_run_seconds(
     if device == "cuda":
         secs = _RUN_OVERHEAD_S + (secs - _RUN_OVERHEAD_S) / _GPU_SPEEDUP_GUESS
     return secs
+
+
+def per_run_estimates(
+    s: StudySettings,
+    cached: Iterable[dict],
+    fingerprint: str,
+    device: str,
+    params: float,
+) -> PerRun:
+    """Seconds of one run per ``(phase, method)`` of the plan, and how many finished
+    runs that is the mean of: this model's finished runs on this device among the
+    ``cached`` entries where there are any (0: the cost model's estimate)."""
+    seen: dict[tuple[str, str], list[float]] = {}
+    for entry in cached:
+        cfg = entry.get("config", {})
+        if cfg.get("model", {}).get("fingerprint") == fingerprint and (
+            cfg.get("device") == device
+        ):
+            key = (cfg.get("phase"), cfg.get("method"))
+            seen.setdefault(key, []).append(entry["record"].get("seconds", 0.0))
+    out = {}
+    for phase, methods in (("tune", s.tune_methods), ("main", s.methods)):
+        for m in methods:
+            done = seen.get((phase, m))
+            out[(phase, m)] = (
+                (sum(done) / len(done), len(done))
+                if done
+                else (estimate_run_seconds(s, phase, m, params, device), 0)
+            )
+    return out
+
+
+def plan_seconds(s: StudySettings, per_run: PerRun) -> float:
+    """Seconds for the whole plan (cached runs included), from
+    :func:`per_run_estimates`."""
+    total = sum(tune_runs_of(s, m) * per_run[("tune", m)][0] for m in s.tune_methods)
+    return total + sum(runs_of(s, m) * per_run[("main", m)][0] for m in s.methods)

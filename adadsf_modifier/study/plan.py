@@ -29,6 +29,7 @@ __all__ = [
     "main_specs",
     "modifier_fields",
     "quantization_fields",
+    "runs_of",
     "single_candidate",
     "tune_specs",
 ]
@@ -245,12 +246,16 @@ def budgets_of(s: StudySettings, method: str) -> list[float]:
     return list(s.budgets)
 
 
+def runs_of(s: StudySettings, method: str) -> int:
+    """Main runs of ``method``: one per budget and seed (one for dense)."""
+    return (
+        1 if method == "dense" else len(budgets_of(s, method)) * len(s.seeds_of(method))
+    )
+
+
 def count_runs(s: StudySettings) -> dict[str, int]:
     """``{"tune": n, "main": n}`` for the whole plan (cached runs included)."""
-    main = 0
-    for m in s.methods:
-        main += 1 if m == "dense" else len(budgets_of(s, m)) * len(s.seeds_of(m))
-    return {"tune": tune_count(s), "main": main}
+    return {"tune": tune_count(s), "main": sum(runs_of(s, m) for m in s.methods)}
 
 
 def layer_drop_retention(

@@ -35,8 +35,9 @@ from adadsf_modifier.study.cache import (
 )
 from adadsf_modifier.study.cost import (
     cpu_align_seconds,
-    estimate_run_seconds,
     model_params,
+    per_run_estimates,
+    plan_seconds,
     planned_task_n,
 )
 from adadsf_modifier.study.hardware import bfloat16_warning, hardware
@@ -45,10 +46,9 @@ from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plan import (
     Context,
     Tuned,
-    budgets_of,
     count_runs,
     main_specs,
-    tune_runs_of,
+    runs_of,
 )
 from adadsf_modifier.study.plots import PLOT_FILES, write_plots
 from adadsf_modifier.study.render import MARKER, render_markdown
@@ -195,44 +195,6 @@ def _reference(records: list[dict], method: str) -> Callable[[float], dict | Non
     return ref
 
 
-def _per_run_estimates(
-    s: StudySettings, ctx: Context, cache: RunCache, params: float
-) -> dict[tuple[str, str], tuple[float, int]]:
-    """Seconds of one run per ``(phase, method)`` of the plan, and how many finished
-    runs that is the mean of: this model's finished runs on this device where the cache
-    has them (0: the cost model's estimate)."""
-    seen: dict[tuple[str, str], list[float]] = {}
-    for entry in cache:
-        cfg = entry.get("config", {})
-        if cfg.get("model", {}).get("fingerprint") == ctx.fingerprint and (
-            cfg.get("device") == ctx.device
-        ):
-            key = (cfg.get("phase"), cfg.get("method"))
-            seen.setdefault(key, []).append(entry["record"].get("seconds", 0.0))
-    out = {}
-    for phase, methods in (("tune", s.tune_methods), ("main", s.methods)):
-        for m in methods:
-            done = seen.get((phase, m))
-            out[(phase, m)] = (
-                (sum(done) / len(done), len(done))
-                if done
-                else (estimate_run_seconds(s, phase, m, params, ctx.device), 0)
-            )
-    return out
-
-
-def _runs_of(s: StudySettings, m: str) -> int:
-    return 1 if m == "dense" else len(s.seeds_of(m)) * len(budgets_of(s, m))
-
-
-def _estimate(
-    s: StudySettings, per_run: dict[tuple[str, str], tuple[float, int]]
-) -> float:
-    """Seconds for the whole plan, from :func:`_per_run_estimates`."""
-    total = sum(tune_runs_of(s, m) * per_run[("tune", m)][0] for m in s.tune_methods)
-    return total + sum(_runs_of(s, m) * per_run[("main", m)][0] for m in s.methods)
-
-
 def run_study(
     settings: StudySettings,
     model: str | None,
@@ -294,8 +256,8 @@ def run_study(
     counts = count_runs(settings)
     total = counts["tune"] + counts["main"]
     params = model_params(model_path)
-    per_run = _per_run_estimates(settings, ctx, cache, params)
-    est = _estimate(settings, per_run)
+    per_run = per_run_estimates(settings, cache, fingerprint, device, params)
+    est = plan_seconds(settings, per_run)
     print(
         f"adadsf study: {total} runs ({counts['tune']} tuning on validation, "
         f"{counts['main']} main), model {name}, device {device}; estimated "
@@ -338,7 +300,7 @@ def run_study(
                 else "cost model"
             )
             print(
-                f"  {m:20s} {_runs_of(settings, m):3d} runs, {secs / 3600:5.2f} h "
+                f"  {m:20s} {runs_of(settings, m):3d} runs, {secs / 3600:5.2f} h "
                 f"each ({source})  ({METHODS[m].description})"
             )
         plan["per_run_s"] = {m: per_run[("main", m)][0] for m in settings.methods}
