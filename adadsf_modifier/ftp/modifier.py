@@ -45,6 +45,7 @@ from adadsf_modifier.ftp.trainer import (
     TRAIN_ROUTINGS,
     FTPTrainConfig,
     FTPTrainReport,
+    TrainRouting,
     train_router,
 )
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
@@ -117,9 +118,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     ga_mutation: PositiveFloat = 0.25
     train_steps: NonNegativeInt = 50
     lr: PositiveFloat = 1e-3
-    train_routing: Annotated[
-        Literal["threshold", "quantile"], one_of(TRAIN_ROUTINGS)
-    ] = "threshold"
+    train_routing: Annotated[TrainRouting, one_of(TRAIN_ROUTINGS)] = "threshold"
     distill_weight: NonNegativeFloat = 1.0
     sparsity_weight: NonNegativeFloat = 1.0
     guide_weight: NonNegativeFloat = 1.0

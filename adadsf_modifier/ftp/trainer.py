@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from loguru import logger
@@ -43,14 +43,16 @@ from adadsf_modifier.utils import model_device, tensors_to_device
 
 __all__ = [
     "TRAIN_ROUTINGS",
+    "TrainRouting",
     "FTPTrainConfig",
     "FTPTrainReport",
     "train_router",
     "dense_forward",
 ]
 
-TRAIN_ROUTINGS = ("threshold", "quantile")
+TrainRouting = Literal["threshold", "quantile"]
 """Which tokens run while the router trains (the module docstring)."""
+TRAIN_ROUTINGS: tuple[str, ...] = get_args(TrainRouting)
 
 
 @dataclass
@@ -62,7 +64,7 @@ class FTPTrainConfig:
     guide_weight: float = 1.0
     guide_steps: int = 10
     keep_last: int = 4
-    routing: Literal["threshold", "quantile"] = "threshold"
+    routing: TrainRouting = "threshold"
 
     def __post_init__(self) -> None:
         if self.routing not in TRAIN_ROUTINGS:
