@@ -85,6 +85,15 @@ def test_training_changes_only_the_shared_router_mlp():
     assert sum(".mlp.fc1.weight" in n and "router" in n for n in before) == 1
 
 
+def test_training_report_counts_the_real_tokens_each_step_trained_on():
+    model, _ = ftp_model(steps=0)
+    batches = calib_batches(2, rows=2, length=8)
+    batches[1]["attention_mask"] = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]] + [[1] * 8])
+    rep = train_router(model, batches, FTPTrainConfig(steps=3, lr=1e-2))
+    # steps cycle over the batches: 16 real tokens, then 13 (3 padded), then 16
+    assert rep.tokens == 16 + 13 + 16 and len(rep.total) == 3
+
+
 def test_quantile_training_runs_each_layers_ratio_where_the_threshold_gate_runs_none():
     # a collapsed router: every score far below 0, so the hard gate s > 0 closes
     model, _ = ftp_model(steps=0)

@@ -187,6 +187,66 @@ def test_cost_model_prices_a_bfloat16_alignment_below_a_float32_one():
         assert dense == estimate_run_seconds(bf16, phase, "dense", 135e6, "cpu")
 
 
+def _aligned_entry(
+    method, seconds, tokens, fingerprint="f", device="cpu", dtype="float32"
+):
+    config = {"method": method, "phase": "main", "device": device, "dtype": dtype,
+              "model": {"fingerprint": fingerprint}}  # fmt: skip
+    record = {"seconds": 2 * seconds, "align_seconds": seconds, "align_tokens": tokens}
+    return {"config": config, "record": record}
+
+
+def test_cost_model_takes_the_alignment_rate_this_host_measured():
+    from adadsf_modifier.study.cost import (
+        estimate_run_seconds,
+        measured_align_rate,
+        per_run_estimates,
+    )
+
+    s = StudySettings(methods=("dense", "uniform", "adadsf"), budgets=(0.8,))
+    # uniform's runs on this host aligned at 2 ms a token; entries of another model,
+    # device or dtype, and unaligned runs, say nothing about this host's rate
+    cached = [
+        _aligned_entry("uniform", 300.0, 150_000),
+        _aligned_entry("uniform", 500.0, 250_000),
+        _aligned_entry("uniform", 9e9, 1, fingerprint="other"),
+        _aligned_entry("uniform", 9e9, 1, device="cuda"),
+        _aligned_entry("uniform", 9e9, 1, dtype="bfloat16"),
+        _aligned_entry("adadsf_no_align", 9e9, 0),
+    ]
+    assert measured_align_rate(cached, "f", "cpu", "float32") == pytest.approx(2e-3)
+    assert measured_align_rate([], "f", "cpu", "float32") is None
+    per_run = per_run_estimates(s, cached, "f", "cpu", 135e6)
+    assert per_run[("main", "uniform")] == (800.0, 2)  # its own runs' mean seconds
+    modelled = estimate_run_seconds(s, "main", "adadsf", 135e6, "cpu")
+    tokens = s.align_steps * s.align_batch_size * s.align_seq_len
+    from adadsf_modifier.study.cost import cpu_align_seconds
+
+    # adadsf has no finished run: the model's estimate with the measured alignment
+    assert per_run[("main", "adadsf")] == (
+        pytest.approx(modelled - cpu_align_seconds(s, 135e6) + tokens * 2e-3),
+        0,
+    )
+
+
+def test_cost_model_prices_ftps_search_and_router_training():
+    from adadsf_modifier.study.cost import estimate_run_seconds
+
+    def cost(method, rate=1e-3, **kw):
+        s = StudySettings(tasks=(), speed=False, **kw)
+        return estimate_run_seconds(s, "main", method, 135e6, "cpu", rate)
+
+    # FTP does the calibration and evaluation of an unaligned AdaDSF run, plus its
+    # features, genetic search and router training; the training grows with its steps
+    # (the study's alignment steps) at the alignment rate, batch 1 x 512 tokens
+    assert cost("ftp") > cost("adadsf_no_align")
+    assert cost("ftp", align_steps=200) - cost("ftp", align_steps=100) == (
+        pytest.approx(100 * 512 * 1e-3)
+    )
+    steps = StudySettings().align_steps
+    assert cost("ftp", rate=2e-3) - cost("ftp") == pytest.approx(steps * 512 * 1e-3)
+
+
 def test_cost_model_prices_tasks_and_speed_in_main_runs_only():
     from adadsf_modifier.study.cost import estimate_run_seconds
 

@@ -76,13 +76,15 @@ class FTPTrainConfig:
 
 @dataclass
 class FTPTrainReport:
-    """Per-step losses (total, distillation, sparsity, guide) and wall time."""
+    """Per-step losses (total, distillation, sparsity, guide), wall time, and the
+    real (unpadded) tokens the router trained on, summed over steps."""
 
     total: list[float] = field(default_factory=list)
     distill: list[float] = field(default_factory=list)
     sparsity: list[float] = field(default_factory=list)
     guide: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    tokens: int = 0
 
 
 def ftp_layers(model: nn.Module) -> list[RoutedLayer]:
@@ -181,6 +183,7 @@ def train_router(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            report.tokens += int(real.sum())
             for name, value in (("total", loss), ("distill", d), ("sparsity", s),
                                 ("guide", g)):  # fmt: skip
                 getattr(report, name).append(float(value.detach()))

@@ -3,8 +3,12 @@
 Two sources, best first: the measured seconds of finished runs of the same study (the
 cache), and otherwise a simple model whose per-token constants were measured on this
 project's CPU machine the way studies run there (2 threads, SmolLM2-135M), scaled by
-the model's parameter count. The GPU factor is a guess until a GPU run is cached; the
-estimate is printed as such.
+the model's parameter count. Alignment dominates an aligned run and its speed differs
+most between hosts (15-37 s a step of 8 x 512 tokens in bfloat16 on the project's
+2-core machines), so once any aligned run of this model on this device is cached, its
+measured seconds per aligned token replace the model's rate for the methods that have
+no finished run yet. The GPU factor is a guess until a GPU run is cached; the estimate
+is printed as such.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from adadsf_modifier.study.arms import Tuned, modifier_fields
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plan import runs_of, tune_runs_of
 from adadsf_modifier.study.settings import StudySettings
@@ -21,6 +26,7 @@ __all__ = [
     "TASK_SIZES",
     "cpu_align_seconds",
     "estimate_run_seconds",
+    "measured_align_rate",
     "model_params",
     "per_run_estimates",
     "plan_seconds",
@@ -71,29 +77,91 @@ def model_params(model_path: str) -> float:
         return _REFERENCE_PARAMS
 
 
+def _cpu_align_s_per_token(s: StudySettings) -> float:
+    """The model's seconds per token of an alignment step (SmolLM2-135M)."""
+    bf16 = s.dtype == "bfloat16" or s.align_bf16
+    return _CPU_ALIGN_S_PER_TOKEN * (_BF16_ALIGN_FACTOR if bf16 else 1.0)
+
+
 def cpu_align_seconds(s: StudySettings, params: float) -> float:
     """The alignment budget of one run in seconds of the project's 2-core CPU (the cost
     model's rates; issue 13 caps it at 30 minutes there), whatever device ran it."""
     scale = params / _REFERENCE_PARAMS
     tokens = s.align_steps * s.align_batch_size * s.align_seq_len
-    bf16 = s.dtype == "bfloat16" or s.align_bf16
-    per_token = _CPU_ALIGN_S_PER_TOKEN * (_BF16_ALIGN_FACTOR if bf16 else 1.0)
+    per_token = _cpu_align_s_per_token(s)
     return (tokens * per_token + s.align_steps * _CPU_ALIGN_S_PER_STEP) * scale
 
 
+def measured_align_rate(
+    cached: Iterable[dict], fingerprint: str, device: str, dtype: str
+) -> float | None:
+    """Seconds per aligned token (the step's optimizer update included) over the
+    cached AdaDSF alignments of this model on this device in ``dtype``, or ``None``
+    when there are none: the alignment rate of the host that ran them."""
+    secs = tokens = 0.0
+    for entry in cached:
+        cfg, rec = entry.get("config", {}), entry.get("record", {})
+        if (
+            cfg.get("model", {}).get("fingerprint") == fingerprint
+            and cfg.get("device") == device
+            and cfg.get("dtype") == dtype
+            and METHODS.get(cfg.get("method", ""), METHODS["dense"]).align
+            and (rec.get("align_tokens") or 0) > 0
+            and (rec.get("align_seconds") or 0) > 0
+        ):
+            secs += rec["align_seconds"]
+            tokens += rec["align_tokens"]
+    return secs / tokens if tokens else None
+
+
+def _ftp_work(s: StudySettings, method: str, fwd: float) -> tuple[int, float]:
+    """FTP's own work beyond calibration and thresholds: its router training's tokens
+    (a teacher forward and a routed forward and backward per step, priced like an
+    alignment's), and the seconds of a second feature pass over the calibration rows
+    (probes, then scores) and of the genetic search's candidate evaluations on its
+    held-out batches."""
+    f = modifier_fields(s, method, s.budgets[0], 0, Tuned.from_settings(s, "cost"))
+    batch = (s.calib_batch_size or 1) * s.calib_seq_len
+    secs = s.calib_samples * s.calib_seq_len * fwd
+    if f["schedule"] == "genetic":
+        evaluations = f["ga_population"] * (f["ga_generations"] + 1)
+        secs += evaluations * f["validation_batches"] * batch * fwd
+    return f["train_steps"] * batch, secs
+
+
 def estimate_run_seconds(
-    s: StudySettings, phase: str, method: str, params: float, device: str
+    s: StudySettings,
+    phase: str,
+    method: str,
+    params: float,
+    device: str,
+    align_s_per_token: float | None = None,
 ) -> float:
-    """Estimated wall-clock seconds of one run (see the module docstring)."""
+    """Estimated wall-clock seconds of one run (see the module docstring);
+    ``align_s_per_token``: a measured alignment rate on ``device`` (from
+    :func:`measured_align_rate`) in place of the CPU model's."""
     scale = params / _REFERENCE_PARAMS
     fwd = _CPU_FORWARD_S_PER_TOKEN * scale
     m = METHODS[method]
     secs = _RUN_OVERHEAD_S
     window = s.ppl_max_length / max(s.ppl_stride, 1)
+    # seconds of training (alignment, FTP's router training): measured on ``device``
+    # where a rate is given, else the CPU model's (scaled by the GPU guess below)
+    train = 0.0
+    rate = align_s_per_token
     if m.allocation is not None:
         secs += s.calib_samples * s.calib_seq_len * fwd * (1 + s.threshold_passes)
+        per_token = _cpu_align_s_per_token(s) * scale if rate is None else rate
         if m.align:
-            secs += cpu_align_seconds(s, params)
+            train += (
+                cpu_align_seconds(s, params)
+                if rate is None
+                else s.align_steps * s.align_batch_size * s.align_seq_len * rate
+            )
+        if m.modifier == "ftp":
+            tokens, other = _ftp_work(s, method, fwd)
+            secs += other
+            train += tokens * per_token
         if m.quantize:
             secs += _GPTQ_S * scale
     secs += s.ppl_val_tokens * window * fwd
@@ -122,7 +190,8 @@ def estimate_run_seconds(
             secs += share * speed
     if device == "cuda":
         secs = _RUN_OVERHEAD_S + (secs - _RUN_OVERHEAD_S) / _GPU_SPEEDUP_GUESS
-    return secs
+        train = train if rate is not None else train / _GPU_SPEEDUP_GUESS
+    return secs + train
 
 
 def per_run_estimates(
@@ -133,13 +202,17 @@ def per_run_estimates(
     params: float,
 ) -> PerRun:
     """Seconds of one run per ``(phase, method)`` of the plan, and how many finished
-    runs that is the mean of: this model's finished runs on this device among the
-    ``cached`` entries where there are any (0: the cost model's estimate)."""
+    runs that is the mean of: this model's finished runs on this device in the
+    study's dtype among the ``cached`` entries where there are any (0: the cost
+    model's estimate, with the alignment rate measured on this device where any
+    aligned run is cached)."""
+    cached = list(cached)
+    rate = measured_align_rate(cached, fingerprint, device, s.dtype)
     seen: dict[tuple[str, str], list[float]] = {}
     for entry in cached:
         cfg = entry.get("config", {})
         if cfg.get("model", {}).get("fingerprint") == fingerprint and (
-            cfg.get("device") == device
+            (cfg.get("device"), cfg.get("dtype")) == (device, s.dtype)
         ):
             key = (cfg.get("phase"), cfg.get("method"))
             seen.setdefault(key, []).append(entry["record"].get("seconds", 0.0))
@@ -150,7 +223,7 @@ def per_run_estimates(
             out[(phase, m)] = (
                 (sum(done) / len(done), len(done))
                 if done
-                else (estimate_run_seconds(s, phase, m, params, device), 0)
+                else (estimate_run_seconds(s, phase, m, params, device, rate), 0)
             )
     return out
 

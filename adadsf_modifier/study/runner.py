@@ -138,6 +138,7 @@ def _modifier_record(model: torch.nn.Module, mod: Any) -> dict[str, Any]:
         out.update(
             align_seconds=float(train.seconds),
             align_steps_done=len(train.total),
+            align_tokens=train.tokens,
             align_loss_first=train.total[0],
             align_loss_last=train.total[-1],
         )
@@ -230,11 +231,11 @@ def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
     try:
         if cfg["modifier"] is not None:
             mod = _compress(model, cfg, env)
-            record.update(_modifier_record(model, mod))
-            record["compress_seconds"] = time.perf_counter() - t0
             record["align_tokens"] = (
                 cfg["data"]["align_rows"] * cfg["data"]["align_seq_len"]
-            )
+            )  # the aligned rows; FTP's record says what its router trained on
+            record.update(_modifier_record(model, mod))
+            record["compress_seconds"] = time.perf_counter() - t0
             del mod
         else:
             record.update(retention=1.0, align_seconds=0.0, align_peak_memory_mb=None)
