@@ -48,6 +48,7 @@ def test_prefill_runs_the_causal_kernel_and_equals_the_explicit_mask(
 ):
     monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", chunk)
     monkeypatch.setattr(kept_attention, "CPU_CHUNKED_DTYPES", (torch.float32,))
+    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_MAX_THREADS", 1 << 16)
     model = kv_model(arch)
     model.train()  # top-k routing: no thresholds needed, gradients flow
     x = ids()
@@ -112,6 +113,7 @@ def test_the_marker_refuses_any_other_use():
 def test_the_causal_form_equals_the_masked_form_on_random_positions(chunk, monkeypatch):
     monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", chunk)
     monkeypatch.setattr(kept_attention, "CPU_CHUNKED_DTYPES", (torch.float32,))
+    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_MAX_THREADS", 1 << 16)
     g = torch.Generator().manual_seed(1)
     index = torch.tensor([[0, 3, 4, 7, 9], [0, 1, 5, 10, 10]])  # row 1: one unused
     q = torch.randn(2, 4, 5, 8, generator=g)
@@ -127,7 +129,9 @@ def test_the_causal_form_equals_the_masked_form_on_random_positions(chunk, monke
     torch.testing.assert_close(out[valid], ref[valid], rtol=0, atol=1e-6)
 
 
-def test_bfloat16_queries_go_in_chunks_on_a_cpu_and_float32_ones_do_not(monkeypatch):
+def test_bfloat16_queries_go_in_chunks_on_one_cpu_thread_and_float32_ones_do_not(
+    monkeypatch,
+):
     calls = []
     monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", 2)
     real = kept_attention._attend_in_chunks
@@ -135,9 +139,22 @@ def test_bfloat16_queries_go_in_chunks_on_a_cpu_and_float32_ones_do_not(monkeypa
         kept_attention, "_attend_in_chunks", lambda *a: calls.append(1) or real(*a)
     )
     index = torch.tensor([[0, 2, 3, 5, 6]])
-    for dtype in (torch.float32, torch.bfloat16):
-        q = torch.randn(1, 2, 5, 8, dtype=dtype)
-        kv = torch.randn(1, 2, 7, 8, dtype=dtype)
-        marker = kept_attention.KeptQueries(index, 7)
-        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=marker)
-    assert calls == [1]  # the bfloat16 call only
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for dtype in (torch.float32, torch.bfloat16):
+                q = torch.randn(1, 2, 5, 8, dtype=dtype)
+                kv = torch.randn(1, 2, 7, 8, dtype=dtype)
+                marker = kept_attention.KeptQueries(index, 7)
+                torch.nn.functional.scaled_dot_product_attention(
+                    q, kv, kv, attn_mask=marker
+                )
+                calls.append((n_threads, dtype))
+    finally:
+        torch.set_num_threads(threads)
+    # only the bfloat16 call on one thread went in chunks
+    assert calls == [
+        (1, torch.float32), 1, (1, torch.bfloat16),
+        (2, torch.float32), (2, torch.bfloat16),
+    ]  # fmt: skip

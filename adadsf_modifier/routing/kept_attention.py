@@ -12,15 +12,18 @@ and the kept rows are read back (4.9 ms; the outputs are bit-identical in that
 measurement, and equal to the masked form in the tests).
 
 That form still does the dense layer's attention work: the skipped positions' query rows
-are zeros, not absent. On a CPU in bfloat16, when more than :data:`CPU_QUERY_CHUNK`
-queries are kept, they are instead split by position into a few equal chunks, each
-attending (through an explicit mask) only to the keys up to its last query: about half
-the keys per query on average, as the causal kernel would, and no zero rows. Measured on
-an AVX512-BF16 CPU (one thread, the quality variant at 79% kept, twins interleaved;
-``docs/measurements.md`` §4.2): bfloat16 prefill 3-10% faster at seq 1024 and 2048 in
-every run; float32 within the run-to-run noise either way (-5% to +2.5%), so float32
-keeps the causal kernel, as does CUDA (an arbitrary mask would leave the flash kernel;
-not measured).
+are zeros, not absent. On a CPU in bfloat16 running one thread, when more than
+:data:`CPU_QUERY_CHUNK` queries are kept, they are instead split by position into a few
+equal chunks, each attending (through an explicit mask) only to the keys up to its last
+query: about half the keys per query on average, as the causal kernel would, and no zero
+rows. Measured (the quality variant at 79-81% kept, twins interleaved;
+``docs/measurements.md`` §4.2): on one thread bfloat16 prefill 3-10% faster at seq
+1024 and 2048 on an AVX512-BF16 CPU and 5% faster on an AMX one; float32 within the
+run-to-run noise either way (-5% to +2.5%), so float32 keeps the causal kernel, as does
+CUDA (an arbitrary mask would leave the flash kernel; not measured). On two threads the
+chunks lose (AMX: 7-8% slower in two runs; AVX512-BF16: even): each chunk is a small
+call that keeps fewer threads busy, so more threads than
+:data:`CPU_CHUNKED_MAX_THREADS` keep the causal kernel.
 
 How it reaches the kernel without re-implementing each architecture's attention: the
 routed layer passes a :class:`KeptQueries` as transformers' ``position_bias`` (with
@@ -42,6 +45,7 @@ from adadsf_modifier.routing.selection import flat_positions
 
 __all__ = [
     "CPU_CHUNKED_DTYPES",
+    "CPU_CHUNKED_MAX_THREADS",
     "CPU_QUERY_CHUNK",
     "KeptQueries",
     "causal_kernel_applies",
@@ -54,6 +58,9 @@ __all__ = [
 CPU_QUERY_CHUNK = 256
 #: The CPU dtypes whose kept queries go in chunks (where the measurement favoured it).
 CPU_CHUNKED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
+#: The most intra-op threads (``torch.get_num_threads()``) at which the chunks are used:
+#: they won on one thread and lost or tied on two (``docs/measurements.md`` §4.2).
+CPU_CHUNKED_MAX_THREADS = 1
 
 
 def causal_kernel_applies(
@@ -117,6 +124,7 @@ def _attend(
         query.device.type == "cpu"
         and query.dtype in CPU_CHUNKED_DTYPES
         and k > CPU_QUERY_CHUNK
+        and torch.get_num_threads() <= CPU_CHUNKED_MAX_THREADS
     ):
         return _attend_in_chunks(query, key, value, index, n, dropout_p, scale, kwargs)
     slots = flat_positions(index, n + 1)  # unused slots: the extra row n
