@@ -21,8 +21,8 @@ rows. Measured (the quality variant at 79-81% kept, twins interleaved;
 1024 and 2048 on an AVX512-BF16 CPU and 5% faster on an AMX one; float32 within the
 run-to-run noise either way (-5% to +2.5%), so float32 keeps the causal kernel, as does
 CUDA (an arbitrary mask would leave the flash kernel; not measured). On two threads the
-chunks lose (AMX: 7-8% slower in two runs; AVX512-BF16: even): each chunk is a small
-call that keeps fewer threads busy, so more threads than
+chunks do not pay (AMX: behind the causal kernel in 3 of 4 runs, 0.74 against 0.78 of
+the FLOPs ideal on average; AVX512-BF16: even), so more threads than
 :data:`CPU_CHUNKED_MAX_THREADS` keep the causal kernel.
 
 How it reaches the kernel without re-implementing each architecture's attention: the
