@@ -15,7 +15,7 @@ chunks of at most ``kept_attention.CPU_QUERY_CHUNK`` (whatever the dtype) and ro
 with every kept query on the causal kernel (zero rows for the skipped ones). Prints
 median prefill latencies, speedups, each speedup's fraction of the FLOPs ideal, and
 which of the two paths the package takes for that dtype and thread count
-(``CPU_CHUNKED_DTYPES``, ``CPU_CHUNKED_MAX_THREADS``; ``docs/measurements.md`` §4.2).
+(``kept_attention.cpu_chunks_for``; ``docs/measurements.md`` §4.2-4.3).
 """
 
 from __future__ import annotations
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tok = AutoTokenizer.from_pretrained(path)
     stream = tok("\n\n".join(load_text_splits()["test"]["text"]))["input_ids"]
-    shipped = kept_attention.CPU_CHUNKED_DTYPES
-    shipped_threads = kept_attention.CPU_CHUNKED_MAX_THREADS
+    shipped = kept_attention.cpu_chunks_for
     rng = random.Random(0)
     print(f"# kept-queries attention, retention {args.retention}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
@@ -138,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.tensor(stream[:n]).view(1, -1)
 
             def run(model, chunked: bool) -> float:
-                kept_attention.CPU_CHUNKED_DTYPES = (model.dtype,) if chunked else ()
-                kept_attention.CPU_CHUNKED_MAX_THREADS = 1 << 16  # the arm decides
+                kept_attention.cpu_chunks_for = lambda dtype: chunked  # the arm decides
                 t = time.perf_counter()
                 with torch.inference_mode():
                     model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -158,15 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                 rng.shuffle(order)
                 for k in order:
                     times[k].append(run(*arms[k]))
-            kept_attention.CPU_CHUNKED_DTYPES = shipped
-            kept_attention.CPU_CHUNKED_MAX_THREADS = shipped_threads
+            kept_attention.cpu_chunks_for = shipped
             if args.profile_threads:
                 _profile(dense, routed, ids, args.profile_threads, args.repeats)
                 torch.set_num_threads(args.threads)
             ideal = 1.0 / normalized_flops(routed, {"input_ids": ids}).normalized
             d = statistics.median(times["dense"])
-            chunked = routed.dtype in shipped and args.threads <= shipped_threads
-            default = "chunks" if chunked else "causal kernel"
+            default = "chunks" if shipped(routed.dtype) else "causal kernel"
             for k in list(arms)[1:]:
                 r = statistics.median(times[k])
                 mark = " (default)" if k.startswith(default) else ""

@@ -47,8 +47,7 @@ def test_prefill_runs_the_causal_kernel_and_equals_the_explicit_mask(
     arch, chunk, kernel_calls, monkeypatch
 ):
     monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", chunk)
-    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_DTYPES", (torch.float32,))
-    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_MAX_THREADS", 1 << 16)
+    monkeypatch.setattr(kept_attention, "cpu_chunks_for", lambda dtype: True)
     model = kv_model(arch)
     model.train()  # top-k routing: no thresholds needed, gradients flow
     x = ids()
@@ -112,8 +111,7 @@ def test_the_marker_refuses_any_other_use():
 @pytest.mark.parametrize("chunk", [256, 1, 2, 3])  # 256: the causal kernel
 def test_the_causal_form_equals_the_masked_form_on_random_positions(chunk, monkeypatch):
     monkeypatch.setattr(kept_attention, "CPU_QUERY_CHUNK", chunk)
-    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_DTYPES", (torch.float32,))
-    monkeypatch.setattr(kept_attention, "CPU_CHUNKED_MAX_THREADS", 1 << 16)
+    monkeypatch.setattr(kept_attention, "cpu_chunks_for", lambda dtype: True)
     g = torch.Generator().manual_seed(1)
     index = torch.tensor([[0, 3, 4, 7, 9], [0, 1, 5, 10, 10]])  # row 1: one unused
     q = torch.randn(2, 4, 5, 8, generator=g)

@@ -49,6 +49,7 @@ __all__ = [
     "CPU_QUERY_CHUNK",
     "KeptQueries",
     "causal_kernel_applies",
+    "cpu_chunks_for",
 ]
 
 #: Largest chunk of kept queries per masked attention call on a CPU in bfloat16
@@ -59,8 +60,18 @@ CPU_QUERY_CHUNK = 256
 #: The CPU dtypes whose kept queries go in chunks (where the measurement favoured it).
 CPU_CHUNKED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 #: The most intra-op threads (``torch.get_num_threads()``) at which the chunks are used:
-#: they won on one thread and lost or tied on two (``docs/measurements.md`` §4.2).
+#: they won on one thread and lost or tied on two (``docs/measurements.md`` §4.2-4.3).
 CPU_CHUNKED_MAX_THREADS = 1
+
+
+def cpu_chunks_for(dtype: torch.dtype) -> bool:
+    """Whether kept queries of ``dtype`` on a CPU go in chunks (when more than
+    :data:`CPU_QUERY_CHUNK` are kept) at the current thread count: the one place the
+    rule lives, for :func:`_attend` and for the benchmark that labels its default."""
+    return (
+        dtype in CPU_CHUNKED_DTYPES
+        and torch.get_num_threads() <= CPU_CHUNKED_MAX_THREADS
+    )
 
 
 def causal_kernel_applies(
@@ -122,9 +133,8 @@ def _attend(
         )
     if (
         query.device.type == "cpu"
-        and query.dtype in CPU_CHUNKED_DTYPES
         and k > CPU_QUERY_CHUNK
-        and torch.get_num_threads() <= CPU_CHUNKED_MAX_THREADS
+        and cpu_chunks_for(query.dtype)
     ):
         return _attend_in_chunks(query, key, value, index, n, dropout_p, scale, kwargs)
     slots = flat_positions(index, n + 1)  # unused slots: the extra row n
