@@ -150,3 +150,41 @@ def test_place_kv_in_place_writes_into_its_own_layout_only():
     assert torch.equal(place_kv(other, new, index, 10, inplace=True),
                        place_kv(before, new, index, 10))  # fmt: skip
     assert torch.equal(other, before)
+
+
+def test_one_row_selection_and_its_complement_equal_the_batched_path():
+    """A prompt alone takes the one-row forms (``nonzero`` instead of the padded sort,
+    a fill instead of the scatter); each row of a batch must select, alone, the tokens
+    and skipped tokens the batched path gives it, gathers and flat positions too."""
+    from adadsf_modifier.routing.paths import skipped_slots
+    from adadsf_modifier.routing.selection import flat_positions
+    from adadsf_modifier.routing.token_choice import choose_tokens
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 12, generator=g)
+    real = torch.ones(4, 12, dtype=torch.bool)
+    real[2, :3] = False  # a left-padded row
+    first = real & (real.cumsum(1) == 1)
+    scores[3] = -10.0  # a row where only the forced first token runs
+    index, valid, k_max = choose_tokens("causal", scores, real, first, 0.5, 0.0)
+    slots = skipped_slots(real, index, valid)
+    x = torch.randn(4, 12, 5, generator=g)
+    for b in range(4):
+        one = choose_tokens("causal", scores[b : b + 1], real[b : b + 1],
+                            first[b : b + 1], 0.5, 0.0)  # fmt: skip
+        n = int(valid[b].sum())
+        assert one[2] == n and torch.equal(one[0][0], index[b, :n])
+        assert bool(one[1].all())
+        alone = skipped_slots(real[b : b + 1], one[0], one[1])
+        n_skip = int(slots[1][b].sum())
+        assert alone[0].shape == (1, n_skip)
+        assert torch.equal(alone[0][0], slots[0][b, :n_skip])
+        assert torch.equal(flat_positions(one[0], 13), one[0][0])
+        assert torch.equal(gather_tokens(x[b : b + 1], one[0])[0],
+                           gather_tokens(x, index)[b, :n])  # fmt: skip
+    # every token chosen: nothing skipped; nothing above an infinite threshold but the
+    # forced token; no forced token and nothing above it: nothing runs
+    assert skipped_slots(real[:1], torch.arange(12).view(1, -1), None) is None
+    assert choose_tokens("causal", scores[:1], real[:1], first[:1], 0.5, 1e9)[2] == 1
+    assert choose_tokens("causal", scores[:1], real[:1], None, 0.5, 1e9) == (
+        None, None, 0)  # fmt: skip

@@ -46,6 +46,12 @@ def skipped_slots(
     """``(index, valid)`` of the real tokens not selected (as :func:`select_by_mask`
     lays them out), or ``None`` when every real token runs. One host sync."""
     batch, seq = real.shape
+    if batch == 1:  # one row: the complement by one fill, its positions in one sync
+        free = torch.nn.functional.pad(real[0], (0, 1))
+        if index is not None:
+            free.index_fill_(0, index[0], False)
+        skip = free[:seq].nonzero().view(1, -1)
+        return (skip, torch.ones_like(skip, dtype=torch.bool)) if skip.numel() else None
     skipped = real
     if index is not None:
         sel = torch.zeros(batch, seq + 1, dtype=torch.bool, device=real.device)
@@ -114,7 +120,8 @@ def run_routed(
         else None
     )
     x_s = gather_tokens(x, slots[0]) if slots is not None else None
-    n_skip = slots[1].sum(1) if slots is not None else None
+    # how many took the skip path: only the recorder reads it
+    n_skip = slots[1].sum(1) if slots is not None and rec is not None else None
     pe = kwargs.get("position_embeddings")
     spec = architecture_for_config(layer._adadsf_config) if need_kv else None
 

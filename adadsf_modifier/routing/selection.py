@@ -72,6 +72,8 @@ def flat_positions(index: torch.Tensor, row_len: int) -> torch.Tensor:
     """``[batch * K]`` positions of ``index [batch, K]`` in a tensor whose batch and
     sequence dims are flattened into one of ``batch * row_len`` rows: what a row-wise
     ``index_select`` / ``index_copy_`` over ``[batch, seq, ...]`` reads or writes."""
+    if index.shape[0] == 1:  # no offsets: a view (a prefill or decode of one prompt)
+        return index.reshape(-1)
     offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
     return (index + offsets * row_len).reshape(-1)
 
@@ -91,6 +93,8 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     idx = index.clamp(max=seq - 1)
     rest = x.shape[2:]
     if x.shape[0] == 1:
+        if batch == 1:  # one prompt: the rows along dim 1, in one call
+            return x.index_select(1, idx.view(-1))
         return x[0].index_select(0, idx.reshape(-1)).view(batch, k, *rest)
     rows = x.reshape(batch * seq, *rest).index_select(0, flat_positions(idx, seq))
     return rows.view(batch, k, *rest)

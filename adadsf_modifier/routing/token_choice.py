@@ -180,9 +180,9 @@ def choose_tokens(
     (in top-k they count toward ``K``). ``index`` is None when nothing runs."""
     if ratio <= 0.0:
         return None, None, 0
-    if first is not None:
-        scores = scores.masked_fill(first, float("inf"))
     if mode == "topk":
+        if first is not None:
+            scores = scores.masked_fill(first, float("inf"))
         keep = tokens_to_keep_per_row(real, ratio)
         k_max = int(keep.max())
         if k_max == 0:
@@ -201,6 +201,11 @@ def choose_tokens(
     selected = real & (scores > threshold)
     if first is not None:
         selected = selected | first
+    if selected.shape[0] == 1:  # one row (a prompt): its positions in one host sync
+        index = selected[0].nonzero().view(1, -1)
+        if index.shape[1] == 0:
+            return None, None, 0
+        return index, torch.ones_like(index, dtype=torch.bool), index.shape[1]
     k_max = int(selected.sum(dim=1).max())
     if k_max == 0:
         return None, None, 0
