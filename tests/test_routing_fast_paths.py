@@ -188,3 +188,64 @@ def test_one_row_selection_and_its_complement_equal_the_batched_path():
     assert choose_tokens("causal", scores[:1], real[:1], first[:1], 0.5, 1e9)[2] == 1
     assert choose_tokens("causal", scores[:1], real[:1], None, 0.5, 1e9) == (
         None, None, 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["topk", "quantile"])
+def test_one_row_topk_and_quantile_choices_equal_the_batched_path(mode):
+    """Top-k and the batch's own quantile: a row alone chooses what it chooses in a
+    batch of identical rows (the forced first token included)."""
+    from adadsf_modifier.routing.token_choice import choose_tokens
+
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(1, 15, generator=g)
+    scores[0, 0] = -5.0  # the forced first token scores lowest
+    real = torch.ones(1, 15, dtype=torch.bool)
+    first = real & (real.cumsum(1) == 1)
+    one = choose_tokens(mode, scores, real, first, 0.4)
+    many = choose_tokens(mode, scores.expand(3, -1), real.expand(3, -1),
+                         first.expand(3, -1), 0.4)  # fmt: skip
+    assert one[2] == many[2] and int(one[0][0, 0]) == 0
+    for b in range(3):
+        assert torch.equal(many[0][b], one[0][0]) and bool(many[1][b].all())
+
+
+@pytest.mark.parametrize("threshold", [float("inf"), float("nan")])
+def test_the_forced_first_token_runs_whatever_the_causal_threshold(threshold):
+    """Outside top-k the forced token is no longer written into the scores: it must
+    still run when no score clears the threshold (or the threshold is NaN)."""
+    from adadsf_modifier.routing.token_choice import choose_tokens
+
+    scores = torch.randn(1, 9)
+    real = torch.ones(1, 9, dtype=torch.bool)
+    first = real & (real.cumsum(1) == 1)
+    for rows in (1, 2):  # the one-row and the batched form
+        index, valid, k_max = choose_tokens(
+            "causal", scores.expand(rows, -1), real.expand(rows, -1),
+            first.expand(rows, -1), 0.5, threshold,
+        )  # fmt: skip
+        assert k_max == 1 and index.tolist() == [[0]] * rows and bool(valid.all())
+
+
+def test_a_prompt_alone_equals_its_row_in_a_batch_with_skip_path_and_kv():
+    """End to end through the one-row forms (skip path, skipped tokens' keys/values,
+    causal routing), with and without a recorder: a prompt's logits alone equal its
+    row in a batch of two prompts of the same length, and the recorder changes
+    nothing."""
+    from test_kv_keep import causal_kv_model
+
+    from adadsf_modifier.routing import RoutingRecorder, routed_layers
+
+    model = causal_kv_model(skip_rank=4)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(4, 128, (2, 14), generator=g)
+    with torch.no_grad():
+        batch = model(input_ids=ids, use_cache=False).logits
+        alone = model(input_ids=ids[1:], use_cache=False).logits
+        recorder = RoutingRecorder()
+        with recorder.attached(routed_layers(model)):
+            recorded = model(input_ids=ids[1:], use_cache=False).logits
+    torch.testing.assert_close(alone[0], batch[1], rtol=0, atol=1e-5)
+    assert torch.equal(recorded, alone)
+    gathers = [r for rs in recorder.records.values() for r in rs if r.path == "gather"]
+    assert gathers and all(r.skip_path is not None for r in gathers)
+    assert all(int(r.kept[0] + r.skip_path[0]) == 14 for r in gathers)

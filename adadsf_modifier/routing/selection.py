@@ -71,7 +71,8 @@ def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
 def flat_positions(index: torch.Tensor, row_len: int) -> torch.Tensor:
     """``[batch * K]`` positions of ``index [batch, K]`` in a tensor whose batch and
     sequence dims are flattened into one of ``batch * row_len`` rows: what a row-wise
-    ``index_select`` / ``index_copy_`` over ``[batch, seq, ...]`` reads or writes."""
+    ``index_select`` / ``index_copy_`` over ``[batch, seq, ...]`` reads or writes.
+    ``index`` is int64, as the selection makes it (one row returns it as it is)."""
     if index.shape[0] == 1:  # no offsets: a view (a prefill or decode of one prompt)
         return index.reshape(-1)
     offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
