@@ -154,7 +154,7 @@ def test_place_kv_in_place_writes_into_its_own_layout_only():
 
 def test_one_row_selection_and_its_complement_equal_the_batched_path():
     """A prompt alone takes the one-row forms (``nonzero`` instead of the padded sort,
-    a fill instead of the scatter); each row of a batch must select, alone, the tokens
+    flat positions without offsets); each row of a batch must select, alone, the tokens
     and skipped tokens the batched path gives it, gathers and flat positions too."""
     from adadsf_modifier.routing.paths import skipped_slots
     from adadsf_modifier.routing.selection import flat_positions
@@ -167,7 +167,7 @@ def test_one_row_selection_and_its_complement_equal_the_batched_path():
     first = real & (real.cumsum(1) == 1)
     scores[3] = -10.0  # a row where only the forced first token runs
     index, valid, k_max = choose_tokens("causal", scores, real, first, 0.5, 0.0)
-    slots = skipped_slots(real, index, valid)
+    slots = skipped_slots(real, index)
     x = torch.randn(4, 12, 5, generator=g)
     for b in range(4):
         one = choose_tokens("causal", scores[b : b + 1], real[b : b + 1],
@@ -175,7 +175,7 @@ def test_one_row_selection_and_its_complement_equal_the_batched_path():
         n = int(valid[b].sum())
         assert one[2] == n and torch.equal(one[0][0], index[b, :n])
         assert bool(one[1].all())
-        alone = skipped_slots(real[b : b + 1], one[0], one[1])
+        alone = skipped_slots(real[b : b + 1], one[0])
         n_skip = int(slots[1][b].sum())
         assert alone[0].shape == (1, n_skip)
         assert torch.equal(alone[0][0], slots[0][b, :n_skip])
@@ -184,7 +184,7 @@ def test_one_row_selection_and_its_complement_equal_the_batched_path():
                            gather_tokens(x, index)[b, :n])  # fmt: skip
     # every token chosen: nothing skipped; nothing above an infinite threshold but the
     # forced token; no forced token and nothing above it: nothing runs
-    assert skipped_slots(real[:1], torch.arange(12).view(1, -1), None) is None
+    assert skipped_slots(real[:1], torch.arange(12).view(1, -1)) is None
     assert choose_tokens("causal", scores[:1], real[:1], first[:1], 0.5, 1e9)[2] == 1
     assert choose_tokens("causal", scores[:1], real[:1], None, 0.5, 1e9) == (
         None, None, 0)  # fmt: skip

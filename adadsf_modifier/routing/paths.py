@@ -35,29 +35,26 @@ from adadsf_modifier.routing.selection import (
     selected_attention_mask,
 )
 from adadsf_modifier.routing.skip_path import skip_path_of
-from adadsf_modifier.routing.token_choice import select_by_mask
+from adadsf_modifier.routing.token_choice import positions_of
 
 __all__ = ["run_routed", "skip_all", "skipped_slots", "check_dense_cache"]
 
 
 def skipped_slots(
-    real: torch.Tensor, index: torch.Tensor | None, valid: torch.Tensor | None
+    real: torch.Tensor, index: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(index, valid)`` of the real tokens not selected (as :func:`select_by_mask`
-    lays them out), or ``None`` when every real token runs. One host sync."""
-    batch, seq = real.shape
-    if batch == 1:  # one row: the complement by one fill, its positions in one sync
-        free = torch.nn.functional.pad(real[0], (0, 1))
-        if index is not None:
-            free.index_fill_(0, index[0], False)
-        skip = free[:seq].nonzero().view(1, -1)
-        return (skip, torch.ones_like(skip, dtype=torch.bool)) if skip.numel() else None
-    skipped = real
+    """``(index, valid)`` of the real tokens not at the positions ``index`` (the
+    selected ones, unused slots holding ``seq``; ``None``: none selected), as
+    :func:`select_by_mask` lays them out, or ``None`` when every real token runs. One
+    host sync."""
+    seq = real.shape[1]
+    # the real tokens with the selected ones cleared; unused slots (at ``seq``) clear
+    # the extra column
+    free = torch.nn.functional.pad(real, (0, 1))
     if index is not None:
-        sel = torch.zeros(batch, seq + 1, dtype=torch.bool, device=real.device)
-        skipped = real & ~sel.scatter(1, index, valid)[:, :seq]
-    s_max = int(skipped.sum(1).max()) if batch else 0
-    return select_by_mask(skipped, s_max) if s_max else None
+        free.scatter_(1, index, False)
+    skip, valid, _ = positions_of(free[:, :seq])
+    return (skip, valid) if skip is not None else None
 
 
 def check_dense_cache(cache: Any, layer_idx: int) -> None:
@@ -115,7 +112,7 @@ def run_routed(
         check_dense_cache(cache, layer.layer_index)
     need_kv = keep_kv and (k_max > 0 or cache is not None)
     slots = (
-        skipped_slots(real, index if k_max else None, valid)
+        skipped_slots(real, index if k_max else None)
         if skip_map is not None or need_kv
         else None
     )

@@ -16,6 +16,7 @@ __all__ = [
     "choose_tokens",
     "cut_for_ratio",
     "keep_counts",
+    "positions_of",
     "select_by_mask",
     "select_topk",
     "threshold_beside_forced",
@@ -145,6 +146,25 @@ def select_by_mask(
     return index, index < seq_len
 
 
+def positions_of(
+    selected: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """``(index, valid, k_max)`` of the ``selected [batch, seq]`` tokens, laid out as
+    :func:`select_by_mask` does (``index`` None, ``k_max`` 0 when none is selected),
+    with one host sync. One row (a prompt) takes ``nonzero``: its width is the row's
+    own count, so no slot is unused and no padded sort is needed."""
+    if selected.shape[0] == 1:
+        index = selected[0].nonzero().view(1, -1)
+        if index.shape[1] == 0:
+            return None, None, 0
+        return index, torch.ones_like(index, dtype=torch.bool), index.shape[1]
+    k_max = int(selected.sum(dim=1).max()) if selected.shape[0] else 0
+    if k_max == 0:
+        return None, None, 0
+    index, valid = select_by_mask(selected, k_max)
+    return index, valid, k_max
+
+
 def batch_threshold(
     scores: torch.Tensor,
     real: torch.Tensor,
@@ -201,13 +221,4 @@ def choose_tokens(
     selected = real & (scores > threshold)
     if first is not None:
         selected = selected | first
-    if selected.shape[0] == 1:  # one row (a prompt): its positions in one host sync
-        index = selected[0].nonzero().view(1, -1)
-        if index.shape[1] == 0:
-            return None, None, 0
-        return index, torch.ones_like(index, dtype=torch.bool), index.shape[1]
-    k_max = int(selected.sum(dim=1).max())
-    if k_max == 0:
-        return None, None, 0
-    index, valid = select_by_mask(selected, k_max)
-    return index, valid, k_max
+    return positions_of(selected)
