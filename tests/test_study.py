@@ -579,6 +579,23 @@ def test_results_json_carries_the_quality_targets_and_results_md_says_them():
     assert "## Quality targets" in md and row["sentence"] in md
 
 
+def test_ppl_plot_draws_each_target_over_its_own_flops_range_only():
+    from adadsf_modifier.study.plots import target_segments
+
+    # PPL_TARGETS: <= 0.75 FLOPs -> 1.30x dense, (0.75, 0.85] -> 1.10x dense
+    segs = target_segments(30.0, 0.70, 1.0)
+    assert [(a, b, r) for a, b, _, r in segs] == [
+        (0.70, 0.75, 1.30),
+        (0.75, 0.85, 1.10),
+    ]
+    assert [y for _, _, y, _ in segs] == pytest.approx([39.0, 33.0])
+    # a plot of 0.80-0.95 shows only the 1.10x limit, from its left edge to 0.85
+    assert target_segments(30.0, 0.80, 0.95) == [
+        (0.80, 0.85, pytest.approx(33.0), 1.10)
+    ]
+    assert target_segments(30.0, 0.90, 1.0) == []  # no target above 0.85 FLOPs
+
+
 def test_results_md_names_each_machine_when_the_runs_were_spread_over_several():
     settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
     runs = [record("adadsf", 0.8, s, 36.0, 0.5, 0.84) for s in range(3)]

@@ -1,8 +1,10 @@
-"""The study's two figures, drawn from ``results.json``'s summary (matplotlib, Agg).
+"""The study's three figures, drawn from ``results.json``'s summary (matplotlib, Agg).
 
 * ``results_ppl_vs_flops.png``: test perplexity (causal routing) against *measured*
   normalized FLOPs, one line per method over the budgets, 95% intervals as whiskers in
-  both directions: the Pareto picture (lower left is better).
+  both directions: the Pareto picture (lower left is better), with the quality
+  targets (``targets.PPL_TARGETS``, multiples of the dense model's perplexity) drawn
+  as dashed limits where they fall inside the plotted FLOPs range.
 * ``results_acc_vs_speedup.png``: 7-task mean accuracy against measured prefill speedup
   (batch 1), for the runs whose speed was measured.
 * ``results_layer_ratios.png``: each method's per-layer retention ratios at the tuning
@@ -16,7 +18,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PLOT_FILES", "write_plots"]
+from adadsf_modifier.study.targets import PPL_TARGETS
+
+__all__ = ["PLOT_FILES", "target_segments", "write_plots"]
 
 PLOT_FILES = (
     "results_ppl_vs_flops.png",
@@ -58,6 +62,40 @@ def _draw(ax, rows: list[dict], x: str, y: str) -> int:
     return len(by_method)
 
 
+def target_segments(
+    dense_ppl: float, x_lo: float, x_hi: float
+) -> list[tuple[float, float, float, float]]:
+    """``(x_from, x_to, ppl_limit, max_ratio)`` of each quality target inside the FLOPs
+    range ``[x_lo, x_hi]``: target ``i`` holds from the previous target's ``max_flops``
+    (exclusive) to its own, at ``max_ratio`` times the dense perplexity."""
+    out, start = [], float("-inf")
+    for t in PPL_TARGETS:
+        a, b = max(start, x_lo), min(t.max_flops, x_hi)
+        if a < b:
+            out.append((a, b, dense_ppl * t.max_ratio, t.max_ratio))
+        start = t.max_flops
+    return out
+
+
+def _draw_targets(ax, rows: list[dict]) -> None:
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    ppl = (dense or {}).get("metrics", {}).get("ppl_test") or {}
+    if not ppl.get("n"):
+        return
+    x_lo, x_hi = ax.get_xlim()
+    for a, b, y, ratio in target_segments(ppl["mean"], x_lo, x_hi):
+        ax.hlines(y, a, b, colors="0.4", linestyles="dashed", linewidth=1)
+        ax.annotate(
+            f"target {ratio:.2f}x dense",
+            (a, y),
+            textcoords="offset points",
+            xytext=(2, 3),
+            fontsize=7,
+            color="0.3",
+        )
+    ax.set_xlim(x_lo, x_hi)
+
+
 def _save(fig, path: Path) -> None:
     """Atomically: a reader never sees half a PNG."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -81,8 +119,9 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("test perplexity (causal routing)")
     if n:
         ax.set_yscale("log")
+        _draw_targets(ax, rows)
         ax.legend(fontsize=8)
-    ax.set_title(f"{model}: perplexity vs measured FLOPs (95% CI over seeds)")
+    ax.set_title(f"{model}\nperplexity vs measured FLOPs (95% CI over seeds)")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     paths.append(out_dir / PLOT_FILES[0])
@@ -95,7 +134,7 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("mean accuracy over the lm-eval tasks")
     if n:
         ax.legend(fontsize=8)
-    ax.set_title(f"{model}: accuracy vs measured speedup")
+    ax.set_title(f"{model}\naccuracy vs measured speedup")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     paths.append(out_dir / PLOT_FILES[1])
@@ -111,7 +150,7 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.step(range(len(ratios)), ratios, where="mid", label=run["method"])
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("retention ratio (fraction of tokens that run it)")
-    ax.set_title(f"{model}: per-layer ratios at budget {budget} (seed 0)")
+    ax.set_title(f"{model}\nper-layer ratios at budget {budget} (seed 0)")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
