@@ -596,6 +596,43 @@ def test_ppl_plot_draws_each_target_over_its_own_flops_range_only():
     assert target_segments(30.0, 0.90, 1.0) == []  # no target above 0.85 FLOPs
 
 
+def test_a_recorded_command_reads_each_option_once_with_the_value_argparse_took():
+    import shlex
+
+    from adadsf_modifier.study.argv import canonical_command
+
+    # what benchmarks/results_study_829b1cc_render.sh hands the study: the pinned
+    # script's arguments, then the wrapper's, then the render's
+    raw = (
+        "adadsf study --methods dense,uniform --budgets 0.81 --seeds 3 "
+        "--set dtype=bfloat16 --set 'tune_rates={uniform: [[1e-3, 1e-3]]}' "
+        "--cache-dir /a/cache --output-dir /a/out --methods dense uniform adadsf "
+        "--set 'tune_rates={adadsf: [[1e-4, 1e-4]]}' --set w8a8_budgets=0.81 "
+        "--output-dir=/b/out --render-only --cache-dir /c/cache --render-only"
+    )
+    canon = canonical_command(raw)
+    assert canon == (
+        "adadsf study --methods dense uniform adadsf --budgets 0.81 --seeds 3 "
+        "--set dtype=bfloat16 --set 'tune_rates={adadsf: [[1e-4, 1e-4]]}' "
+        "--set w8a8_budgets=0.81 --cache-dir /c/cache --output-dir /b/out "
+        "--render-only"
+    )
+    assert canonical_command(canon) == canon
+
+    # the independent reference: the study's own parser reads both alike
+    def parsed(command: str) -> dict:
+        parser = argparse.ArgumentParser()
+        add_study_arguments(parser)
+        ns = vars(parser.parse_args(shlex.split(command)[2:]))
+        ns["overrides"] = dict(o.split("=", 1) for o in ns["overrides"])  # last wins
+        return ns
+
+    assert parsed(canon) == parsed(raw)
+    assert canonical_command("adadsf study --set 'unbalanced") == (
+        "adadsf study --set 'unbalanced"
+    )
+
+
 def test_results_md_names_each_machine_when_the_runs_were_spread_over_several():
     settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
     runs = [record("adadsf", 0.8, s, 36.0, 0.5, 0.84) for s in range(3)]

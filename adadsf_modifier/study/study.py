@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 # Project APIs used here (one place, so a module move needs one edit).
 from adadsf_modifier.evaluation import calibration_dataset, resolve_model
 from adadsf_modifier.study.aggregate import build_results
+from adadsf_modifier.study.argv import canonical_command
 from adadsf_modifier.study.cache import (
     RunCache,
     atomic_write_text,
@@ -336,12 +337,17 @@ def run_study(
         runner.pending.append("all main runs (hyper-parameter tuning not finished)")
         tuned = Tuned.from_settings(settings, "pending")
     runner.bar.close()
+    # each option once, with the value it took: wrapper scripts repeat options
     meta = {
-        "command": command,
+        "command": canonical_command(command),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hardware": hw,
         "computed_by": sorted(
-            {r["command"] for r in [dense, *runs, *tuning] if r and "command" in r}
+            {
+                canonical_command(r["command"])
+                for r in [dense, *runs, *tuning]
+                if r and "command" in r
+            }
         ),
         # {hardware summary: runs}: which machine ran what, when the study moved
         "computed_on": dict(
