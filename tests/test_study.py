@@ -124,6 +124,28 @@ def test_resolvable_difference():
     assert resolvable_task_mean_difference({}) is None
 
 
+def test_examples_needed_to_resolve_two_points_in_the_seven_task_mean():
+    from adadsf_modifier.study.stats import task_n_to_resolve
+
+    # 1.96^2 * 2 * 0.25 / (7 * 0.02^2) = 685.98 examples per task (by hand)
+    seven = {f"t{i}": 100 for i in range(7)}
+    need = task_n_to_resolve(seven, 0.02)
+    assert need == {t: 686 for t in seven}
+    assert resolvable_task_mean_difference(need) <= 0.02
+    assert resolvable_task_mean_difference({t: 685 for t in seven}) > 0.02
+    assert task_n_to_resolve({}, 0.02) is None
+    # RESULTS.md says what 2 points would take where the study's n fall short
+    settings = StudySettings().model_dump(mode="json")  # the 7 tasks
+    dense = record("dense", 1.0, 0, 30.0, 0.5, 1.0)
+    dense["task_n"] = {t: 100 for t in settings["tasks"]}
+    meta = study_meta("c", "h", runs_total=1)
+    res = build_results(dense, [], [], TUNED.__dict__, settings, meta)
+    assert res["task_resolution"]["task_n_for_wanted"] == {
+        t: 686 for t in settings["tasks"]
+    }
+    assert "Resolving 0.020 the same way would take about 6.9x" in render_markdown(res)
+
+
 # ------------------------------------------------------------------------ identity
 def test_run_key_is_stable_and_covers_every_field():
     s = StudySettings()

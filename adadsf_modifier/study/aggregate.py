@@ -12,11 +12,21 @@ from adadsf_modifier.study.stats import (
     mean_ci,
     paired_difference,
     resolvable_task_mean_difference,
+    task_n_to_resolve,
     verdict,
 )
 from adadsf_modifier.study.targets import target_rows, target_sentence
 
-__all__ = ["COMPARISONS", "PAPER_RESULTS", "SUMMARY_METRICS", "build_results"]
+__all__ = [
+    "COMPARISONS",
+    "PAPER_RESULTS",
+    "SUMMARY_METRICS",
+    "WANTED_TASK_RESOLUTION",
+    "build_results",
+]
+
+#: the difference in the 7-task mean accuracy the study should resolve (2 points)
+WANTED_TASK_RESOLUTION = 0.02
 
 COMPARISONS: tuple[tuple[str, str], ...] = (
     ("adadsf", "uniform"),
@@ -184,6 +194,9 @@ def build_results(
     resolution = {
         "task_n": task_n,
         "worst_case": resolvable_task_mean_difference(task_n),
+        # what resolving WANTED_TASK_RESOLUTION would take, for the reader to weigh
+        "wanted": WANTED_TASK_RESOLUTION,
+        "task_n_for_wanted": task_n_to_resolve(task_n, WANTED_TASK_RESOLUTION),
         "at_dense_accuracy": (
             resolvable_task_mean_difference(task_n, dense.get("tasks"))
             if dense and dense.get("tasks")

@@ -230,6 +230,19 @@ def _budget_table(r: dict, budget: float) -> list[str]:
     return [f"### Budget {budget:g}", "", *_table(head, out), ""]
 
 
+def _wanted_resolution(res: dict) -> str:
+    """What resolving the wanted difference would take, where these n fall short."""
+    need, wanted = res.get("task_n_for_wanted"), res.get("wanted")
+    if not need or not wanted or res["worst_case"] <= wanted:
+        return ""
+    scale = max(need[t] / max(res["task_n"][t], 1) for t in need)
+    return (
+        f" Resolving {wanted:.3f} the same way would take about {scale:.1f}x as many"
+        f" examples per task ({', '.join(f'{t} {need[t]}' for t in need)}), and"
+        " as much more lm-eval time in every run."
+    )
+
+
 def _tasks(r: dict) -> list[str]:
     tasks = r["settings"]["tasks"]
     if not tasks:
@@ -252,6 +265,7 @@ def _tasks(r: dict) -> list[str]:
             else ""
         )
         + "). Paired seeds make the comparisons below finer than this."
+        + _wanted_resolution(res)
         if n
         else "No task was scored."
     )

@@ -20,6 +20,7 @@ __all__ = [
     "mean_ci",
     "paired_difference",
     "resolvable_task_mean_difference",
+    "task_n_to_resolve",
     "t_quantile",
     "verdict",
 ]
@@ -164,3 +165,17 @@ def resolvable_task_mean_difference(
         p = 0.5 if accuracy is None else float(accuracy.get(task, 0.5))
         var += p * (1.0 - p) / max(n, 1)
     return z * math.sqrt(2.0) * math.sqrt(var) / len(task_n)
+
+
+def task_n_to_resolve(
+    task_n: Mapping[str, int], difference: float, level: float = 0.95
+) -> dict[str, int] | None:
+    """Examples per task for which :func:`resolvable_task_mean_difference` (worst
+    case) falls to ``difference``: every task's ``n`` scaled alike, by
+    ``(resolvable / difference) ** 2`` (the resolution shrinks as ``1 / sqrt(n)``),
+    rounded up. ``None`` without tasks."""
+    now = resolvable_task_mean_difference(task_n, level=level)
+    if now is None or difference <= 0:
+        return None
+    scale = (now / difference) ** 2
+    return {task: math.ceil(n * scale - 1e-9) for task, n in task_n.items()}
