@@ -125,6 +125,7 @@ def test_resolvable_difference():
 
 
 def test_examples_needed_to_resolve_two_points_in_the_seven_task_mean():
+    from adadsf_modifier.study.cost import TASK_SIZES
     from adadsf_modifier.study.stats import task_n_to_resolve
 
     # 1.96^2 * 2 * 0.25 / (7 * 0.02^2) = 685.98 examples per task (by hand)
@@ -134,16 +135,36 @@ def test_examples_needed_to_resolve_two_points_in_the_seven_task_mean():
     assert resolvable_task_mean_difference(need) <= 0.02
     assert resolvable_task_mean_difference({t: 685 for t in seven}) > 0.02
     assert task_n_to_resolve({}, 0.02) is None
-    # RESULTS.md says what 2 points would take where the study's n fall short
+    assert task_n_to_resolve(seven, 0.0) is None
+    # the real tasks: arc_challenge, openbookqa and arc_easy have only 299, 500 and
+    # 570 examples; the others make up for them, none past its own file
     settings = StudySettings().model_dump(mode="json")  # the 7 tasks
+    real = {t: 100 for t in settings["tasks"]}
+    need = task_n_to_resolve(real, 0.02, TASK_SIZES)
+    assert all(need[t] <= TASK_SIZES[t] for t in real)
+    assert {t: need[t] for t in ("arc_challenge", "openbookqa", "arc_easy")} == {
+        "arc_challenge": 299,
+        "openbookqa": 500,
+        "arc_easy": 570,
+    }
+    assert resolvable_task_mean_difference(need) <= 0.02
+    fewer = {t: n - 1 if n < TASK_SIZES[t] else n for t, n in need.items()}
+    assert resolvable_task_mean_difference(fewer) > 0.02  # and no fewer would do
+    # every example of the seven files resolves 0.0186: 0.018 is out of reach
+    assert task_n_to_resolve(real, 0.018, TASK_SIZES) is None
+    # RESULTS.md says what 2 points would take where the study's n fall short
     dense = record("dense", 1.0, 0, 30.0, 0.5, 1.0)
-    dense["task_n"] = {t: 100 for t in settings["tasks"]}
+    dense["task_n"] = real
     meta = study_meta("c", "h", runs_total=1)
     res = build_results(dense, [], [], TUNED.__dict__, settings, meta)
-    assert res["task_resolution"]["task_n_for_wanted"] == {
-        t: 686 for t in settings["tasks"]
-    }
-    assert "Resolving 0.020 the same way would take about 6.9x" in render_markdown(res)
+    assert res["task_resolution"]["task_n_for_wanted"] == need
+    md = render_markdown(res)
+    assert "Resolving 0.020 the same way would take n = piqa 1296, arc_easy 570" in md
+    res["task_resolution"]["task_n_for_wanted"] = None  # as for a wanted 0.018
+    assert (
+        "out of reach with these tasks' files: all of their examples resolve 0.019"
+        in (render_markdown(res))
+    )
 
 
 # ------------------------------------------------------------------------ identity
@@ -630,26 +651,32 @@ def test_a_recorded_command_reads_each_option_once_with_the_value_argparse_took(
         "--set dtype=bfloat16 --set 'tune_rates={uniform: [[1e-3, 1e-3]]}' "
         "--cache-dir /a/cache --output-dir /a/out --methods dense uniform adadsf "
         "--set 'tune_rates={adadsf: [[1e-4, 1e-4]]}' --set w8a8_budgets=0.81 "
-        "--output-dir=/b/out --render-only --cache-dir /c/cache --render-only"
+        "--output-dir=/b/out --render-only --cache-dir /c/cache --render-only "
+        "--set task-limit=50 --meth dense,uniform,adadsf --set ' task_limit=100'"
     )
     canon = canonical_command(raw)
     assert canon == (
-        "adadsf study --methods dense uniform adadsf --budgets 0.81 --seeds 3 "
+        "adadsf study --methods dense,uniform,adadsf --budgets 0.81 --seeds 3 "
         "--set dtype=bfloat16 --set 'tune_rates={adadsf: [[1e-4, 1e-4]]}' "
-        "--set w8a8_budgets=0.81 --cache-dir /c/cache --output-dir /b/out "
-        "--render-only"
+        "--set w8a8_budgets=0.81 --set ' task_limit=100' --cache-dir /c/cache "
+        "--output-dir /b/out --render-only"
     )
     assert canonical_command(canon) == canon
 
     # the independent reference: the study's own parser reads both alike
-    def parsed(command: str) -> dict:
+    def parsed(command: str) -> tuple[dict, dict]:
         parser = argparse.ArgumentParser()
         add_study_arguments(parser)
-        ns = vars(parser.parse_args(shlex.split(command)[2:]))
-        ns["overrides"] = dict(o.split("=", 1) for o in ns["overrides"])  # last wins
-        return ns
+        ns = parser.parse_args(shlex.split(command)[2:])
+        settings = build_settings(ns).model_dump(mode="json")
+        return settings, {k: v for k, v in vars(ns).items() if k != "overrides"}
 
     assert parsed(canon) == parsed(raw)
+    assert parsed(canon)[0]["task_limit"] == 100
+    # a value that starts with a dash stays attached to its option
+    dashed = canonical_command("adadsf study --output-dir=-out --output-dir=-out2")
+    assert dashed == "adadsf study --output-dir=-out2"
+    assert parsed(dashed)[1]["output_dir"] == "-out2"
     assert canonical_command("adadsf study --set 'unbalanced") == (
         "adadsf study --set 'unbalanced"
     )

@@ -6,16 +6,14 @@ Modules: :mod:`.spec` (methods, settings, run identity), :mod:`.plan` (which run
 which order), :mod:`.cache` (finished runs on disk), :mod:`.runner` and
 :mod:`.measure` (one run), :mod:`.stats` (intervals, paired differences),
 :mod:`.aggregate` (``results.json``), :mod:`.render` / :mod:`.plots` (Markdown, PNG),
-:mod:`.cost` (up-front estimate), :mod:`.study` (orchestration), :mod:`.command` (CLI).
+:mod:`.cost` (up-front estimate), :mod:`.study` (orchestration), :mod:`.argv` (the
+options, and a recorded command with each option once), :mod:`.command` (CLI).
 
 The heavy modules (runner, measurements, lm-eval) load only when a study runs.
 """
 
-from adadsf_modifier.study.command import (
-    add_study_arguments,
-    build_settings,
-    run_study_command,
-)
+from adadsf_modifier.study.argv import add_study_arguments
+from adadsf_modifier.study.command import build_settings, run_study_command
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.settings import (
     StudyInputError,

@@ -1,46 +1,165 @@
-"""A study command as a reader needs it: each option once, with the value it took.
+"""The study's command line: its options, and a recorded command as a reader needs it.
 
-Wrapper scripts (``benchmarks/pinned_study.sh`` and the study scripts built on it) pass
-their fixed arguments first and the caller's after, so a recorded command can name
+:func:`add_study_arguments` declares the options of ``adadsf study`` (the ``study``
+subparser of ``adadsf`` and ``python -m adadsf_modifier.study`` both take them from
+here). :func:`canonical_command` rewrites a recorded command with each option once:
+wrapper scripts (``benchmarks/pinned_study.sh`` and the study scripts built on it) pass
+their fixed arguments first and the caller's after, so a command can name
 ``--methods``, ``--cache-dir`` or one ``--set`` key several times; argparse keeps the
-last of each, which is what ran, but a reader of ``RESULTS.md`` has to work that out
-from lines a thousand characters long. :func:`canonical_command` writes the same
-command with each option at its first place and its last value (``--set``: each key
-once, its last value), so that equal configurations also read alike.
+last of each, which is what ran, but a reader of ``RESULTS.md`` had to work that out
+from lines a thousand characters long.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import shlex
 
-__all__ = ["canonical_command"]
+from adadsf_modifier.study.methods import METHODS
 
-#: options that may repeat with different meanings (``action="append"``): kept per key
-_APPEND = "--set"
+__all__ = ["add_study_arguments", "canonical_command", "setting_key"]
+
+#: the option that repeats with different meanings (``action="append"``): kept per key
+_SET = "--set"
+
+
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the study's options to ``parser`` (the ``study`` subparser of ``adadsf``)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local model folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one seed, budget 0.8, tiny limits (~20 min on 2 CPU cores): checks "
+        "the pipeline, proves nothing",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="methods to run, comma or space separated (default all: "
+        f"{', '.join(METHODS)})",
+    )
+    parser.add_argument(
+        "--budgets",
+        nargs="+",
+        default=None,
+        help="retention budgets in (0, 1] (default 0.9 0.8 0.7)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="number of seeds, 0..N-1 (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default="outputs/study_cache",
+        help="finished runs, one JSON per run (default outputs/study_cache)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="docs",
+        help="where RESULTS.md, results.json and the plots go (default docs)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any study setting (YAML value; lists comma separated), e.g. "
+        "--set task_limit=200; --list-settings shows them",
+    )
+    parser.add_argument(
+        "--max-hours",
+        type=float,
+        default=None,
+        help="start no run that would not finish within this many hours by its "
+        "estimate (the mean of its method's finished runs, else the cost model; "
+        "--plan prints them); rerun later to resume",
+    )
+    parser.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="compute at most this many new runs in this invocation",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the run count and estimated cost, run nothing",
+    )
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="compute nothing: render RESULTS.md/results.json from the cached runs "
+        "(also runs computed on another machine, e.g. a GPU, with this cache)",
+    )
+    parser.add_argument(
+        "--list-settings",
+        action="store_true",
+        help="print every setting with its value and exit",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace RESULTS.md / results.json not written by a study",
+    )
+
+
+def setting_key(raw: str) -> str:
+    """The study setting a ``--set KEY=VALUE`` names: ``KEY`` stripped, ``-`` read as
+    ``_`` (``--set task-limit=5`` sets ``task_limit``)."""
+    return raw.strip().replace("-", "_")
+
+
+@functools.cache
+def _long_options() -> tuple[str, ...]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_study_arguments(parser)
+    return tuple(o for a in parser._actions for o in a.option_strings)
+
+
+def _option_name(word: str) -> str:
+    """The option ``word`` names, as argparse reads it: the exact name, else the one
+    option it is a unique prefix of (``--meth`` -> ``--methods``), else ``word``."""
+    names = _long_options()
+    if word in names:
+        return word
+    matches = [n for n in names if n.startswith(word)]
+    return matches[0] if len(matches) == 1 else word
 
 
 def canonical_command(command: str) -> str:
-    """``command`` (``adadsf study ...``, shell-quoted) with each ``--option`` once.
+    """``command`` (``adadsf study ...``, shell-quoted) with each option once, at its
+    first place, with the value argparse took: the last (``--set``: each setting once,
+    its last value).
 
     Every option of ``adadsf study`` is a ``--long`` one, so a word that does not start
-    with ``--`` is a value of the option before it (``--methods a b`` takes both).
-    ``--opt=value`` reads as ``--opt value``. A command that shell quoting cannot split
-    is returned as it is.
+    with ``--`` is a value of the option before it (``--methods a b`` takes both);
+    ``--opt=value`` reads as ``--opt value`` and is written back so only where the
+    value starts with ``-``. A command that shell quoting cannot split is returned as
+    it is.
     """
     try:
         words = shlex.split(command)
     except ValueError:
         return command
     head: list[str] = []
-    # a dict keeps a key at its first place when it is assigned again: first place,
-    # last value
+    # a dict keeps a key at its first place when it is assigned again
     options: dict[str, list[str]] = {}
-    sets: dict[str, str] = {}  # --set KEY=VALUE, by KEY
+    sets: dict[str, str] = {}  # --set KEY=VALUE, by setting
     name: str | None = None
     for word in words:
         if word.startswith("--"):
-            name, eq, value = word.partition("=")
-            if name != _APPEND or name not in options:
+            raw, eq, value = word.partition("=")
+            name = _option_name(raw)
+            if name != _SET or name not in options:
                 options[name] = []
             if eq:
                 _add(options, sets, name, value)
@@ -50,16 +169,18 @@ def canonical_command(command: str) -> str:
             _add(options, sets, name, word)
     out = list(head)
     for name, values in options.items():
-        if name == _APPEND:
-            for value in sets.values():
-                out += [_APPEND, value]
-        else:
-            out += [name, *values]
-    return " ".join(shlex.quote(w) for w in out)
+        for value in sets.values() if name == _SET else values or [None]:
+            if value is None:
+                out.append(name)  # a flag
+            elif value.startswith("-"):
+                out.append(f"{name}={value}")  # else it would read as an option
+            else:
+                out += [name, value]
+    return shlex.join(out)
 
 
 def _add(options: dict[str, list[str]], sets: dict[str, str], name: str, value: str):
-    if name == _APPEND:
-        sets[value.partition("=")[0]] = value
+    if name == _SET:
+        sets[setting_key(value.partition("=")[0])] = value
     else:
         options[name].append(value)

@@ -7,7 +7,8 @@
     adadsf study --max-hours 5         # only runs that fit in 5 h; rerun to resume
     adadsf study --set task_limit=200 --set speed=false
 
-``cli.py`` wires it with :func:`add_study_arguments` and :func:`run_study_command`;
+``cli.py`` wires it with :func:`add_study_arguments` (its options live in
+:mod:`~adadsf_modifier.study.argv`) and :func:`run_study_command`;
 ``python -m adadsf_modifier.study`` runs it without the rest of the CLI. Bad input
 raises :class:`~adadsf_modifier.study.settings.StudyInputError` (one line) before any
 heavy work.
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from adadsf_modifier.study.argv import add_study_arguments, setting_key
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.settings import (
     StudyInputError,
@@ -32,94 +34,6 @@ from adadsf_modifier.study.settings import (
 )
 
 __all__ = ["add_study_arguments", "build_settings", "main", "run_study_command"]
-
-
-def add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the study's options to ``parser`` (the ``study`` subparser of ``adadsf``)."""
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local model folder (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="one seed, budget 0.8, tiny limits (~20 min on 2 CPU cores): checks "
-        "the pipeline, proves nothing",
-    )
-    parser.add_argument(
-        "--methods",
-        nargs="+",
-        default=None,
-        help="methods to run, comma or space separated (default all: "
-        f"{', '.join(METHODS)})",
-    )
-    parser.add_argument(
-        "--budgets",
-        nargs="+",
-        default=None,
-        help="retention budgets in (0, 1] (default 0.9 0.8 0.7)",
-    )
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        default=None,
-        help="number of seeds, 0..N-1 (default 3; 1 with --quick)",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        default="outputs/study_cache",
-        help="finished runs, one JSON per run (default outputs/study_cache)",
-    )
-    parser.add_argument(
-        "--output-dir",
-        default="docs",
-        help="where RESULTS.md, results.json and the plots go (default docs)",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any study setting (YAML value; lists comma separated), e.g. "
-        "--set task_limit=200; --list-settings shows them",
-    )
-    parser.add_argument(
-        "--max-hours",
-        type=float,
-        default=None,
-        help="start no run that would not finish within this many hours by its "
-        "estimate (the mean of its method's finished runs, else the cost model; "
-        "--plan prints them); rerun later to resume",
-    )
-    parser.add_argument(
-        "--max-runs",
-        type=int,
-        default=None,
-        help="compute at most this many new runs in this invocation",
-    )
-    parser.add_argument(
-        "--plan",
-        action="store_true",
-        help="print the run count and estimated cost, run nothing",
-    )
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help="compute nothing: render RESULTS.md/results.json from the cached runs "
-        "(also runs computed on another machine, e.g. a GPU, with this cache)",
-    )
-    parser.add_argument(
-        "--list-settings",
-        action="store_true",
-        help="print every setting with its value and exit",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace RESULTS.md / results.json not written by a study",
-    )
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -174,7 +88,7 @@ def build_settings(args: argparse.Namespace) -> StudySettings:
         fields["seeds"] = args.seeds
     for item in args.overrides:
         key, sep, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
+        key = setting_key(key)
         if not sep or key not in StudySettings.model_fields:
             raise StudyInputError(
                 f"--set {item!r}: expected KEY=VALUE with KEY one of "
@@ -205,8 +119,11 @@ def run_study_command(args: argparse.Namespace) -> dict:
         raise StudyInputError(f"--max-hours must be > 0, got {args.max_hours}")
     from adadsf_modifier.study.study import run_study
 
-    command = getattr(args, "command_line", None) or "adadsf study " + " ".join(
-        shlex.quote(a) for a in sys.argv[1:] if a != "study"
+    words = sys.argv[1:]
+    if words[:1] == ["study"]:  # `adadsf study ...`: the subcommand, not a value
+        words = words[1:]
+    command = getattr(args, "command_line", None) or shlex.join(
+        ["adadsf", "study", *words]
     )
     return run_study(
         settings,
@@ -232,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_study_arguments(parser)
     args = parser.parse_args(argv)
-    args.command_line = "adadsf study " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    args.command_line = shlex.join(
+        ["adadsf", "study", *(sys.argv[1:] if argv is None else argv)]
     )
     try:
         run_study_command(args)

@@ -78,6 +78,8 @@ def target_segments(
 
 
 def _draw_targets(ax, rows: list[dict]) -> None:
+    """Each target's limit over its FLOPs range within the points' x-range (kept);
+    the y-axis grows to show a limit that lies above or below every point."""
     dense = next((r for r in rows if r["method"] == "dense"), None)
     ppl = (dense or {}).get("metrics", {}).get("ppl_test") or {}
     if not ppl.get("n"):

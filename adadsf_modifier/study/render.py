@@ -232,14 +232,20 @@ def _budget_table(r: dict, budget: float) -> list[str]:
 
 def _wanted_resolution(res: dict) -> str:
     """What resolving the wanted difference would take, where these n fall short."""
-    need, wanted = res.get("task_n_for_wanted"), res.get("wanted")
-    if not need or not wanted or res["worst_case"] <= wanted:
+    wanted, n = res.get("wanted"), res["task_n"]
+    if not wanted or res["worst_case"] is None or res["worst_case"] <= wanted:
         return ""
-    scale = max(need[t] / max(res["task_n"][t], 1) for t in need)
+    need = res.get("task_n_for_wanted")
+    if not need:
+        full = res.get("at_full_files")
+        return f" Resolving {wanted:.3f} is out of reach with these tasks' files" + (
+            f": all of their examples resolve {full:.3f}." if full else "."
+        )
+    scale = sum(need.values()) / max(sum(n.values()), 1)
     return (
-        f" Resolving {wanted:.3f} the same way would take about {scale:.1f}x as many"
-        f" examples per task ({', '.join(f'{t} {need[t]}' for t in need)}), and"
-        " as much more lm-eval time in every run."
+        f" Resolving {wanted:.3f} the same way would take n = "
+        f"{', '.join(f'{t} {need[t]}' for t in need)} ({scale:.1f}x the examples"
+        " scored here, and about as much more lm-eval time in every run)."
     )
 
 

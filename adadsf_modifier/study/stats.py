@@ -168,14 +168,31 @@ def resolvable_task_mean_difference(
 
 
 def task_n_to_resolve(
-    task_n: Mapping[str, int], difference: float, level: float = 0.95
+    task_n: Mapping[str, int],
+    difference: float,
+    available: Mapping[str, int] | None = None,
+    level: float = 0.95,
 ) -> dict[str, int] | None:
-    """Examples per task for which :func:`resolvable_task_mean_difference` (worst
-    case) falls to ``difference``: every task's ``n`` scaled alike, by
-    ``(resolvable / difference) ** 2`` (the resolution shrinks as ``1 / sqrt(n)``),
-    rounded up. ``None`` without tasks."""
-    now = resolvable_task_mean_difference(task_n, level=level)
-    if now is None or difference <= 0:
+    """The fewest examples per task for which :func:`resolvable_task_mean_difference`
+    (worst case, ``p = 0.5``) is at most ``difference``: the same ``n`` for every task
+    (fewest in total for a given variance of the mean), except that a task cannot
+    score more than ``available[task]`` examples (its file), which the others then make
+    up. ``None`` without tasks, for ``difference <= 0``, or when even every available
+    example falls short."""
+    if not task_n or difference <= 0:
         return None
-    scale = (now / difference) ** 2
-    return {task: math.ceil(n * scale - 1e-9) for task, n in task_n.items()}
+    z = float(_scipy_stats.norm.ppf(0.5 + level / 2.0))
+    # sum_i 0.25 / n_i may be at most this for the mean over T tasks to resolve it
+    allowed = (difference * len(task_n) / (z * math.sqrt(2.0))) ** 2
+    caps = dict(available or {})
+    full: dict[str, int] = {}  # tasks that score their whole file
+    while True:
+        free = [t for t in task_n if t not in full]
+        rest = allowed - sum(0.25 / n for n in full.values())
+        if not free or rest <= 0:
+            return None
+        n_free = math.ceil(0.25 * len(free) / rest - 1e-9)
+        short = {t: caps[t] for t in free if t in caps and caps[t] < n_free}
+        if not short:
+            return {t: full.get(t, n_free) for t in task_n}
+        full.update(short)
