@@ -7,16 +7,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from adadsf_modifier.study.cost import TASK_SIZES
 from adadsf_modifier.study.methods import METHODS, by_method_and_budget
 from adadsf_modifier.study.stats import (
     mean_ci,
     paired_difference,
-    resolvable_task_mean_difference,
-    task_n_to_resolve,
     verdict,
 )
-from adadsf_modifier.study.targets import MAX_TASK_DROP, target_rows, target_sentence
+from adadsf_modifier.study.targets import target_rows, target_sentence
+from adadsf_modifier.study.task_resolution import task_resolution
 
 __all__ = [
     "COMPARISONS",
@@ -188,21 +186,7 @@ def build_results(
     task_n = (dense or {}).get("task_n") or next(
         (r.get("task_n") for r in runs if r.get("task_n")), {}
     )
-    resolution = {
-        "task_n": task_n,
-        "worst_case": resolvable_task_mean_difference(task_n),
-        # judging the 2-point task target needs 2-point resolution: what it would take
-        "wanted": MAX_TASK_DROP,
-        "task_n_for_wanted": task_n_to_resolve(task_n, MAX_TASK_DROP, TASK_SIZES),
-        "at_full_files": resolvable_task_mean_difference(
-            {t: TASK_SIZES[t] for t in task_n if t in TASK_SIZES}
-        ),
-        "at_dense_accuracy": (
-            resolvable_task_mean_difference(task_n, dense.get("tasks"))
-            if dense and dense.get("tasks")
-            else None
-        ),
-    }
+    resolution = task_resolution(task_n, (dense or {}).get("tasks"))
     return {
         "generator": "adadsf study",
         **meta,

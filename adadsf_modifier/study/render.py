@@ -9,6 +9,7 @@ from typing import Any
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plots import PLOT_FILES
 from adadsf_modifier.study.targets import targets_markdown
+from adadsf_modifier.study.task_resolution import resolution_note
 
 __all__ = ["MARKER", "render_markdown"]
 
@@ -230,25 +231,6 @@ def _budget_table(r: dict, budget: float) -> list[str]:
     return [f"### Budget {budget:g}", "", *_table(head, out), ""]
 
 
-def _wanted_resolution(res: dict) -> str:
-    """What resolving the wanted difference would take, where these n fall short."""
-    wanted, n = res.get("wanted"), res["task_n"]
-    if not wanted or res["worst_case"] is None or res["worst_case"] <= wanted:
-        return ""
-    need = res.get("task_n_for_wanted")
-    if not need:
-        full = res.get("at_full_files")
-        return f" Resolving {wanted:.3f} is out of reach with these tasks' files" + (
-            f": all of their examples resolve {full:.3f}." if full else "."
-        )
-    scale = sum(need.values()) / max(sum(n.values()), 1)
-    return (
-        f" Resolving {wanted:.3f} the same way would take n = "
-        f"{', '.join(f'{t} {need[t]}' for t in need)} ({scale:.1f}x the examples"
-        " scored here, and about as much more lm-eval time in every run)."
-    )
-
-
 def _tasks(r: dict) -> list[str]:
     tasks = r["settings"]["tasks"]
     if not tasks:
@@ -258,23 +240,7 @@ def _tasks(r: dict) -> list[str]:
         + [_mci(x["metrics"].get(f"task:{t}"), ".3f") for t in tasks]
         for x in r["summary"]
     ]
-    res = r["task_resolution"]
-    n = res["task_n"]
-    note = (
-        f"Examples per task (n): {', '.join(f'{t} {n[t]}' for t in n)}. With these n,"
-        " one comparison of two runs resolves a difference in the mean accuracy of"
-        f" about {_num(res['worst_case'], '.3f')} (95%, two independent binomial"
-        " estimates per task, worst case p = 0.5"
-        + (
-            f"; {_num(res['at_dense_accuracy'], '.3f')} at the dense model's accuracies"
-            if res.get("at_dense_accuracy") is not None
-            else ""
-        )
-        + "). Paired seeds make the comparisons below finer than this."
-        + _wanted_resolution(res)
-        if n
-        else "No task was scored."
-    )
+    note = resolution_note(r["task_resolution"])
     return [
         "## Task accuracy (mean ± 95% CI over seeds)",
         "",
