@@ -682,6 +682,50 @@ def test_a_recorded_command_reads_each_option_once_with_the_value_argparse_took(
     )
 
 
+def test_a_multi_valued_option_stays_one_option_in_the_canonical_command():
+    from adadsf_modifier.study.argv import canonical_command
+
+    # argparse keeps only the last --methods: "a b" must not become two options
+    assert canonical_command("adadsf study --methods x --methods a b") == (
+        "adadsf study --methods a b"
+    )
+
+
+def test_results_md_states_the_options_its_invocations_share_once():
+    from adadsf_modifier.study.argv import shared_options
+
+    a = "adadsf study --methods dense,a --seeds 3 --set dtype=bfloat16 --max-hours 1"
+    b = "adadsf study --seeds 3 --methods dense,b --set dtype=bfloat16 --set x=1"
+    c = "adadsf study --seeds 3 --set dtype=bfloat16"
+    common, rest = shared_options([a, b, c])
+    assert common == "adadsf study --seeds 3 --set dtype=bfloat16"
+    assert rest == [
+        "--methods dense,a --max-hours 1",
+        "--methods dense,b --set x=1",
+        "",
+    ]
+    # nothing is lost: the shared part and each rest make up each command again
+    for cmd, extra in zip([a, b, c], rest):
+        assert sorted(f"{common} {extra}".split()) == sorted(cmd.split())
+    # unsplittable: nothing shared, the commands whole
+    assert shared_options([a, "adadsf study --set 'x"]) == (
+        "",
+        [a, "adadsf study --set 'x"],
+    )
+
+    settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
+    runs = [record("adadsf", 0.8, s, 36.0, 0.5, 0.84) for s in range(3)]
+    meta = study_meta("adadsf study --render-only", "box", runs_total=3)
+    meta["computed_by"] = [a, b, c]
+    md = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
+    assert f"- runs computed by 3 invocations of `{common}`, each adding:" in md
+    assert "  - `--methods dense,a --max-hours 1`" in md
+    assert "  - nothing" in md
+    meta["computed_by"] = [a]
+    md = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
+    assert f"- runs computed by: `{a}`" in md
+
+
 def test_results_md_names_each_machine_when_the_runs_were_spread_over_several():
     settings = StudySettings(tasks=("piqa",)).model_dump(mode="json")
     runs = [record("adadsf", 0.8, s, 36.0, 0.5, 0.84) for s in range(3)]

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import functools
 import shlex
+from collections.abc import Sequence
 
 from adadsf_modifier.study.methods import METHODS
 
-__all__ = ["add_study_arguments", "canonical_command", "setting_key"]
+__all__ = ["add_study_arguments", "canonical_command", "setting_key", "shared_options"]
 
 #: the option that repeats with different meanings (``action="append"``): kept per key
 _SET = "--set"
@@ -146,10 +147,44 @@ def canonical_command(command: str) -> str:
     value starts with ``-``. A command that shell quoting cannot split is returned as
     it is.
     """
+    parsed = _option_groups(command)
+    if parsed is None:
+        return command
+    head, groups = parsed
+    return shlex.join(head + [w for g in groups for w in g])
+
+
+def shared_options(commands: Sequence[str]) -> tuple[str, list[str]]:
+    """The words every one of ``commands`` shares (the program and each option with the
+    same value, in canonical form and in the first command's order), and what each
+    command adds to them, shell-quoted.
+
+    ``RESULTS.md`` lists the invocations that computed a study's runs; they differ in a
+    few options (``--methods``, ``--max-hours``) and share a dozen, so a reader sees the
+    shared part once. A command that shell quoting cannot split shares nothing: then
+    the shared part is empty and each command is returned whole.
+    """
+    parsed = [_option_groups(c) for c in commands]
+    if not parsed or any(p is None for p in parsed):
+        return "", list(commands)
+    keyed = [(head, [shlex.join(g) for g in groups]) for head, groups in parsed]
+    first_head, first_groups = keyed[0]
+    if any(head != first_head for head, _ in keyed):
+        return "", [canonical_command(c) for c in commands]
+    common = [g for g in first_groups if all(g in groups for _, groups in keyed)]
+    rest = [" ".join(g for g in groups if g not in common) for _, groups in keyed]
+    return " ".join([shlex.join(first_head), *common]), rest
+
+
+def _option_groups(command: str) -> tuple[list[str], list[list[str]]] | None:
+    """The words before the first option, and each option of the canonical form with
+    its values (``[name, value...]``; ``[name=value]`` where the value starts with
+    ``-``; ``--set``: one group per setting); ``None`` when shell quoting cannot split
+    ``command``."""
     try:
         words = shlex.split(command)
     except ValueError:
-        return command
+        return None
     head: list[str] = []
     # a dict keeps a key at its first place when it is assigned again
     options: dict[str, list[str]] = {}
@@ -167,16 +202,21 @@ def canonical_command(command: str) -> str:
             head.append(word)
         else:
             _add(options, sets, name, word)
-    out = list(head)
+    groups: list[list[str]] = []
     for name, values in options.items():
-        for value in sets.values() if name == _SET else values or [None]:
-            if value is None:
-                out.append(name)  # a flag
-            elif value.startswith("-"):
-                out.append(f"{name}={value}")  # else it would read as an option
-            else:
-                out += [name, value]
-    return shlex.join(out)
+        if name == _SET:
+            groups += [_group(name, [value]) for value in sets.values()]
+        else:
+            groups.append(_group(name, values))
+    return head, groups
+
+
+def _group(name: str, values: list[str]) -> list[str]:
+    if not values:
+        return [name]  # a flag
+    if values[0].startswith("-"):
+        return [f"{name}={values[0]}", *values[1:]]  # else it would read as an option
+    return [name, *values]
 
 
 def _add(options: dict[str, list[str]], sets: dict[str, str], name: str, value: str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from adadsf_modifier.study.argv import shared_options
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plots import PLOT_FILES
 from adadsf_modifier.study.targets import targets_markdown
@@ -322,6 +323,20 @@ def _paper(r: dict) -> list[str]:
     ]
 
 
+def _computed_by(commands: list[str]) -> list[str]:
+    """The invocations that computed the runs: the options they share once, then what
+    each added (the methods, the session's time limit)."""
+    if len(commands) < 2:
+        return [f"- runs computed by: `{c}`" for c in commands]
+    common, rest = shared_options(commands)
+    if not common:
+        return [f"- runs computed by: `{c}`" for c in commands]
+    return [
+        f"- runs computed by {len(commands)} invocations of `{common}`, each adding:",
+        *[f"  - `{x}`" if x else "  - nothing" for x in rest],
+    ]
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     rt = r["runtime"]
     hw = r["hardware"]
@@ -331,11 +346,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         "# Results study: AdaDSF against its baselines",
         "",
         f"- command: `{r['command']}`",
-        *[
-            f"- runs computed by: `{c}`"
-            for c in r.get("computed_by", [])
-            if c != r["command"]
-        ],
+        *_computed_by([c for c in r.get("computed_by", []) if c != r["command"]]),
         f"- date: {r['date']}",
         f"- hardware: {hw['summary']}",
         *[
