@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
-import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -75,6 +73,7 @@ from adadsf_modifier.alignment.params import (
     check_alignment_supported,
     select_trainable,
 )
+from adadsf_modifier.alignment.peak_memory import peak_memory_mb, reset_peak_memory
 from adadsf_modifier.alignment.schedule import annealed_retention, make_optimizer
 from adadsf_modifier.alignment.teacher_cache import TeacherCache, rows_read_again
 from adadsf_modifier.routing import routed_layers, routing_mode
@@ -93,14 +92,6 @@ def _rates(config: AlignmentConfig) -> str:
     )
     routing = ", quantile routing" if config.routing == "quantile" else ""
     return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{routing}"
-
-
-def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    """Peak CUDA memory allocated since the stage began, else the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "peak CUDA allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (Linux), B (macOS)
-    return rss / (2**20 if sys.platform == "darwin" else 2**10), "peak process RSS"
 
 
 def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
@@ -263,8 +254,7 @@ def align_model(
     report.num_rows = distributed.sum_across_ranks([len(rows)])[0]
     pad_id = getattr(getattr(student, "config", None), "pad_token_id", None)
     batcher = RowBatcher(rows, config.batch_size, config.seed, pad_id or 0)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    peak_reset = reset_peak_memory(device)
     if teacher is not None:
         teacher.eval()
     need_hidden = weights.hidden > 0
@@ -378,7 +368,7 @@ def align_model(
         if cache is not None:
             report.teacher_batches = cache.computed
     report.seconds = time.perf_counter() - start
-    report.peak_memory_mb, report.memory_kind = _peak_memory_mb(device)
+    report.peak_memory_mb, report.memory_kind = peak_memory_mb(device, peak_reset)
     parts = ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}" for k, v in report.terms.items())
     logger.info(
         f"AdaDSF alignment done: {report.steps} steps in {report.seconds:.1f} s "
