@@ -161,16 +161,15 @@ def shared_options(commands: Sequence[str]) -> tuple[str, list[str]]:
 
     ``RESULTS.md`` lists the invocations that computed a study's runs; they differ in a
     few options (``--methods``, ``--max-hours``) and share a dozen, so a reader sees the
-    shared part once. A command that shell quoting cannot split shares nothing: then
-    the shared part is empty and each command is returned whole.
+    shared part once. Where a command cannot be split by shell quoting, or the commands
+    run different programs, nothing is shared: the shared part is empty and each
+    command is returned as it is.
     """
     parsed = [_option_groups(c) for c in commands]
-    if not parsed or any(p is None for p in parsed):
-        return "", list(commands)
+    if not parsed or any(p is None or p[0] != parsed[0][0] for p in parsed):
+        return "", list(commands)  # unsplittable, or other programs: nothing shared
     keyed = [(head, [shlex.join(g) for g in groups]) for head, groups in parsed]
     first_head, first_groups = keyed[0]
-    if any(head != first_head for head, _ in keyed):
-        return "", [canonical_command(c) for c in commands]
     common = [g for g in first_groups if all(g in groups for _, groups in keyed)]
     rest = [" ".join(g for g in groups if g not in common) for _, groups in keyed]
     return " ".join([shlex.join(first_head), *common]), rest

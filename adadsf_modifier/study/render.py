@@ -326,9 +326,7 @@ def _paper(r: dict) -> list[str]:
 def _computed_by(commands: list[str]) -> list[str]:
     """The invocations that computed the runs: the options they share once, then what
     each added (the methods, the session's time limit)."""
-    if len(commands) < 2:
-        return [f"- runs computed by: `{c}`" for c in commands]
-    common, rest = shared_options(commands)
+    common, rest = shared_options(commands) if len(commands) > 1 else ("", [])
     if not common:
         return [f"- runs computed by: `{c}`" for c in commands]
     return [
