@@ -13,6 +13,7 @@ import pytest
 
 from adadsf_modifier.study.aggregate import build_results
 from adadsf_modifier.study.command import add_study_arguments, build_settings
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plan import (
     Context,
     Tuned,
@@ -204,9 +205,9 @@ def test_method_fields():
 
 # ------------------------------------------------------------------------ the plan
 def test_count_runs_default_study():
-    # dense 1 + 17 methods x 3 budgets x 3 seeds + W8A8 at 0.8 x 3 seeds = 157 main;
-    # tuning: 3 learning rates + 3 temperatures - the shared default = 5
-    assert count_runs(StudySettings()) == {"tune": 5, "main": 157}
+    # dense 1 + 17 methods x 3 budgets x 3 seeds + 2 W8A8 arms at 0.8 x 3 seeds = 160
+    # main; tuning: 3 learning rates + 3 temperatures - the shared default = 5
+    assert count_runs(StudySettings()) == {"tune": 5, "main": 160}
     quick = StudySettings(methods=("dense", "adadsf"), budgets=(0.8,), seeds=2)
     assert count_runs(quick) == {"tune": 5, "main": 3}
     assert count_runs(StudySettings(tune=False))["tune"] == 0
@@ -331,6 +332,22 @@ def test_skip_path_methods_pass_their_modifier_fields():
     assert skip_fields(ftp) == ("ridge", 64, True)
     assert ftp["train_steps"] == s.align_steps
     assert modifier_fields(s, "ftp", 0.8, 0, TUNED)["skip_path"] == "identity"
+
+
+def test_a_quantized_arm_is_its_base_arm_plus_gptq_and_nothing_else():
+    s = StudySettings()
+    quantized = [m for m in METHODS.values() if m.quantize]
+    assert {m.name for m in quantized} >= {"adadsf_w8a8", "adadsf_ridge_kv_err_w8a8"}
+    for m in quantized:
+        base = METHODS[m.base]
+        assert not base.quantize and base.modifier == m.modifier
+        assert (m.align, m.lm_loss_only) == (base.align, base.lm_loss_only)
+        assert modifier_fields(s, m.name, 0.8, 1, TUNED) == modifier_fields(
+            s, base.name, 0.8, 1, TUNED
+        )
+    # the shipped W8A8 recipe's sparsity stage is the variant's arm
+    f = modifier_fields(s, "adadsf_ridge_kv_err_w8a8", 0.8, 0, TUNED)
+    assert skip_fields(f) == ("ridge", 64, True) and f["router_init"] == "skip_error"
 
 
 def test_layer_learning_rate_is_tuned_with_each_rate_and_reaches_the_modifier():

@@ -113,6 +113,24 @@ def test_quick_study_end_to_end_resumes_and_reuses_the_cache(
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_w8a8_arm_quantizes_every_decoder_linear_and_no_router(tiny_dir, tmp_path):
+    out = tmp_path / "docs"
+    argv = ["--model", tiny_dir, "--cache-dir", str(tmp_path / "cache"),
+            "--output-dir", str(out), "--methods", "dense,adadsf,adadsf_w8a8",
+            "--budgets", "0.8", "--seeds", "1", "--set", "w8a8_budgets=0.8",
+            "--set", "tune=false", "--set", "speed=false", *TINY]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert not res["failed"]
+    runs = {r["method"]: r for r in res["runs"]}
+    # 8 layers x (q, k, v, o, gate, up, down); routers and lm_head stay unquantized
+    assert runs["adadsf_w8a8"]["quantized_modules"] == 8 * 7
+    assert runs["adadsf"]["quantized_modules"] == 0
+    assert math.isfinite(runs["adadsf_w8a8"]["ppl_test"])
+    pairs = {(c["a"], c["b"]) for c in res["comparisons"]}
+    assert ("adadsf_w8a8", "adadsf") in pairs
+
+
 def fake_executor(calls, fail=()):
     """Stand-in run: PPL depends on lr and method, FLOPs on the retention."""
 
@@ -186,6 +204,40 @@ def test_a_method_with_fixed_tune_rates_runs_no_tuning_and_trains_at_them(
     assert [(r["align_lr"], r["align_layer_lr"]) for r in healed] == [(3e-4, 1e-5)]
     md = (tmp_path / "o" / "RESULTS.md").read_text()
     assert "learning rate 0.0003 (layer weights 1e-05) (fixed by tune_rates)" in md
+
+
+def test_a_quantized_arm_trains_at_its_base_arms_rates_and_is_compared_to_it(
+    tiny_dir, tmp_path
+):
+    s = StudySettings(methods=("dense", "uniform", "adadsf_ridge_kv_err",
+                               "adadsf_ridge_kv_err_w8a8"),
+                      tune_methods=("uniform", "adadsf_ridge_kv_err"),
+                      tune_rates={"uniform": [[1e-3, 1e-3]],
+                                  "adadsf_ridge_kv_err": [[1e-4, 1e-5]]},
+                      tune_temperatures=(0.05,), budgets=(0.8,), seeds=2,
+                      calib_samples=2, calib_seq_len=16, align_steps=2,
+                      align_batch_size=1, align_seq_len=16)  # fmt: skip
+    calls: list[str] = []
+    specs = {}
+    base = fake_executor(calls)
+
+    def run(spec, env):
+        specs[(spec.method, spec.seed)] = spec.config
+        return base(spec, env)
+
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c", executor=run)
+    arm = res["tuned"]["per_method"]["adadsf_ridge_kv_err_w8a8"]
+    assert (arm["align_lr"], arm["align_layer_lr"]) == (1e-4, 1e-5)
+    assert "the arm it quantizes" in arm["source"]
+    for seed in (0, 1):
+        q, v = (
+            specs[("adadsf_ridge_kv_err_w8a8", seed)],
+            specs[("adadsf_ridge_kv_err", seed)],
+        )
+        assert q["modifier"] == v["modifier"] and q["data"] == v["data"]
+        assert q["quantization"]["scheme"] == "W8A8" and v["quantization"] is None
+    pairs = {(c["a"], c["b"], c["n_seeds"]) for c in res["comparisons"]}
+    assert ("adadsf_ridge_kv_err_w8a8", "adadsf_ridge_kv_err", 2) in pairs
 
 
 def test_one_candidate_everywhere_spends_no_tuning_run_and_trains_at_it(
@@ -377,9 +429,9 @@ def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
     calls: list[str] = []
     res = run_study(StudySettings(), tiny_dir, tmp_path / "o", tmp_path / "c",
                     executor=fake_executor(calls), plan_only=True)  # fmt: skip
-    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 157}
+    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 160}
     assert res["plan"]["estimated_s"] > 0
-    assert "162 runs (5 tuning on validation, 157 main)" in capsys.readouterr().out
+    assert "165 runs (5 tuning on validation, 160 main)" in capsys.readouterr().out
     assert not (tmp_path / "o" / "results.json").exists()
 
 

@@ -36,6 +36,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("adadsf", "adadsf_no_align"),
     ("adadsf", "adadsf_lm_only"),
     ("adadsf_w8a8", "adadsf"),
+    ("adadsf_ridge_kv_err_w8a8", "adadsf_ridge_kv_err"),
     ("adadsf_ridge_kv", "adadsf"),
     ("adadsf_ridge_kv", "uniform"),
     ("adadsf_ridge_kv", "layer_drop_healed"),

@@ -20,6 +20,10 @@ class Method:
     align: bool = True
     lm_loss_only: bool = False
     quantize: bool = False
+    # a quantized arm: the arm it adds GPTQ to (the same modifier fields; it trains at
+    # that arm's learning rates unless it is given its own), so the pair differs only
+    # in the quantization
+    base: str | None = None
     match_flops: bool = False  # layer removal: keep as many layers as AdaDSF's FLOPs
     description: str = ""
     # further modifier fields of this arm (e.g. the skip path of issue 13)
@@ -37,6 +41,8 @@ _RIDGE_KV: dict[str, Any] = {
     "skip_path_rank": 64,
     "skipped_tokens_kv": True,
 }
+# the variant the recipes ship (recipes/adadsf.yaml, recipes/adadsf_w8a8.yaml)
+_RIDGE_KV_ERR: dict[str, Any] = {**_RIDGE_KV, "router_init": "skip_error"}
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -104,7 +110,7 @@ METHODS: dict[str, Method] = {
             "adadsf_ridge_kv_err",
             "AdaDSF + ridge + K/V, skip-error routers",
             "similarity",
-            fields={**_RIDGE_KV, "router_init": "skip_error"},
+            fields=_RIDGE_KV_ERR,
             description="the ridge/K-V variant with each router refit, before "
             "alignment, to the relative error of its layer's fitted map "
             "(router_init: skip_error)",
@@ -180,7 +186,19 @@ METHODS: dict[str, Method] = {
             "AdaDSF + GPTQ W8A8",
             "similarity",
             quantize=True,
-            description="AdaDSF, then GPTQ W8A8 (recipes/adadsf_w8a8.yaml stage)",
+            base="adadsf",
+            description="the paper's AdaDSF, then GPTQ W8A8 (the GPTQ stage of "
+            "recipes/adadsf_w8a8.yaml)",
+        ),
+        Method(
+            "adadsf_ridge_kv_err_w8a8",
+            "AdaDSF + ridge + K/V, skip-error routers + GPTQ W8A8",
+            "similarity",
+            quantize=True,
+            base="adadsf_ridge_kv_err",
+            fields=_RIDGE_KV_ERR,
+            description="the variant the recipes ship, then GPTQ W8A8: "
+            "recipes/adadsf_w8a8.yaml as a user runs it",
         ),
     )
 }

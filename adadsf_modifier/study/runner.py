@@ -126,6 +126,11 @@ def _modifier_record(model: torch.nn.Module, mod: Any) -> dict[str, Any]:
         "num_layers": len(mod.retention_ratios),
         "num_routed": len(routed_layers(model)),
         "layers_kept": sum(1 for r in mod.retention_ratios if r > 0),
+        # modules a quantization scheme was applied to (GPTQ's targets): a W8A8 arm
+        # that quantized nothing would otherwise look like its base arm
+        "quantized_modules": sum(
+            getattr(m, "quantization_scheme", None) is not None for m in model.modules()
+        ),
         "align_seconds": 0.0,
         "align_peak_memory_mb": None,
         "align_memory_kind": None,

@@ -64,6 +64,7 @@ class StudySettings(BaseModel):
         "adadsf_no_align",
         "adadsf_lm_only",
         "adadsf_w8a8",
+        "adadsf_ridge_kv_err_w8a8",
         "adadsf_ridge_kv_no_align",
     )
     ablation_seeds: PositiveInt | None = None  # None: every seed
@@ -270,10 +271,10 @@ class StudySettings(BaseModel):
 
 def quick_settings(**overrides: Any) -> StudySettings:
     """One seed, budget 0.8 and tiny limits: every method through the whole pipeline
-    (12 runs on SmolLM2; about 20 minutes on the project's shared 2-core CPU, from
-    smoke runs of 40-350 s each, the W8A8 run being the slowest). A smoke test: its
-    numbers are not evidence of anything. ``overrides`` (e.g. ``budgets``) replace any
-    of it."""
+    (one run each; ``adadsf study --quick --plan`` prints how many and its time
+    estimate: smoke runs took 40-350 s each on the project's shared 2-core CPU, the
+    W8A8 arms the slowest). A smoke test: its numbers are not evidence of anything.
+    ``overrides`` (e.g. ``budgets`` or ``methods``) replace any of it."""
     base: dict[str, Any] = dict(
         seeds=1,
         budgets=(0.8,),

@@ -11,8 +11,9 @@ tuning run is spent on it (:func:`~adadsf_modifier.study.plan.single_candidate`)
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plan import (
     Context,
     Tuned,
@@ -88,4 +89,21 @@ def tune_on_validation(
     except RuntimeError as err:
         runner.failed.append(f"tuning: {err}")
         return None, list(records.values())
-    return replace(tuned, per_method=per_method), list(records.values())
+    return replace(tuned, per_method=_with_bases(s, per_method)), list(records.values())
+
+
+def _with_bases(
+    s: StudySettings, per_method: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """``per_method`` plus each quantized arm without rates of its own at its base
+    arm's: the pair then differs only in the quantization (a base trained at the
+    first method's rates needs no entry, and neither does its arm)."""
+    out = dict(per_method)
+    for method in s.methods:
+        base = METHODS[method].base
+        if base in per_method and method not in out:
+            out[method] = {
+                **per_method[base],
+                "source": f"{METHODS[base].short_label}'s, the arm it quantizes",
+            }
+    return out
