@@ -26,6 +26,8 @@ END = "<!-- /quality-table -->"
 LABELS: dict[str, str] = {
     "dense": "dense",
     "adadsf_ridge_kv_err": "**AdaDSF, the shipped variant**",
+    "adadsf_ridge_kv_err_w8a8": "the shipped variant + GPTQ W8A8",
+    "adadsf_ridge_kv_err_lm_only": "the shipped variant, LM loss only",
     "layer_drop_healed": "layer removal (ShortGPT) + healing",
     "layer_drop": "layer removal (ShortGPT), no training",
     "adadsf": "AdaDSF, the paper (identity skip path)",

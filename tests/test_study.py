@@ -192,6 +192,12 @@ def test_method_fields():
     lm = modifier_fields(s, "adadsf_lm_only", 0.8, 1, TUNED)
     assert (lm["align_w_kl"], lm["align_w_hidden"], lm["align_w_lm"]) == (0, 0, 1)
     assert lm["seed"] == 1 and lm["align_seed"] == 1
+    # the shipped variant on the LM loss: only the loss weights differ from the variant
+    v = modifier_fields(s, "adadsf_ridge_kv_err", 0.8, 1, TUNED)
+    v_lm = modifier_fields(s, "adadsf_ridge_kv_err_lm_only", 0.8, 1, TUNED)
+    assert {k for k in v if v[k] != v_lm[k]} == {
+        "align_w_kl", "align_w_hidden", "align_w_lm"}  # fmt: skip
+    assert (v_lm["align_w_kl"], v_lm["align_w_hidden"], v_lm["align_w_lm"]) == (0, 0, 1)
     assert modifier_fields(s, "layer_drop", 0.8, 0, TUNED)["align_steps"] == 0
     healed = modifier_fields(s, "layer_drop_healed", 0.8, 0, TUNED)
     assert (
@@ -205,9 +211,9 @@ def test_method_fields():
 
 # ------------------------------------------------------------------------ the plan
 def test_count_runs_default_study():
-    # dense 1 + 17 methods x 3 budgets x 3 seeds + 2 W8A8 arms at 0.8 x 3 seeds = 160
+    # dense 1 + 18 methods x 3 budgets x 3 seeds + 2 W8A8 arms at 0.8 x 3 seeds = 169
     # main; tuning: 3 learning rates + 3 temperatures - the shared default = 5
-    assert count_runs(StudySettings()) == {"tune": 5, "main": 160}
+    assert count_runs(StudySettings()) == {"tune": 5, "main": 169}
     quick = StudySettings(methods=("dense", "adadsf"), budgets=(0.8,), seeds=2)
     assert count_runs(quick) == {"tune": 5, "main": 3}
     assert count_runs(StudySettings(tune=False))["tune"] == 0

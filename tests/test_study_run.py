@@ -429,9 +429,9 @@ def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
     calls: list[str] = []
     res = run_study(StudySettings(), tiny_dir, tmp_path / "o", tmp_path / "c",
                     executor=fake_executor(calls), plan_only=True)  # fmt: skip
-    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 160}
+    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 169}
     assert res["plan"]["estimated_s"] > 0
-    assert "165 runs (5 tuning on validation, 160 main)" in capsys.readouterr().out
+    assert "174 runs (5 tuning on validation, 169 main)" in capsys.readouterr().out
     assert not (tmp_path / "o" / "results.json").exists()
 
 

@@ -46,6 +46,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("adadsf_ridge_kv_err", "uniform"),
     ("adadsf_ridge_kv_err", "layer_drop_healed"),
     ("adadsf_ridge_kv_err", "layer_drop_ridge_healed"),
+    ("adadsf_ridge_kv_err", "adadsf_ridge_kv_err_lm_only"),
     ("layer_drop_ridge", "layer_drop"),
     ("layer_drop_ridge", "layer_drop_healed"),
     ("adadsf_ridge_kv", "layer_drop_ridge_healed"),

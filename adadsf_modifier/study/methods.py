@@ -116,6 +116,15 @@ METHODS: dict[str, Method] = {
             "(router_init: skip_error)",
         ),
         Method(
+            "adadsf_ridge_kv_err_lm_only",
+            "AdaDSF + ridge + K/V, skip-error routers, LM loss only",
+            "similarity",
+            lm_loss_only=True,
+            fields=_RIDGE_KV_ERR,
+            description="the shipped variant aligned on the causal-LM loss instead of "
+            "KL + hidden (on the paper's AdaDSF the LM loss won at 0.81: RESULTS.md)",
+        ),
+        Method(
             "adadsf_ridge_kv_no_align",
             "AdaDSF + ridge + K/V, no alignment",
             "similarity",

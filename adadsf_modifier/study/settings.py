@@ -63,6 +63,7 @@ class StudySettings(BaseModel):
     ablation_methods: tuple[str, ...] = (
         "adadsf_no_align",
         "adadsf_lm_only",
+        "adadsf_ridge_kv_err_lm_only",
         "adadsf_w8a8",
         "adadsf_ridge_kv_err_w8a8",
         "adadsf_ridge_kv_no_align",
