@@ -48,7 +48,15 @@ def test_the_shipped_variant_is_the_configuration_the_study_measured():
     runs = [
         json.loads(p.read_text()) for p in (MEASURED / MEASURED_METHOD).glob("*.json")
     ]
-    (run,) = [r for r in runs if r["config"]["seed"] == 0]
+    # the run RESULTS.md reports (the folder also holds probes at other settings)
+    study = json.loads((ROOT / "docs" / "results.json").read_text())["settings"]
+    (run,) = [
+        r
+        for r in runs
+        if r["config"]["seed"] == 0
+        and r["config"]["budget"] in study["budgets"]
+        and r["config"]["modifier"]["align_steps"] == study["align_steps"]
+    ]
     measured = run["config"]["modifier"]
     shipped = adadsf_block("adadsf.yaml")
     assert shipped["retention"] == run["config"]["budget"]
