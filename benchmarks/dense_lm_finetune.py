@@ -22,13 +22,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from adadsf_modifier.evaluation import calibration_dataset
 from adadsf_modifier.evaluation.embedded_model import resolve_model
 from adadsf_modifier.study.measure import TokenStreams, measure_perplexity
+from adadsf_modifier.study.settings import StudySettings
 
 
 def main() -> None:
+    study = StudySettings()  # the study's alignment rows and perplexity windows
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=study.align_batch_size)
+    p.add_argument("--seq-len", type=int, default=study.align_seq_len)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -56,8 +58,11 @@ def main() -> None:
     streams = TokenStreams(tok)
     out = {"steps": a.steps, "lr": a.lr, "seed": a.seed, "train_seconds": seconds,
            "loss_first": losses[0], "loss_last": losses[-1]}  # fmt: skip
-    for split, n in (("validation", 16384), ("test", 32768)):
-        res = measure_perplexity(model, streams.get(split, n), 512, 256, "causal", 1)
+    for split, n in (("validation", study.ppl_val_tokens), ("test", study.ppl_tokens)):
+        stream = streams.get(split, n)
+        res = measure_perplexity(
+            model, stream, study.ppl_max_length, study.ppl_stride, "causal", 1
+        )
         out[f"ppl_{split}"] = res["ppl"]
     print(json.dumps(out, indent=1))
     if a.json:

@@ -4,7 +4,7 @@ model into the compared model (allocation, alignment, extra modifier fields)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 __all__ = ["METHODS", "Method", "by_method_and_budget"]
@@ -44,170 +44,178 @@ _RIDGE_KV: dict[str, Any] = {
 # the variant the recipes ship (recipes/adadsf.yaml, recipes/adadsf_w8a8.yaml)
 _RIDGE_KV_ERR: dict[str, Any] = {**_RIDGE_KV, "router_init": "skip_error"}
 
+_ARMS: tuple[Method, ...] = (
+    Method("dense", "dense", None, align=False, description="the dense model"),
+    Method(
+        "adadsf",
+        "AdaDSF (similarity)",
+        "similarity",
+        description="similarity allocation + feature alignment (the paper)",
+    ),
+    Method("uniform", "uniform (MoD)", "uniform", description="same ratio per layer"),
+    Method(
+        "reversed",
+        "reversed",
+        "reversed",
+        description="similarity ranking inverted",
+    ),
+    Method(
+        "random",
+        "random",
+        "random",
+        description="similarity ratios, seeded random layer order",
+    ),
+    Method(
+        "layer_drop",
+        "layer removal (ShortGPT)",
+        "layer_drop",
+        align=False,
+        match_flops=True,
+        description="lowest Block-Influence layers removed, no training",
+    ),
+    Method(
+        "layer_drop_healed",
+        "layer removal + healing",
+        "layer_drop",
+        match_flops=True,
+        description="layer removal, then the same alignment as AdaDSF",
+    ),
+    Method(
+        "adadsf_no_align",
+        "AdaDSF, no alignment",
+        "similarity",
+        align=False,
+        description="similarity allocation, warm-started routers, no training",
+    ),
+    Method(
+        "adadsf_lm_only",
+        "AdaDSF, LM loss only",
+        "similarity",
+        lm_loss_only=True,
+        description="alignment with the causal-LM loss instead of KL + hidden",
+    ),
+    Method(
+        "adadsf_ridge_kv",
+        "AdaDSF + ridge skip path + K/V",
+        "similarity",
+        fields=_RIDGE_KV,
+        description="skipped tokens get a fitted rank-64 ridge map and still "
+        "give keys/values; maps refitted after alignment",
+    ),
+    Method(
+        "adadsf_ridge_kv_err",
+        "AdaDSF + ridge + K/V, skip-error routers",
+        "similarity",
+        fields=_RIDGE_KV_ERR,
+        description="the ridge/K-V variant with each router refit, before "
+        "alignment, to the relative error of its layer's fitted map "
+        "(router_init: skip_error)",
+    ),
+    Method(
+        "adadsf_ridge_kv_err_lm_only",
+        "AdaDSF + ridge + K/V, skip-error routers, LM loss only",
+        "similarity",
+        lm_loss_only=True,
+        fields=_RIDGE_KV_ERR,
+        description="the shipped variant aligned on the causal-LM loss instead of "
+        "KL + hidden (on the paper's AdaDSF the LM loss won at 0.81: RESULTS.md)",
+    ),
+    Method(
+        "adadsf_ridge_kv_no_align",
+        "AdaDSF + ridge + K/V, no alignment",
+        "similarity",
+        align=False,
+        fields=_RIDGE_KV,
+        description="the ridge/K-V variant with no training at all",
+    ),
+    Method(
+        "layer_drop_ridge",
+        "layer removal + ridge maps",
+        "layer_drop",
+        align=False,
+        match_flops=True,
+        fields={"skip_path": "ridge"},
+        description="layer removal, each removed layer replaced by its fitted "
+        "full-rank ridge map, no training",
+    ),
+    Method(
+        "layer_drop_ridge_healed",
+        "layer removal + ridge maps + healing",
+        "layer_drop",
+        match_flops=True,
+        fields={"skip_path": "ridge"},
+        description="layer removal with ridge maps in place of the removed "
+        "layers, then the same alignment as AdaDSF (maps refitted after it)",
+    ),
+    Method(
+        "ftp",
+        "FTP (shared 4-feature router)",
+        "genetic",
+        align=False,
+        modifier="ftp",
+        description="FTPModifier: genetic per-layer schedule, router-only training "
+        "(as many steps as AdaDSF's alignment), causal thresholds",
+    ),
+    Method(
+        "ftp_quantile",
+        "FTP, trained on inference's rule",
+        "genetic",
+        align=False,
+        modifier="ftp",
+        fields={"train_routing": "quantile"},
+        description="FTP with its router trained on each layer's ratio of the "
+        "batch (train_routing: quantile) instead of the hard gate s > 0",
+    ),
+    Method(
+        "ftp_ridge_kv",
+        "FTP + ridge skip path + K/V",
+        "genetic",
+        align=False,
+        modifier="ftp",
+        fields=_RIDGE_KV,
+        description="FTP with AdaDSF's rank-64 ridge skip path and skipped tokens' "
+        "keys/values",
+    ),
+    Method(
+        "ftp_ridge_kv_quantile",
+        "FTP + ridge + K/V, trained on inference's rule",
+        "genetic",
+        align=False,
+        modifier="ftp",
+        fields={**_RIDGE_KV, "train_routing": "quantile"},
+        description="FTP with the ridge skip path, skipped tokens' keys/values and "
+        "its router trained on each layer's ratio of the batch",
+    ),
+)
+
+
+def _w8a8(base: str, description: str) -> Method:
+    """``base``'s arm followed by GPTQ W8A8 (the GPTQ stage of
+    ``recipes/adadsf_w8a8.yaml``): everything else is ``base``'s, by construction."""
+    arm = next(m for m in _ARMS if m.name == base)
+    return replace(
+        arm,
+        name=f"{base}_w8a8",
+        label=f"{arm.short_label} + GPTQ W8A8",
+        quantize=True,
+        base=base,
+        description=description,
+    )
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("dense", "dense", None, align=False, description="the dense model"),
-        Method(
+        *_ARMS,
+        _w8a8(
             "adadsf",
-            "AdaDSF (similarity)",
-            "similarity",
-            description="similarity allocation + feature alignment (the paper)",
-        ),
-        Method(
-            "uniform", "uniform (MoD)", "uniform", description="same ratio per layer"
-        ),
-        Method(
-            "reversed",
-            "reversed",
-            "reversed",
-            description="similarity ranking inverted",
-        ),
-        Method(
-            "random",
-            "random",
-            "random",
-            description="similarity ratios, seeded random layer order",
-        ),
-        Method(
-            "layer_drop",
-            "layer removal (ShortGPT)",
-            "layer_drop",
-            align=False,
-            match_flops=True,
-            description="lowest Block-Influence layers removed, no training",
-        ),
-        Method(
-            "layer_drop_healed",
-            "layer removal + healing",
-            "layer_drop",
-            match_flops=True,
-            description="layer removal, then the same alignment as AdaDSF",
-        ),
-        Method(
-            "adadsf_no_align",
-            "AdaDSF, no alignment",
-            "similarity",
-            align=False,
-            description="similarity allocation, warm-started routers, no training",
-        ),
-        Method(
-            "adadsf_lm_only",
-            "AdaDSF, LM loss only",
-            "similarity",
-            lm_loss_only=True,
-            description="alignment with the causal-LM loss instead of KL + hidden",
-        ),
-        Method(
-            "adadsf_ridge_kv",
-            "AdaDSF + ridge skip path + K/V",
-            "similarity",
-            fields=_RIDGE_KV,
-            description="skipped tokens get a fitted rank-64 ridge map and still "
-            "give keys/values; maps refitted after alignment",
-        ),
-        Method(
-            "adadsf_ridge_kv_err",
-            "AdaDSF + ridge + K/V, skip-error routers",
-            "similarity",
-            fields=_RIDGE_KV_ERR,
-            description="the ridge/K-V variant with each router refit, before "
-            "alignment, to the relative error of its layer's fitted map "
-            "(router_init: skip_error)",
-        ),
-        Method(
-            "adadsf_ridge_kv_err_lm_only",
-            "AdaDSF + ridge + K/V, skip-error routers, LM loss only",
-            "similarity",
-            lm_loss_only=True,
-            fields=_RIDGE_KV_ERR,
-            description="the shipped variant aligned on the causal-LM loss instead of "
-            "KL + hidden (on the paper's AdaDSF the LM loss won at 0.81: RESULTS.md)",
-        ),
-        Method(
-            "adadsf_ridge_kv_no_align",
-            "AdaDSF + ridge + K/V, no alignment",
-            "similarity",
-            align=False,
-            fields=_RIDGE_KV,
-            description="the ridge/K-V variant with no training at all",
-        ),
-        Method(
-            "layer_drop_ridge",
-            "layer removal + ridge maps",
-            "layer_drop",
-            align=False,
-            match_flops=True,
-            fields={"skip_path": "ridge"},
-            description="layer removal, each removed layer replaced by its fitted "
-            "full-rank ridge map, no training",
-        ),
-        Method(
-            "layer_drop_ridge_healed",
-            "layer removal + ridge maps + healing",
-            "layer_drop",
-            match_flops=True,
-            fields={"skip_path": "ridge"},
-            description="layer removal with ridge maps in place of the removed "
-            "layers, then the same alignment as AdaDSF (maps refitted after it)",
-        ),
-        Method(
-            "ftp",
-            "FTP (shared 4-feature router)",
-            "genetic",
-            align=False,
-            modifier="ftp",
-            description="FTPModifier: genetic per-layer schedule, router-only training "
-            "(as many steps as AdaDSF's alignment), causal thresholds",
-        ),
-        Method(
-            "ftp_quantile",
-            "FTP, trained on inference's rule",
-            "genetic",
-            align=False,
-            modifier="ftp",
-            fields={"train_routing": "quantile"},
-            description="FTP with its router trained on each layer's ratio of the "
-            "batch (train_routing: quantile) instead of the hard gate s > 0",
-        ),
-        Method(
-            "ftp_ridge_kv",
-            "FTP + ridge skip path + K/V",
-            "genetic",
-            align=False,
-            modifier="ftp",
-            fields=_RIDGE_KV,
-            description="FTP with AdaDSF's rank-64 ridge skip path and skipped tokens' "
-            "keys/values",
-        ),
-        Method(
-            "ftp_ridge_kv_quantile",
-            "FTP + ridge + K/V, trained on inference's rule",
-            "genetic",
-            align=False,
-            modifier="ftp",
-            fields={**_RIDGE_KV, "train_routing": "quantile"},
-            description="FTP with the ridge skip path, skipped tokens' keys/values and "
-            "its router trained on each layer's ratio of the batch",
-        ),
-        Method(
-            "adadsf_w8a8",
-            "AdaDSF + GPTQ W8A8",
-            "similarity",
-            quantize=True,
-            base="adadsf",
-            description="the paper's AdaDSF, then GPTQ W8A8 (the GPTQ stage of "
+            "the paper's AdaDSF, then GPTQ W8A8 (the GPTQ stage of "
             "recipes/adadsf_w8a8.yaml)",
         ),
-        Method(
-            "adadsf_ridge_kv_err_w8a8",
-            "AdaDSF + ridge + K/V, skip-error routers + GPTQ W8A8",
-            "similarity",
-            quantize=True,
-            base="adadsf_ridge_kv_err",
-            fields=_RIDGE_KV_ERR,
-            description="the variant the recipes ship, then GPTQ W8A8: "
-            "recipes/adadsf_w8a8.yaml as a user runs it",
+        _w8a8(
+            "adadsf_ridge_kv_err",
+            "the variant the recipes ship, then GPTQ W8A8: recipes/adadsf_w8a8.yaml "
+            "as a user runs it",
         ),
     )
 }
