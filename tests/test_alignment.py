@@ -445,6 +445,48 @@ def test_select_trainable_needs_routed_layers():
         select_trainable(tiny_model("llama"), "routers")
 
 
+def test_given_params_fine_tune_a_dense_model_like_a_hand_written_adamw_step():
+    """The study's dense control: ``align_model`` trains the parameters it is given
+    on a model with no routed layer. One step over one batch of all rows (so the row
+    order cannot matter) equals AdamW on the mean causal-LM loss, computed here by
+    hand; every other parameter stays as it was."""
+    model = tiny_model("llama", num_layers=3)
+    ref = tiny_model("llama", num_layers=3)  # the same seed: the same weights
+    rows = token_dataset(4, 16)
+    _, layers = decoder_layers(model)
+    params = [p for _, layer in layers[1:] for p in layer.parameters()]
+    before = snapshot(model)
+    w = AlignmentLossWeights(kl=0, hidden=0, lm=1)
+    cfg = config(steps=1, lr=1e-3, batch_size=4, weights=w, grad_clip=None)
+    report = align_model(model, None, rows, cfg, params=params)
+    assert report.steps == 1 and report.num_trainable == sum(p.numel() for p in params)
+
+    _, ref_layers = decoder_layers(ref)
+    trained = [p for _, layer in ref_layers[1:] for p in layer.parameters()]
+    ref.requires_grad_(False).eval()
+    for p in trained:
+        p.requires_grad_(True)
+    ids = torch.tensor(rows["input_ids"])
+    logits = ref(input_ids=ids).logits.float()
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    torch.optim.AdamW(trained, lr=1e-3, weight_decay=0.0).step()
+    assert report.losses[0] == pytest.approx(loss.item(), rel=1e-5)
+
+    after, expected = snapshot(model), snapshot(ref)
+    trained_names = {n for n, _ in model.named_parameters() if ".layers.0." not in n}
+    trained_names = {n for n in trained_names if ".layers." in n}
+    for name in after:
+        if name in trained_names:
+            assert not torch.equal(after[name], before[name]), name
+            # AdamW's first step moves each weight by ~lr (1e-3): 1e-5 resolves it
+            torch.testing.assert_close(after[name], expected[name], rtol=0, atol=1e-5)
+        else:  # embeddings, layer 0, final norm, LM head: untouched
+            assert torch.equal(after[name], before[name]), name
+    with pytest.raises(ValueError, match="params is empty"):
+        align_model(model, None, rows, cfg, params=[])
+
+
 def test_make_teacher_is_independent_and_frozen():
     model = tiny_model("llama")
     teacher = make_teacher(model)

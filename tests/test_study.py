@@ -12,6 +12,7 @@ import time
 import pytest
 
 from adadsf_modifier.study.aggregate import build_results
+from adadsf_modifier.study.arms import finetune_fields
 from adadsf_modifier.study.command import add_study_arguments, build_settings
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.plan import (
@@ -211,9 +212,10 @@ def test_method_fields():
 
 # ------------------------------------------------------------------------ the plan
 def test_count_runs_default_study():
-    # dense 1 + 18 methods x 3 budgets x 3 seeds + 2 W8A8 arms at 0.8 x 3 seeds = 169
-    # main; tuning: 3 learning rates + 3 temperatures - the shared default = 5
-    assert count_runs(StudySettings()) == {"tune": 5, "main": 169}
+    # dense 1 + 18 methods x 3 budgets x 3 seeds + 2 W8A8 arms at 0.8 x 3 seeds + 2
+    # dense controls at 1.0 x 3 seeds = 175 main; tuning: 3 learning rates + 3
+    # temperatures - the shared default = 5
+    assert count_runs(StudySettings()) == {"tune": 5, "main": 175}
     quick = StudySettings(methods=("dense", "adadsf"), budgets=(0.8,), seeds=2)
     assert count_runs(quick) == {"tune": 5, "main": 3}
     assert count_runs(StudySettings(tune=False))["tune"] == 0
@@ -354,6 +356,38 @@ def test_a_quantized_arm_is_its_base_arm_plus_gptq_and_nothing_else():
     # the shipped W8A8 recipe's sparsity stage is the variant's arm
     f = modifier_fields(s, "adadsf_ridge_kv_err_w8a8", 0.8, 0, TUNED)
     assert skip_fields(f) == ("ridge", 64, True) and f["router_init"] == "skip_error"
+
+
+def test_a_dense_control_trains_with_its_arms_alignment_and_nothing_else():
+    from adadsf_modifier.study.tuning import _with_bases
+
+    s = StudySettings()
+    controls = [m for m in METHODS.values() if m.dense_control]
+    assert {m.name: m.base for m in controls} == {
+        "dense_lm": "adadsf_lm_only",
+        "dense_lm_ridge_kv_err": "adadsf_ridge_kv_err_lm_only",
+    }
+    own = {"align_lr": 1e-4, "align_layer_lr": 1e-5}
+    rates = _with_bases(s, {"adadsf_ridge_kv_err_lm_only": own})
+    assert rates["dense_lm_ridge_kv_err"]["source"].endswith("the arm it controls")
+    tuned = Tuned(1e-3, 0.05, 10.0, "validation split", 3e-4, per_method=rates)
+    for m in controls:
+        f = finetune_fields(s, m.name, 2, tuned)
+        arm = modifier_fields(s, m.base, 0.8, 2, tuned)
+        assert {k: f[k] for k in ("steps", "lr", "layer_lr", "seed", "batch_size",
+                                  "seq_len", "bf16", "trainable", "lr_schedule")} == {
+            k: arm[f"align_{k}"] for k in ("steps", "lr", "layer_lr", "seed",
+                                           "batch_size", "seq_len", "bf16",
+                                           "trainable", "lr_schedule")}  # fmt: skip
+        assert f["weights"] == {"kl": 0.0, "hidden": 0.0, "lm": 1.0}
+        assert f["ignore"] == list(s.ignore)
+    assert finetune_fields(s, "dense_lm", 0, tuned)["layer_lr"] == 3e-4  # shared rates
+    assert finetune_fields(s, "dense_lm_ridge_kv_err", 0, tuned)["layer_lr"] == 1e-5
+    with pytest.raises(ValueError, match="not a dense control"):
+        finetune_fields(s, "dense", 0, tuned)
+    # a control is not tuned: it trains as its arm does
+    with pytest.raises(ValueError, match="dense control: it trains at the rates of"):
+        StudySettings(tune_methods=("adadsf", "dense_lm"))
 
 
 def test_layer_learning_rate_is_tuned_with_each_rate_and_reaches_the_modifier():

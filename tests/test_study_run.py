@@ -9,6 +9,7 @@ import math
 
 import pytest
 from tiny_models import save_tiny_model
+from transformers import AutoModelForCausalLM
 
 from adadsf_modifier.study.command import main
 from adadsf_modifier.study.plan import tune_count
@@ -129,6 +130,40 @@ def test_the_w8a8_arm_quantizes_every_decoder_linear_and_no_router(tiny_dir, tmp
     assert math.isfinite(runs["adadsf_w8a8"]["ppl_test"])
     pairs = {(c["a"], c["b"]) for c in res["comparisons"]}
     assert ("adadsf_w8a8", "adadsf") in pairs
+
+
+def test_a_dense_control_fine_tunes_dense_as_its_arm_aligns_paired_at_each_budget(
+    tiny_dir, tmp_path
+):
+    out = tmp_path / "docs"
+    argv = ["--model", tiny_dir, "--cache-dir", str(tmp_path / "cache"),
+            "--output-dir", str(out), "--methods", "dense,adadsf_lm_only,dense_lm",
+            "--budgets", "0.8", "--seeds", "2", "--set", "tune=false",
+            "--set", "speed=false", *TINY]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert not res["failed"]
+    runs = {(r["method"], r["seed"]): r for r in res["runs"]}
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    # layer 0 is in the study's ignore, as it stays dense in the routed arms
+    layer_params = sum(p.numel() for p in model.model.layers[1:].parameters())
+    for seed in (0, 1):
+        ctl, arm = runs[("dense_lm", seed)], runs[("adadsf_lm_only", seed)]
+        assert ctl["budget"] == 1.0 and ctl["normalized_flops"] == pytest.approx(1.0)
+        assert ctl["finetuned_parameters"] == layer_params
+        for k in ("align_steps_done", "align_lr", "align_layer_lr", "align_tokens"):
+            assert ctl[k] == arm[k], k
+        assert ctl["ppl_test"] != res["dense"]["ppl_test"]  # it trained
+    # each seed's control trains in its seed's order (the tiny tokenizer makes every
+    # row the same, so the numbers cannot show it; the configurations do)
+    configs = [json.loads(p.read_text())["config"]
+               for p in (tmp_path / "cache").rglob("dense_lm/*.json")]  # fmt: skip
+    assert sorted(c["finetune"]["seed"] for c in configs) == [0, 1]
+    assert all(c["finetune"]["weights"] == {"kl": 0, "hidden": 0, "lm": 1}
+               and c["finetune"]["ignore"] == [r"re:.*layers\.0$"]
+               and c["modifier"] is None for c in configs)  # fmt: skip
+    pairs = {(c["a"], c["b"], c["budget"], c["n_seeds"]) for c in res["comparisons"]}
+    assert ("adadsf_lm_only", "dense_lm", 0.8, 2) in pairs
 
 
 def fake_executor(calls, fail=()):
@@ -429,9 +464,9 @@ def test_plan_only_runs_nothing(tiny_dir, tmp_path, capsys):
     calls: list[str] = []
     res = run_study(StudySettings(), tiny_dir, tmp_path / "o", tmp_path / "c",
                     executor=fake_executor(calls), plan_only=True)  # fmt: skip
-    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 169}
+    assert calls == [] and res["plan"]["runs"] == {"tune": 5, "main": 175}
     assert res["plan"]["estimated_s"] > 0
-    assert "174 runs (5 tuning on validation, 169 main)" in capsys.readouterr().out
+    assert "180 runs (5 tuning on validation, 175 main)" in capsys.readouterr().out
     assert not (tmp_path / "o" / "results.json").exists()
 
 

@@ -223,15 +223,20 @@ def align_model(
     teacher: nn.Module | None,
     data: Iterable[Mapping[str, Any]],
     config: AlignmentConfig,
+    params: Sequence[nn.Parameter] | None = None,
 ) -> AlignmentReport:
     """Fine-tune the routed ``student`` towards the dense ``teacher`` for
     ``config.steps`` steps.
 
     ``data`` yields rows or batches with ``input_ids`` (and ``attention_mask``), see
     :func:`~adadsf_modifier.alignment.data.training_rows`. ``teacher`` may be ``None``
-    only when no loss term needs it (LM-only). The student is modified in place; its
-    modes, ``requires_grad`` flags, dtypes and gradient checkpointing setting are
-    restored afterwards. Raises :class:`AlignmentDivergedError` (a
+    only when no loss term needs it (LM-only). ``params``: the parameters to train
+    instead of those ``config.trainable`` selects in the routed layers; the study's
+    dense control passes a dense model's decoder-layer weights, so that it is
+    fine-tuned by this very loop (rows, order, schedule, precision, guards) and differs
+    from the routed arm it controls only in the routing. The student is modified in
+    place; its modes, ``requires_grad`` flags, dtypes and gradient checkpointing
+    setting are restored afterwards. Raises :class:`AlignmentDivergedError` (a
     ``FloatingPointError``) on a non-finite loss/gradient/parameter, after restoring the
     last good parameters.
     """
@@ -246,7 +251,13 @@ def align_model(
         )
     check_alignment_supported(student, config)
 
-    params = [p for _, p in select_trainable(student, config.trainable)]
+    if params is None:
+        params = [p for _, p in select_trainable(student, config.trainable)]
+        what = config.trainable
+    elif not params:
+        raise ValueError("align_model: params is empty; nothing would train")
+    else:
+        params, what = list(params), "the given parameters"
     added = added_by_routing(student, params)
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device
@@ -266,7 +277,7 @@ def align_model(
         f"AdaDSF alignment: {config.steps} steps, batch {batcher.batch_size} x <= "
         f"{config.seq_len} tokens from {len(rows)} rows, {_rates(config)}, weights "
         f"kl={weights.kl:g} hidden={weights.hidden:g} lm={weights.lm:g}, training "
-        f"{config.trainable} ({report.num_trainable:,} parameters)"
+        f"{what} ({report.num_trainable:,} parameters)"
     )
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:

@@ -35,6 +35,9 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("layer_drop_healed", "layer_drop"),
     ("adadsf", "adadsf_no_align"),
     ("adadsf", "adadsf_lm_only"),
+    # the LM loss's cost of depth sparsity: against the dense model fine-tuned alike
+    # (the LM loss also adapts any model to the calibration text's corpus)
+    ("adadsf_lm_only", "dense_lm"),
     ("adadsf_w8a8", "adadsf"),
     ("adadsf_ridge_kv_err_w8a8", "adadsf_ridge_kv_err"),
     ("adadsf_ridge_kv", "adadsf"),
@@ -47,6 +50,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("adadsf_ridge_kv_err", "layer_drop_healed"),
     ("adadsf_ridge_kv_err", "layer_drop_ridge_healed"),
     ("adadsf_ridge_kv_err", "adadsf_ridge_kv_err_lm_only"),
+    ("adadsf_ridge_kv_err_lm_only", "dense_lm_ridge_kv_err"),
     ("layer_drop_ridge", "layer_drop"),
     ("layer_drop_ridge", "layer_drop_healed"),
     ("adadsf_ridge_kv", "layer_drop_ridge_healed"),
@@ -141,7 +145,9 @@ def _comparisons(runs: list[dict]) -> tuple[list[dict], list[str]]:
     rows, sentences = [], []
     for a, b in COMPARISONS:
         for budget in budgets:
-            ra, rb = by.get((a, budget)), by.get((b, budget))
+            # a dense control has one budget (1.0): it is paired at every budget
+            b_budget = 1.0 if METHODS[b].allocation is None else budget
+            ra, rb = by.get((a, budget)), by.get((b, b_budget))
             if not ra or not rb:
                 continue
             for metric, lower in COMPARED_METRICS.items():

@@ -14,7 +14,7 @@ import yaml
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.settings import StudySettings
 
-__all__ = ["Tuned", "modifier_fields", "quantization_fields"]
+__all__ = ["Tuned", "finetune_fields", "modifier_fields", "quantization_fields"]
 
 # The GPTQ stage of recipes/adadsf_w8a8.yaml, used when the recipe file is not next to
 # the package (an installed wheel); read from the file whenever it is there.
@@ -124,6 +124,27 @@ def modifier_fields(
     kwargs.update(m.fields)
     dump = AdaDSFModifier(**kwargs).model_dump()
     return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
+
+
+def finetune_fields(
+    s: StudySettings, method: str, seed: int, tuned: Tuned
+) -> dict[str, Any]:
+    """A dense control's fine-tune: the alignment settings of the arm it controls (its
+    ``base``, at this seed and at the control's rates, which are the base's unless
+    tuning gave it others), as the ``AlignmentConfig`` fields ``align_model`` takes,
+    plus ``ignore``: the decoder layers that stay frozen, as they stay dense in the
+    routed arms. Read from the base arm's modifier, so the two cannot drift apart."""
+    m = METHODS[method]
+    if not m.dense_control:
+        raise ValueError(f"{method!r} is not a dense control")
+    from adadsf_modifier import AdaDSFModifier
+
+    base = modifier_fields(s, m.base, s.tune_budget, seed, tuned.for_method(method))
+    config = AdaDSFModifier(**base).alignment_config(show_progress=False)
+    # a dense model has no routed layer: the retention schedule and the training
+    # routing rule do not apply (nor does a key that depends on them)
+    fields = config.model_dump(exclude={"show_progress", "anneal_steps", "routing"})
+    return {**fields, "ignore": list(s.ignore)}
 
 
 def _ftp_fields(

@@ -101,11 +101,14 @@ def measured_align_rate(
     secs = tokens = 0.0
     for entry in cached:
         cfg, rec = entry.get("config", {}), entry.get("record", {})
+        m = METHODS.get(cfg.get("method", ""), METHODS["dense"])
         if (
             cfg.get("model", {}).get("fingerprint") == fingerprint
             and cfg.get("device") == device
             and cfg.get("dtype") == dtype
-            and METHODS.get(cfg.get("method", ""), METHODS["dense"]).align
+            # routed alignments only: a dense control trains without a teacher
+            and m.align
+            and not m.dense_control
             and (rec.get("align_tokens") or 0) > 0
             and (rec.get("align_seconds") or 0) > 0
         ):
@@ -152,18 +155,18 @@ def estimate_run_seconds(
     if m.allocation is not None:
         secs += s.calib_samples * s.calib_seq_len * fwd * (1 + s.threshold_passes)
         per_token = _cpu_align_s_per_token(s) * scale if rate is None else rate
-        if m.align:
-            train += (
-                cpu_align_seconds(s, params)
-                if rate is None
-                else s.align_steps * s.align_batch_size * s.align_seq_len * rate
-            )
         if m.modifier == "ftp":
             tokens, other = _ftp_work(s, method, fwd)
             secs += other
             train += tokens * per_token
         if m.quantize:
             secs += _GPTQ_S * scale
+    if m.align:  # a dense control is priced like an alignment (an over-estimate)
+        train += (
+            cpu_align_seconds(s, params)
+            if rate is None
+            else s.align_steps * s.align_batch_size * s.align_seq_len * rate
+        )
     secs += s.ppl_val_tokens * window * fwd
     # FLOPs are counted over the perplexity's tokens: main runs of a routed method in
     # both routing modes, the rest in one

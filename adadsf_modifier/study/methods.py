@@ -16,19 +16,25 @@ class Method:
 
     name: str
     label: str
-    allocation: str | None  # None: the dense model, untouched
+    allocation: str | None  # None: the dense model (fine-tuned when ``align``)
     align: bool = True
     lm_loss_only: bool = False
     quantize: bool = False
-    # a quantized arm: the arm it adds GPTQ to (the same modifier fields; it trains at
-    # that arm's learning rates unless it is given its own), so the pair differs only
-    # in the quantization
+    # the arm this one is derived from; it trains at that arm's learning rates unless
+    # it is given its own. A quantized arm adds GPTQ to it (the same modifier fields);
+    # a dense control (allocation None, align) fine-tunes the dense model with its
+    # alignment. Either way the pair differs in one thing only.
     base: str | None = None
     match_flops: bool = False  # layer removal: keep as many layers as AdaDSF's FLOPs
     description: str = ""
     # further modifier fields of this arm (e.g. the skip path of issue 13)
     fields: dict[str, Any] = field(default_factory=dict)
     modifier: Literal["adadsf", "ftp"] = "adadsf"  # which modifier builds the arm
+
+    @property
+    def dense_control(self) -> bool:
+        """The dense model fine-tuned as ``base`` aligns (no routing, no modifier)."""
+        return self.allocation is None and self.align
 
     @property
     def short_label(self) -> str:
@@ -203,10 +209,30 @@ def _w8a8(base: str, description: str) -> Method:
     )
 
 
+def _dense_control(name: str, base: str) -> Method:
+    """The dense model fine-tuned with ``base``'s alignment (loss, rows, steps, rates,
+    seed), every decoder layer outside the study's ``ignore`` training: the control an
+    LM-loss arm needs. That loss also adapts a model to the calibration text's corpus,
+    which the test text shares, so the arm's perplexity under dense's can be the
+    corpus, not depth sparsity (docs/measurements.md section 16.1)."""
+    arm = next(m for m in _ARMS if m.name == base)
+    return Method(
+        name,
+        f"dense, fine-tuned as {arm.short_label}",
+        None,
+        lm_loss_only=arm.lm_loss_only,
+        base=base,
+        description=f"the dense model fine-tuned with the alignment of {base} (its "
+        "control: the same loss, rows, steps and rates, no routing)",
+    )
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         *_ARMS,
+        _dense_control("dense_lm", "adadsf_lm_only"),
+        _dense_control("dense_lm_ridge_kv_err", "adadsf_ridge_kv_err_lm_only"),
         _w8a8(
             "adadsf",
             "the paper's AdaDSF, then GPTQ W8A8 (the GPTQ stage of "

@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from adadsf_modifier.study.arms import Tuned, modifier_fields, quantization_fields
+from adadsf_modifier.study.arms import (
+    Tuned,
+    finetune_fields,
+    modifier_fields,
+    quantization_fields,
+)
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.settings import StudySettings
 from adadsf_modifier.study.spec import RunSpec
@@ -114,8 +119,12 @@ def _spec(
     s: StudySettings,
     eval_cfg: dict,
     notes: dict | None = None,
+    finetune: dict | None = None,
 ) -> RunSpec:
-    aligned = bool(modifier and modifier.get("align_steps", 0) > 0)
+    """``finetune``: a dense control's fine-tune (:func:`finetune_fields`), in place
+    of a modifier."""
+    aligned = bool(modifier and modifier.get("align_steps", 0) > 0) or bool(finetune)
+    trained = modifier is not None or finetune is not None
     config = {
         "model": {"name": ctx.model_name, "fingerprint": ctx.fingerprint},
         "device": ctx.device,
@@ -123,9 +132,11 @@ def _spec(
         "versions": ctx.versions,
         "modifier": modifier,
         "quantization": quantization_fields() if METHODS[method].quantize else None,
-        "data": _data(s, seed, aligned, ctx) if modifier is not None else None,
+        "data": _data(s, seed, aligned, ctx) if trained else None,
         "eval": eval_cfg,
     }
+    if finetune is not None:  # only then: other runs' configs keep their shape
+        config["finetune"] = finetune
     return RunSpec.create(phase, method, budget, seed, config, notes)
 
 
@@ -239,7 +250,7 @@ def tune_count(s: StudySettings) -> int:
 
 
 def budgets_of(s: StudySettings, method: str) -> list[float]:
-    if method == "dense":
+    if METHODS[method].allocation is None:  # dense and its fine-tuned controls
         return [1.0]
     if METHODS[method].quantize:
         return list(s.w8a8_budgets)
@@ -328,6 +339,12 @@ def _main_spec(
     seed: int,
 ) -> RunSpec:
     m = METHODS[method]
+    if m.dense_control:
+        fields = finetune_fields(s, method, seed, tuned)
+        eval_cfg = _eval_main(s, ctx, False)
+        return _spec(
+            ctx, "main", method, budget, seed, None, s, eval_cfg, finetune=fields
+        )
     retention, notes = budget, {}
     if m.match_flops:
         ref = reference(budget)

@@ -117,6 +117,47 @@ def _compress(model: torch.nn.Module, cfg: dict, env: RunEnv) -> AdaDSFModifier:
     return modifier
 
 
+def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str, Any]:
+    """A dense control: ``align_model`` (no teacher: the LM loss) over the alignment
+    rows its routed counterpart trains on, every decoder layer outside ``ignore``
+    training; what it did, in the record's alignment fields."""
+    from adadsf_modifier.alignment import AlignmentConfig, align_model
+    from adadsf_modifier.routing import decoder_layers
+    from adadsf_modifier.targeting import targeted_layers
+
+    fields = dict(cfg["finetune"])
+    ignore = fields.pop("ignore")
+    config = AlignmentConfig(**fields)
+    if config.weights.needs_teacher:
+        raise ValueError(
+            f"{cfg['method']}: a dense control fine-tunes on the LM loss alone; its "
+            f"weights are {config.weights}"
+        )
+    data = cfg["data"]
+    rows = env.calibration(data["align_rows"], data["align_seq_len"], data["text_seed"])
+    _, layers = decoder_layers(model)
+    params = [
+        p
+        for _, _, layer in targeted_layers(layers, None, ignore, cfg["method"])
+        for p in layer.parameters()
+    ]
+    rep = align_model(model, None, rows, config, params=params)
+    model.eval()
+    return {
+        "retention": 1.0,
+        "align_tokens": data["align_rows"] * data["align_seq_len"],
+        "align_seconds": float(rep.seconds),
+        "align_peak_memory_mb": float(rep.peak_memory_mb),
+        "align_memory_kind": rep.memory_kind,
+        "align_loss_first": rep.first_loss,
+        "align_loss_last": rep.last_loss,
+        "align_steps_done": rep.steps,
+        "align_lr": config.lr,
+        "align_layer_lr": config.layer_lr,
+        "finetuned_parameters": rep.num_trainable,
+    }
+
+
 def _modifier_record(model: torch.nn.Module, mod: Any) -> dict[str, Any]:
     """What the modifier (AdaDSF or FTP) reports about the model it built."""
     out: dict[str, Any] = {
@@ -216,7 +257,7 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
         b1 = min(speed_cfg["batch_sizes"])
         record["prefill_speedup"] = sp.get(f"prefill_speedup_b{b1}")
         record["decode_speedup"] = sp.get(f"decode_speedup_b{b1}")
-    elif cfg["method"] == "dense":
+    elif METHODS[cfg["method"]].allocation is None:  # dense, or a dense control
         record["prefill_speedup"] = record["decode_speedup"] = 1.0
 
 
@@ -242,6 +283,9 @@ def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
             record.update(_modifier_record(model, mod))
             record["compress_seconds"] = time.perf_counter() - t0
             del mod
+        elif cfg.get("finetune"):
+            record.update(_finetune_dense(model, cfg, env))
+            record["compress_seconds"] = time.perf_counter() - t0
         else:
             record.update(retention=1.0, align_seconds=0.0, align_peak_memory_mb=None)
         if cfg["modifier"] is not None:

@@ -64,6 +64,8 @@ class StudySettings(BaseModel):
         "adadsf_no_align",
         "adadsf_lm_only",
         "adadsf_ridge_kv_err_lm_only",
+        "dense_lm",
+        "dense_lm_ridge_kv_err",
         "adadsf_w8a8",
         "adadsf_ridge_kv_err_w8a8",
         "adadsf_ridge_kv_no_align",
@@ -187,8 +189,17 @@ class StudySettings(BaseModel):
     @field_validator("tune_methods")
     @classmethod
     def _tune_methods(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        tunable = [k for k, m in METHODS.items() if m.align and m.modifier == "adadsf"]
+        tunable = [
+            k
+            for k, m in METHODS.items()
+            if m.align and m.modifier == "adadsf" and m.allocation is not None
+        ]
         for name in v:
+            if name in METHODS and METHODS[name].dense_control:
+                raise ValueError(
+                    f"{name!r} is a dense control: it trains at the rates of the arm "
+                    f"it controls ({METHODS[name].base}); tune that one"
+                )
             if name not in tunable:
                 raise ValueError(
                     f"{name!r} is not an aligned method; tunable: {', '.join(tunable)}"

@@ -95,15 +95,17 @@ def tune_on_validation(
 def _with_bases(
     s: StudySettings, per_method: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """``per_method`` plus each quantized arm without rates of its own at its base
-    arm's: the pair then differs only in the quantization (a base trained at the
-    first method's rates needs no entry, and neither does its arm)."""
+    """``per_method`` plus each derived arm (a quantized arm, a dense control)
+    without rates of its own at its base arm's: the pair then differs only in the
+    quantization, or the routing (a base trained at the first method's rates needs no
+    entry, and neither does its arm)."""
     out = dict(per_method)
     for method in s.methods:
-        base = METHODS[method].base
-        if base in per_method and method not in out:
+        m = METHODS[method]
+        if m.base in per_method and method not in out:
+            role = "quantizes" if m.quantize else "controls"
             out[method] = {
-                **per_method[base],
-                "source": f"{METHODS[base].short_label}'s, the arm it quantizes",
+                **per_method[m.base],
+                "source": f"{METHODS[m.base].short_label}'s, the arm it {role}",
             }
     return out
