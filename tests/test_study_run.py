@@ -164,6 +164,13 @@ def test_a_dense_control_fine_tunes_dense_as_its_arm_aligns_paired_at_each_budge
                and c["modifier"] is None for c in configs)  # fmt: skip
     pairs = {(c["a"], c["b"], c["budget"], c["n_seeds"]) for c in res["comparisons"]}
     assert ("adadsf_lm_only", "dense_lm", 0.8, 2) in pairs
+    # a row of the 0.8 table beside dense, not a budget of its own nor a target row
+    md = (out / "RESULTS.md").read_text()
+    assert "### Budget 1\n" not in md
+    table = md.split("### Budget 0.8")[1].split("##")[0]
+    assert "| dense, fine-tuned as AdaDSF, LM loss only | 2 |" in table
+    targets = md.split("## Quality targets")[1].split("## Setup")[0]
+    assert "fine-tuned" not in targets and "AdaDSF, LM loss only at 0.8" in targets
 
 
 def fake_executor(calls, fail=()):

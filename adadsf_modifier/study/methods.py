@@ -216,11 +216,13 @@ def _dense_control(name: str, base: str) -> Method:
     which the test text shares, so the arm's perplexity under dense's can be the
     corpus, not depth sparsity (docs/measurements.md section 16.1)."""
     arm = next(m for m in _ARMS if m.name == base)
+    if not arm.lm_loss_only:  # the dense model is the teacher a KL loss would need
+        raise ValueError(f"a dense control needs an LM-loss arm, not {base!r}")
     return Method(
         name,
         f"dense, fine-tuned as {arm.short_label}",
         None,
-        lm_loss_only=arm.lm_loss_only,
+        lm_loss_only=True,
         base=base,
         description=f"the dense model fine-tuned with the alignment of {base} (its "
         "control: the same loss, rows, steps and rates, no routing)",

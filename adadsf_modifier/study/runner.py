@@ -127,12 +127,7 @@ def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str,
 
     fields = dict(cfg["finetune"])
     ignore = fields.pop("ignore")
-    config = AlignmentConfig(**fields)
-    if config.weights.needs_teacher:
-        raise ValueError(
-            f"{cfg['method']}: a dense control fine-tunes on the LM loss alone; its "
-            f"weights are {config.weights}"
-        )
+    config = AlignmentConfig(**fields)  # LM loss only: align_model needs no teacher
     data = cfg["data"]
     rows = env.calibration(data["align_rows"], data["align_seq_len"], data["text_seed"])
     _, layers = decoder_layers(model)

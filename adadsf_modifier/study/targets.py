@@ -89,7 +89,12 @@ def target_rows(dense: dict | None, runs: list[dict]) -> list[dict[str, Any]]:
     if not dense or not dense.get("ppl_test"):
         return []
     rows = []
-    scored = [r for r in runs if r.get("ppl_test") is not None]
+    # a dense control is a reference for its arm, not a compressed model
+    scored = [
+        r
+        for r in runs
+        if r.get("ppl_test") is not None and not METHODS[r["method"]].dense_control
+    ]
     for (method, budget), rs in by_method_and_budget(scored):
         flops = mean_ci([r.get("normalized_flops") for r in rs])
         ratio = mean_ci([r["ppl_test"] / dense["ppl_test"] for r in rs])
