@@ -117,6 +117,18 @@ def _compress(model: torch.nn.Module, cfg: dict, env: RunEnv) -> AdaDSFModifier:
     return modifier
 
 
+def _alignment_record(rep: Any) -> dict[str, Any]:
+    """What an alignment (``AlignmentReport``) did, in the record's fields."""
+    return {
+        "align_seconds": float(rep.seconds),
+        "align_peak_memory_mb": float(rep.peak_memory_mb),
+        "align_memory_kind": rep.memory_kind,
+        "align_loss_first": rep.first_loss,
+        "align_loss_last": rep.last_loss,
+        "align_steps_done": rep.steps,
+    }
+
+
 def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str, Any]:
     """A dense control: ``align_model`` (no teacher: the LM loss) over the alignment
     rows its routed counterpart trains on, every decoder layer outside ``ignore``
@@ -141,12 +153,7 @@ def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str,
     return {
         "retention": 1.0,
         "align_tokens": data["align_rows"] * data["align_seq_len"],
-        "align_seconds": float(rep.seconds),
-        "align_peak_memory_mb": float(rep.peak_memory_mb),
-        "align_memory_kind": rep.memory_kind,
-        "align_loss_first": rep.first_loss,
-        "align_loss_last": rep.last_loss,
-        "align_steps_done": rep.steps,
+        **_alignment_record(rep),
         "align_lr": config.lr,
         "align_layer_lr": config.layer_lr,
         "finetuned_parameters": rep.num_trainable,
@@ -184,14 +191,7 @@ def _modifier_record(model: torch.nn.Module, mod: Any) -> dict[str, Any]:
             align_loss_last=train.total[-1],
         )
     if rep is not None:
-        out.update(
-            align_seconds=float(rep.seconds),
-            align_peak_memory_mb=float(rep.peak_memory_mb),
-            align_memory_kind=rep.memory_kind,
-            align_loss_first=rep.first_loss,
-            align_loss_last=rep.last_loss,
-            align_steps_done=rep.steps,
-        )
+        out.update(_alignment_record(rep))
     thr = mod.threshold_report
     if thr.topk_agreement:
         out["causal_topk_agreement"] = sum(thr.topk_agreement) / len(thr.topk_agreement)
