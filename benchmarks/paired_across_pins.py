@@ -14,8 +14,8 @@ intervals:
   the LM loss gains once the corpus it adapts to is taken out).
 
     python benchmarks/paired_across_pins.py \\
-        --pin docs/study_runs_cpu_829b1cc_quality/main \\
-        --control docs/study_runs_lm_control_531a5ba/main
+        --pin docs/study_runs_cpu_829b1cc_quality \\
+        --control docs/study_runs_lm_control_531a5ba
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from adadsf_modifier.study.cache import RunCache
 from adadsf_modifier.study.stats import paired_difference, verdict
 
 _ALIGNMENT = (
@@ -33,25 +34,25 @@ _ALIGNMENT = (
 )  # fmt: skip
 
 
-def _runs(root: Path, method: str, budget: float) -> dict[int, dict[str, Any]]:
+def _runs(
+    cache: list[dict[str, Any]], method: str, budget: float, where: Path
+) -> dict[int, dict[str, Any]]:
     """``{seed: cache entry}`` of ``method``'s main runs at ``budget``."""
     out = {}
-    for path in sorted((root / method).glob("*.json")):
-        entry = json.loads(path.read_text())
+    for entry in cache:
         cfg = entry["config"]
-        if cfg["phase"] == "main" and cfg["budget"] == budget:
+        if (cfg["phase"], cfg["method"], cfg["budget"]) == ("main", method, budget):
             if cfg["seed"] in out:
-                raise SystemExit(f"{root}/{method}: two runs of seed {cfg['seed']}")
+                raise SystemExit(f"{where}: two {method} runs of seed {cfg['seed']}")
             out[cfg["seed"]] = entry
     if not out:
-        raise SystemExit(f"no main run of {method} at {budget} in {root}")
+        raise SystemExit(f"no main run of {method} at {budget} in {where}")
     return out
 
 
-def _check_alike(pin: Path, control: Path, arm: dict, ctl: dict) -> None:
-    """Refuse to pair runs that were not measured or trained alike."""
-    [d_pin] = _runs(pin, "dense", 1.0).values()
-    [d_ctl] = _runs(control, "dense", 1.0).values()
+def _check_alike(d_pin: dict, d_ctl: dict, arm: dict, ctl: dict) -> None:
+    """Refuse to pair runs that were not measured (the two dense runs) or trained
+    (the arm and its control) alike."""
     for k in ("ppl_test", "ppl_val", "task_mean"):
         if d_pin["record"][k] != d_ctl["record"][k]:
             raise SystemExit(
@@ -81,19 +82,22 @@ def _check_alike(pin: Path, control: Path, arm: dict, ctl: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pin", type=Path, required=True, help="the pinned study's runs")
-    p.add_argument("--control", type=Path, required=True, help="the control's runs")
+    p.add_argument("--pin", type=Path, required=True, help="the pinned study's cache")
+    p.add_argument("--control", type=Path, required=True, help="the control's cache")
     p.add_argument("--arm", default="adadsf_lm_only")
     p.add_argument("--control-method", default="dense_lm")
     p.add_argument("--kl-arm", default="adadsf", help="the arm's KL-aligned twin")
     p.add_argument("--budget", type=float, default=0.81)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    arm = _runs(a.pin, a.arm, a.budget)
-    kl = _runs(a.pin, a.kl_arm, a.budget)
-    ctl = _runs(a.control, a.control_method, 1.0)
-    _check_alike(a.pin, a.control, arm, ctl)
-    dense = next(iter(_runs(a.pin, "dense", 1.0).values()))["record"]
+    pin, control = list(RunCache(a.pin)), list(RunCache(a.control))
+    arm = _runs(pin, a.arm, a.budget, a.pin)
+    kl = _runs(pin, a.kl_arm, a.budget, a.pin)
+    ctl = _runs(control, a.control_method, 1.0, a.control)
+    [d_pin] = _runs(pin, "dense", 1.0, a.pin).values()
+    [d_ctl] = _runs(control, "dense", 1.0, a.control).values()
+    _check_alike(d_pin, d_ctl, arm, ctl)
+    dense = d_pin["record"]
 
     def rec(runs: dict, key: str) -> dict[int, float]:
         return {s: e["record"].get(key) for s, e in runs.items()}

@@ -254,10 +254,10 @@ def align_model(
     if params is None:
         params = [p for _, p in select_trainable(student, config.trainable)]
         what = config.trainable
-    elif not params:
-        raise ValueError("align_model: params is empty; nothing would train")
     else:
         params, what = list(params), "the given parameters"
+        if not params:
+            raise ValueError("align_model: params is empty; nothing would train")
     added = added_by_routing(student, params)
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device

@@ -148,8 +148,7 @@ def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str,
         for _, _, layer in targeted_layers(layers, None, ignore, cfg["method"])
         for p in layer.parameters()
     ]
-    rep = align_model(model, None, rows, config, params=params)
-    model.eval()
+    rep = align_model(model, None, rows, config, params=params)  # modes restored
     return {
         "retention": 1.0,
         "align_tokens": data["align_rows"] * data["align_seq_len"],

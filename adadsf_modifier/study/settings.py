@@ -192,7 +192,7 @@ class StudySettings(BaseModel):
         tunable = [
             k
             for k, m in METHODS.items()
-            if m.align and m.modifier == "adadsf" and m.allocation is not None
+            if m.align and m.modifier == "adadsf" and not m.dense_control
         ]
         for name in v:
             if name in METHODS and METHODS[name].dense_control:
