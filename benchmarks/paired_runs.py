@@ -126,10 +126,15 @@ def main() -> None:
             {s: r.get(metric) for s, r in a.items()},
             {s: r.get(metric) for s, r in b.items()},
         )
+        text = verdict(args.a, args.b, budget, metric, diff, lower)
+        if metric == "normalized_flops" and diff is not None and diff.ci95 is not None:
+            # the study's sentence rounds to 2 decimals, too coarse for FLOPs
+            text = f"{args.a} vs {args.b}: measured FLOPs {diff.mean_diff:+.4f} ± " + (
+                f"{diff.ci95:.4f} ({diff.n_seeds} seeds)"
+            )
         out["comparisons"].append(
-            {"metric": metric, **(diff.as_dict() if diff else {}),
-             "verdict": verdict(args.a, args.b, budget, metric, diff, lower)}
-        )  # fmt: skip
+            {"metric": metric, **(diff.as_dict() if diff else {}), "verdict": text}
+        )
     print(json.dumps(out, indent=1))
     for side in ("a", "b"):
         s = out[side]
