@@ -7,31 +7,62 @@ much skipping it changes the output. ``importance: loss`` measures the effect it
 the rise of the next-token loss on calibration text when the layer is skipped entirely
 (its output replaced by its input), one layer at a time, everything else dense.
 
+``importance: skip_path_loss`` (with ``skip_path: ridge``) measures what the ridge
+variant actually pays for a skipped layer: the loss rise when the layer's output is
+replaced by its skip path ``x + u(x)``, ``u`` a ridge map of the layer's update fitted
+on the dense model's activations over the next ``importance_fit_tokens`` calibration
+tokens (disjoint from the measured ones, so the map is scored on tokens it was not fit
+on). A layer whose update a linear map explains well is cheap to skip even if it
+changes its input a lot, and the cosine cannot see that (SmolLM2-135M: the middle
+layers change their input least, yet their maps explain the least of their update).
+
 The modifier feeds the result to the same strategies as a similarity-like score in
 ``[0, 1]`` (1 = the cheapest layer to skip, 0 = the costliest), the loss rises ``d_i``
 min-max scaled (:func:`similarity_like`). So ``allocation: layer_drop`` removes the
 layers whose removal costs the least loss, and ``similarity`` gives them fewer tokens.
 Cost: one dense forward plus one per targeted layer over ``importance_tokens`` real
-calibration tokens (SmolLM2-135M, 2,048 tokens: about 30 forwards of 2k tokens).
+calibration tokens (SmolLM2-135M, 2,048 tokens: about 30 forwards of 2k tokens);
+``skip_path_loss`` adds one forward over ``importance_fit_tokens`` and one
+``(h + 1)^2`` regression per layer.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Any, Literal
 
 import torch
 from loguru import logger
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
 from adadsf_modifier import distributed
 from adadsf_modifier.constraints import PositiveInt
-from adadsf_modifier.utils import MODEL_INPUT_KEYS, next_token_nll
+from adadsf_modifier.routing.skip_path import (
+    RidgeFit,
+    RidgeStats,
+    SkipPath,
+    choose_ridge,
+    fit_ridge,
+    ridge_folds,
+)
+from adadsf_modifier.utils import (
+    MODEL_INPUT_KEYS,
+    model_device,
+    next_token_nll,
+    real_token_mask,
+    tensors_to_device,
+)
 
-__all__ = ["ImportanceFields", "loss_importance", "similarity_like"]
+__all__ = [
+    "ImportanceFields",
+    "loss_importance",
+    "similarity_like",
+    "skip_path_loss_importance",
+]
 
 
 class ImportanceFields(BaseModel):
@@ -49,17 +80,32 @@ class ImportanceFields(BaseModel):
         measured rise of the calibration next-token loss when the layer alone is
         skipped (see :mod:`adadsf_modifier.importance`)
     :param importance_tokens: real calibration tokens (per process) that ``loss``
-        measures on
+        and ``skip_path_loss`` measure on
+    :param importance_fit_tokens: real calibration tokens (per process), after the
+        measured ones, that ``skip_path_loss`` fits each layer's map on
     """
 
-    importance: Literal["similarity", "loss"] = "similarity"
+    importance: Literal["similarity", "loss", "skip_path_loss"] = "similarity"
     importance_tokens: PositiveInt = 2048
+    importance_fit_tokens: PositiveInt = 16384
+
+    @model_validator(mode="after")
+    def _check_skip_path_loss(self):
+        skip_path = getattr(self, "skip_path", "identity")
+        if self.importance == "skip_path_loss" and skip_path != "ridge":
+            raise ValueError(
+                "importance 'skip_path_loss' measures the loss of replacing each layer "
+                "by its fitted skip path: it needs skip_path 'ridge', got "
+                f"{skip_path!r} (importance 'loss' measures skipping to the identity)"
+            )
+        return self
 
 
 def _token_batches(
     batches: Iterable[Mapping[str, Any]], max_tokens: int
 ) -> list[dict[str, Any]]:
-    """The first batches that together hold at least ``max_tokens`` real tokens."""
+    """The first batches that together hold at least ``max_tokens`` real tokens
+    (iterating ``batches`` no further than that)."""
     out, seen = [], 0
     for batch in batches:
         inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
@@ -137,3 +183,136 @@ def similarity_like(rises: Sequence[float]) -> list[float]:
     if hi == lo:
         return [1.0 if math.isfinite(x) else 0.0 for x in d]
     return [(hi - x) / (hi - lo) if math.isfinite(x) else 0.0 for x in d]
+
+
+class _Stop(Exception):
+    """Raised past the last measured layer: the rest of the forward is not needed."""
+
+
+@torch.no_grad()
+def _fit_maps(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    data: list[dict[str, Any]],
+    rank: int | None,
+    ridge: float | str,
+) -> list[RidgeFit]:
+    """Per layer, the ridge map of its update ``layer(x) - x`` on its input ``x`` over
+    the real tokens of ``data``, on the dense model's activations (statistics summed
+    over the ranks; ``ridge`` ``auto``: chosen per layer by two-fold held-out error)."""
+    device = model_device(model)
+    hidden = int(model.config.hidden_size)
+    folds = [(RidgeStats(hidden, device), RidgeStats(hidden, device)) for _ in layers]
+    parts: list[torch.Tensor] = []
+
+    def hook_for(i: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            x = args[0] if args else kwargs["hidden_states"]
+            y = output[0] if isinstance(output, tuple) else output
+            for stats, part in zip(folds[i], parts):
+                stats.add(x[part], (y - x)[part])
+            if i == len(layers) - 1:
+                raise _Stop
+
+        return hook
+
+    handles = [
+        layer.register_forward_hook(hook_for(i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
+    rows_seen = 0
+    try:
+        for batch in tqdm(data, desc="AdaDSF importance (map fit)", leave=False):
+            inputs = tensors_to_device(batch, device)
+            ids = inputs["input_ids"]
+            real = real_token_mask(inputs.get("attention_mask"), *ids.shape, device)
+            parts[:] = ridge_folds(real, rows_seen)
+            rows_seen += ids.shape[0]
+            try:
+                model(**inputs, use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    fits = []
+    for a, b in folds:
+        a.all_reduce()
+        b.all_reduce()
+        penalty = ridge
+        if penalty == "auto":
+            penalty = choose_ridge((a, b), rank) if min(a.n, b.n) > 1 else 1e-3
+        fits.append(fit_ridge(a + b, rank, float(penalty)))
+    return fits
+
+
+@torch.no_grad()
+def skip_path_loss_importance(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    batches: Iterable[Mapping[str, Any]],
+    max_tokens: int = 2048,
+    fit_tokens: int = 16384,
+    rank: int | None = None,
+    ridge: float | str = "auto",
+) -> list[float]:
+    """Rise of the mean next-token NLL (nats) when each of ``layers`` alone is
+    replaced by its skip path ``x + u(x)``, measured on the first ``max_tokens`` real
+    tokens of ``batches``; ``u`` (rank ``rank``, penalty ``ridge``) is fitted on the
+    dense activations of the batches after those, up to ``fit_tokens`` real tokens.
+    Refuses calibration data with no batch left to fit on."""
+    measured = _token_batches(batches, max_tokens)
+    # a re-iterable (a DataLoader, a list) starts over: skip the measured batches; a
+    # one-shot iterator has already given them
+    after = (
+        batches if iter(batches) is batches else islice(batches, len(measured), None)
+    )
+    rest = _token_batches(after, fit_tokens)
+    if not rest:
+        raise ValueError(
+            f"importance: skip_path_loss fits each layer's map on the calibration "
+            f"batches after the first {max_tokens} real tokens (importance_tokens), "
+            "and there are none: pass more calibration samples or lower "
+            "importance_tokens"
+        )
+    was_training = model.training
+    model.eval()
+    try:
+        fits = _fit_maps(model, layers, rest, rank, ridge)
+        param = next(model.parameters())
+        skip = SkipPath(int(model.config.hidden_size), rank).to(
+            device=param.device, dtype=param.dtype
+        )
+
+        def replace(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            x = args[0] if args else kwargs["hidden_states"]
+            y = x + skip(x)
+            return (y, *output[1:]) if isinstance(output, tuple) else y
+
+        base = distributed.sum_across_ranks(list(next_token_nll(model, measured)))
+        if base[1] == 0:
+            raise ValueError(
+                "importance: skip_path_loss saw no real calibration tokens"
+            )
+        dense = base[0] / base[1]
+        rises = []
+        pairs = tqdm(list(zip(layers, fits)), desc="AdaDSF importance (skip path)",
+                     leave=False)  # fmt: skip
+        for layer, fit in pairs:
+            skip.load_fit(fit)
+            handle = layer.register_forward_hook(replace, with_kwargs=True)
+            try:
+                nll, n = distributed.sum_across_ranks(
+                    list(next_token_nll(model, measured))
+                )
+            finally:
+                handle.remove()
+            rises.append(nll / n - dense)
+    finally:
+        model.train(was_training)
+    logger.info(
+        f"AdaDSF importance: dense NLL {dense:.4f} on {base[1]} tokens; rise when "
+        f"replaced by the skip path (R^2 [{', '.join(f'{f.r2:.2f}' for f in fits)}] "
+        f"on {fits[0].tokens} tokens) [{', '.join(f'{d:.3f}' for d in rises)}]"
+    )
+    return rises

@@ -52,6 +52,7 @@ from adadsf_modifier.importance import (
     ImportanceFields,
     loss_importance,
     similarity_like,
+    skip_path_loss_importance,
 )
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
@@ -235,6 +236,12 @@ class AdaDSFModifier(
         if self.importance == "loss":  # measured loss rise instead of the cosine
             rises = loss_importance(model, [m for *_, m in targeted], calib,
                                     self.importance_tokens)  # fmt: skip
+            routed_sims = similarity_like(rises)
+        elif self.importance == "skip_path_loss":  # ... of taking the skip path
+            rises = skip_path_loss_importance(
+                model, [m for *_, m in targeted], calib, self.importance_tokens,
+                self.importance_fit_tokens, self.skip_path_rank, self.skip_path_ridge,
+            )  # fmt: skip
             routed_sims = similarity_like(rises)
         ratios = allocate(
             self.allocation,

@@ -51,6 +51,7 @@ from adadsf_modifier.routing.skip_path import (
     choose_ridge,
     fit_ridge,
     install_skip_path,
+    ridge_folds,
 )
 from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
 from adadsf_modifier.utils import (
@@ -245,19 +246,6 @@ def fit_skip_paths(
     return report
 
 
-def _folds(real: torch.Tensor, rows_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two-fold split of a batch's real tokens for choosing the ridge penalty: whole
-    rows alternate between the folds (neighbouring tokens are alike, rows much less);
-    a lone row alternates tokens."""
-    batch, seq = real.shape
-    if rows_seen == 0 and batch == 1:
-        odd = (torch.arange(seq, device=real.device) % 2 == 1).expand(batch, seq)
-    else:
-        rows = torch.arange(batch, device=real.device) + rows_seen
-        odd = (rows % 2 == 1).unsqueeze(1).expand(batch, seq)
-    return real & ~odd, real & odd
-
-
 def _fit_layer(
     layer: RoutedLayer,
     xs: list[torch.Tensor],
@@ -342,7 +330,7 @@ def _fold_stats(
     for x, call, y in zip(xs, calls, ys):
         mask, real = _real_tokens(x, call)
         keep = real & ~layer.selected_mask(x, mask) if skipped_only else real
-        for fold, part in enumerate(_folds(real, rows_seen)):
+        for fold, part in enumerate(ridge_folds(real, rows_seen)):
             folds[fold].add(x[part & keep], (y - x)[part & keep])
         rows_seen += x.shape[0]
     for one in folds:

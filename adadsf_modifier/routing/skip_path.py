@@ -31,6 +31,7 @@ __all__ = [
     "choose_ridge",
     "fit_ridge",
     "install_skip_path",
+    "ridge_folds",
     "skip_path_of",
 ]
 
@@ -225,6 +226,22 @@ def choose_ridge(
 
     errors = [(held_out(r), -r) for r in grid]
     return -min(errors)[1]
+
+
+def ridge_folds(
+    real: torch.Tensor, rows_seen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-fold split of a batch's real tokens for choosing the ridge penalty
+    (:func:`choose_ridge`): whole rows alternate between the folds (neighbouring
+    tokens are alike, rows much less); a lone row alternates tokens. ``rows_seen``:
+    rows of earlier batches, so the alternation runs on across batches."""
+    batch, seq = real.shape
+    if rows_seen == 0 and batch == 1:
+        odd = (torch.arange(seq, device=real.device) % 2 == 1).expand(batch, seq)
+    else:
+        rows = torch.arange(batch, device=real.device) + rows_seen
+        odd = (rows % 2 == 1).unsqueeze(1).expand(batch, seq)
+    return real & ~odd, real & odd
 
 
 def fit_ridge(
