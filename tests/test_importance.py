@@ -14,7 +14,7 @@ from tiny_models import save_tiny_model, tiny_model, token_dataset
 from transformers import AutoModelForCausalLM
 
 import adadsf_modifier  # noqa: F401  (registers the modifier)
-from adadsf_modifier import AdaDSFModifier
+from adadsf_modifier import AdaDSFModifier, importance
 from adadsf_modifier.importance import (
     loss_importance,
     similarity_like,
@@ -215,3 +215,13 @@ def test_layer_drop_by_skip_path_loss_removes_the_layer_its_map_replaces_best(tm
             max_seq_length=16, shuffle_calibration_samples=False)  # fmt: skip
     cheapest = min(range(4), key=rises.__getitem__)
     assert mod.retention_ratios == [0.0 if i == cheapest else 1.0 for i in range(4)]
+
+
+def test_skip_path_loss_fitting_a_layer_per_forward_gives_the_same_maps(monkeypatch):
+    model = tiny_model("llama", num_layers=3, seed=5)
+    data = batches(n=8, seq=16)
+    kw = dict(max_tokens=32, fit_tokens=10_000, ridge="auto", rank=8)
+    together = skip_path_loss_importance(model, list(model.model.layers), data, **kw)
+    monkeypatch.setattr(importance, "_STATS_BYTES", 1)  # one layer per forward
+    apart = skip_path_loss_importance(model, list(model.model.layers), data, **kw)
+    assert apart == pytest.approx(together, abs=1e-6)
