@@ -72,13 +72,15 @@ class ImportanceFields(BaseModel):
     AdaDSFModifier:
       retention: 0.8
       allocation: layer_drop
-      importance: loss        # similarity (default, the paper) | loss
+      importance: loss        # similarity (default, the paper) | loss | skip_path_loss
     ```
 
     :param importance: ``similarity``: the input/output cosine of dense calibration
         (the paper; ShortGPT's Block Influence for ``layer_drop``); ``loss``: the
         measured rise of the calibration next-token loss when the layer alone is
-        skipped (see :mod:`adadsf_modifier.importance`)
+        skipped (see :mod:`adadsf_modifier.importance`); ``skip_path_loss`` (with
+        ``skip_path: ridge``): the rise when it is replaced by a ridge map of its
+        update, rank ``skip_path_rank``, penalty ``skip_path_ridge``
     :param importance_tokens: real calibration tokens (per process) that ``loss``
         and ``skip_path_loss`` measure on
     :param importance_fit_tokens: real calibration tokens (per process), after the
