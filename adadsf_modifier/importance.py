@@ -131,6 +131,33 @@ def _skip_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any
     return (x, *output[1:]) if isinstance(output, tuple) else x
 
 
+def _rises(
+    model: nn.Module,
+    data: list[dict[str, Any]],
+    hooks: Sequence[Any],
+    layers: Sequence[nn.Module],
+    name: str,
+) -> tuple[float, int, list[float]]:
+    """``(dense NLL, tokens, rises)``: the mean next-token NLL of ``model`` on
+    ``data`` and its rise with each of ``hooks`` (a forward hook replacing a layer's
+    output) on its layer of ``layers``, one layer at a time; sums and counts added over
+    the ranks under ``torchrun`` (the same result on every rank)."""
+    base = distributed.sum_across_ranks(list(next_token_nll(model, data)))
+    if base[1] == 0:
+        raise ValueError(f"importance: {name} saw no real calibration tokens")
+    dense = base[0] / base[1]
+    rises = []
+    pairs = list(zip(layers, hooks))
+    for layer, hook in tqdm(pairs, desc=f"AdaDSF importance ({name})", leave=False):
+        handle = layer.register_forward_hook(hook, with_kwargs=True)
+        try:
+            nll, n = distributed.sum_across_ranks(list(next_token_nll(model, data)))
+        finally:
+            handle.remove()
+        rises.append(nll / n - dense)
+    return dense, base[1], rises
+
+
 @torch.no_grad()
 def loss_importance(
     model: nn.Module,
@@ -148,23 +175,12 @@ def loss_importance(
     was_training = model.training
     model.eval()
     try:
-        base = distributed.sum_across_ranks(list(next_token_nll(model, data)))
-        if base[1] == 0:
-            raise ValueError("importance: loss saw no real calibration tokens")
-        dense = base[0] / base[1]
-        rises = []
-        bar = tqdm(layers, desc="AdaDSF importance (loss)", leave=False)
-        for layer in bar:
-            handle = layer.register_forward_hook(_skip_hook, with_kwargs=True)
-            try:
-                nll, n = distributed.sum_across_ranks(list(next_token_nll(model, data)))
-            finally:
-                handle.remove()
-            rises.append(nll / n - dense)
+        dense, tokens, rises = _rises(model, data, [_skip_hook] * len(layers), layers,
+                                      "loss")  # fmt: skip
     finally:
         model.train(was_training)
     logger.info(
-        f"AdaDSF importance: dense NLL {dense:.4f} on {base[1]} tokens; rise when "
+        f"AdaDSF importance: dense NLL {dense:.4f} on {tokens} tokens; rise when "
         f"skipped [{', '.join(f'{d:.3f}' for d in rises)}]"
     )
     return rises
@@ -269,6 +285,17 @@ def _fold_stats(
     return folds
 
 
+def _replace_hook(skip: SkipPath) -> Any:
+    """Forward hook: the layer's output replaced by its skip path ``x + u(x)``."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        x = args[0] if args else kwargs["hidden_states"]
+        y = x + skip(x)
+        return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    return hook
+
+
 @torch.no_grad()
 def skip_path_loss_importance(
     model: nn.Module,
@@ -303,38 +330,17 @@ def skip_path_loss_importance(
     try:
         fits = _fit_maps(model, layers, rest, rank, ridge)
         param = next(model.parameters())
-        skip = SkipPath(int(model.config.hidden_size), rank).to(
-            device=param.device, dtype=param.dtype
-        )
-
-        def replace(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            x = args[0] if args else kwargs["hidden_states"]
-            y = x + skip(x)
-            return (y, *output[1:]) if isinstance(output, tuple) else y
-
-        base = distributed.sum_across_ranks(list(next_token_nll(model, measured)))
-        if base[1] == 0:
-            raise ValueError(
-                "importance: skip_path_loss saw no real calibration tokens"
-            )
-        dense = base[0] / base[1]
-        rises = []
-        pairs = tqdm(list(zip(layers, fits)), desc="AdaDSF importance (skip path)",
-                     leave=False)  # fmt: skip
-        for layer, fit in pairs:
+        maps = []
+        for fit in fits:
+            skip = SkipPath(int(model.config.hidden_size), rank)
             skip.load_fit(fit)
-            handle = layer.register_forward_hook(replace, with_kwargs=True)
-            try:
-                nll, n = distributed.sum_across_ranks(
-                    list(next_token_nll(model, measured))
-                )
-            finally:
-                handle.remove()
-            rises.append(nll / n - dense)
+            maps.append(skip.to(device=param.device, dtype=param.dtype))
+        hooks = [_replace_hook(skip) for skip in maps]
+        dense, tokens, rises = _rises(model, measured, hooks, layers, "skip_path_loss")
     finally:
         model.train(was_training)
     logger.info(
-        f"AdaDSF importance: dense NLL {dense:.4f} on {base[1]} tokens; rise when "
+        f"AdaDSF importance: dense NLL {dense:.4f} on {tokens} tokens; rise when "
         f"replaced by the skip path (R^2 [{', '.join(f'{f.r2:.2f}' for f in fits)}] "
         f"on {fits[0].tokens} tokens) [{', '.join(f'{d:.3f}' for d in rises)}]"
     )
