@@ -29,7 +29,7 @@ calibration tokens (SmolLM2-135M, 2,048 tokens: about 30 forwards of 2k tokens);
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, Literal
 
@@ -45,8 +45,7 @@ from adadsf_modifier.routing.skip_path import (
     RidgeFit,
     RidgeStats,
     SkipPath,
-    choose_ridge,
-    fit_ridge,
+    fit_ridge_on_folds,
     ridge_folds,
 )
 from adadsf_modifier.utils import (
@@ -125,10 +124,16 @@ def _token_batches(
     return out
 
 
-def _skip_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    """Forward hook: the layer's output replaced by its input (the layer skipped)."""
-    x = args[0] if args else kwargs["hidden_states"]
-    return (x, *output[1:]) if isinstance(output, tuple) else x
+def _replace_hook(skip: SkipPath | None = None) -> Any:
+    """Forward hook: the layer's output replaced by its input (the layer skipped), or
+    with ``skip`` by its skip path ``x + u(x)``."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        x = args[0] if args else kwargs["hidden_states"]
+        y = x if skip is None else x + skip(x)
+        return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    return hook
 
 
 def _rises(
@@ -175,8 +180,8 @@ def loss_importance(
     was_training = model.training
     model.eval()
     try:
-        dense, tokens, rises = _rises(model, data, [_skip_hook] * len(layers), layers,
-                                      "loss")  # fmt: skip
+        hooks = [_replace_hook()] * len(layers)
+        dense, tokens, rises = _rises(model, data, hooks, layers, "loss")
     finally:
         model.train(was_training)
     logger.info(
@@ -230,11 +235,7 @@ def _fit_maps(
     fits: list[RidgeFit] = []
     for start in range(0, len(layers), group):
         folds = _fold_stats(model, layers[start : start + group], data)
-        for a, b in folds:
-            penalty = ridge
-            if penalty == "auto":
-                penalty = choose_ridge((a, b), rank) if min(a.n, b.n) > 1 else 1e-3
-            fits.append(fit_ridge(a + b, rank, float(penalty)))
+        fits += [fit_ridge_on_folds(pair, rank, ridge) for pair in folds]
     return fits
 
 
@@ -285,17 +286,6 @@ def _fold_stats(
     return folds
 
 
-def _replace_hook(skip: SkipPath) -> Any:
-    """Forward hook: the layer's output replaced by its skip path ``x + u(x)``."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        x = args[0] if args else kwargs["hidden_states"]
-        y = x + skip(x)
-        return (y, *output[1:]) if isinstance(output, tuple) else y
-
-    return hook
-
-
 @torch.no_grad()
 def skip_path_loss_importance(
     model: nn.Module,
@@ -315,7 +305,9 @@ def skip_path_loss_importance(
     # a re-iterable (a DataLoader, a list) starts over: skip the measured batches; a
     # one-shot iterator has already given them
     after = (
-        batches if iter(batches) is batches else islice(batches, len(measured), None)
+        batches
+        if isinstance(batches, Iterator)
+        else islice(batches, len(measured), None)
     )
     rest = _token_batches(after, fit_tokens)
     if not rest:

@@ -48,8 +48,7 @@ from adadsf_modifier.routing.skip_path import (
     RidgeFit,
     RidgeStats,
     SkipPath,
-    choose_ridge,
-    fit_ridge,
+    fit_ridge_on_folds,
     install_skip_path,
     ridge_folds,
 )
@@ -307,9 +306,7 @@ def _fit_map(
             folds = None
     if folds is None:
         folds = _fold_stats(layer, xs, calls, ys, device, skipped_only=False)
-    if ridge == "auto":
-        ridge = choose_ridge(folds, rank) if min(f.n for f in folds) > 1 else 1e-3
-    fit = fit_ridge(folds[0] + folds[1], rank, float(ridge))
+    fit = fit_ridge_on_folds(folds, rank, ridge)
     layer.skip_path.load_fit(fit)
     return fit
 

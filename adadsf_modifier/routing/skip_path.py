@@ -30,6 +30,7 @@ __all__ = [
     "SkipPath",
     "choose_ridge",
     "fit_ridge",
+    "fit_ridge_on_folds",
     "install_skip_path",
     "ridge_folds",
     "skip_path_of",
@@ -242,6 +243,19 @@ def ridge_folds(
         rows = torch.arange(batch, device=real.device) + rows_seen
         odd = (rows % 2 == 1).unsqueeze(1).expand(batch, seq)
     return real & ~odd, real & odd
+
+
+def fit_ridge_on_folds(
+    folds: tuple[RidgeStats, RidgeStats],
+    rank: int | None = None,
+    ridge: float | str = "auto",
+) -> RidgeFit:
+    """:func:`fit_ridge` on both folds' tokens; ``ridge`` ``auto``: the penalty
+    :func:`choose_ridge` picks on them (1e-3 when a fold has too few tokens to hold
+    out)."""
+    if ridge == "auto":
+        ridge = choose_ridge(folds, rank) if min(f.n for f in folds) > 1 else 1e-3
+    return fit_ridge(folds[0] + folds[1], rank, float(ridge))
 
 
 def fit_ridge(
