@@ -23,6 +23,7 @@ from adadsf_modifier.routing.skip_path import (
     RidgeStats,
     choose_ridge,
     fit_ridge,
+    held_out_errors,
 )
 
 RATIOS = [1.0, 0.5, 0.0, 0.6]
@@ -255,29 +256,49 @@ def test_recipe_that_would_quantize_a_skip_path_is_refused(tiny_dir):
     assert not routed_layers(model)
 
 
-def test_auto_ridge_picks_the_penalty_with_the_least_held_out_error():
+@pytest.mark.parametrize("rank", [None, 3])
+def test_auto_ridge_picks_the_penalty_with_the_least_held_out_error(rank):
     """Many noisy dimensions, few tokens: a tiny penalty overfits, so the held-out
-    choice is larger; each fold's squared error is computed exactly from its sums."""
+    choice is larger; each fold's squared error is computed exactly from its sums, and
+    the grid's shared-eigenbasis errors equal fitting each penalty afresh."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(60, 40, generator=g, dtype=torch.float64)
     y = x[:, :1] * 2.0 + torch.randn(60, 40, generator=g, dtype=torch.float64)
     a, b = RidgeStats(40), RidgeStats(40)
     a.add(x[::2], y[::2])
     b.add(x[1::2], y[1::2])
-    fit = fit_ridge(a, ridge=0.1)
+    fit = fit_ridge(a, rank, ridge=0.1)
     direct = float(((y[1::2] - x[1::2] @ fit.matrix - fit.bias) ** 2).sum())
     assert b.squared_error(fit.matrix, fit.bias) == pytest.approx(direct, rel=1e-9)
-    chosen = choose_ridge((a, b))
-    assert chosen >= 0.1
+    chosen = choose_ridge((a, b), rank)
+    assert chosen > RIDGE_GRID[0]  # not the smallest: it overfits
     errors = {
         r: sum(t.squared_error(f.matrix, f.bias) for f, t in
-               ((fit_ridge(a, None, r), b), (fit_ridge(b, None, r), a)))
+               ((fit_ridge(a, rank, r), b), (fit_ridge(b, rank, r), a)))
         for r in RIDGE_GRID
     }  # fmt: skip
+    assert held_out_errors((a, b), rank) == pytest.approx(
+        [errors[r] for r in RIDGE_GRID], rel=1e-9
+    )
     assert errors[chosen] == min(errors.values())
     model = route_all(tiny_model("llama", 3), [1.0, 0.5, 0.6]).eval()
     report = fit_skip_paths(model, batches(4), ridge="auto")
     assert all(r in RIDGE_GRID for r in report.ridge)
+
+
+def test_low_rank_fit_is_the_full_fit_projected_on_its_top_fitted_directions():
+    """The rank-k map is ``W V_k V_k^T`` with ``V_k`` the top-k eigenvectors of the
+    fitted values' covariance ``W^T C_xx W``, here from a full ``torch.linalg.eigh``."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 12, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(12, 12, generator=g, dtype=torch.float64)
+    stats = RidgeStats(12)
+    stats.add(x, y + 0.1 * torch.randn(200, 12, generator=g, dtype=torch.float64))
+    full, low = fit_ridge(stats, None, 1e-2), fit_ridge(stats, 4, 1e-2)
+    xc = x - x.mean(0)
+    w = full.matrix
+    v = torch.linalg.eigh(w.T @ (xc.T @ xc) @ w)[1][:, -4:]
+    torch.testing.assert_close(low.matrix, w @ v @ v.T, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize(
