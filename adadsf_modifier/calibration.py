@@ -22,7 +22,7 @@ from torch import nn
 
 from adadsf_modifier import distributed
 from adadsf_modifier.routing.architectures import architecture_for_config
-from adadsf_modifier.utils import real_token_mask, run_calibration_batches
+from adadsf_modifier.utils import layer_input, real_token_mask, run_calibration_batches
 
 __all__ = [
     "SimilarityAccumulator",
@@ -94,7 +94,7 @@ class SimilarityAccumulator:
         hook)."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            x_in = args[0] if args else kwargs["hidden_states"]
+            x_in = layer_input(args, kwargs)
             x_out = output[0] if isinstance(output, tuple) else output
             batch, seq_len = x_in.shape[:2]
             real = real_token_mask(

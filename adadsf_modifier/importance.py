@@ -50,6 +50,7 @@ from adadsf_modifier.routing.skip_path import (
 )
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
+    layer_input,
     model_device,
     next_token_nll,
     real_token_mask,
@@ -129,7 +130,7 @@ def _replace_hook(skip: SkipPath | None = None) -> Any:
     with ``skip`` by its skip path ``x + u(x)``."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        x = args[0] if args else kwargs["hidden_states"]
+        x = layer_input(args, kwargs)
         y = x if skip is None else x + skip(x)
         return (y, *output[1:]) if isinstance(output, tuple) else y
 
@@ -252,7 +253,7 @@ def _fold_stats(
 
     def hook_for(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            x = args[0] if args else kwargs["hidden_states"]
+            x = layer_input(args, kwargs)
             y = output[0] if isinstance(output, tuple) else output
             for stats, part in zip(folds[i], parts):
                 stats.add(x[part], (y - x)[part])

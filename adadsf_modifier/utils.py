@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 __all__ = [
     "allowed_by_mask",
     "get_execution_device",
+    "layer_input",
     "model_device",
     "real_token_mask",
     "run_calibration_batches",
@@ -118,6 +119,13 @@ def next_token_nll(
         total += float(nll.sum())
         count += nll.numel()
     return total, count
+
+
+def layer_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """A decoder layer's hidden states as a forward (pre-)hook sees them: the first
+    positional argument, or the ``hidden_states`` keyword (models pass it either
+    way)."""
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adadsf_modifier.utils import real_token_mask, run_calibration_batches
+from adadsf_modifier.utils import layer_input, real_token_mask, run_calibration_batches
 
 __all__ = [
     "NUM_FEATURES",
@@ -149,7 +149,7 @@ class _Collector:
 
     def hook(self, i: int):
         def pre(module, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]
+            x = layer_input(args, kwargs)
             b, s = x.shape[:2]
             real = real_token_mask(kwargs.get("attention_mask"), b, s, x.device)
             self.max_len = max(self.max_len, int(real.sum(1).max()))

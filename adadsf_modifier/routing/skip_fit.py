@@ -55,6 +55,7 @@ from adadsf_modifier.routing.skip_path import (
 from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
+    layer_input,
     model_device,
     real_token_mask,
     tensors_to_device,
@@ -139,7 +140,7 @@ def _record_calls(
     def hook_for(i: int):
         def hook(module, args, kwargs):
             if i == 0:
-                firsts.append(args[0] if args else kwargs["hidden_states"])
+                firsts.append(layer_input(args, kwargs))
             rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
             calls[i].append((tuple(args[1:]), rest))
             if i == len(layers) - 1:

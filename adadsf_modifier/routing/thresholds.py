@@ -38,7 +38,7 @@ from adadsf_modifier import distributed
 from adadsf_modifier.routing.modes import routing_mode
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.routing.token_choice import threshold_beside_forced
-from adadsf_modifier.utils import real_token_mask, run_calibration_batches
+from adadsf_modifier.utils import layer_input, real_token_mask, run_calibration_batches
 
 __all__ = [
     "ThresholdCalibrationError",
@@ -135,7 +135,7 @@ class _ScoreRecorder:
         ]
 
     def _hook(self, module: RoutedLayer, args: tuple, kwargs: dict) -> None:
-        x = args[0] if args else kwargs["hidden_states"]
+        x = layer_input(args, kwargs)
         batch, seq_len = x.shape[:2]
         mask = kwargs.get("attention_mask")
         real = real_token_mask(mask, batch, seq_len, x.device)
