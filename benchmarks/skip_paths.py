@@ -33,6 +33,9 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
   routing only the upper half of the layers (Router-Tuning's choice), the rest dense
 * ``<method>@<r>``          - any routed method at retention ``r`` instead of
   ``--retention`` (e.g. ``attention@0.5``, ``identity@0.8``)
+* ``<method>[@<r>]:<field>=<value>[:...]`` - any row with modifier fields set on top
+  (values read as YAML), e.g. ``ridge_r64_kv_auto_err@0.81:beta=30`` (a steeper
+  allocation) or ``...:temperature=0.1:min_retention=0.3``
 
 Every row is evaluated in causal routing (the eval-mode default): perplexity over the
 first ``--ppl-tokens`` tokens of the ``validation`` split in non-overlapping windows of
@@ -115,6 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> dict:
+    method, _, fields = method.partition(":")
+    if fields:  # the row's own fields on top of what its name sets
+        import yaml
+
+        pairs = (f.partition("=") for f in fields.split(":"))
+        extra = {k.strip(): yaml.safe_load(v) for k, _, v in pairs}
+        return {**_modifier_kwargs(method, args, num_layers), **extra}
     method, _, at = method.partition("@")
     kw: dict[str, Any] = {
         "retention": float(at) if at else args.retention,
