@@ -1,0 +1,123 @@
+"""Does ``torch.compile`` close the routed prefill's gap to its FLOPs ideal? Dense and
+routed twins, each eager and compiled, side by side.
+
+    OMP_NUM_THREADS=2 python benchmarks/compiled_prefill.py --threads 2 --retention 0.81
+
+On two CPU threads the shipped variant's prefill (seq 1024, batch 1) reaches 0.78-0.87
+of its FLOPs ideal eager (``docs/measurements.md`` §4.2-4.4): a routed layer runs ~213
+top-level ATen ops against dense's 62 (router, selection, gathers and scatters, the skip
+path, the skipped tokens' keys and values), each paying dispatch. Inductor fuses the
+elementwise ones. Routing's data-dependent shapes (``nonzero`` of the kept mask) break
+the graph once per routed layer (``--capture-nonzero`` asks dynamo to trace them
+instead); ``dynamic=True`` keeps one compilation for every prompt length and kept count.
+
+Builds the quality study's variant as ``benchmarks/kept_attention.py`` does (rank-64
+ridge skip path, skipped tokens' keys/values, skip-error routers, layer 0 dense, no
+alignment: speed depends on kept counts only), saves it and loads dense and routed twins
+from that checkpoint (``load_pair``). Each twin is compiled with ``torch.compile(model,
+dynamic=True)`` (its ``forward``); compilation and a warm-up run come before the timing.
+Every arm runs without a KV cache (``use_cache=False``): a fresh cache object per call
+makes the compiled dense model recompile on every call.
+Per repeat, in shuffled order: the four arms. Prints median prefill latencies, the
+routed/dense speedup eager and compiled, their fractions of the FLOPs ideal, and the
+compiled routed model's largest logit difference from the eager one (compilation must
+not change the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import random
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+from kept_attention import _variant_fields
+from transformers import AutoTokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--retention", type=float, default=0.81)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--capture-nonzero", action="store_true")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+
+    from _common import build_routed_checkpoint
+
+    from adadsf_modifier.evaluation import load_text_splits, resolve_model
+    from adadsf_modifier.evaluation.speed import load_pair
+    from adadsf_modifier.flops import normalized_flops
+
+    torch.set_num_threads(args.threads)
+    if args.capture_nonzero:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    # each routed layer's retention ratio is a Python float that dynamo specialises on:
+    # one compilation of the routed step per distinct ratio, more than the default 8
+    torch._dynamo.config.recompile_limit = 128
+    path = resolve_model(args.model)
+    checkpoint = tempfile.mkdtemp(prefix="adadsf-compiled-prefill-")
+    atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
+    build_routed_checkpoint(
+        path, checkpoint, args.retention, 16, fields=_variant_fields()
+    )
+    tok = AutoTokenizer.from_pretrained(path)
+    stream = tok("\n\n".join(load_text_splits()["test"]["text"]))["input_ids"]
+    ids = torch.tensor(stream[: args.seq_len]).view(1, -1)
+    dense, routed = load_pair(checkpoint, dtype=getattr(torch, args.dtype))
+    arms = {
+        "dense eager": dense,
+        "routed eager": routed,
+        "dense compiled": torch.compile(dense, dynamic=True),
+        "routed compiled": torch.compile(routed, dynamic=True),
+    }
+
+    def run(model) -> tuple[float, torch.Tensor]:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - t, out.logits
+
+    logits = {}
+    for name, model in arms.items():  # compilation, then a warm-up
+        first, logits[name] = run(model)
+        run(model)
+        print(f"# {name}: first call {first:.1f} s", flush=True)
+    diff = (logits["routed compiled"] - logits["routed eager"]).abs().max().item()
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    rng = random.Random(0)
+    for _ in range(args.repeats):
+        order = list(arms)
+        rng.shuffle(order)
+        for k in order:
+            times[k].append(run(arms[k])[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ideal = 1.0 / normalized_flops(routed, {"input_ids": ids}).normalized
+    print(f"# prefill seq {args.seq_len}, batch 1, {args.dtype}, retention "
+          f"{args.retention}, {torch.get_num_threads()} threads, torch "
+          f"{torch.__version__}; FLOPs ideal {ideal:.3f}x; compiled routed logits "
+          f"differ from eager by at most {diff:.3g}")  # fmt: skip
+    print("| mode | dense | routed | speedup | / ideal |")
+    print("|---|---:|---:|---:|---:|")
+    for mode in ("eager", "compiled"):
+        d, r = med[f"dense {mode}"], med[f"routed {mode}"]
+        print(f"| {mode} | {d * 1e3:.0f} ms | {r * 1e3:.0f} ms | {d / r:.3f}x | "
+              f"{d / r / ideal:.3f} |")  # fmt: skip
+    d = med["dense eager"]
+    print(f"compiled routed against eager dense: {d / med['routed compiled']:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
