@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import scipy.linalg
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -233,10 +232,11 @@ def held_out_errors(
     The same fits as :func:`fit_ridge`, cheaper over a grid: each fold's input
     covariance is diagonalised once, ``C = Q diag(l) Q^T``, so a penalty's solution is
     ``Q diag(1 / (l + lam)) Q^T C_xy`` and its fitted-value covariance
-    ``P^T diag(l / (l + lam)^2) P`` (``P = Q^T C_xy``) without a new solve; with
-    ``rank``, only the top eigenvectors are computed. Choosing a rank-64 map's penalty
-    is what made a ridge run's calibration slow (~1.5 s a layer and fit, 29 layers,
-    three fits a run, at h = 576 on one CPU thread); this takes ~0.6 of that.
+    ``P^T diag(l / (l + lam)^2) P`` (``P = Q^T C_xy``) without a new solve. Choosing a
+    rank-64 map's penalty is most of a ridge run's calibration in ``adadsf study
+    --quick`` (~1.5 s a layer and fit, 29 layers, three fits a run, at h = 576 on one
+    CPU thread); this takes 0.70 of that on one thread, 0.77 on two, the per-penalty
+    ``eigh`` of the fitted values being most of the rest.
     """
     errors = [0.0] * len(grid)
     for fit_on, test_on in (folds, folds[::-1]):
@@ -273,17 +273,11 @@ def _penalty_scale(cxx: torch.Tensor) -> float:
 
 def _top_eigenvectors(sym: torch.Tensor, k: int) -> torch.Tensor:
     """The eigenvectors of the ``k`` largest eigenvalues of a symmetric matrix,
-    ``[h, k]``, ascending. On a CPU, LAPACK's subset solver (``scipy.linalg.eigh``,
-    ``syevr``) computes only those: ~1.8x faster than a full ``torch.linalg.eigh`` at
-    h = 576, the step that dominates fitting a low-rank map."""
-    sym = 0.5 * (sym + sym.T)
-    h = sym.shape[0]
-    if sym.device.type != "cpu" or k >= h:
-        return torch.linalg.eigh(sym)[1][:, -k:]
-    _, vecs = scipy.linalg.eigh(
-        sym.numpy(), subset_by_index=[h - k, h - 1], driver="evr"
-    )
-    return torch.from_numpy(vecs).to(sym.dtype)
+    ``[h, k]``, ascending. A full ``torch.linalg.eigh``: LAPACK's subset solver
+    (``scipy.linalg.eigh(subset_by_index=...)``) took 24 ms against 43 at h = 576 on one
+    thread, but on two its OpenBLAS threads ran slower than torch's and kept spinning
+    into the torch matmuls after them (1.5x slower), a net loss in a model's process."""
+    return torch.linalg.eigh(0.5 * (sym + sym.T))[1][:, -k:]
 
 
 def ridge_folds(
