@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -37,3 +40,27 @@ def build_routed_checkpoint(
         output_dir=output_dir,
     )
     return output_dir
+
+
+def temporary_routed_checkpoint(
+    model_path: str, prefix: str, retention: float, fields: dict[str, Any] | None = None
+) -> str:
+    """:func:`build_routed_checkpoint` (16 calibration samples) into a temporary
+    directory that is removed when the process exits."""
+    checkpoint = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
+    return build_routed_checkpoint(model_path, checkpoint, retention, 16, fields=fields)
+
+
+def variant_fields() -> dict[str, Any]:
+    """The quality study's variant as the study builds it: the method's own fields
+    and the study's default temperature and dense layers."""
+    from adadsf_modifier.study.methods import METHODS
+    from adadsf_modifier.study.settings import StudySettings
+
+    defaults = StudySettings()
+    return {
+        **METHODS["adadsf_ridge_kv_err"].fields,
+        "temperature": defaults.temperature,
+        "ignore": list(defaults.ignore),
+    }

@@ -27,15 +27,11 @@ not change the model).
 from __future__ import annotations
 
 import argparse
-import atexit
 import random
-import shutil
 import statistics
-import tempfile
 import time
 
 import torch
-from kept_attention import _variant_fields
 from transformers import AutoTokenizer
 
 
@@ -54,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
 
-    from _common import build_routed_checkpoint
+    from _common import temporary_routed_checkpoint, variant_fields
 
-    from adadsf_modifier.evaluation import load_text_splits, resolve_model
+    from adadsf_modifier.evaluation import resolve_model
     from adadsf_modifier.evaluation.speed import load_pair
     from adadsf_modifier.flops import normalized_flops
+    from adadsf_modifier.study.measure import TokenStreams
 
     torch.set_num_threads(args.threads)
     if args.capture_nonzero:
@@ -67,14 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     # one compilation of the routed step per distinct ratio, more than the default 8
     torch._dynamo.config.recompile_limit = 128
     path = resolve_model(args.model)
-    checkpoint = tempfile.mkdtemp(prefix="adadsf-compiled-prefill-")
-    atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
-    build_routed_checkpoint(
-        path, checkpoint, args.retention, 16, fields=_variant_fields()
+    checkpoint = temporary_routed_checkpoint(
+        path, "adadsf-compiled-prefill-", args.retention, variant_fields()
     )
-    tok = AutoTokenizer.from_pretrained(path)
-    stream = tok("\n\n".join(load_text_splits()["test"]["text"]))["input_ids"]
-    ids = torch.tensor(stream[: args.seq_len]).view(1, -1)
+    # the first seq_len tokens of the test split (only the documents they need)
+    ids = TokenStreams(AutoTokenizer.from_pretrained(path)).get("test", args.seq_len)
+    ids = ids.view(1, -1)
     dense, routed = load_pair(checkpoint, dtype=getattr(torch, args.dtype))
     arms = {
         "dense eager": dense,

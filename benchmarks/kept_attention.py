@@ -21,29 +21,12 @@ which of the two paths the package takes for that dtype and thread count
 from __future__ import annotations
 
 import argparse
-import atexit
 import random
-import shutil
 import statistics
-import tempfile
 import time
 
 import torch
 from transformers import AutoTokenizer
-
-
-def _variant_fields() -> dict:
-    """The quality study's variant as the study builds it: the method's own fields
-    and the study's default temperature and dense layers."""
-    from adadsf_modifier.study.methods import METHODS
-    from adadsf_modifier.study.settings import StudySettings
-
-    defaults = StudySettings()
-    return {
-        **METHODS["adadsf_ridge_kv_err"].fields,
-        "temperature": defaults.temperature,
-        "ignore": list(defaults.ignore),
-    }
 
 
 def _op_times(model, ids, repeats: int) -> dict[str, float]:
@@ -109,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
 
-    from _common import build_routed_checkpoint
+    from _common import temporary_routed_checkpoint, variant_fields
 
     from adadsf_modifier.evaluation import load_text_splits, resolve_model
     from adadsf_modifier.evaluation.speed import load_pair
@@ -118,10 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    checkpoint = tempfile.mkdtemp(prefix="adadsf-kept-attention-")
-    atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
-    build_routed_checkpoint(
-        path, checkpoint, args.retention, 16, fields=_variant_fields()
+    checkpoint = temporary_routed_checkpoint(
+        path, "adadsf-kept-attention-", args.retention, variant_fields()
     )
     tok = AutoTokenizer.from_pretrained(path)
     stream = tok("\n\n".join(load_text_splits()["test"]["text"]))["input_ids"]

@@ -13,10 +13,7 @@ batches the teacher ran, and how far the two runs' losses are apart.
 from __future__ import annotations
 
 import argparse
-import atexit
-import shutil
 import statistics
-import tempfile
 import time
 
 import torch
@@ -39,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows % args.batch_size:
         p.error("--rows must be a multiple of --batch-size (whole epochs)")
 
-    from _common import build_routed_checkpoint
+    from _common import temporary_routed_checkpoint
 
     import adadsf_modifier
     from adadsf_modifier.alignment import AlignmentConfig, align_model
@@ -47,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
-    checkpoint = tempfile.mkdtemp(prefix="adadsf-teacher-cache-")
-    atexit.register(shutil.rmtree, checkpoint, ignore_errors=True)
-    build_routed_checkpoint(path, checkpoint, args.retention, 16)
+    checkpoint = temporary_routed_checkpoint(
+        path, "adadsf-teacher-cache-", args.retention
+    )
     data = calibration_dataset(tok, args.rows, args.seq_len)
     steps = args.epochs * args.rows // args.batch_size
     teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
