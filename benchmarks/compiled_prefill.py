@@ -9,7 +9,9 @@ top-level ATen ops against dense's 62 (router, selection, gathers and scatters, 
 path, the skipped tokens' keys and values), each paying dispatch. Inductor fuses the
 elementwise ones. Routing's data-dependent shapes (``nonzero`` of the kept mask) break
 the graph once per routed layer (``--capture-nonzero`` asks dynamo to trace them
-instead); ``dynamic=True`` keeps one compilation for every prompt length and kept count.
+instead); ``dynamic=True`` keeps one compilation for every prompt length and kept count,
+and dynamo's default recompile limit holds (``tests/test_compile.py``): what a user who
+writes ``torch.compile(model, dynamic=True)`` gets.
 
 Builds the quality study's variant as ``benchmarks/kept_attention.py`` does (rank-64
 ridge skip path, skipped tokens' keys/values, skip-error routers, layer 0 dense, no
@@ -19,9 +21,9 @@ dynamic=True)`` (its ``forward``); compilation and a warm-up run come before the
 Every arm runs without a KV cache (``use_cache=False``): a fresh cache object per call
 makes the compiled dense model recompile on every call.
 Per repeat, in shuffled order: the four arms. Prints median prefill latencies, the
-routed/dense speedup eager and compiled, their fractions of the FLOPs ideal, and the
-compiled routed model's largest logit difference from the eager one (compilation must
-not change the model).
+routed/dense speedup eager and compiled, their fractions of the FLOPs ideal, and each
+compiled twin's largest last-token logit difference from its eager self (compilation
+must not change the model beyond bfloat16 rounding, which dense's difference shows).
 """
 
 from __future__ import annotations
@@ -60,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.capture_nonzero:
         torch._dynamo.config.capture_dynamic_output_shape_ops = True
-    # each routed layer's retention ratio is a Python float that dynamo specialises on:
-    # one compilation of the routed step per distinct ratio, more than the default 8
-    torch._dynamo.config.recompile_limit = 128
     path = resolve_model(args.model)
     checkpoint = temporary_routed_checkpoint(
         path, "adadsf-compiled-prefill-", args.retention, variant_fields()
@@ -89,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         first, logits[name] = run(model)
         run(model)
         print(f"# {name}: first call {first:.1f} s", flush=True)
-    diff = (logits["routed compiled"] - logits["routed eager"]).abs().max().item()
+    # compiled kernels round differently in bfloat16: dense's difference is that floor
+    diff = {
+        twin: (logits[f"{twin} compiled"] - logits[f"{twin} eager"]).abs().max().item()
+        for twin in ("dense", "routed")
+    }
     times: dict[str, list[float]] = {k: [] for k in arms}
     rng = random.Random(0)
     for _ in range(args.repeats):
@@ -101,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ideal = 1.0 / normalized_flops(routed, {"input_ids": ids}).normalized
     print(f"# prefill seq {args.seq_len}, batch 1, {args.dtype}, retention "
           f"{args.retention}, {torch.get_num_threads()} threads, torch "
-          f"{torch.__version__}; FLOPs ideal {ideal:.3f}x; compiled routed logits "
-          f"differ from eager by at most {diff:.3g}")  # fmt: skip
+          f"{torch.__version__}; FLOPs ideal {ideal:.3f}x; compiled against eager, "
+          f"largest last-token logit difference: dense {diff['dense']:.3g}, routed "
+          f"{diff['routed']:.3g}")  # fmt: skip
     print("| mode | dense | routed | speedup | / ideal |")
     print("|---|---:|---:|---:|---:|")
     for mode in ("eager", "compiled"):

@@ -117,3 +117,12 @@ def test_whole_layer_ratios_need_no_calibration_pass_and_route_as_targeted():
     assert report.thresholds == [float("-inf"), float("inf")] * 2
     model.eval()
     assert kept_fraction_by_forward(model, rows(4, 8, seed=1)) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_causal_routing_without_a_threshold_names_the_layer():
+    model = route_all(tiny_model("llama", len(RATIOS)), RATIOS).eval()
+    layer = routed_layers(model)[2]
+    layer.routing_mode = "causal"
+    with pytest.raises(RuntimeError, match="layer 2 has no causal threshold"):
+        with torch.no_grad():
+            model(input_ids=torch.randint(4, 128, (1, 12)), use_cache=False)

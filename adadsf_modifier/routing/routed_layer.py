@@ -125,7 +125,7 @@ class RoutedLayer(nn.Module):
             self.forced_tokens(real, has_past, attention_mask),
             float(self.retention_ratio),
             self.causal_threshold,
-            f"layer {self.layer_index}",
+            lambda: f"layer {self.layer_index}",
         )
 
     def forced_tokens(

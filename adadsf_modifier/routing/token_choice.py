@@ -9,6 +9,8 @@ take: ``index [batch, k_max]`` ascending, unused slots holding ``seq_len``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = [
@@ -190,14 +192,17 @@ def choose_tokens(
     first: torch.Tensor | None,
     ratio: float,
     threshold: float | None = None,
-    owner: str = "this layer",
+    owner: Callable[[], str] = lambda: "this layer",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
     """``(index, valid, k_max)`` of the tokens that run a layer keeping ``ratio`` of
     its real tokens, under routing ``mode`` (:mod:`~adadsf_modifier.routing.modes`):
     ``topk`` (each row's ``K`` best scores), ``causal`` (scores above the calibrated
     ``threshold``) or ``quantile`` (scores above the threshold fitted on this batch).
     ``first`` (``[batch, seq]`` bool or None): tokens that run whatever their score
-    (in top-k they count toward ``K``). ``index`` is None when nothing runs."""
+    (in top-k they count toward ``K``). ``index`` is None when nothing runs.
+    ``owner`` names the layer in an error, called only then: a layer's index read on
+    every call would make ``torch.compile`` specialise on it and compile the routing
+    once per layer, past its recompile limit (eager after the eighth layer)."""
     if ratio <= 0.0:
         return None, None, 0
     if mode == "topk":
@@ -215,7 +220,7 @@ def choose_tokens(
         raise ValueError(f"unknown routing mode {mode!r}")
     elif threshold is None:
         raise RuntimeError(
-            f"{owner} has no causal threshold; calibrate thresholds first "
+            f"{owner()} has no causal threshold; calibrate thresholds first "
             "(adadsf_modifier.routing.calibrate_thresholds)"
         )
     selected = real & (scores > threshold)
