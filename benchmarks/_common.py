@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import random
 import shutil
+import statistics
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,3 +67,20 @@ def variant_fields() -> dict[str, Any]:
         "temperature": defaults.temperature,
         "ignore": list(defaults.ignore),
     }
+
+
+def interleaved(
+    fns: dict[str, Callable[[], float]],
+    repeats: int,
+    rng: random.Random | None = None,
+) -> dict[str, float]:
+    """Median seconds of each of ``fns``, all of them run ``repeats`` times, in a
+    shuffled order each time (``rng``, default seeded 0), so drift hits every arm."""
+    rng = rng or random.Random(0)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        order = list(fns)
+        rng.shuffle(order)
+        for k in order:
+            times[k].append(fns[k]())
+    return {k: statistics.median(v) for k, v in times.items()}

@@ -40,36 +40,18 @@ greedy tokens the compiled routed model shares with the eager one.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 from transformers import AutoTokenizer
 
-ARMS = ("dense eager", "routed eager", "dense compiled", "routed compiled")
-
-
-def interleaved(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
-    """Median seconds of each of ``fns``, run ``repeats`` times in shuffled order."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    rng = random.Random(0)
-    for _ in range(repeats):
-        order = list(fns)
-        rng.shuffle(order)
-        for k in order:
-            times[k].append(fns[k]())
-    return {k: statistics.median(v) for k, v in times.items()}
-
 
 def table(title: str, med: dict[str, float], ideal: float, unit: str) -> None:
-    scale = 1e3
     print(f"{title}\n| mode | dense | routed | speedup | / ideal |")
     print("|---|---:|---:|---:|---:|")
     for mode in ("eager", "compiled"):
         d, r = med[f"dense {mode}"], med[f"routed {mode}"]
-        print(f"| {mode} | {d * scale:.1f} {unit} | {r * scale:.1f} {unit} | "
+        print(f"| {mode} | {d * 1e3:.1f} {unit} | {r * 1e3:.1f} {unit} | "
               f"{d / r:.3f}x | {d / r / ideal:.3f} |")  # fmt: skip
     d = med["dense eager"] / med["routed compiled"]
     print(
@@ -96,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_tokens and not 0 < args.decode_prompt <= args.seq_len:
         p.error("--decode-prompt must be in [1, --seq-len]")
 
-    from _common import temporary_routed_checkpoint, variant_fields
+    from _common import interleaved, temporary_routed_checkpoint, variant_fields
 
     from adadsf_modifier.evaluation import resolve_model
     from adadsf_modifier.evaluation.speed import _decode_flops, _decode_loop, load_pair
@@ -114,12 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     ids = TokenStreams(AutoTokenizer.from_pretrained(path)).get("test", args.seq_len)
     ids = ids.view(1, -1)
     dense, routed = load_pair(checkpoint, dtype=getattr(torch, args.dtype))
-    eager = {"dense": dense, "routed": routed}
     arms = {
-        name: eager[name.split()[0]]
-        if name.endswith("eager")
-        else torch.compile(eager[name.split()[0]], dynamic=True)
-        for name in ARMS
+        "dense eager": dense,
+        "routed eager": routed,
+        "dense compiled": torch.compile(dense, dynamic=True),
+        "routed compiled": torch.compile(routed, dynamic=True),
     }
     setting = (f"{args.dtype}, retention {args.retention}, {torch.get_num_threads()} "
                f"threads, torch {torch.__version__}")  # fmt: skip
@@ -138,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     # compiled kernels round differently in bfloat16: dense's difference is that floor
     diff = {
         twin: (logits[f"{twin} compiled"] - logits[f"{twin} eager"]).abs().max().item()
-        for twin in eager
+        for twin in ("dense", "routed")
     }
     med = interleaved({k: lambda m=m: prefill(m)[0] for k, m in arms.items()},
                       args.repeats)  # fmt: skip

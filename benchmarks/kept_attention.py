@@ -92,20 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
 
-    from _common import temporary_routed_checkpoint, variant_fields
+    from _common import interleaved, temporary_routed_checkpoint, variant_fields
 
-    from adadsf_modifier.evaluation import load_text_splits, resolve_model
+    from adadsf_modifier.evaluation import resolve_model
     from adadsf_modifier.evaluation.speed import load_pair
     from adadsf_modifier.flops import normalized_flops
     from adadsf_modifier.routing import kept_attention
+    from adadsf_modifier.study.measure import TokenStreams
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     checkpoint = temporary_routed_checkpoint(
         path, "adadsf-kept-attention-", args.retention, variant_fields()
     )
-    tok = AutoTokenizer.from_pretrained(path)
-    stream = tok("\n\n".join(load_text_splits()["test"]["text"]))["input_ids"]
+    # the test split's first tokens (only the documents the longest prompt needs)
+    streams = TokenStreams(AutoTokenizer.from_pretrained(path))
     shipped = kept_attention.cpu_chunks_for
     rng = random.Random(0)
     print(f"# kept-queries attention, retention {args.retention}, "
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name in args.dtypes:
         dense, routed = load_pair(checkpoint, dtype=getattr(torch, dtype_name))
         for n in args.seq_lens:
-            ids = torch.tensor(stream[:n]).view(1, -1)
+            ids = streams.get("test", n).view(1, -1)
 
             def run(model, chunked: bool) -> float:
                 kept_attention.cpu_chunks_for = lambda dtype: chunked  # the arm decides
@@ -131,21 +132,20 @@ def main(argv: list[str] | None = None) -> int:
             }
             for arm in arms.values():  # warm-up
                 run(*arm)
-            times: dict[str, list[float]] = {k: [] for k in arms}
-            for _ in range(args.repeats):
-                order = list(arms)
-                rng.shuffle(order)
-                for k in order:
-                    times[k].append(run(*arms[k]))
+            med = interleaved(
+                {k: lambda arm=arm: run(*arm) for k, arm in arms.items()},
+                args.repeats,
+                rng,
+            )
             kept_attention.cpu_chunks_for = shipped
             if args.profile_threads:
                 _profile(dense, routed, ids, args.profile_threads, args.repeats)
                 torch.set_num_threads(args.threads)
             ideal = 1.0 / normalized_flops(routed, {"input_ids": ids}).normalized
-            d = statistics.median(times["dense"])
+            d = med["dense"]
             default = "chunks" if shipped(routed.dtype) else "causal kernel"
             for k in list(arms)[1:]:
-                r = statistics.median(times[k])
+                r = med[k]
                 mark = " (default)" if k.startswith(default) else ""
                 print(f"| {n} | {dtype_name} | {k}{mark} | {d * 1e3:.0f} ms | "
                       f"{r * 1e3:.0f} ms | {d / r:.3f}x | {ideal:.3f}x | "
