@@ -532,6 +532,63 @@ def test_main_specs_order_and_layer_drop_matching():
     assert len({x.key for x in specs}) == len(specs)
 
 
+def test_a_budget_with_its_own_methods_and_steps_keeps_every_other_runs_key():
+    """budget_methods / budget_align_steps: the runs at 0.7 are exactly those of a
+    50-step study of those methods at 0.7 alone, and every other run keeps the key it
+    has without them (a pinned study's cached runs stay found)."""
+    base = dict(methods=("dense", "adadsf", "uniform", "layer_drop_healed"), seeds=2,
+                budgets=(0.8, 0.7), align_steps=100, tune_budget=0.8)  # fmt: skip
+    refs = {b: {"flops": b - 0.01, "seed": 0, "num_layers": 30, "num_routed": 29}
+            for b in (0.8, 0.7)}  # fmt: skip
+    s = StudySettings(**base, budget_methods={0.7: ("adadsf", "layer_drop_healed")},
+                      budget_align_steps={0.7: 50})  # fmt: skip
+    specs = list(main_specs(s, CTX, TUNED, refs.get))
+    at07 = [x for x in specs if x.budget == 0.7]
+    assert {x.method for x in at07} == {"adadsf", "layer_drop_healed"}
+    assert {x.config["modifier"]["align_steps"] for x in at07} == {50}
+    assert {x.config["data"]["align_rows"] for x in at07} == {50 * 8}
+    assert count_runs(s)["main"] == len(specs) == 1 + 3 * 2 + 2 * 2
+    plain = StudySettings(**base)
+    others = {x.key for x in main_specs(plain, CTX, TUNED, refs.get) if x.budget != 0.7}
+    assert {x.key for x in specs if x.budget != 0.7} == others
+    alone = StudySettings(**{**base, "budgets": (0.7,), "align_steps": 50,
+                             "methods": ("adadsf", "layer_drop_healed")})  # fmt: skip
+    assert {x.key for x in at07} == {
+        x.key for x in main_specs(alone, CTX, TUNED, refs.get)
+    }
+    # the tune runs train at the tune budget's steps
+    tuned_at = StudySettings(
+        **{**base, "tune_budget": 0.7}, budget_align_steps={0.7: 50}
+    )
+    assert {x.config["modifier"]["align_steps"] for x in tune_specs(tuned_at, CTX)} == {
+        50
+    }
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"budget_align_steps": {0.6: 50}}, "budget_align_steps: budget(s) [0.6]"),
+        ({"budget_methods": {0.6: ("adadsf",)}}, "budget_methods: budget(s) [0.6]"),
+        (
+            {"budget_methods": {0.8: ("adadsf", "ftp")}},
+            "budget_methods at 0.8: ['ftp'] are not among the methods",
+        ),
+        (
+            {
+                "methods": ("adadsf_lm_only", "dense_lm"),
+                "budget_align_steps": {0.8: 50},
+            },
+            "budget_align_steps with the dense control(s) ['dense_lm']",
+        ),
+    ],
+)
+def test_per_budget_settings_name_only_studied_budgets_and_methods(fields, message):
+    base = {"methods": ("dense", "adadsf", "uniform"), "budgets": (0.8, 0.7)}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StudySettings(**{**base, **fields})
+
+
 def test_tune_specs_two_stages():
     s = StudySettings(tune_lrs=(1e-4, 3e-4), tune_temperatures=(0.1, 0.05))
     stage1 = tune_specs(s, CTX)
@@ -561,6 +618,10 @@ def parse(*argv):
         (["--set", "tasks=piqa,mmlu"], "unknown task(s) ['mmlu']"),
         (["--set", "ppl_stride=1024"], "must not exceed ppl_max_length"),
         (
+            ["--budgets", "0.8", "--set", "budget_align_steps={0.7: 50}"],
+            "budget_align_steps: budget(s) [0.7] are not among the budgets [0.8]",
+        ),
+        (
             ["--quick", "--set", "task_limit=0"],
             "task_limit: must be a positive integer",
         ),
@@ -575,9 +636,11 @@ def test_bad_input_is_one_clear_line(argv, message):
 def test_settings_from_arguments():
     s = build_settings(parse("--quick", "--methods", "dense", "uniform", "--budgets",
                              "0.9,0.7", "--set", "task_limit=null", "--set",
-                             "speed_batch_sizes=1,2"))  # fmt: skip
+                             "speed_batch_sizes=1,2", "--set",
+                             "budget_align_steps={0.7: 1}"))  # fmt: skip
     assert s.methods == ("dense", "uniform") and s.budgets == (0.9, 0.7)
     assert s.seeds == 1 and s.task_limit is None and s.speed_batch_sizes == (1, 2)
+    assert s.at_budget(0.7).align_steps == 1 and s.at_budget(0.9).align_steps == 2
     assert build_settings(parse()).seeds == 3
 
 
@@ -665,6 +728,20 @@ def test_render_with_nothing_finished():
     md = render_markdown(build_results(None, [], [], TUNED.__dict__, settings, meta))
     assert "no paired comparison is available yet" in md
     assert "pending: main:adadsf@0.8/seed0" in md
+
+
+def test_results_md_gives_a_budgets_own_steps_and_methods():
+    settings = StudySettings(
+        tasks=("piqa",), methods=("dense", "adadsf", "uniform"), budgets=(0.8, 0.7),
+        align_steps=100, budget_methods={0.7: ("adadsf",)},
+        budget_align_steps={0.7: 50},
+    ).model_dump(mode="json")  # fmt: skip
+    runs = [record("adadsf", b, s, 40.0, 0.5, b) for b in (0.8, 0.7) for s in range(3)]
+    meta = study_meta("adadsf study", "h", runs_total=6)
+    md = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
+    assert "alignment 100 steps x 8 rows x 512 tokens = 409,600 tokens" in md
+    assert "; at budget 0.7 (only AdaDSF): 50 steps (204,800 tokens)" in md
+    assert "### Budget 0.7" in md
 
 
 def test_results_json_carries_the_quality_targets_and_results_md_says_them():

@@ -162,6 +162,7 @@ def tune_specs(
     tau and beta (``base``), one stage."""
     if not s.tune:
         return []
+    s = s.at_budget(s.tune_budget)
     method = method or s.tune_methods[0]
     if best_lrs is None:
         tau, beta = (base.temperature, base.beta) if base else (s.temperature, s.beta)
@@ -252,9 +253,8 @@ def tune_count(s: StudySettings) -> int:
 def budgets_of(s: StudySettings, method: str) -> list[float]:
     if METHODS[method].allocation is None:  # dense and its fine-tuned controls
         return [1.0]
-    if METHODS[method].quantize:
-        return list(s.w8a8_budgets)
-    return list(s.budgets)
+    budgets = s.w8a8_budgets if METHODS[method].quantize else s.budgets
+    return [b for b in budgets if s.runs_at(method, b)]
 
 
 def runs_of(s: StudySettings, method: str) -> int:
@@ -319,12 +319,13 @@ def main_specs(
         [m for m in order if m in s.ablation_methods],
     ]
     for budget in budgets:
+        at = s.at_budget(budget)  # its own alignment steps (budget_align_steps)
         for group in groups:
             for i, seed in enumerate(s.seed_list):
                 for method in group:
                     if budget in budgets_of(s, method) and seed in s.seeds_of(method):
                         yield _main_spec(
-                            s, ctx, tuned, reference, method, budget, i, seed
+                            at, ctx, tuned, reference, method, budget, i, seed
                         )
 
 

@@ -53,6 +53,19 @@ def _cpu(r: dict) -> str:
     )
 
 
+def _budget_steps(s: dict) -> str:
+    """The budgets studied with their own alignment length, and the methods there."""
+    steps, methods = s.get("budget_align_steps") or {}, s.get("budget_methods") or {}
+    parts = []
+    for b in sorted(set(steps) | set(methods), key=float, reverse=True):
+        n = steps.get(b, s["align_steps"])
+        tokens = n * s["align_batch_size"] * s["align_seq_len"]
+        only = methods.get(b)
+        who = f" (only {', '.join(_label(m) for m in only)})" if only else ""
+        parts.append(f"at budget {float(b):g}{who}: {n} steps ({tokens:,} tokens)")
+    return f"; {'; '.join(parts)}" if parts else ""
+
+
 def _layer_rate(t: dict) -> str:
     lr = t.get("align_layer_lr")
     return "" if lr is None else f" (layer weights {_num(lr, 'g')})"
@@ -120,7 +133,8 @@ def _setup(r: dict) -> list[str]:
         " router initialisation and training order, so equal seeds are paired):"
         f" calibration {s['calib_samples']} x {s['calib_seq_len']} tokens; alignment"
         f" {s['align_steps']} steps x {s['align_batch_size']} rows x"
-        f" {s['align_seq_len']} tokens = {align_tokens:,} tokens{_cpu(r)}, learning"
+        f" {s['align_seq_len']} tokens = {align_tokens:,} tokens{_cpu(r)}"
+        f"{_budget_steps(s)}, learning"
         f" rate {_num(t['align_lr'], 'g')}{_rates(s, t)}{except_own}, trainable"
         f" `{s['align_trainable']}`; layers"
         f" ignored: `{', '.join(s['ignore']) or 'none'}`; model weights in"
@@ -215,20 +229,10 @@ def _budget_table(r: dict, budget: float) -> list[str]:
                 _mci(m["align_peak_memory_mb"], ".0f"),
             ]
         )
-    head = [
-        "method",
-        "seeds",
-        "FLOPs",
-        "FLOPs w/ lm_head",
-        "PPL test",
-        "PPL test top-k",
-        "PPL val",
-        "mean acc",
-        "prefill x",
-        "decode x",
-        "align s",
-        "align peak MB",
-    ]
+    head = (
+        "method|seeds|FLOPs|FLOPs w/ lm_head|PPL test|PPL test top-k|PPL val|mean acc"
+        "|prefill x|decode x|align s|align peak MB"
+    ).split("|")
     return [f"### Budget {budget:g}", "", *_table(head, out), ""]
 
 

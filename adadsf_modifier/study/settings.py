@@ -57,6 +57,15 @@ class StudySettings(BaseModel):
         3  # seeds 0 .. seeds-1 (calibration sample, router init, data order)
     )
     w8a8_budgets: tuple[float, ...] = (0.8,)
+    # A budget studied for fewer questions than the main one, with its own alignment
+    # length: per budget, the methods that run there (default: every method; dense and
+    # its controls run at 1.0 whatever this says) and the alignment steps every method
+    # there trains for (default: align_steps). Every method at one budget still trains
+    # alike, so that budget's paired comparisons stay fair; RESULTS.md gives each
+    # budget's steps. E.g. {0.71: [adadsf_ridge_kv_err, uniform, layer_drop_healed]}
+    # and {0.71: 50}.
+    budget_methods: dict[float, tuple[str, ...]] = Field(default_factory=dict)
+    budget_align_steps: dict[float, NonNegativeInt] = Field(default_factory=dict)
     # Ablations answer secondary questions; with ablation_seeds they run on fewer
     # seeds (the first ones) and after the main methods, so a time-limited study
     # spends its budget on the main comparisons first.
@@ -230,6 +239,11 @@ class StudySettings(BaseModel):
     def _budgets(cls, v: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(dict.fromkeys(_check_budget(b) for b in v))
 
+    @field_validator("budget_methods", "budget_align_steps")
+    @classmethod
+    def _per_budget(cls, v: dict[float, Any]) -> dict[float, Any]:
+        return {_check_budget(b): x for b, x in v.items()}
+
     @field_validator("tune_budget")
     @classmethod
     def _tune_budget(cls, v: float) -> float:
@@ -261,6 +275,7 @@ class StudySettings(BaseModel):
                 f"tune_rates: {stray or empty} "
                 + ("are not among tune_methods" if stray else "give no rate pair")
             )
+        self._check_per_budget()
         missing = [m for m in self.tune_methods[1:] if m not in self.methods]
         if self.tune and missing:
             raise ValueError(
@@ -268,6 +283,40 @@ class StudySettings(BaseModel):
                 "would choose rates no run uses"
             )
         return self
+
+    def _check_per_budget(self) -> None:
+        known = set(self.budgets) | set(self.w8a8_budgets)
+        for name in ("budget_methods", "budget_align_steps"):
+            stray = sorted(set(getattr(self, name)) - known)
+            if stray:
+                raise ValueError(
+                    f"{name}: budget(s) {stray} are not among the budgets "
+                    f"{sorted(known)}"
+                )
+        for b, methods in self.budget_methods.items():
+            stray_m = [m for m in methods if m not in self.methods]
+            if stray_m:
+                raise ValueError(
+                    f"budget_methods at {b:g}: {stray_m} are not among the methods"
+                )
+        controls = [m for m in self.methods if METHODS[m].dense_control]
+        if self.budget_align_steps and controls:
+            raise ValueError(
+                f"budget_align_steps with the dense control(s) {controls}: a control "
+                "runs once, at align_steps, so it would not pair with an arm trained "
+                "for other steps at those budgets"
+            )
+
+    def at_budget(self, budget: float) -> "StudySettings":
+        """These settings as every run at ``budget`` uses them (its own alignment
+        steps, ``budget_align_steps``)."""
+        steps = self.budget_align_steps.get(round(budget, 6), self.align_steps)
+        return self.model_copy(update={"align_steps": steps})
+
+    def runs_at(self, method: str, budget: float) -> bool:
+        """Whether ``method`` runs at ``budget`` (``budget_methods``; not which budgets
+        a method has at all: ``plan.budgets_of``)."""
+        return method in self.budget_methods.get(round(budget, 6), (method,))
 
     @property
     def seed_list(self) -> list[int]:

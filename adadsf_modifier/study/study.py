@@ -107,10 +107,10 @@ def _preflight_data(s: StudySettings, tok: Any) -> None:
     try:
         calibration_dataset(tok, s.calib_samples, s.calib_seq_len, seed=0)
         aligned = any(METHODS[m].align for m in s.methods)
-        if aligned and s.align_steps:
-            calibration_dataset(
-                tok, s.align_steps * s.align_batch_size, s.align_seq_len, seed=0
-            )
+        steps = max([s.align_steps, *s.budget_align_steps.values()])
+        if aligned and steps:
+            rows = steps * s.align_batch_size
+            calibration_dataset(tok, rows, s.align_seq_len, seed=0)
     except ValueError as err:
         raise StudyInputError(f"calibration data: {err}") from err
 
