@@ -3,7 +3,8 @@
 The table repeats the study's per-method summary in the words a first-time reader needs
 (which row is the shipped variant, which the paper), so it is generated from the study's
 own numbers, never typed: run this after ``benchmarks/results_study_829b1cc_render.sh``.
-It replaces the lines between the two ``quality-table`` markers in ``README.md``.
+It replaces the lines between the two ``quality-table`` markers in ``README.md`` with
+one table per budget of the study.
 
     .venv/bin/python benchmarks/readme_quality_table.py [--results docs/results.json]
 """
@@ -96,11 +97,29 @@ def table(results: dict[str, Any], budget: float) -> list[str]:
     return lines
 
 
+def titled_table(results: dict[str, Any], budget: float) -> list[str]:
+    """A blank line, the budget and its alignment steps (the study's per-budget steps
+    where it has them), a blank line, the table."""
+    settings = results["settings"]
+    own = settings.get("budget_align_steps") or {}
+    per_budget = {float(b): n for b, n in own.items()}
+    steps = per_budget.get(budget, settings["align_steps"])
+    title = f"Budget {budget:g}, {steps} alignment steps:"
+    return ["", title, "", *table(results, budget)]
+
+
+def block(results: dict[str, Any]) -> list[str]:
+    """The lines between the markers: one titled table per budget of the study,
+    highest first."""
+    budgets = {s["budget"] for s in results["summary"] if s["method"] != "dense"}
+    lines = [x for b in sorted(budgets, reverse=True) for x in titled_table(results, b)]
+    return lines[1:]  # no blank line after the marker
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results.json")
     ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    ap.add_argument("--budget", type=float, default=0.81)
     args = ap.parse_args()
     results = json.loads(args.results.read_text())
     text = args.readme.read_text()
@@ -110,7 +129,7 @@ def main() -> None:
         )
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    body = "\n".join([BEGIN, *table(results, args.budget), END])
+    body = "\n".join([BEGIN, *block(results), END])
     args.readme.write_text(head + body + tail)
     logger.info(f"{args.readme}: quality table rendered from {args.results}")
 

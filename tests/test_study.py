@@ -773,6 +773,17 @@ def test_ppl_plot_draws_each_target_over_its_own_flops_range_only():
     assert target_segments(30.0, 0.90, 1.0) == []  # no target above 0.85 FLOPs
 
 
+def test_every_method_has_its_own_look_in_the_plots():
+    from adadsf_modifier.study.plots import styles
+
+    every = styles(set(METHODS) | {"unregistered"})
+    looks = [(tuple(c) if not isinstance(c, str) else c, m) for c, m in every.values()]
+    assert len(every) == len(METHODS) + 1 and len(set(looks)) == len(looks)
+    assert every["dense"] == ("black", "*")
+    # a method keeps its look whatever else a study has, as long as the set is equal
+    assert styles({"dense", "adadsf"})["adadsf"] == styles({"adadsf"})["adadsf"]
+
+
 def test_a_recorded_command_reads_each_option_once_with_the_value_argparse_took():
     import shlex
 

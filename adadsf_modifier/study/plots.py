@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.targets import PPL_TARGETS
 
-__all__ = ["PLOT_FILES", "target_segments", "write_plots"]
+__all__ = ["PLOT_FILES", "styles", "target_segments", "write_plots"]
 
 PLOT_FILES = (
     "results_ppl_vs_flops.png",
@@ -44,7 +45,7 @@ def _xy(row: dict, x: str, y: str) -> tuple[float, float, float, float] | None:
     return mx["mean"], my["mean"], mx["ci95"] or 0.0, my["ci95"] or 0.0
 
 
-def _draw(ax, rows: list[dict], x: str, y: str) -> int:
+def _draw(ax, rows: list[dict], x: str, y: str, style: dict) -> int:
     by_method: dict[str, list[tuple]] = {}
     labels: dict[str, str] = {}
     for row in rows:
@@ -55,11 +56,26 @@ def _draw(ax, rows: list[dict], x: str, y: str) -> int:
     for method, pts in by_method.items():
         pts.sort()
         xs, ys, ex, ey = zip(*pts)
-        marker = "*" if method == "dense" else "o"
-        ax.errorbar(
-            xs, ys, xerr=ex, yerr=ey, marker=marker, capsize=3, label=labels[method]
-        )
+        color, marker = style[method]
+        ax.errorbar(xs, ys, xerr=ex, yerr=ey, color=color, marker=marker, capsize=3,
+                    label=labels[method])  # fmt: skip
     return len(by_method)
+
+
+def styles(methods: set[str]) -> dict[str, tuple[Any, str]]:
+    """Each method's colour and marker, the same in every figure of one study: dense a
+    black star, the others in the registry's order through the 20 colours of tab20
+    (the 10 dark shades first, then the 10 light ones with another marker): the study
+    has more than 10 methods, and two alike would read as one."""
+    import matplotlib
+
+    tab20 = matplotlib.colormaps["tab20"]
+    out: dict[str, tuple[Any, str]] = {"dense": ("black", "*")}
+    others = [m for m in METHODS if m in methods and m != "dense"]
+    others += sorted(methods - set(METHODS) - {"dense"})
+    for i, m in enumerate(others):
+        out[m] = (tab20((2 * i + i // 10) % 20), "osD^v"[i // 10 % 5])
+    return out
 
 
 def target_segments(
@@ -113,10 +129,13 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
     rows = results["summary"]
     model = results.get("model", {}).get("name", "")
+    style = styles(
+        {r["method"] for r in rows} | {r["method"] for r in results.get("runs", [])}
+    )
     paths = []
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    n = _draw(ax, rows, "normalized_flops", "ppl_test")
+    n = _draw(ax, rows, "normalized_flops", "ppl_test", style)
     ax.set_xlabel("measured normalized FLOPs (decoder stack + routers)")
     ax.set_ylabel("test perplexity (causal routing)")
     if n:
@@ -131,7 +150,7 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    n = _draw(ax, rows, "prefill_speedup", "task_mean")
+    n = _draw(ax, rows, "prefill_speedup", "task_mean", style)
     ax.set_xlabel("measured prefill speedup vs the dense twin (batch 1)")
     ax.set_ylabel("mean accuracy over the lm-eval tasks")
     if n:
@@ -149,7 +168,9 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ratios = run.get("retention_ratios")
         ok = run["method"] in _RATIO_METHODS and run["seed"] == 0
         if ok and ratios and run["budget"] == budget:
-            ax.step(range(len(ratios)), ratios, where="mid", label=run["method"])
+            color = style[run["method"]][0]
+            ax.step(range(len(ratios)), ratios, where="mid", label=run["method"],
+                    color=color)  # fmt: skip
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("retention ratio (fraction of tokens that run it)")
     ax.set_title(f"{model}\nper-layer ratios at budget {budget} (seed 0)")
