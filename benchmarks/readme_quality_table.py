@@ -98,12 +98,12 @@ def table(results: dict[str, Any], budget: float) -> list[str]:
 
 
 def titled_table(results: dict[str, Any], budget: float) -> list[str]:
-    """A blank line, the budget and its alignment steps (the study's per-budget steps
-    where it has them), a blank line, the table."""
-    settings = results["settings"]
-    own = settings.get("budget_align_steps") or {}
-    per_budget = {float(b): n for b, n in own.items()}
-    steps = per_budget.get(budget, settings["align_steps"])
+    """A blank line, the budget and its alignment steps (the study's own rule,
+    ``StudySettings.at_budget``), a blank line, the table."""
+    from adadsf_modifier.study.settings import StudySettings
+
+    settings = StudySettings.model_validate(results["settings"])
+    steps = settings.at_budget(budget).align_steps
     title = f"Budget {budget:g}, {steps} alignment steps:"
     return ["", title, "", *table(results, budget)]
 
