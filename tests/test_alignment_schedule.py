@@ -76,6 +76,18 @@ def test_layer_lr_moves_layer_weights_far_less_than_routers():
         (dict(align_layer_lr=1e-4), "layer_lr is set but trainable is 'routers'"),
         (dict(align_layer_lr=0.0), "align_layer_lr"),
         (dict(align_warmup_steps=-1), "align_warmup_steps"),
+        (
+            dict(align_steps=4, align_routers_first_steps=2),
+            "routers_first_steps \\(2\\) is set but trainable is 'routers'",
+        ),
+        (
+            dict(
+                align_steps=4,
+                align_routers_first_steps=4,
+                align_trainable="routers_and_layers",
+            ),  # fmt: skip
+            "routers_first_steps \\(4\\) must be smaller than steps \\(4\\)",
+        ),
     ],
 )
 def test_bad_rate_fields_fail_at_construction(kwargs, text):
@@ -109,3 +121,27 @@ def test_training_sees_annealed_retention_and_ends_at_the_allocation():
 def test_anneal_longer_than_training_is_refused():
     with pytest.raises(ValidationError, match="anneal_steps \\(5\\) must not exceed"):
         AdaDSFModifier(align_steps=4, align_anneal_steps=5)
+
+
+def test_routers_first_steps_train_the_routers_alone_then_the_layers():
+    """The first steps match a routers-only run (same losses and clipping norms: the
+    layers neither moved nor entered the norm), and the layers move afterwards."""
+
+    def run(**kw):
+        student, teacher = routed_pair()
+        before = snapshot(student)
+        rep = align_model(student, teacher, token_dataset(4, 16),
+                          config(lr=1e-2, grad_clip=0.5, **kw))  # fmt: skip
+        after = snapshot(student)
+        layers = [k for k in before if "self_attn" in k or "mlp" in k]
+        return rep, max((after[k] - before[k]).abs().max().item() for k in layers)
+
+    first, moved = run(steps=3, trainable="routers_and_layers", routers_first_steps=2)
+    alone, _ = run(steps=2, trainable="routers")
+    joint, _ = run(steps=3, trainable="routers_and_layers")
+    assert first.losses[:2] == pytest.approx(alone.losses, rel=1e-5)
+    assert first.grad_norms[:2] == pytest.approx(alone.grad_norms, rel=1e-5)
+    assert moved > 1e-3  # the third step trained the layers
+    # and the comparison can tell: training the layers from step 1 changes step 2
+    assert joint.grad_norms[0] != pytest.approx(alone.grad_norms[0], rel=1e-3)
+    assert joint.losses[1] != pytest.approx(alone.losses[1], rel=1e-5)

@@ -210,6 +210,13 @@ def test_method_fields():
         assert f["align_lr"] == 3e-4 and f["align_steps"] == s.align_steps
 
 
+def test_routers_first_steps_reach_the_aligned_methods_only():
+    s = StudySettings(align_routers_first_steps=20)
+    assert modifier_fields(s, "adadsf", 0.8, 0, TUNED)["align_routers_first_steps"] == 20
+    no_align = modifier_fields(s, "adadsf_no_align", 0.8, 0, TUNED)
+    assert no_align["align_routers_first_steps"] == 0  # nothing trains there
+
+
 # ------------------------------------------------------------------------ the plan
 def test_count_runs_default_study():
     # dense 1 + 18 methods x 3 budgets x 3 seeds + 2 W8A8 arms at 0.8 x 3 seeds + 2

@@ -133,6 +133,11 @@ class AlignmentConfig(BaseModel):
         layers are already trained: one rate rarely suits both
     :param lr_schedule: one of :data:`LR_SCHEDULES`, applied to every rate
     :param warmup_steps: steps of linear warm-up before the schedule (0: none)
+    :param routers_first_steps: under ``routers_and_layers``, the first this many
+        steps train only the parameters routing added (routers, skip paths); the
+        layers' pre-trained weights join after (SkipGPT, arXiv 2506.04179: router steps,
+        then LoRA steps). A fresh router's early gradients are large and noisy; the
+        layers then adapt to routers that already decide sensibly (0: all from step 1)
     :param routing: one of :data:`TRAINING_ROUTING`: which tokens run each routed layer
         while training (``quantile``: inference's rule, thresholds fitted per batch)
     :param anneal_steps: steps over which every routed layer's retention falls linearly
@@ -163,6 +168,7 @@ class AlignmentConfig(BaseModel):
     lr_schedule: LRSchedule = "constant"
     warmup_steps: NonNegativeInt = 0
     anneal_steps: NonNegativeInt = 0
+    routers_first_steps: NonNegativeInt = 0
     routing: TrainingRouting = "topk"
     batch_size: PositiveInt = 4
     seq_len: PositiveInt = 512
@@ -189,6 +195,20 @@ class AlignmentConfig(BaseModel):
             raise ValueError(
                 f"anneal_steps ({self.anneal_steps}) must not exceed steps "
                 f"({self.steps}) (in a recipe: align_anneal_steps, align_steps)"
+            )
+        if self.routers_first_steps and self.trainable != "routers_and_layers":
+            raise ValueError(
+                f"routers_first_steps ({self.routers_first_steps}) is set but "
+                f"trainable is {self.trainable!r}: only the routers train anyway; use "
+                "routers_and_layers or drop it (in a recipe: "
+                "align_routers_first_steps, align_trainable)"
+            )
+        if self.steps and self.routers_first_steps >= self.steps:
+            raise ValueError(
+                f"routers_first_steps ({self.routers_first_steps}) must be smaller "
+                f"than steps ({self.steps}): the layers would never train (for that, "
+                "trainable='routers'; in a recipe: align_routers_first_steps, "
+                "align_steps, align_trainable)"
             )
         if self.teacher_cache and self.parallel == "fsdp":
             raise ValueError(

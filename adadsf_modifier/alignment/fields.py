@@ -61,6 +61,10 @@ class AlignmentFields(BaseModel):
     :param align_anneal_steps: steps over which each routed layer's retention falls
         linearly from 1.0 to its allocated ratio (DLO's capacity annealing; 0: the
         allocated ratio from the start; at most ``align_steps``)
+    :param align_routers_first_steps: under ``routers_and_layers``, the first this
+        many steps train only the routers and skip paths; the layers' weights join
+        after (routers first, then weights; 0: all from the first step; fewer than
+        ``align_steps``)
     :param align_routing: which tokens run each routed layer while training: ``topk``
         (each row's highest-scoring tokens, the paper) or ``quantile`` (the rule
         inference uses, a score threshold, re-fitted on each batch to the layer's
@@ -103,6 +107,7 @@ class AlignmentFields(BaseModel):
     align_lr_schedule: LRSchedule = "constant"
     align_warmup_steps: NonNegativeInt = 0
     align_anneal_steps: NonNegativeInt = 0
+    align_routers_first_steps: NonNegativeInt = 0
     align_routing: TrainingRouting = "topk"
     align_batch_size: PositiveInt = 4
     align_seq_len: PositiveInt = 512
@@ -171,6 +176,7 @@ class AlignmentFields(BaseModel):
             lr_schedule=self.align_lr_schedule,
             warmup_steps=self.align_warmup_steps,
             anneal_steps=self.align_anneal_steps,
+            routers_first_steps=self.align_routers_first_steps,
             routing=self.align_routing,
             batch_size=self.align_batch_size,
             seq_len=self.align_seq_len,

@@ -114,6 +114,14 @@ class TrainableParams:
         for p, m in zip(self.params, self.masters):
             p.grad = m.grad = None
 
+    def drop_grads(self, drop: Sequence[bool]) -> None:
+        """Forget the gradients of the ``drop[i]`` masters (and parameters), so that
+        this step leaves them and their optimizer state untouched and the clipping
+        norm counts only the others."""
+        for p, m, d in zip(self.params, self.masters, drop):
+            if d:
+                p.grad = m.grad = None
+
     def grads_to_masters(self) -> None:
         for p, m in zip(self.params, self.masters):
             if m is not p:

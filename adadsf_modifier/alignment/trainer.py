@@ -91,7 +91,11 @@ def _rates(config: AlignmentConfig) -> str:
         else ""
     )
     routing = ", quantile routing" if config.routing == "quantile" else ""
-    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{routing}"
+    first = config.routers_first_steps
+    first = f", routers alone for {first} steps" if first else ""
+    return (
+        f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{first}{routing}"
+    )
 
 
 def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
@@ -351,6 +355,8 @@ def align_model(
             (terms.total if share is None else terms.total * share).backward()
             del teacher_logits, teacher_hidden, student_logits, student_hidden, terms
             trainable.grads_to_masters()
+            if step <= config.routers_first_steps:  # the layers' weights wait
+                trainable.drop_grads([not a for a in added])
             norm = _total_norm(trainable.masters, max_norm)
             if distributed.any_across_ranks(not math.isfinite(norm)):
                 values["grad_norm"] = norm

@@ -115,6 +115,7 @@ def modifier_fields(
         align_lr_schedule=s.align_lr_schedule,
         align_warmup_steps=s.align_warmup_steps,
         align_anneal_steps=s.align_anneal_steps if m.align else 0,
+        align_routers_first_steps=s.align_routers_first_steps if m.align else 0,
         align_routing=s.align_routing,
         align_seed=seed,
         align_bf16=s.align_bf16,

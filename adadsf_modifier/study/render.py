@@ -80,6 +80,8 @@ def _rates(s: dict, t: dict) -> str:
         out += f" after {s['align_warmup_steps']} warm-up steps"
     if s.get("align_anneal_steps"):
         out += f", retention annealed from 1.0 over {s['align_anneal_steps']} steps"
+    if s.get("align_routers_first_steps"):
+        out += f", routers alone for the first {s['align_routers_first_steps']} steps"
     if s.get("align_routing", "topk") != "topk":
         out += f", {s['align_routing']} routing while training"
     return out

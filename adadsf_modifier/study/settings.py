@@ -107,6 +107,7 @@ class StudySettings(BaseModel):
     align_lr_schedule: LRSchedule = "constant"
     align_warmup_steps: NonNegativeInt = 0
     align_anneal_steps: NonNegativeInt = 0  # retention 1.0 -> allocation over these
+    align_routers_first_steps: NonNegativeInt = 0  # the layers' weights join after
     align_routing: TrainingRouting = "topk"  # quantile: inference's rule in training
     align_bf16: bool = False
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
