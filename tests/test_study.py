@@ -212,7 +212,9 @@ def test_method_fields():
 
 def test_routers_first_steps_reach_the_aligned_methods_only():
     s = StudySettings(align_routers_first_steps=20)
-    assert modifier_fields(s, "adadsf", 0.8, 0, TUNED)["align_routers_first_steps"] == 20
+    assert (
+        modifier_fields(s, "adadsf", 0.8, 0, TUNED)["align_routers_first_steps"] == 20
+    )
     no_align = modifier_fields(s, "adadsf_no_align", 0.8, 0, TUNED)
     assert no_align["align_routers_first_steps"] == 0  # nothing trains there
 
