@@ -3,8 +3,10 @@
 # from its cache: first copy docs/study_runs_cpu_829b1cc_quality/main to
 # outputs/quality6_bf16/main. Extra arguments go to `adadsf study` (e.g. --max-hours 2.2, so
 # that no run starts that cannot finish in the session: an unfinished run is not cached).
+# STUDY_PIN=COMMIT runs the same settings with the package as of COMMIT instead (a probe of a
+# field 829b1cc lacks; give it its own --cache-dir: its keys differ from the pin's anyway).
 cd "$(dirname "$0")/.."
-OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE exec benchmarks/pinned_study.sh 829b1cc \
+OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE exec benchmarks/pinned_study.sh "${STUDY_PIN:-829b1cc}" \
   --methods dense,adadsf_ridge_kv_err,uniform,layer_drop_healed --budgets 0.81 \
   --seeds 3 --set dtype=bfloat16 --set align_steps=100 --set align_routing=quantile \
   --set tune_budget=0.81 --set tune_temperatures=0.05 \
