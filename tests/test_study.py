@@ -574,10 +574,38 @@ def test_a_budget_with_its_own_methods_and_steps_keeps_every_other_runs_key():
     }
 
 
+def test_budget_seeds_cut_a_budgets_seeds_without_touching_any_runs_key():
+    """budget_seeds: an int cuts every method at that budget, a dict the methods it
+    names; the runs left are exactly (same keys) those of the full plan."""
+    base = dict(methods=("dense", "adadsf", "uniform", "layer_drop"), seeds=3,
+                budgets=(0.9, 0.8, 0.7), tune_budget=0.8)  # fmt: skip
+    refs = {b: {"flops": b - 0.01, "seed": 0, "num_layers": 30, "num_routed": 29}
+            for b in (0.9, 0.8, 0.7)}  # fmt: skip
+    full = list(main_specs(StudySettings(**base), CTX, TUNED, refs.get))
+    s = StudySettings(**base, budget_seeds={0.9: 1, 0.7: {"uniform": 2, "adadsf": 1}})
+    specs = list(main_specs(s, CTX, TUNED, refs.get))
+
+    def seeds(method, budget):
+        return sorted(x.seed for x in specs if (x.method, x.budget) == (method, budget))
+
+    assert [seeds(m, 0.9) for m in ("adadsf", "uniform", "layer_drop")] == [[0]] * 3
+    assert [seeds(m, 0.8) for m in ("adadsf", "uniform")] == [[0, 1, 2]] * 2
+    assert seeds("adadsf", 0.7) == [0] and seeds("uniform", 0.7) == [0, 1]
+    assert seeds("layer_drop", 0.7) == [0, 1, 2]  # not named: keeps its seeds
+    assert count_runs(s)["main"] == len(specs) == 1 + 3 + 9 + 6
+    assert {x.key for x in specs} <= {x.key for x in full}
+    assert s.seeds_at("adadsf", 0.7) == [0]
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
         ({"budget_align_steps": {0.6: 50}}, "budget_align_steps: budget(s) [0.6]"),
+        ({"budget_seeds": {0.6: 1}}, "budget_seeds: budget(s) [0.6]"),
+        (
+            {"budget_seeds": {0.7: {"ftp": 1}}},
+            "budget_seeds at 0.7: ['ftp'] are not among the methods",
+        ),
         ({"budget_methods": {0.6: ("adadsf",)}}, "budget_methods: budget(s) [0.6]"),
         (
             {"budget_methods": {0.8: ("adadsf", "ftp")}},

@@ -259,9 +259,9 @@ def budgets_of(s: StudySettings, method: str) -> list[float]:
 
 def runs_of(s: StudySettings, method: str) -> int:
     """Main runs of ``method``: one per budget and seed (one for dense)."""
-    return (
-        1 if method == "dense" else len(budgets_of(s, method)) * len(s.seeds_of(method))
-    )
+    if method == "dense":
+        return 1
+    return sum(len(s.seeds_at(method, b)) for b in budgets_of(s, method))
 
 
 def count_runs(s: StudySettings) -> dict[str, int]:
@@ -323,7 +323,9 @@ def main_specs(
         for group in groups:
             for i, seed in enumerate(s.seed_list):
                 for method in group:
-                    if budget in budgets_of(s, method) and seed in s.seeds_of(method):
+                    if budget in budgets_of(s, method) and seed in s.seeds_at(
+                        method, budget
+                    ):
                         yield _main_spec(
                             at, ctx, tuned, reference, method, budget, i, seed
                         )
