@@ -6,8 +6,8 @@
 #            first 25 steps (align_anneal_steps; DLO, arXiv 2407.11030); measured:
 #            docs/measurements.md §16.5
 #   seq1024  rows of 1024 tokens, 4 a step instead of 8 x 512: the same tokens per step, each
-#            with twice the context (the routers see longer-range attention while training;
-#            the evaluation's windows are 1024 tokens)
+#            with twice the context (the routers and layers train on longer-range attention;
+#            the study's perplexity windows stay 512 tokens, its prefill timing 1024)
 #   routers_first  the first 25 steps train the routers and skip paths alone, the layers'
 #            weights join after (align_routers_first_steps; SkipGPT, arXiv 2506.04179). The
 #            pin lacks the field, so this runs the package as of ROUTERS_FIRST_PIN (the commit

@@ -145,3 +145,13 @@ def test_routers_first_steps_train_the_routers_alone_then_the_layers():
     # and the comparison can tell: training the layers from step 1 changes step 2
     assert joint.grad_norms[0] != pytest.approx(alone.grad_norms[0], rel=1e-3)
     assert joint.losses[1] != pytest.approx(alone.losses[1], rel=1e-5)
+
+
+def test_routers_first_steps_with_nothing_routing_added_is_refused():
+    """A dense model's own weights (the study's dense control): in the routers-only
+    steps nothing would train, silently."""
+    student, teacher = routed_pair()
+    layers = [p for n, p in student.named_parameters() if "mlp" in n]
+    c = config(steps=3, trainable="routers_and_layers", routers_first_steps=1)
+    with pytest.raises(ValueError, match="none of the parameters to train was added"):
+        align_model(student, teacher, token_dataset(4, 16), c, params=layers)

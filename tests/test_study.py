@@ -210,13 +210,38 @@ def test_method_fields():
         assert f["align_lr"] == 3e-4 and f["align_steps"] == s.align_steps
 
 
-def test_routers_first_steps_reach_the_aligned_methods_only():
+def test_routers_first_steps_reach_the_routed_aligned_methods_only():
     s = StudySettings(align_routers_first_steps=20)
-    assert (
-        modifier_fields(s, "adadsf", 0.8, 0, TUNED)["align_routers_first_steps"] == 20
-    )
-    no_align = modifier_fields(s, "adadsf_no_align", 0.8, 0, TUNED)
-    assert no_align["align_routers_first_steps"] == 0  # nothing trains there
+    adadsf = modifier_fields(s, "adadsf", 0.8, 0, TUNED)
+    assert adadsf["align_routers_first_steps"] == 20
+    # nothing trains without alignment; layer removal's routers pass all or nothing
+    for m in ("adadsf_no_align", "layer_drop_healed"):
+        assert modifier_fields(s, m, 0.8, 0, TUNED)["align_routers_first_steps"] == 0
+    # a dense control has no routers: its layers train from the first step
+    lm = StudySettings(methods=("dense", "adadsf_lm_only", "dense_lm"),
+                       align_routers_first_steps=20)  # fmt: skip
+    assert "routers_first_steps" not in finetune_fields(lm, "dense_lm", 0, TUNED)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"align_routers_first_steps": 50}, "align_routers_first_steps (50) too long"),
+        ({"align_warmup_steps": 50}, "align_warmup_steps (50) too long"),
+        ({"align_anneal_steps": 51}, "align_anneal_steps (51) too long"),
+        (
+            {"align_routers_first_steps": 5, "align_trainable": "routers"},
+            "needs align_trainable: routers_and_layers",
+        ),
+    ],
+)
+def test_training_schedules_too_long_for_a_budgets_steps_fail_up_front(fields, message):
+    """Checked when the settings are made, not when 0.7's first run is built."""
+    base = {"budgets": (0.8, 0.7), "align_steps": 100, "budget_align_steps": {0.7: 50}}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StudySettings(**{**base, **fields})
+    StudySettings(**{**base, **fields, "budget_align_steps": {}, "align_steps": 60,
+                     "align_trainable": "routers_and_layers"})  # fmt: skip
 
 
 # ------------------------------------------------------------------------ the plan
@@ -606,6 +631,18 @@ def test_budget_seeds_cut_a_budgets_seeds_without_touching_any_runs_key():
             {"budget_seeds": {0.7: {"ftp": 1}}},
             "budget_seeds at 0.7: ['ftp'] are not among the methods",
         ),
+        (
+            {"budget_seeds": {0.7: {"dense": 1, "uniform": 1}}},
+            "budget_seeds at 0.7: ['dense'] have no run there",
+        ),
+        (
+            {
+                "budget_seeds": {0.7: {"uniform": 1}},
+                "budget_methods": {0.7: ("adadsf",)},
+            },
+            "budget_seeds at 0.7: ['uniform'] have no run there",
+        ),
+        ({"budget_seeds": {0.7: {}}}, "budget_seeds at 0.7: names no method"),
         ({"budget_methods": {0.6: ("adadsf",)}}, "budget_methods: budget(s) [0.6]"),
         (
             {"budget_methods": {0.8: ("adadsf", "ftp")}},
@@ -767,17 +804,18 @@ def test_render_with_nothing_finished():
     assert "pending: main:adadsf@0.8/seed0" in md
 
 
-def test_results_md_gives_a_budgets_own_steps_and_methods():
+def test_results_md_gives_a_budgets_own_steps_methods_and_seeds():
     settings = StudySettings(
         tasks=("piqa",), methods=("dense", "adadsf", "uniform"), budgets=(0.8, 0.7),
         align_steps=100, budget_methods={0.7: ("adadsf",)},
-        budget_align_steps={0.7: 50},
+        budget_align_steps={0.7: 50}, budget_seeds={0.8: {"uniform": 1}},
     ).model_dump(mode="json")  # fmt: skip
     runs = [record("adadsf", b, s, 40.0, 0.5, b) for b in (0.8, 0.7) for s in range(3)]
     meta = study_meta("adadsf study", "h", runs_total=6)
     md = render_markdown(build_results(None, runs, [], TUNED.__dict__, settings, meta))
     assert "alignment 100 steps x 8 rows x 512 tokens = 409,600 tokens" in md
-    assert "; at budget 0.7 (only AdaDSF): 50 steps (204,800 tokens)" in md
+    assert "; at budget 0.7 (only `adadsf`): 50 steps (204,800 tokens)" in md
+    assert "at budget 0.8, 1 seed for `uniform`: 100 steps" in md
     assert "### Budget 0.7" in md
 
 

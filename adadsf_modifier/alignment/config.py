@@ -137,7 +137,9 @@ class AlignmentConfig(BaseModel):
         steps train only the parameters routing added (routers, skip paths); the
         layers' pre-trained weights join after (SkipGPT, arXiv 2506.04179: router steps,
         then LoRA steps). A fresh router's early gradients are large and noisy; the
-        layers then adapt to routers that already decide sensibly (0: all from step 1)
+        layers then adapt to routers that already decide sensibly (0: all from step 1).
+        The rate schedule counts from step 1 for every group: the layers join at
+        the rate it has reached by then
     :param routing: one of :data:`TRAINING_ROUTING`: which tokens run each routed layer
         while training (``quantile``: inference's rule, thresholds fitted per batch)
     :param anneal_steps: steps over which every routed layer's retention falls linearly

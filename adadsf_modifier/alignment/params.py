@@ -118,7 +118,7 @@ class TrainableParams:
         """Forget the gradients of the ``drop[i]`` masters (and parameters), so that
         this step leaves them and their optimizer state untouched and the clipping
         norm counts only the others."""
-        for p, m, d in zip(self.params, self.masters, drop):
+        for p, m, d in zip(self.params, self.masters, drop, strict=True):
             if d:
                 p.grad = m.grad = None
 

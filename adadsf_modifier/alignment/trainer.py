@@ -90,12 +90,10 @@ def _rates(config: AlignmentConfig) -> str:
         if config.anneal_steps
         else ""
     )
-    routing = ", quantile routing" if config.routing == "quantile" else ""
     first = config.routers_first_steps
-    first = f", routers alone for {first} steps" if first else ""
-    return (
-        f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{first}{routing}"
-    )
+    routing = f", routers alone for {first} steps" if first else ""
+    routing += ", quantile routing" if config.routing == "quantile" else ""
+    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{routing}"
 
 
 def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
@@ -263,6 +261,11 @@ def align_model(
         if not params:
             raise ValueError("align_model: params is empty; nothing would train")
     added = added_by_routing(student, params)
+    if config.routers_first_steps and not any(added):
+        raise ValueError(
+            f"routers_first_steps={config.routers_first_steps}, but none of the "
+            "parameters to train was added by routing: nothing would train then"
+        )
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device
     rows = _rank_rows(data, config.seq_len)

@@ -15,11 +15,8 @@ The heavy modules (runner, measurements, lm-eval) load only when a study runs.
 from adadsf_modifier.study.argv import add_study_arguments
 from adadsf_modifier.study.command import build_settings, run_study_command
 from adadsf_modifier.study.methods import METHODS
-from adadsf_modifier.study.settings import (
-    StudyInputError,
-    StudySettings,
-    quick_settings,
-)
+from adadsf_modifier.study.quick import quick_settings
+from adadsf_modifier.study.settings import StudyInputError, StudySettings
 
 __all__ = [
     "METHODS",

@@ -115,7 +115,12 @@ def modifier_fields(
         align_lr_schedule=s.align_lr_schedule,
         align_warmup_steps=s.align_warmup_steps,
         align_anneal_steps=s.align_anneal_steps if m.align else 0,
-        align_routers_first_steps=s.align_routers_first_steps if m.align else 0,
+        # layer removal's routers pass all or nothing: nothing to train first
+        align_routers_first_steps=(
+            s.align_routers_first_steps
+            if m.align and m.allocation != "layer_drop"
+            else 0
+        ),
         align_routing=s.align_routing,
         align_seed=seed,
         align_bf16=s.align_bf16,
@@ -142,9 +147,12 @@ def finetune_fields(
 
     base = modifier_fields(s, m.base, s.tune_budget, seed, tuned.for_method(method))
     config = AdaDSFModifier(**base).alignment_config(show_progress=False)
-    # a dense model has no routed layer: the retention schedule and the training
-    # routing rule do not apply (nor does a key that depends on them)
-    fields = config.model_dump(exclude={"show_progress", "anneal_steps", "routing"})
+    # a dense model has no routed layer: the retention schedule, the training routing
+    # rule and the routers-only first steps do not apply (nor does a key that depends
+    # on them)
+    fields = config.model_dump(
+        exclude={"show_progress", "anneal_steps", "routing", "routers_first_steps"}
+    )
     return {**fields, "ignore": list(s.ignore)}
 
 

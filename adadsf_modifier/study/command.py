@@ -27,11 +27,8 @@ from pydantic import ValidationError
 
 from adadsf_modifier.study.argv import add_study_arguments, setting_key
 from adadsf_modifier.study.methods import METHODS
-from adadsf_modifier.study.settings import (
-    StudyInputError,
-    StudySettings,
-    quick_settings,
-)
+from adadsf_modifier.study.quick import quick_settings
+from adadsf_modifier.study.settings import StudyInputError, StudySettings
 
 __all__ = ["add_study_arguments", "build_settings", "main", "run_study_command"]
 

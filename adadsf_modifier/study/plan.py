@@ -26,7 +26,6 @@ from adadsf_modifier.study.spec import RunSpec
 
 __all__ = [
     "Context",
-    "budgets_of",
     "Tuned",
     "choose_best",
     "count_runs",
@@ -250,18 +249,11 @@ def tune_count(s: StudySettings) -> int:
 # main runs (test split)
 
 
-def budgets_of(s: StudySettings, method: str) -> list[float]:
-    if METHODS[method].allocation is None:  # dense and its fine-tuned controls
-        return [1.0]
-    budgets = s.w8a8_budgets if METHODS[method].quantize else s.budgets
-    return [b for b in budgets if s.runs_at(method, b)]
-
-
 def runs_of(s: StudySettings, method: str) -> int:
     """Main runs of ``method``: one per budget and seed (one for dense)."""
     if method == "dense":
         return 1
-    return sum(len(s.seeds_at(method, b)) for b in budgets_of(s, method))
+    return sum(len(s.seeds_at(method, b)) for b in s.budgets_of(method))
 
 
 def count_runs(s: StudySettings) -> dict[str, int]:
@@ -311,7 +303,7 @@ def main_specs(
         (m for m in methods if m != "dense"), key=lambda m: m != s.flops_reference
     )
     budgets = sorted(
-        {b for m in order for b in budgets_of(s, m)},
+        {b for m in order for b in s.budgets_of(m)},
         key=lambda b: (b != s.tune_budget, -b),
     )
     groups = [
@@ -323,7 +315,7 @@ def main_specs(
         for group in groups:
             for i, seed in enumerate(s.seed_list):
                 for method in group:
-                    if budget in budgets_of(s, method) and seed in s.seeds_at(
+                    if budget in s.budgets_of(method) and seed in s.seeds_at(
                         method, budget
                     ):
                         yield _main_spec(

@@ -54,14 +54,18 @@ def _cpu(r: dict) -> str:
 
 
 def _budget_steps(s: dict) -> str:
-    """The budgets studied with their own alignment length, and the methods there."""
+    """The budgets studied with their own alignment length, methods or seeds."""
     steps, methods = s.get("budget_align_steps") or {}, s.get("budget_methods") or {}
-    parts = []
-    for b in sorted(set(steps) | set(methods), key=float, reverse=True):
+    seeds, parts = s.get("budget_seeds") or {}, []
+    for b in sorted(set(steps) | set(methods) | set(seeds), key=float, reverse=True):
         n = steps.get(b, s["align_steps"])
         tokens = n * s["align_batch_size"] * s["align_seq_len"]
-        only = methods.get(b)
-        who = f" (only {', '.join(_label(m) for m in only)})" if only else ""
+        only, k = methods.get(b), seeds.get(b, {})
+        who = f" (only {', '.join(f'`{m}`' for m in only)})" if only else ""
+        k = k if isinstance(k, dict) else {"every method": k}
+        for c in sorted(set(k.values())):
+            ms = ", ".join(f"`{m}`" if m in METHODS else m for m in k if k[m] == c)
+            who += f", {c} seed{'s' * (c > 1)} for {ms}"
         parts.append(f"at budget {float(b):g}{who}: {n} steps ({tokens:,} tokens)")
     return f"; {'; '.join(parts)}" if parts else ""
 

@@ -29,7 +29,6 @@ __all__ = [
     "ALL_TASKS",
     "StudyInputError",
     "StudySettings",
-    "quick_settings",
 ]
 
 
@@ -45,8 +44,8 @@ def _check_budget(b: float, what: str = "budget") -> float:
 
 class StudySettings(BaseModel):
     """Every knob of the study. Defaults are the full study (sized for a GPU);
-    :func:`quick_settings` shrinks them for a CPU smoke test. ``adadsf study --set
-    KEY=VALUE`` overrides any field."""
+    :func:`~adadsf_modifier.study.quick.quick_settings` shrinks them for a CPU smoke
+    test. ``adadsf study --set KEY=VALUE`` overrides any field."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -310,6 +309,25 @@ class StudySettings(BaseModel):
                 raise ValueError(
                     f"{name} at {b:g}: {stray_m} are not among the methods"
                 )
+            idle = [m for m in methods if b not in self.budgets_of(m)]
+            if name == "budget_seeds" and (idle or not methods):
+                what = f"{idle} have no run there" if idle else "names no method"
+                raise ValueError(f"budget_seeds at {b:g}: {what}")
+        used = {self.budget_align_steps.get(b, self.align_steps) for b in known}
+        shortest = min((n for n in used if n > 0), default=0)
+        for name, n, most in (
+            ("align_routers_first_steps", self.align_routers_first_steps, shortest - 1),
+            ("align_warmup_steps", self.align_warmup_steps, shortest - 1),
+            ("align_anneal_steps", self.align_anneal_steps, shortest),
+        ):  # checked now, not when a budget's first run is built hours later
+            if shortest and n > most:
+                raise ValueError(
+                    f"{name} ({n}) too long for a budget's {shortest} alignment steps"
+                )
+        if self.align_routers_first_steps and self.align_trainable == "routers":
+            raise ValueError(
+                "align_routers_first_steps needs align_trainable: routers_and_layers"
+            )
         controls = [m for m in self.methods if METHODS[m].dense_control]
         if self.budget_align_steps and controls:
             raise ValueError(
@@ -331,10 +349,14 @@ class StudySettings(BaseModel):
         n = n.get(method) if isinstance(n, dict) else n
         return seeds if n is None else seeds[:n]
 
-    def runs_at(self, method: str, budget: float) -> bool:
-        """Whether ``method`` runs at ``budget`` (``budget_methods``; not which budgets
-        a method has at all: ``plan.budgets_of``)."""
-        return method in self.budget_methods.get(round(budget, 6), (method,))
+    def budgets_of(self, method: str) -> list[float]:
+        """The budgets ``method`` has main runs at: 1.0 for dense and its controls,
+        else the (W8A8) budgets that ``budget_methods`` lets it run at."""
+        m = METHODS[method]
+        if m.allocation is None:
+            return [1.0]
+        budgets = self.w8a8_budgets if m.quantize else self.budgets
+        return [b for b in budgets if method in self.budget_methods.get(b, (method,))]
 
     @property
     def seed_list(self) -> list[int]:
@@ -346,39 +368,3 @@ class StudySettings(BaseModel):
         if method in self.ablation_methods and self.ablation_seeds is not None:
             return self.seed_list[: self.ablation_seeds]
         return self.seed_list
-
-
-def quick_settings(**overrides: Any) -> StudySettings:
-    """One seed, budget 0.8 and tiny limits: every method through the whole pipeline
-    (one run each; ``adadsf study --quick --plan`` prints how many and its time
-    estimate: smoke runs took 40-350 s each on the project's shared 2-core CPU, the
-    W8A8 arms the slowest). A smoke test: its numbers are not evidence of anything.
-    ``overrides`` (e.g. ``budgets`` or ``methods``) replace any of it."""
-    base: dict[str, Any] = dict(
-        seeds=1,
-        budgets=(0.8,),
-        calib_samples=8,
-        calib_seq_len=128,
-        router_init_steps=20,
-        router_init_tokens=256,
-        threshold_passes=1,
-        align_steps=2,
-        align_batch_size=1,
-        align_seq_len=64,
-        tune_lrs=(3e-4, 1e-3),
-        tune_temperatures=(0.05,),
-        ppl_tokens=1024,
-        ppl_val_tokens=512,
-        ppl_max_length=256,
-        ppl_stride=256,
-        task_limit=2,
-        flops_batch=1,
-        flops_seq_len=256,
-        speed_seq_len=128,
-        speed_batch_sizes=(1,),
-        speed_repeats=1,
-        decode_prompt=32,
-        decode_tokens=2,
-    )
-    base.update(overrides)
-    return StudySettings(**base)
