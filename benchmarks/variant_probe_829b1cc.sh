@@ -14,7 +14,7 @@
 #            that added it) in its own cache, outputs/routers_first_cache, twice: unchanged
 #            (the baseline on that code: 829b1cc's 35.21 if nothing else changed), then with
 #            the field (keep those runs with: benchmarks/keep_study_runs.sh
-#            outputs/routers_first_cache/main docs/study_runs_cpu_14b7ca0_probe/main; a
+#            outputs/routers_first_cache/main docs/study_runs_cpu_2b9efac_probe/main; a
 #            --max-hours applies to each of the two invocations)
 # Seed 0 first: its validation PPL against the unchanged 50-step seed 0 (§16.3: 35.21) decides
 # whether the 3 seeds are worth their ~2 hours (validation to choose, test to report). Extra
@@ -29,7 +29,7 @@ case $PROBE in
   anneal) SET=(--set align_anneal_steps=25) ;;
   seq1024) SET=(--set align_seq_len=1024 --set align_batch_size=4) ;;
   routers_first)
-    export STUDY_PIN=${ROUTERS_FIRST_PIN:-14b7ca0}
+    export STUDY_PIN=${ROUTERS_FIRST_PIN:-2b9efac}
     CACHE=(--cache-dir "$PWD/outputs/routers_first_cache")
     benchmarks/variant_50_steps_829b1cc.sh --seeds 1 "${CACHE[@]}" \
       --output-dir "$PWD/outputs/variant_routers_first_base_out" "$@"
