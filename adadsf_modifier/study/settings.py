@@ -298,19 +298,22 @@ class StudySettings(BaseModel):
                     f"{name}: budget(s) {stray} are not among the budgets "
                     f"{sorted(known)}"
                 )
-        per_method = [("budget_methods", b, m) for b, m in self.budget_methods.items()]
-        per_method += [
-            ("budget_seeds", b, list(n)) for b, n in self.budget_seeds.items()
-            if isinstance(n, dict)
-        ]  # fmt: skip
-        for name, b, methods in per_method:
-            stray_m = [m for m in methods if m not in self.methods]
-            if stray_m:
-                raise ValueError(
-                    f"{name} at {b:g}: {stray_m} are not among the methods"
-                )
+        seeds = {
+            b: list(n) for b, n in self.budget_seeds.items() if isinstance(n, dict)
+        }
+        for name, named in (
+            ("budget_methods", self.budget_methods),
+            ("budget_seeds", seeds),
+        ):
+            for b, methods in named.items():
+                stray_m = [m for m in methods if m not in self.methods]
+                if stray_m:
+                    raise ValueError(
+                        f"{name} at {b:g}: {stray_m} are not among the methods"
+                    )
+        for b, methods in seeds.items():
             idle = [m for m in methods if b not in self.budgets_of(m)]
-            if name == "budget_seeds" and (idle or not methods):
+            if idle or not methods:
                 what = f"{idle} have no run there" if idle else "names no method"
                 raise ValueError(f"budget_seeds at {b:g}: {what}")
         used = {self.budget_align_steps.get(b, self.align_steps) for b in known}
