@@ -226,17 +226,18 @@ def test_routers_first_steps_reach_the_routed_aligned_methods_only():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"align_routers_first_steps": 50}, "align_routers_first_steps (50) too long"),
-        ({"align_warmup_steps": 50}, "align_warmup_steps (50) too long"),
-        ({"align_anneal_steps": 51}, "align_anneal_steps (51) too long"),
+        ({"align_routers_first_steps": 50}, "50 alignment steps: routers_first_steps"),
+        ({"align_warmup_steps": 50}, "50 alignment steps: warmup_steps (50) must be"),
+        ({"align_anneal_steps": 51}, "50 alignment steps: anneal_steps (51) must not"),
         (
             {"align_routers_first_steps": 5, "align_trainable": "routers"},
-            "needs align_trainable: routers_and_layers",
+            "routers_first_steps (5) is set but trainable is 'routers'",
         ),
     ],
 )
 def test_training_schedules_too_long_for_a_budgets_steps_fail_up_front(fields, message):
-    """Checked when the settings are made, not when 0.7's first run is built."""
+    """Checked when the settings are made, by the alignment's own rules at the
+    shortest steps a budget trains for, not when 0.7's first run is built."""
     base = {"budgets": (0.8, 0.7), "align_steps": 100, "budget_align_steps": {0.7: 50}}
     with pytest.raises(ValueError, match=re.escape(message)):
         StudySettings(**{**base, **fields})

@@ -11,9 +11,21 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from adadsf_modifier.alignment.config import LRSchedule, Trainable, TrainingRouting
+from adadsf_modifier.alignment.config import (
+    AlignmentConfig,
+    LRSchedule,
+    Trainable,
+    TrainingRouting,
+)
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -318,19 +330,18 @@ class StudySettings(BaseModel):
                 raise ValueError(f"budget_seeds at {b:g}: {what}")
         used = {self.budget_align_steps.get(b, self.align_steps) for b in known}
         shortest = min((n for n in used if n > 0), default=0)
-        for name, n, most in (
-            ("align_routers_first_steps", self.align_routers_first_steps, shortest - 1),
-            ("align_warmup_steps", self.align_warmup_steps, shortest - 1),
-            ("align_anneal_steps", self.align_anneal_steps, shortest),
-        ):  # checked now, not when a budget's first run is built hours later
-            if shortest and n > most:
-                raise ValueError(
-                    f"{name} ({n}) too long for a budget's {shortest} alignment steps"
-                )
-        if self.align_routers_first_steps and self.align_trainable == "routers":
-            raise ValueError(
-                "align_routers_first_steps needs align_trainable: routers_and_layers"
+        try:  # the alignment's own rules, at the shortest steps a budget trains for:
+            # checked now, not when that budget's first run is built hours later
+            AlignmentConfig(
+                steps=shortest,
+                warmup_steps=self.align_warmup_steps,
+                anneal_steps=self.align_anneal_steps,
+                routers_first_steps=self.align_routers_first_steps,
+                trainable=self.align_trainable,
             )
+        except ValidationError as e:
+            why = e.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"at a budget's {shortest} alignment steps: {why}") from e
         controls = [m for m in self.methods if METHODS[m].dense_control]
         if self.budget_align_steps and controls:
             raise ValueError(
