@@ -2,7 +2,8 @@
 
 Declared once and used by the modifier's fields, so a bad YAML value fails at
 construction with ``<field>: must be in (0, 1], got 1.2`` rather than deep inside
-calibration. A leaf module: it imports nothing of the package.
+calibration; :func:`first_error` words a failed validation as that one line. A leaf
+module: it imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Annotated
 
-from pydantic import AfterValidator, BeforeValidator, ValidationInfo
+from pydantic import AfterValidator, BeforeValidator, ValidationError, ValidationInfo
 
 __all__ = [
     "FiniteFloat",
@@ -21,6 +22,7 @@ __all__ = [
     "PositiveInt",
     "UnitInterval",
     "constrained",
+    "first_error",
     "one_of",
 ]
 
@@ -48,6 +50,15 @@ def one_of(choices: tuple[str, ...]) -> BeforeValidator:
         return value
 
     return BeforeValidator(check)
+
+
+def first_error(err: ValidationError) -> str:
+    """The first error of ``err`` on one line, ``<field>: <message>`` (the message
+    alone for a model-level rule), without pydantic's ``Value error,`` prefix."""
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    msg = str(first.get("msg", err)).removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
 
 
 def _finite(v: float) -> bool:

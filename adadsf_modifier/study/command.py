@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from adadsf_modifier.constraints import first_error
 from adadsf_modifier.study.argv import add_study_arguments, setting_key
 from adadsf_modifier.study.methods import METHODS
 from adadsf_modifier.study.quick import quick_settings
@@ -48,13 +49,6 @@ def _parse_value(key: str, raw: str) -> Any:
         elif not isinstance(value, list):
             value = [value]
     return value
-
-
-def _validation_message(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(x) for x in first.get("loc", ()))
-    msg = str(first.get("msg", err)).removeprefix("Value error, ")
-    return f"{loc}: {msg}" if loc else msg
 
 
 def build_settings(args: argparse.Namespace) -> StudySettings:
@@ -98,7 +92,7 @@ def build_settings(args: argparse.Namespace) -> StudySettings:
     try:
         return quick_settings(**fields) if args.quick else StudySettings(**fields)
     except ValidationError as err:
-        raise StudyInputError(_validation_message(err)) from err
+        raise StudyInputError(first_error(err)) from err
 
 
 def run_study_command(args: argparse.Namespace) -> dict:

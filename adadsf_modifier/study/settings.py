@@ -31,6 +31,7 @@ from adadsf_modifier.constraints import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    first_error,
 )
 
 # The 7 lm-eval tasks (the project's offline copies; each task's validation split).
@@ -340,7 +341,7 @@ class StudySettings(BaseModel):
                 trainable=self.align_trainable,
             )
         except ValidationError as e:
-            why = e.errors()[0]["msg"].removeprefix("Value error, ")
+            why = first_error(e)
             raise ValueError(f"at a budget's {shortest} alignment steps: {why}") from e
         controls = [m for m in self.methods if METHODS[m].dense_control]
         if self.budget_align_steps and controls:
