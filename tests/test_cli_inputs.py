@@ -196,6 +196,7 @@ def test_calibration_problems_stop_before_the_model_loads(
     import datasets
     import transformers
 
+    import adadsf_modifier.cli.alignment_rows as alignment_rows
     import adadsf_modifier.evaluation as evaluation
 
     def no_model(*args, **kwargs):
@@ -213,7 +214,10 @@ def test_calibration_problems_stop_before_the_model_loads(
                 raise data
             return data
 
+        # alignment_rows binds its own name: patched too, so the test does not depend
+        # on which test imported that module first (alone, it kept the first fake)
         monkeypatch.setattr(evaluation, "calibration_dataset", fake)
+        monkeypatch.setattr(alignment_rows, "calibration_dataset", fake)
         out = tmp_path / text.replace(" ", "_")
         err = one_line_error(*run(capsys, *argv, "--output-dir", out))
         assert f"calibration data: {text}" in err or text in err

@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from adadsf_modifier.constraints import first_error
+
 __all__ = [
     "build_report",
     "plot_report",
@@ -34,12 +36,6 @@ def _read_json(path: str | Path, what: str) -> Any:
         raise ValueError(f"{what} {path} is not JSON: {e}") from None
 
 
-def _first_error(err: ValidationError) -> str:
-    e = err.errors()[0]
-    where = ".".join(str(p) for p in e["loc"])
-    return f"{where}: {e['msg']}" if where else e["msg"]
-
-
 def read_eval_record(path: str | Path) -> dict[str, Any]:
     """One ``adadsf eval`` record from ``path``, checked against
     :class:`~adadsf_modifier.evaluation.evaluate.EvalRecord` (``ValueError`` if it is
@@ -51,7 +47,7 @@ def read_eval_record(path: str | Path) -> dict[str, Any]:
         TypeAdapter(EvalRecord).validate_python(data)
     except ValidationError as e:
         raise ValueError(
-            f"evaluation file {path} is not an `adadsf eval` record ({_first_error(e)})"
+            f"evaluation file {path} is not an `adadsf eval` record ({first_error(e)})"
         ) from None
     return data
 
@@ -67,7 +63,7 @@ def read_speed_results(path: str | Path) -> list[dict[str, Any]]:
         TypeAdapter(list[SpeedResult]).validate_python(results)
     except ValidationError as e:
         raise ValueError(
-            f"speed file {path} is not an `adadsf bench` result ({_first_error(e)})"
+            f"speed file {path} is not an `adadsf bench` result ({first_error(e)})"
         ) from None
     return results
 
