@@ -304,16 +304,44 @@ def test_cost_model_takes_the_alignment_rate_this_host_measured():
     assert measured_align_rate(cached, "f", "cpu", "float32") == pytest.approx(2e-3)
     assert measured_align_rate([], "f", "cpu", "float32") is None
     per_run = per_run_estimates(s, cached, "f", "cpu", 135e6)
-    assert per_run[("main", "uniform")] == (800.0, 2)  # its own runs' mean seconds
-    modelled = estimate_run_seconds(s, "main", "adadsf", 135e6, "cpu")
     tokens = s.align_steps * s.align_batch_size * s.align_seq_len
+    # its own runs' mean seconds (300 and 500 outside alignment), each alignment
+    # rescaled to the plan's tokens at the 2 ms a token it measured
+    assert per_run[("main", "uniform", 0.8)] == (pytest.approx(400 + tokens * 2e-3), 2)
+    modelled = estimate_run_seconds(s, "main", "adadsf", 135e6, "cpu")
     from adadsf_modifier.study.cost import cpu_align_seconds
 
     # adadsf has no finished run: the model's estimate with the measured alignment
-    assert per_run[("main", "adadsf")] == (
+    assert per_run[("main", "adadsf", 0.8)] == (
         pytest.approx(modelled - cpu_align_seconds(s, 135e6) + tokens * 2e-3),
         0,
     )
+
+
+def test_a_budgets_own_alignment_steps_price_its_runs():
+    """Finished 100-step runs price a budget's 50-step runs at half their alignment
+    (a --max-hours deadline otherwise refuses runs that fit), and the plan's total
+    counts each budget's runs at that budget's price."""
+    from adadsf_modifier.study.cost import (
+        method_seconds,
+        per_run_estimates,
+        plan_seconds,
+    )
+
+    s = StudySettings(methods=("dense", "uniform"), budgets=(0.8, 0.7), seeds=2,
+                      align_steps=100, align_batch_size=8, align_seq_len=512,
+                      budget_align_steps={0.7: 50}, tune=False)  # fmt: skip
+    tokens_100 = 100 * 8 * 512
+    # one finished 100-step run of uniform: 1000 s of alignment, 500 s of the rest
+    cached = [_aligned_entry("uniform", 1000.0, tokens_100)]
+    cached[0]["record"]["seconds"] = 1500.0
+    per_run = per_run_estimates(s, cached, "f", "cpu", 135e6)
+    assert per_run[("main", "uniform", 0.8)] == (pytest.approx(1500.0), 1)
+    assert per_run[("main", "uniform", 0.7)] == (pytest.approx(1000.0), 1)
+    # two seeds at each budget: the mean of one run is (1500 + 1000) / 2
+    assert method_seconds(s, per_run, "uniform") == (pytest.approx(1250.0), 1)
+    dense = per_run[("main", "dense", 1.0)][0]
+    assert plan_seconds(s, per_run) == pytest.approx(dense + 2 * 1500 + 2 * 1000)
 
 
 def test_cost_model_prices_ftps_search_and_router_training():

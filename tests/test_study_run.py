@@ -196,6 +196,25 @@ def fake_executor(calls, fail=()):
     return run
 
 
+def test_max_hours_starts_no_run_that_its_estimate_says_cannot_finish(
+    tiny_dir, tmp_path
+):
+    # a budget with its own alignment steps: each run's estimate is looked up at its
+    # own budget (a plan keyed otherwise would fail here with a KeyError)
+    s = StudySettings(methods=("dense", "uniform"), budgets=(0.8, 0.7), seeds=1,
+                      tune=False, calib_samples=2, calib_seq_len=16, align_steps=2,
+                      budget_align_steps={0.7: 1}, align_batch_size=1,
+                      align_seq_len=16)  # fmt: skip
+    calls: list[str] = []
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls), max_hours=1e-6)  # fmt: skip
+    # the cost model prices every run above the 3.6 ms left: none starts
+    assert calls == [] and len(res["pending"]) == 3
+    res = run_study(s, tiny_dir, tmp_path / "o", tmp_path / "c",
+                    executor=fake_executor(calls), max_hours=10.0)  # fmt: skip
+    assert len(calls) == 3 and not res["pending"]
+
+
 def test_orchestration_tuning_matching_and_failures(tiny_dir, tmp_path):
     s = StudySettings(methods=("dense", "adadsf", "uniform", "layer_drop"),
                       budgets=(0.8,), seeds=2, tune_lrs=(1e-4, 3e-4, 1e-3),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from adadsf_modifier.study.arms import Tuned, modifier_fields
 from adadsf_modifier.study.methods import METHODS
-from adadsf_modifier.study.plan import runs_of, tune_runs_of
+from adadsf_modifier.study.plan import runs_at, runs_of, tune_runs_of
 from adadsf_modifier.study.settings import StudySettings
 
 __all__ = [
@@ -27,14 +27,17 @@ __all__ = [
     "cpu_align_seconds",
     "estimate_run_seconds",
     "measured_align_rate",
+    "method_seconds",
     "model_params",
     "per_run_estimates",
     "plan_seconds",
     "planned_task_n",
 ]
 
-PerRun = dict[tuple[str, str], tuple[float, int]]
-"""``(phase, method) -> (seconds of one run, finished runs that is the mean of)``."""
+PerRun = dict[tuple[str, str, float], tuple[float, int]]
+"""``(phase, method, budget) -> (seconds of one run there, finished runs of the method
+that is the mean of)``: a budget's own alignment steps (``budget_align_steps``) price
+its runs."""
 
 # Measured on the project's 2-core CPU machine with both threads (OMP_NUM_THREADS=2, how
 # the studies run there; study caches of docs/measurements.md sections 8-10 and the
@@ -197,6 +200,27 @@ def estimate_run_seconds(
     return secs + train
 
 
+def _align_tokens(s: StudySettings, method: str) -> int:
+    """Tokens one run of ``method`` aligns on under ``s`` (0 for one that does not)."""
+    return s.align_steps * s.align_batch_size * s.align_seq_len * METHODS[method].align
+
+
+def _rescaled(record: dict, tokens: int) -> float:
+    """A finished run's seconds with its alignment rescaled, at the rate it measured,
+    to ``tokens`` aligned tokens: a method's runs of 100 steps price its 50-step ones
+    (and the reverse) instead of counting as 100-step runs."""
+    secs = record.get("seconds", 0.0)
+    done, align = record.get("align_tokens") or 0, record.get("align_seconds") or 0.0
+    return secs + align * (tokens / done - 1) if done > 0 and align > 0 else secs
+
+
+def _planned(s: StudySettings) -> list[tuple[str, str, float]]:
+    """Every ``(phase, method, budget)`` of the plan: the tuned methods at
+    ``tune_budget``, each method at each of its main budgets."""
+    tune = [("tune", m, s.tune_budget) for m in s.tune_methods]
+    return tune + [("main", m, b) for m in s.methods for b in s.budgets_of(m)]
+
+
 def per_run_estimates(
     s: StudySettings,
     cached: Iterable[dict],
@@ -204,35 +228,51 @@ def per_run_estimates(
     device: str,
     params: float,
 ) -> PerRun:
-    """Seconds of one run per ``(phase, method)`` of the plan, and how many finished
-    runs that is the mean of: this model's finished runs on this device in the
-    study's dtype among the ``cached`` entries where there are any (0: the cost
+    """Seconds of one run per ``(phase, method, budget)`` of the plan, and how many
+    finished runs that is the mean of: this model's finished runs of the method on
+    this device in the study's dtype among the ``cached`` entries where there are any,
+    each rescaled to the budget's alignment tokens (:func:`_rescaled`); 0: the cost
     model's estimate, with the alignment rate measured on this device where any
-    aligned run is cached)."""
+    aligned run is cached."""
     cached = list(cached)
     rate = measured_align_rate(cached, fingerprint, device, s.dtype)
-    seen: dict[tuple[str, str], list[float]] = {}
+    seen: dict[tuple[str, str], list[dict]] = {}
     for entry in cached:
         cfg = entry.get("config", {})
         if cfg.get("model", {}).get("fingerprint") == fingerprint and (
             (cfg.get("device"), cfg.get("dtype")) == (device, s.dtype)
         ):
             key = (cfg.get("phase"), cfg.get("method"))
-            seen.setdefault(key, []).append(entry["record"].get("seconds", 0.0))
+            seen.setdefault(key, []).append(entry["record"])
     out = {}
-    for phase, methods in (("tune", s.tune_methods), ("main", s.methods)):
-        for m in methods:
-            done = seen.get((phase, m))
-            out[(phase, m)] = (
-                (sum(done) / len(done), len(done))
-                if done
-                else (estimate_run_seconds(s, phase, m, params, device, rate), 0)
-            )
+    for phase, m, budget in _planned(s):
+        at, done = s.at_budget(budget), seen.get((phase, m))
+        tokens = _align_tokens(at, m)
+        out[(phase, m, budget)] = (
+            (sum(_rescaled(r, tokens) for r in done) / len(done), len(done))
+            if done
+            else (estimate_run_seconds(at, phase, m, params, device, rate), 0)
+        )
     return out
+
+
+def method_seconds(s: StudySettings, per_run: PerRun, method: str) -> tuple[float, int]:
+    """Mean seconds of one main run of ``method`` over its budgets, weighted by their
+    runs, and the finished runs that is the mean of (the plan's line per method)."""
+    budgets = s.budgets_of(method)
+    if not budgets:
+        return 0.0, 0
+    n = sum(runs_at(s, method, b) for b in budgets)
+    secs = sum(runs_at(s, method, b) * per_run[("main", method, b)][0] for b in budgets)
+    return secs / max(n, 1), per_run[("main", method, budgets[0])][1]
 
 
 def plan_seconds(s: StudySettings, per_run: PerRun) -> float:
     """Seconds for the whole plan (cached runs included), from
     :func:`per_run_estimates`."""
-    total = sum(tune_runs_of(s, m) * per_run[("tune", m)][0] for m in s.tune_methods)
-    return total + sum(runs_of(s, m) * per_run[("main", m)][0] for m in s.methods)
+    tune = [
+        tune_runs_of(s, m) * per_run[("tune", m, s.tune_budget)][0]
+        for m in s.tune_methods
+    ]
+    main = [runs_of(s, m) * method_seconds(s, per_run, m)[0] for m in s.methods]
+    return sum(tune) + sum(main)

@@ -33,6 +33,7 @@ __all__ = [
     "main_specs",
     "modifier_fields",
     "quantization_fields",
+    "runs_at",
     "runs_of",
     "single_candidate",
     "tune_specs",
@@ -249,11 +250,14 @@ def tune_count(s: StudySettings) -> int:
 # main runs (test split)
 
 
+def runs_at(s: StudySettings, method: str, budget: float) -> int:
+    """Main runs of ``method`` at ``budget``: one per seed (one for dense)."""
+    return 1 if method == "dense" else len(s.seeds_at(method, budget))
+
+
 def runs_of(s: StudySettings, method: str) -> int:
     """Main runs of ``method``: one per budget and seed (one for dense)."""
-    if method == "dense":
-        return 1
-    return sum(len(s.seeds_at(method, b)) for b in s.budgets_of(method))
+    return sum(runs_at(s, method, b) for b in s.budgets_of(method))
 
 
 def count_runs(s: StudySettings) -> dict[str, int]:

@@ -36,6 +36,7 @@ from adadsf_modifier.study.cache import (
 )
 from adadsf_modifier.study.cost import (
     cpu_align_seconds,
+    method_seconds,
     model_params,
     per_run_estimates,
     plan_seconds,
@@ -294,7 +295,7 @@ def run_study(
     if plan_only:
         # per method: a study spread over sessions is cut into session-sized parts
         for m in settings.methods:
-            secs, measured = per_run[("main", m)]
+            secs, measured = method_seconds(settings, per_run, m)
             source = (
                 f"mean of {measured} finished run{'s' * (measured > 1)}"
                 if measured
@@ -304,7 +305,9 @@ def run_study(
                 f"  {m:20s} {runs_of(settings, m):3d} runs, {secs / 3600:5.2f} h "
                 f"each ({source})  ({METHODS[m].description})"
             )
-        plan["per_run_s"] = {m: per_run[("main", m)][0] for m in settings.methods}
+        plan["per_run_s"] = {
+            m: method_seconds(settings, per_run, m)[0] for m in settings.methods
+        }
         return {"plan": plan}
     env = RunEnv(model_path, device, tok, TokenStreams(tok))
     deadline = t0 + max_hours * 3600 if max_hours else None
@@ -317,7 +320,7 @@ def run_study(
         max_runs,
         executor,
         origin,
-        estimate=lambda spec: per_run[(spec.phase, spec.method)][0],
+        estimate=lambda spec: per_run[(spec.phase, spec.method, spec.budget)][0],
     )
     runner.lenient = render_only
     tuned, tuning = tune_on_validation(settings, ctx, runner)
