@@ -1049,3 +1049,19 @@ def test_under_a_deadline_no_run_starts_that_would_not_finish_before_it(tmp_path
     assert runner.pending == [spec("adadsf", 0).label, spec("layer_drop", 1).label]
     # a finished run is still read from the cache after the stop
     assert runner.run(spec("layer_drop", 0)) == {"method": "layer_drop", "seed": 0}
+
+
+def test_layer_removal_without_its_flops_reference_is_warned_before_it_runs():
+    from adadsf_modifier.study.plan import nominal_budget_warning
+
+    with_ref = StudySettings(methods=("dense", "adadsf", "layer_drop"), budgets=(0.8,))
+    assert nominal_budget_warning(with_ref) is None
+    alone = StudySettings(methods=("dense", "layer_drop", "layer_drop_healed"),
+                          budgets=(0.8,), flops_reference="adadsf")  # fmt: skip
+    warning = nominal_budget_warning(alone)
+    assert "layer_drop@0.8, layer_drop_healed@0.8 keep the layers" in warning
+    assert "flops_reference adadsf does not run" in warning
+    # the reference left out at one budget only: only that budget's runs are named
+    part = StudySettings(methods=("dense", "adadsf", "layer_drop"), budgets=(0.8, 0.7),
+                         budget_methods={0.7: ("layer_drop",)})  # fmt: skip
+    assert nominal_budget_warning(part).startswith("layer_drop@0.7 keep")

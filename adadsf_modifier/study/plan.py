@@ -32,6 +32,7 @@ __all__ = [
     "layer_drop_retention",
     "main_specs",
     "modifier_fields",
+    "nominal_budget_warning",
     "quantization_fields",
     "runs_at",
     "runs_of",
@@ -263,6 +264,33 @@ def runs_of(s: StudySettings, method: str) -> int:
 def count_runs(s: StudySettings) -> dict[str, int]:
     """``{"tune": n, "main": n}`` for the whole plan (cached runs included)."""
     return {"tune": tune_count(s), "main": sum(runs_of(s, m) for m in s.methods)}
+
+
+def nominal_budget_warning(s: StudySettings) -> str | None:
+    """Why some layer-removal runs will keep the layers of the nominal budget, or None:
+    their ``flops_reference`` does not run at that budget in this plan, so they have
+    no measured FLOPs to match. Such a run is a different run (its key holds the
+    retention) from the matched one a plan with the reference computes later, which
+    therefore does not reuse it: say so before the hours go into it."""
+    unmatched = sorted(
+        {
+            (b, m)
+            for m in s.methods
+            if METHODS[m].match_flops
+            for b in s.budgets_of(m)
+            if s.flops_reference not in s.methods
+            or b not in s.budgets_of(s.flops_reference)
+        }
+    )
+    if not unmatched:
+        return None
+    runs = ", ".join(f"{m}@{b}" for b, m in unmatched)
+    return (
+        f"{runs} keep the layers of the nominal budget: flops_reference "
+        f"{s.flops_reference} does not run at that budget in this plan, so there are "
+        "no measured FLOPs to match; a study that includes it matches them and does "
+        "not reuse these runs (add it to --methods to match)"
+    )
 
 
 def layer_drop_retention(

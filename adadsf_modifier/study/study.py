@@ -50,6 +50,7 @@ from adadsf_modifier.study.plan import (
     Tuned,
     count_runs,
     main_specs,
+    nominal_budget_warning,
     runs_of,
 )
 from adadsf_modifier.study.plots import PLOT_FILES, write_plots
@@ -273,6 +274,7 @@ def run_study(
         for warning in (
             bfloat16_warning(hw, settings.dtype),
             weights_mismatch_warning(others, fingerprint, files),
+            nominal_budget_warning(settings),
         ):
             if warning:
                 logger.warning(warning)
