@@ -196,7 +196,7 @@ def fake_executor(calls, fail=()):
     return run
 
 
-def test_max_hours_starts_no_run_that_its_estimate_says_cannot_finish(
+def test_max_hours_prices_each_run_at_its_own_budgets_alignment_steps(
     tiny_dir, tmp_path
 ):
     # a budget with its own alignment steps: each run's estimate is looked up at its

@@ -86,11 +86,16 @@ def _cpu_align_s_per_token(s: StudySettings) -> float:
     return _CPU_ALIGN_S_PER_TOKEN * (_BF16_ALIGN_FACTOR if bf16 else 1.0)
 
 
+def _align_tokens(s: StudySettings) -> int:
+    """Tokens one aligned run trains on under ``s``."""
+    return s.align_steps * s.align_batch_size * s.align_seq_len
+
+
 def cpu_align_seconds(s: StudySettings, params: float) -> float:
     """The alignment budget of one run in seconds of the project's 2-core CPU (the cost
     model's rates; issue 13 caps it at 30 minutes there), whatever device ran it."""
     scale = params / _REFERENCE_PARAMS
-    tokens = s.align_steps * s.align_batch_size * s.align_seq_len
+    tokens = _align_tokens(s)
     per_token = _cpu_align_s_per_token(s)
     return (tokens * per_token + s.align_steps * _CPU_ALIGN_S_PER_STEP) * scale
 
@@ -166,9 +171,7 @@ def estimate_run_seconds(
             secs += _GPTQ_S * scale
     if m.align:  # a dense control is priced like an alignment (an over-estimate)
         train += (
-            cpu_align_seconds(s, params)
-            if rate is None
-            else s.align_steps * s.align_batch_size * s.align_seq_len * rate
+            cpu_align_seconds(s, params) if rate is None else _align_tokens(s) * rate
         )
     secs += s.ppl_val_tokens * window * fwd
     # FLOPs are counted over the perplexity's tokens: main runs of a routed method in
@@ -198,11 +201,6 @@ def estimate_run_seconds(
         secs = _RUN_OVERHEAD_S + (secs - _RUN_OVERHEAD_S) / _GPU_SPEEDUP_GUESS
         train = train if rate is not None else train / _GPU_SPEEDUP_GUESS
     return secs + train
-
-
-def _align_tokens(s: StudySettings, method: str) -> int:
-    """Tokens one run of ``method`` aligns on under ``s`` (0 for one that does not)."""
-    return s.align_steps * s.align_batch_size * s.align_seq_len * METHODS[method].align
 
 
 def _rescaled(record: dict, tokens: int) -> float:
@@ -247,7 +245,7 @@ def per_run_estimates(
     out = {}
     for phase, m, budget in _planned(s):
         at, done = s.at_budget(budget), seen.get((phase, m))
-        tokens = _align_tokens(at, m)
+        tokens = _align_tokens(at) if METHODS[m].align else 0
         out[(phase, m, budget)] = (
             (sum(_rescaled(r, tokens) for r in done) / len(done), len(done))
             if done

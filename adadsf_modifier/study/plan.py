@@ -272,14 +272,15 @@ def nominal_budget_warning(s: StudySettings) -> str | None:
     no measured FLOPs to match. Such a run is a different run (its key holds the
     retention) from the matched one a plan with the reference computes later, which
     therefore does not reuse it: say so before the hours go into it."""
+    ref = s.flops_reference
+    matched = s.budgets_of(ref) if ref in s.methods else []
     unmatched = sorted(
         {
             (b, m)
             for m in s.methods
             if METHODS[m].match_flops
             for b in s.budgets_of(m)
-            if s.flops_reference not in s.methods
-            or b not in s.budgets_of(s.flops_reference)
+            if b not in matched
         }
     )
     if not unmatched:
@@ -287,7 +288,7 @@ def nominal_budget_warning(s: StudySettings) -> str | None:
     runs = ", ".join(f"{m}@{b}" for b, m in unmatched)
     return (
         f"{runs} keep the layers of the nominal budget: flops_reference "
-        f"{s.flops_reference} does not run at that budget in this plan, so there are "
+        f"{ref} does not run at that budget in this plan, so there are "
         "no measured FLOPs to match; a study that includes it matches them and does "
         "not reuse these runs (add it to --methods to match)"
     )
