@@ -19,7 +19,7 @@ def cpu_has_native_bfloat16() -> bool:
     """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Without them
     torch emulates bfloat16 matmuls: ~5x slower than float32 on the 2-core AVX2 machine
     of 2026-12-01, and rounded differently from a machine with them, so bfloat16 runs of
-    two such CPUs do not agree (``docs/measurements.md`` §14)."""
+    two such CPUs do not agree (``lab/NOTEBOOK.md`` §14)."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 

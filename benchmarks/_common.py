@@ -58,8 +58,8 @@ def temporary_routed_checkpoint(
 def variant_fields() -> dict[str, Any]:
     """The quality study's variant as the study builds it: the method's own fields
     and the study's default temperature and dense layers."""
-    from adadsf_modifier.study.methods import METHODS
-    from adadsf_modifier.study.settings import StudySettings
+    from adadsf_lab.study.methods import METHODS
+    from adadsf_lab.study.settings import StudySettings
 
     defaults = StudySettings()
     return {

@@ -1,6 +1,6 @@
 """Is bfloat16 native on this CPU? The studies' CPU runs are bfloat16; a CPU without
 AVX512-BF16/AMX emulates it. Prints the flags and a float32-vs-bfloat16 matmul the size
-of SmolLM2-135M's MLP on 512 tokens, interleaved, medians (``docs/measurements.md``
+of SmolLM2-135M's MLP on 512 tokens, interleaved, medians (``lab/NOTEBOOK.md``
 §14).
 
     OMP_NUM_THREADS=2 python benchmarks/bf16_cpu.py

@@ -4,7 +4,7 @@ routed twins, each eager and compiled, side by side: a prefill, then greedy deco
     OMP_NUM_THREADS=2 python benchmarks/compiled_speed.py --threads 2 --retention 0.81
 
 On two CPU threads the shipped variant's prefill (seq 1024, batch 1) reaches 0.78-0.87
-of its FLOPs ideal eager (``docs/measurements.md`` §4.2-4.4) and its decoding runs at
+of its FLOPs ideal eager (``lab/NOTEBOOK.md`` §4.2-4.4) and its decoding runs at
 ~0.87x dense: a routed layer runs ~213 top-level ATen ops against dense's 62 (router,
 selection, gathers and scatters, the skip path, the skipped tokens' keys and values),
 each paying dispatch. Inductor fuses the elementwise ones. Routing's data-dependent
@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from _common import interleaved, temporary_routed_checkpoint, variant_fields
 
+    from adadsf_lab.study.measure import TokenStreams
     from adadsf_modifier.evaluation import resolve_model
     from adadsf_modifier.evaluation.speed import _decode_flops, _decode_loop, load_pair
     from adadsf_modifier.flops import normalized_flops
-    from adadsf_modifier.study.measure import TokenStreams
 
     torch.set_num_threads(args.threads)
     if args.capture_nonzero:

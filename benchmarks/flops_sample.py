@@ -1,5 +1,5 @@
 """How many test tokens a measured-FLOPs number needs: causal routing's FLOPs on the
-first N test tokens, for growing N, and per 2,048-token slice (``docs/measurements.md``
+first N test tokens, for growing N, and per 2,048-token slice (``lab/NOTEBOOK.md``
 §12).
 
 Causal routing keeps a token when its router score passes a threshold calibrated on
@@ -24,11 +24,11 @@ import torch
 from _common import build_routed_checkpoint
 from transformers import AutoTokenizer
 
+from adadsf_lab.study.measure import TokenStreams
 from adadsf_modifier.checkpoint import from_pretrained
 from adadsf_modifier.evaluation import resolve_model
 from adadsf_modifier.flops import FlopsReport, stream_flops
 from adadsf_modifier.routing import routing_mode
-from adadsf_modifier.study.measure import TokenStreams
 
 VARIANT = dict(
     temperature=0.05,

@@ -15,7 +15,7 @@ chunks of at most ``kept_attention.CPU_QUERY_CHUNK`` (whatever the dtype) and ro
 with every kept query on the causal kernel (zero rows for the skipped ones). Prints
 median prefill latencies, speedups, each speedup's fraction of the FLOPs ideal, and
 which of the two paths the package takes for that dtype and thread count
-(``kept_attention.cpu_chunks_for``; ``docs/measurements.md`` §4.2-4.3).
+(``kept_attention.cpu_chunks_for``; ``lab/NOTEBOOK.md`` §4.2-4.3).
 """
 
 from __future__ import annotations
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from _common import interleaved, temporary_routed_checkpoint, variant_fields
 
+    from adadsf_lab.study.measure import TokenStreams
     from adadsf_modifier.evaluation import resolve_model
     from adadsf_modifier.evaluation.speed import load_pair
     from adadsf_modifier.flops import normalized_flops
     from adadsf_modifier.routing import kept_attention
-    from adadsf_modifier.study.measure import TokenStreams
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)

@@ -1,5 +1,5 @@
 """lm-eval on this CPU: one request per forward against batches, same model, same
-examples (``docs/measurements.md`` §13; why the study's CPU default is 8).
+examples (``lab/NOTEBOOK.md`` §13; why the study's CPU default is 8).
 
     OMP_NUM_THREADS=1 python benchmarks/lm_eval_batch.py [--checkpoint DIR]
 

@@ -107,9 +107,9 @@ def oracle_routers(model: nn.Module, kind: str):
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
+    from adadsf_lab.study.measure import TokenStreams, measure_perplexity
     from adadsf_modifier.evaluation import calibration_dataset, embedded_model_path
     from adadsf_modifier.flops import stream_flops
-    from adadsf_modifier.study.measure import TokenStreams, measure_perplexity
 
     args = skip_paths.parse_args(argv)
     path = embedded_model_path()

@@ -1,7 +1,7 @@
 """Pair two sets of one study cache's runs by seed, where the study's own comparisons
 cannot: runs of the same method under other settings (issue 13: the shipped variant
 with 50 alignment steps against its 100-step runs and the baselines,
-docs/measurements.md §16.3).
+lab/NOTEBOOK.md §16.3).
 
 The study pairs methods run with the *same* settings; a run computed with another
 ``--set`` (``align_steps=50``, ``align_anneal_steps=25``) lives in the same cache under
@@ -13,7 +13,7 @@ order) and reports, with the study's statistics (``study/stats.py``): each side'
 PPL as a multiple of the cache's dense run (mean and 95% interval: issue 13's quality
 target), its measured FLOPs and longest alignment, and the paired differences.
 
-    python benchmarks/paired_runs.py docs/study_runs_cpu_829b1cc_quality \\
+    python benchmarks/paired_runs.py docs/results/runs \\
         'adadsf_ridge_kv_err@0.81:align_steps=50' \\
         'adadsf_ridge_kv_err@0.81:align_steps=100'
 """
@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from adadsf_modifier.study.cache import RunCache
-from adadsf_modifier.study.stats import mean_ci, paired_difference, verdict
+from adadsf_lab.study.run_cache import RunCache
+from adadsf_lab.study.stats import mean_ci, paired_difference, verdict
 
 _METRICS = (  # (record key, lower is better)
     ("ppl_test", True), ("ppl_val", True), ("task_mean", False),

@@ -43,7 +43,7 @@ first ``--ppl-tokens`` tokens of the ``validation`` split in non-overlapping win
 (:func:`~adadsf_modifier.flops.stream_flops`, decoder stack, routers, skip paths
 and skipped tokens' keys/values included) measured on the same validation tokens, in
 rows of ``--ppl-max-length`` tokens, ``--flops-batch`` rows per forward (before
-2026-12-01: on the first ``--flops-batch`` rows only, ``docs/measurements.md`` §12).
+2026-12-01: on the first ``--flops-batch`` rows only, ``lab/NOTEBOOK.md`` §12).
 
 ``--align-steps N --align-rows ROWS`` (with ``--methods`` naming the variant) adds
 alignment (``align_trainable: routers_and_layers``, KL + hidden loss) to every routed
@@ -190,8 +190,8 @@ def build_model(method: str, args, env: dict) -> tuple[Any, Any, dict]:
 
 
 def run_method(method: str, args, env: dict) -> dict[str, Any]:
+    from adadsf_lab.study.measure import measure_perplexity
     from adadsf_modifier.flops import stream_flops
-    from adadsf_modifier.study.measure import measure_perplexity
 
     t0 = time.perf_counter()
     model, mod, kw = build_model(method, args, env)
@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoTokenizer
 
+    from adadsf_lab.study.measure import TokenStreams
     from adadsf_modifier.evaluation import calibration_dataset, embedded_model_path
-    from adadsf_modifier.study.measure import TokenStreams
 
     args = parse_args(argv)
     path = embedded_model_path()

@@ -115,15 +115,3 @@ def test_existing_eval_output_file_is_not_overwritten(capsys, tmp_path):
     )
     assert code == 2 and "exists" in err
     assert out.read_text() == "{}"
-
-
-def test_report_missing_inputs(capsys, tmp_path):
-    code, err = run(
-        capsys,
-        "report",
-        "--inputs",
-        str(tmp_path / "x.json"),
-        "--output-dir",
-        str(tmp_path),
-    )
-    assert code == 2 and "not found" in err

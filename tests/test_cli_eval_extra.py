@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
-from adadsf_modifier.evaluation.report import build_report, plot_report
 
 TESTS = Path(__file__).resolve().parent
 
@@ -54,10 +53,3 @@ def test_lm_eval_tasks_name_the_extra_when_lm_eval_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     with pytest.raises(ModuleNotFoundError, match=r"adadsf-modifier\[eval\]"):
         evaluate_tasks(None, None, ["piqa"])
-
-
-def test_report_plot_names_the_extra_when_matplotlib_is_missing(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    report = build_report([{"label": "dense", "routed": False}])
-    with pytest.raises(ModuleNotFoundError, match=r"adadsf-modifier\[eval\]"):
-        plot_report(report, tmp_path / "report.png")

@@ -3,7 +3,6 @@ and `run --overwrite` keeps the earlier results until the new ones are complete.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -12,7 +11,6 @@ from tiny_models import save_tiny_model
 
 import adadsf_modifier.cli.commands as commands
 from adadsf_modifier.cli import main
-from adadsf_modifier.evaluation.report import build_report
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "adadsf.yaml")
@@ -42,7 +40,7 @@ def no_heavy_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("heavy work started before the arguments were checked")
 
-    for name in ("compress", "evaluate", "bench", "_main_job"):
+    for name in ("compress", "evaluate", "bench"):
         monkeypatch.setattr(commands, name, refuse)
 
 
@@ -61,11 +59,7 @@ def no_heavy_work(monkeypatch):
         (["bench", "--decode-tokens", "0"], "--decode-tokens"),
         (["bench", "--threads", "-1"], "--threads"),
         (["bench", "--repeats", "two"], "--repeats"),
-        (["run", "--limit", "0"], "--limit"),
-        (["run", "--seq-len", "-1"], "--seq-len"),
-        (["run", "--bench-repeats", "0"], "--bench-repeats"),
         (["compress", "--align-samples", "-1"], "--align-samples"),
-        (["run", "--align-samples", "some"], "--align-samples"),
         (["compress", "--dtype", "float16"], "--dtype"),
         (["eval", "--dtype", "half"], "--dtype"),
         (["bench", "--dtype", "fp8"], "--dtype"),
@@ -79,54 +73,6 @@ def test_bad_numbers_fail_at_parse_time(capsys, tmp_path, no_heavy_work, argv, o
     err = one_line_error(*run(capsys, *argv, *extra))
     assert f"argument {option}" in err and f"adadsf {argv[0]}" in err
     assert not (tmp_path / "out").exists()
-
-
-def test_run_overwrite_with_a_bad_argument_keeps_earlier_results(capsys, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "report.json").write_text("earlier")
-    argv = ["run", "--recipe", RECIPE, "--output-dir", out, "--overwrite"]
-    one_line_error(*run(capsys, *argv, "--seq-len", "-1"))
-    assert (out / "report.json").read_text() == "earlier"
-
-
-def test_run_failure_midway_keeps_earlier_results_and_leaves_no_litter(
-    capsys, tmp_path, dense_dir, monkeypatch
-):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "report.json").write_text("earlier")
-
-    def crash(*args, **kwargs):
-        raise RuntimeError("out of memory halfway")
-
-    monkeypatch.setattr(commands, "compress", crash)
-    argv = ["run", "--model", dense_dir, "--recipe", RECIPE, "--output-dir", out]
-    with pytest.raises(RuntimeError, match="halfway"):
-        main([str(a) for a in [*argv, "--overwrite", "--tasks", ""]])
-    assert (out / "report.json").read_text() == "earlier"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-
-
-def test_run_overwrite_replaces_results_once_complete(
-    capsys, tmp_path, dense_dir, monkeypatch
-):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.json").write_text("earlier")
-
-    def job(args, recipe, tasks, model_path, work, final):
-        assert final == out and work.parent == out.parent and work != out
-        assert (out / "stale.json").is_file()  # still there while the job runs
-        (work / "report.json").write_text("new")
-        record = {"label": "dense", "routed": False}
-        return build_report([record], [], {"timings": {"total_s": 1.0}})
-
-    monkeypatch.setattr(commands, "_main_job", job)
-    argv = ["run", "--model", dense_dir, "--recipe", RECIPE, "--output-dir", out]
-    assert main([str(a) for a in [*argv, "--overwrite", "--tasks", ""]]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_relative_path_like_model_that_does_not_exist(
@@ -144,32 +90,6 @@ def test_bench_refuses_a_dense_model_folder(capsys, dense_dir, no_heavy_work):
     assert "ftp_routing.json" in err  # an FTP checkpoint is accepted as well
 
 
-def test_report_refuses_bad_inputs_and_outputs(capsys, tmp_path):
-    good = tmp_path / "dense.json"
-    good.write_text(json.dumps(RECORD))
-    text = tmp_path / "notes.txt"
-    text.write_text("not json")
-    wrong = tmp_path / "wrong.json"
-    wrong.write_text(json.dumps({"results": []}))
-    speed = tmp_path / "speed.json"
-    speed.write_text(json.dumps({"results": [{"kind": "prefill"}]}))
-    a_file = tmp_path / "file"
-    a_file.write_text("")
-    out = ["--output-dir", tmp_path / "rep"]
-    cases = [
-        (["--inputs", text, *out], "is not JSON"),
-        (["--inputs", wrong, *out], "is not an `adadsf eval` record"),
-        (["--inputs", good, "--speed", speed, *out], "not an `adadsf bench` result"),
-        (["--inputs", good, "--speed", good, *out], "not an `adadsf bench` result"),
-        (["--inputs", good, "--output-dir", a_file], "not a directory"),
-        (["--inputs", good, "--output-dir", a_file / "sub"], "not a directory"),
-    ]
-    for argv, text_ in cases:
-        err = one_line_error(*run(capsys, "report", *argv))
-        assert text_ in err
-    assert not (tmp_path / "rep").exists()
-
-
 def test_eval_output_that_is_a_directory(capsys, tmp_path, no_heavy_work):
     err = one_line_error(
         *run(capsys, "eval", "--model", tmp_path, "--output", tmp_path)
@@ -179,15 +99,10 @@ def test_eval_output_that_is_a_directory(capsys, tmp_path, no_heavy_work):
 
 def test_missing_eval_extra_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
     err = one_line_error(
         *run(capsys, "eval", "--model", tmp_path, "--tasks", "piqa", "--no-ppl")
     )
     assert "adadsf-modifier[eval]" in err
-    record = tmp_path / "r.json"
-    record.write_text(json.dumps(RECORD))
-    argv = ["report", "--inputs", record, "--output-dir", tmp_path / "rep"]
-    assert "adadsf-modifier[eval]" in one_line_error(*run(capsys, *argv))
 
 
 def test_calibration_problems_stop_before_the_model_loads(

@@ -1,56 +1,75 @@
-"""The package's shape: small modules, one-way imports, leaves that stay leaves."""
+"""The repository's shape: the plug-in (``adadsf_modifier``) and the lab (``lab/``,
+``adadsf_lab``) are two packages; the lab imports the plug-in, never the reverse; no
+import cycle between modules or between packages; leaves stay leaves; the plug-in's
+wheel and its import carry none of the lab or its plotting and evaluation stack.
+
+Modules are cut by concept, not by size, so there is no line limit here."""
+
+from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "adadsf_modifier"
-MAX_LINES = 400
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {"adadsf_modifier": REPO, "adadsf_lab": REPO / "lab"}
 LEAVES = (
     "adadsf_modifier.utils",
     "adadsf_modifier.constraints",
     "adadsf_modifier.atomic",
     "adadsf_modifier.precision",
+    "adadsf_modifier.algorithm_versions",
 )
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
+    for package, root in PACKAGES.items():
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
     return out
 
 
+def _imports(path: Path, lazy: bool = False) -> set[str]:
+    """Project modules ``path`` imports: at module level (imports inside functions
+    run later, after every module has loaded), or anywhere with ``lazy``."""
+    tree = ast.parse(path.read_text())
+    nodes = ast.walk(tree) if lazy else tree.body
+    modules = _modules()
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
 def _unit(module: str) -> str:
-    """The package-level unit a module belongs to: ``adadsf_modifier.<first part>``."""
+    """The package-level unit a module belongs to: ``<package>.<first part>``."""
     return ".".join(module.split(".")[:2])
 
 
-def _module_level_imports(path: Path) -> set[str]:
-    """Project modules imported at module level (imports inside functions are lazy)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        found.update(n for n in names if n.startswith("adadsf_modifier"))
-    return found
+def _module_graph() -> dict[str, set[str]]:
+    return {m: _imports(p) - {m} for m, p in _modules().items()}
 
 
 def _unit_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for module, path in _modules().items():
+    for module, imported in _module_graph().items():
         a = _unit(module)
-        for imported in _module_level_imports(path):
-            b = _unit(imported)
-            if "adadsf_modifier" not in (a, b) and a != b:
+        for b in map(_unit, imported):
+            if a != b and a not in PACKAGES and b not in PACKAGES:
                 graph.setdefault(a, set()).add(b)
     return graph
 
@@ -74,13 +93,11 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("module", sorted(_modules()))
-def test_no_module_is_over_the_size_limit(module):
-    lines = len(_modules()[module].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{module} has {lines} lines (limit {MAX_LINES})"
+def test_no_import_cycle_between_modules():
+    assert _find_cycle(_module_graph()) is None
 
 
-def test_no_package_level_import_cycle():
+def test_no_import_cycle_between_packages():
     assert _find_cycle(_unit_graph()) is None
 
 
@@ -89,6 +106,45 @@ def test_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}}) is None
 
 
+def test_the_plugin_never_imports_the_lab():
+    offenders = {
+        module: sorted(
+            i for i in _imports(path, lazy=True) if i.startswith("adadsf_lab")
+        )
+        for module, path in _modules().items()
+        if module.startswith("adadsf_modifier")
+    }
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_leaf_modules_import_nothing_of_the_package(leaf):
-    assert _module_level_imports(_modules()[leaf]) == set()
+    assert _imports(_modules()[leaf]) == set()
+
+
+def test_importing_the_plugin_loads_neither_the_lab_nor_its_stack():
+    code = (
+        "import sys, adadsf_modifier, adadsf_modifier.cli\n"
+        "print(sorted(m for m in ('adadsf_lab', 'matplotlib', 'lm_eval') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_plugin_wheel_holds_no_lab_code(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps",
+         "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=dict(os.environ, PIP_NO_INDEX="1"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("adadsf_modifier-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("adadsf_modifier/routing/") for n in names)
+    lab = [n for n in names if "adadsf_lab" in n or "/study/" in n or "report" in n]
+    assert lab == [] and not [n for n in names if "plot" in n]

@@ -3,7 +3,7 @@
 after ``fc1`` against ``rms_norm`` first.
 
 These replaced ``gather``/``scatter`` with expanded indices and a leading ``rms_norm``
-for speed (``docs/measurements.md`` §4); they must compute the same thing, gradients
+for speed (``lab/NOTEBOOK.md`` §4); they must compute the same thing, gradients
 included."""
 
 import pytest

@@ -5,7 +5,7 @@ Two groups: the parameters routing *added* (routers, skip paths), which start fr
 warm start or a closed-form fit, and the decoder layers' *pre-trained* weights. A rate
 high enough to move a fresh router moves a pre-trained weight too far: at the rate
 tuned for AdaDSF's routers (1e-3) the healing loss of layer removal with ridge maps
-*rose* (``docs/measurements.md`` §8). ``layer_lr`` gives the second group its own rate.
+*rose* (``lab/NOTEBOOK.md`` §8). ``layer_lr`` gives the second group its own rate.
 
 The schedule multiplies every group's rate by the same factor: linear warm-up over
 ``warmup_steps``, then constant or half a cosine towards 0. No step runs at rate 0

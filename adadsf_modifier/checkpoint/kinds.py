@@ -29,15 +29,32 @@ from adadsf_modifier.checkpoint.sidecar import SIDECAR_NAME, AdaDSFCheckpointErr
 
 __all__ = [
     "FTP_SIDECAR_NAME",
+    "LOADERS",
     "SIDECAR_NAMES",
     "CheckpointKind",
     "checkpoint_sidecar",
+    "register_loader",
 ]
 
 FTP_SIDECAR_NAME = "ftp_routing.json"
 SIDECAR_NAMES = (SIDECAR_NAME, FTP_SIDECAR_NAME)
 """Every sidecar this package writes: a folder holding one of them is a routed
 checkpoint, and a save never carries one over from the folder it replaces."""
+
+
+LOADERS: dict[str, Callable[..., Any]] = {}
+"""Sidecar name -> the loader that reloads a folder holding it (``path, **kwargs`` ->
+routed model). A modifier package registers its own when it is imported (FTP's in
+:mod:`adadsf_modifier.ftp.checkpoint`), so the generic loader dispatches without
+importing the packages that build on it."""
+
+
+def register_loader(sidecar: str, loader: Callable[..., Any]) -> None:
+    """Make ``adadsf_modifier.from_pretrained`` reload folders holding ``sidecar``
+    with ``loader``."""
+    if sidecar not in SIDECAR_NAMES:
+        raise ValueError(f"{sidecar!r} is not a sidecar this package writes")
+    LOADERS[sidecar] = loader
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,11 @@ Order matters for the user's time: the sidecar is validated in full, then checke
 against ``config.json``, then the (small) router tensors are read and checked, and only
 then does the (large) base model load.
 
-Why the dispatch lives here: ``adadsf_modifier.from_pretrained`` has always been this
-function, and callers (evaluation, the CLI, users) should not have to know which
-modifier produced a folder. FTP's loader is imported inside the function: the ``ftp``
-package builds on this one (its save reuses :mod:`.save`), so a module-level import
-would make the two packages import each other; the lazy import only runs for an FTP
-folder, by which time both are loaded. The sidecar names both need are in
-:mod:`.kinds`, so telling the kinds apart needs nothing from ``ftp``.
+Why the dispatch lives here: callers (evaluation, the CLI, users) should not have to
+know which modifier produced a folder. The ``ftp`` package builds on this one (its save
+reuses :mod:`.save`), so it registers its loader with :func:`.kinds.register_loader`
+when imported (``import adadsf_modifier`` imports it) instead of this module importing
+it: the dependency runs one way.
 """
 
 from __future__ import annotations
@@ -25,7 +23,11 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier.checkpoint._compat import load_with_expected_extra_keys
-from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, checkpoint_sidecar
+from adadsf_modifier.checkpoint.kinds import (
+    FTP_SIDECAR_NAME,
+    LOADERS,
+    checkpoint_sidecar,
+)
 from adadsf_modifier.checkpoint.save import install_save_hook
 from adadsf_modifier.checkpoint.sidecar import (
     METADATA_ATTR,
@@ -173,10 +175,8 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     """
     path = Path(path)
     sidecar = checkpoint_sidecar(path)
-    if sidecar == FTP_SIDECAR_NAME:
-        from adadsf_modifier.ftp.checkpoint import load_ftp  # lazy: see the module doc
-
-        return load_ftp(path, **kwargs)
+    if sidecar in LOADERS:
+        return LOADERS[sidecar](path, **kwargs)
     if sidecar is None and path.is_dir():
         raise AdaDSFCheckpointError(
             f"no AdaDSF data in {path}: neither {SIDECAR_NAME} (AdaDSFModifier) nor "

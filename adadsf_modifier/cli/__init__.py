@@ -1,23 +1,26 @@
 """``adadsf``: compress, evaluate, benchmark and report from the command line.
 
-    adadsf run                                # the main job on the embedded SmolLM2
     adadsf compress --recipe recipes/adadsf_w8a8.yaml --output-dir out/sparse
     adadsf eval --model out/sparse --tasks piqa,arc_easy --limit 50 --output out/s.json
     adadsf bench --routed out/sparse --output out/speed.json
-    adadsf report --inputs out/d.json out/s.json --speed out/speed.json --output-dir out
-    adadsf study --quick                      # the results study (docs/RESULTS.md)
+
+The lab (``lab/``, package ``adadsf-lab``) adds ``run`` (the main job: compress, eval,
+bench, report), ``report`` and ``study`` through the ``adadsf.commands`` entry-point
+group, so this package never imports it: a command group is a callable taking the
+subparsers object (see :func:`add_command`).
 
 Every command checks its arguments (numbers, model path, recipe, task names, input
 files, output location) before any heavy work and exits with status 2 and a one-line
 reason when one is wrong. Existing, non-empty outputs are never overwritten without
 ``--overwrite``; ``run --overwrite`` replaces the earlier results only once the new ones
-are complete. ``eval --tasks``, ``report`` and ``run`` need the evaluation extra
+are complete. ``eval --tasks`` needs the evaluation extra
 (``pip install 'adadsf-modifier[eval]'``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Callable
 
@@ -35,19 +38,68 @@ from adadsf_modifier.cli.commands import (
     cmd_bench,
     cmd_compress,
     cmd_eval,
-    cmd_report,
-    cmd_run,
     compress,
     evaluate,
 )
 from adadsf_modifier.precision import DTYPES
-from adadsf_modifier.study import (
-    StudyInputError,
-    add_study_arguments,
-    run_study_command,
-)
 
-__all__ = ["main", "CLIError", "build_parser", "compress", "evaluate", "bench"]
+__all__ = [
+    "COMMAND_GROUP",
+    "CLIError",
+    "RECIPE_HELP",
+    "add_align_samples_argument",
+    "add_command",
+    "add_dtype_argument",
+    "add_model_argument",
+    "bench",
+    "build_parser",
+    "compress",
+    "evaluate",
+    "main",
+]
+
+COMMAND_GROUP = "adadsf.commands"
+"""Entry-point group through which other distributions (the lab) add subcommands."""
+
+RECIPE_HELP = "YAML recipe (default recipes/adadsf_w8a8.yaml)"
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, help_: str, func: Callable
+) -> argparse.ArgumentParser:
+    """A subcommand whose parsed arguments are passed to ``func``."""
+    sp = sub.add_parser(name, help=help_)
+    sp.set_defaults(func=func)
+    return sp
+
+
+def add_model_argument(
+    sp: argparse.ArgumentParser,
+    help_: str = "folder, hub id or `embedded` (default: embedded SmolLM2)",
+) -> None:
+    sp.add_argument("--model", type=model_name, default=None, help=help_)
+
+
+def add_dtype_argument(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="precision the models are loaded in (default auto: bfloat16 where "
+        "the GPU or CPU has bfloat16 instructions, ~3x faster on such a CPU; "
+        "else float32)",
+    )
+
+
+def add_align_samples_argument(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--align-samples",
+        type=non_negative_int,
+        default=None,
+        help="rows of calibration text (each align_seq_len tokens) the recipe's "
+        "alignment trains on (default: align_steps x align_batch_size, one pass; "
+        "0: cycle through the calibration rows)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,39 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
+    add, model, dtype = add_command, add_model_argument, add_dtype_argument
+    align_samples = add_align_samples_argument
 
-    def add(name: str, help_: str, func: Callable) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_)
-        sp.set_defaults(func=func)
-        return sp
-
-    def model(sp, help_="folder, hub id or `embedded` (default: embedded SmolLM2)"):
-        sp.add_argument("--model", type=model_name, default=None, help=help_)
-
-    def dtype(sp):
-        sp.add_argument(
-            "--dtype",
-            choices=DTYPES,
-            default="auto",
-            help="precision the models are loaded in (default auto: bfloat16 where "
-            "the GPU or CPU has bfloat16 instructions, ~3x faster on such a CPU; "
-            "else float32)",
-        )
-
-    def align_samples(sp):
-        sp.add_argument(
-            "--align-samples",
-            type=non_negative_int,
-            default=None,
-            help="rows of calibration text (each align_seq_len tokens) the recipe's "
-            "alignment trains on (default: align_steps x align_batch_size, one pass; "
-            "0: cycle through the calibration rows)",
-        )
-
-    recipe_help = "YAML recipe (default recipes/adadsf_w8a8.yaml)"
-    c = add("compress", "model + recipe -> compressed AdaDSF checkpoint", cmd_compress)
+    c = add(
+        sub, "compress", "model + recipe -> compressed AdaDSF checkpoint", cmd_compress
+    )
     model(c)
-    c.add_argument("--recipe", default=None, help=recipe_help)
+    c.add_argument("--recipe", default=None, help=RECIPE_HELP)
     c.add_argument("--output-dir", required=True)
     c.add_argument("--calibration-samples", type=positive_int, default=64)
     c.add_argument("--seq-len", type=positive_int, default=256)
@@ -98,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     align_samples(c)
     c.add_argument("--overwrite", action="store_true")
 
-    e = add("eval", "perplexity and/or lm-eval tasks -> JSON", cmd_eval)
+    e = add(sub, "eval", "perplexity and/or lm-eval tasks -> JSON", cmd_eval)
     model(e, "model, AdaDSF or FTP checkpoint (default: the embedded SmolLM2)")
     e.add_argument("--label", default=None)
     e.add_argument(
@@ -112,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output", default=None, help="JSON file (default: stdout)")
     e.add_argument("--overwrite", action="store_true")
 
-    b = add("bench", "speed: routed checkpoint vs its dense twin", cmd_bench)
+    b = add(sub, "bench", "speed: routed checkpoint vs its dense twin", cmd_bench)
     b.add_argument(
         "--routed",
         type=model_name,
@@ -130,41 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", default=None)
     b.add_argument("--overwrite", action="store_true")
 
-    r = add(
-        "report", "eval JSONs (+ speed JSON) -> report.json + report.png", cmd_report
-    )
-    r.add_argument("--inputs", nargs="+", required=True)
-    r.add_argument("--speed", default=None)
-    r.add_argument("--output-dir", required=True)
-    r.add_argument("--overwrite", action="store_true")
-
-    m = add(
-        "run", "main job: compress + eval (dense, sparse) + bench + report", cmd_run
-    )
-    model(m)
-    m.add_argument("--recipe", default=None, help=recipe_help)
-    m.add_argument("--output-dir", default="outputs/main")
-    m.add_argument("--tasks", default="all")
-    m.add_argument("--limit", type=positive_int, default=50)
-    m.add_argument("--ppl-tokens", type=token_count, default=16384)
-    m.add_argument("--calibration-samples", type=positive_int, default=128)
-    m.add_argument("--seq-len", type=positive_int, default=512)
-    m.add_argument(
-        "--bench-seq-lens", type=positive_int, nargs="+", default=[256, 1024]
-    )
-    m.add_argument("--bench-repeats", type=positive_int, default=3)
-    m.add_argument("--decode-tokens", type=positive_int, default=32)
-    m.add_argument("--seed", type=int, default=0)
-    dtype(m)
-    align_samples(m)
-    m.add_argument("--overwrite", action="store_true")
-
-    st = add(
-        "study",
-        "results study -> docs/RESULTS.md, docs/results.json and plots",
-        run_study_command,
-    )
-    add_study_arguments(st)
+    for entry in importlib.metadata.entry_points(group=COMMAND_GROUP):
+        entry.load()(sub)
     return p
 
 
@@ -176,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
-    except (CLIError, StudyInputError) as e:
+    except CLIError as e:
         print(f"adadsf {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

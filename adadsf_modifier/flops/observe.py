@@ -228,7 +228,7 @@ def stream_flops(
     Why a stream and not one batch: causal routing keeps a different share of tokens on
     different text (a threshold, not a count, decides), so the FLOPs of a few rows can
     miss those of the text a perplexity is measured on by points
-    (``docs/measurements.md`` §12). Measure on the same tokens as the metric the FLOPs
+    (``lab/NOTEBOOK.md`` §12). Measure on the same tokens as the metric the FLOPs
     are plotted against.
     """
     if input_ids.dim() != 1 or input_ids.numel() == 0:

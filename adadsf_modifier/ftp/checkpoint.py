@@ -31,7 +31,7 @@ from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
 from adadsf_modifier.checkpoint import CheckpointKind, install_save_hook
-from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME
+from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, register_loader
 from adadsf_modifier.checkpoint.load import load_base_model
 from adadsf_modifier.checkpoint.tensors import read_expected_tensors
 from adadsf_modifier.ftp.features import LayerFeatureStats
@@ -199,3 +199,6 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
         _load_into(router, tensors, f"{name}.router.", f"{path}: router")
     install_ftp_save_hook(model)
     return model.eval()
+
+
+register_loader(FTP_SIDECAR_NAME, load_ftp)

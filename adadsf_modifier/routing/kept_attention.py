@@ -4,7 +4,7 @@ With ``skipped_tokens_kv`` the tokens that run a layer attend to the keys of *al
 positions, so their queries sit at scattered positions of a full-length key sequence.
 Written as an explicit ``[K, seq]`` mask, SDPA computes every (query, key) block and
 reads the mask (on the 2-core CPU, bfloat16, seq 1024, 80% kept: 6.4 ms against 4.6
-ms for the dense layer's causal attention; ``docs/measurements.md`` §4). When the
+ms for the dense layer's causal attention; ``lab/NOTEBOOK.md`` §4). When the
 layer's mask is plain causal and nothing is cached yet (a prefill), the same result
 comes from the causal kernel: the kept queries are put at their positions in a
 full-length query tensor (zeros elsewhere), attention runs with ``is_causal=True``,
@@ -17,7 +17,7 @@ are zeros, not absent. On a CPU in bfloat16 running one thread, when more than
 equal chunks, each attending (through an explicit mask) only to the keys up to its last
 query: about half the keys per query on average, as the causal kernel would, and no zero
 rows. Measured (the quality variant at 79-81% kept, twins interleaved;
-``docs/measurements.md`` §4.2): on one thread bfloat16 prefill 3-10% faster at seq
+``lab/NOTEBOOK.md`` §4.2): on one thread bfloat16 prefill 3-10% faster at seq
 1024 and 2048 on an AVX512-BF16 CPU and 5% faster on an AMX one; float32 within the
 run-to-run noise either way (-5% to +2.5%), so float32 keeps the causal kernel, as does
 CUDA (an arbitrary mask would leave the flash kernel; not measured). On two threads the
@@ -55,12 +55,12 @@ __all__ = [
 #: Largest chunk of kept queries per masked attention call on a CPU in bfloat16
 #: (chunks are made equal, each at most this many); at most this many kept queries
 #: take the causal kernel. Measured best at ~200-260 queries a chunk for seq 1024
-#: and 2048 (``docs/measurements.md`` §4.2).
+#: and 2048 (``lab/NOTEBOOK.md`` §4.2).
 CPU_QUERY_CHUNK = 256
 #: The CPU dtypes whose kept queries go in chunks (where the measurement favoured it).
 CPU_CHUNKED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 #: The most intra-op threads (``torch.get_num_threads()``) at which the chunks are used:
-#: they won on one thread and lost or tied on two (``docs/measurements.md`` §4.2-4.3).
+#: they won on one thread and lost or tied on two (``lab/NOTEBOOK.md`` §4.2-4.3).
 CPU_CHUNKED_MAX_THREADS = 1
 
 

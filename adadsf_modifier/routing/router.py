@@ -82,7 +82,7 @@ class TokenRouter(nn.Module):
         normalisation is applied after ``fc1`` (``W1 (h / rms(h)) = (W1 h) / rms(h)``,
         with ``rms`` from a float32 ``vector_norm``, and the rest of the small MLP in
         float32): in bfloat16 on CPU ``rms_norm`` of a 1024-token prefill cost ~17x
-        the ``fc1`` matmul itself (measured, ``docs/measurements.md`` §4), the
+        the ``fc1`` matmul itself (measured, ``lab/NOTEBOOK.md`` §4), the
         router's largest cost.
         """
         h = hidden_states

@@ -86,7 +86,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
     One ``index_select`` over the flattened ``[batch * seq]`` rows: a row copy, ~15x
     faster on CPU than ``gather`` with an index expanded over the hidden size (which
-    costs an index read per element; measured in bfloat16, ``docs/measurements.md``
+    costs an index read per element; measured in bfloat16, ``lab/NOTEBOOK.md``
     §4).
     """
     batch, k = index.shape

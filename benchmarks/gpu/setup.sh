@@ -12,7 +12,7 @@ if [ -z "${SKIP_INSTALL:-}" ]; then
 fi
 tar -C "$STAGE" -xJf .gpu/stage.tar.xz
 cp .gpu/gguf_a/part "$STAGE/gguf_a"
-export PYTHONPATH=$PWD:$STAGE/pkgs:$STAGE/site ADADSF_CACHE=$STAGE/cache
+export PYTHONPATH=$PWD:$PWD/lab:$STAGE/pkgs:$STAGE/site ADADSF_CACHE=$STAGE/cache
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv 2>&1 | tail -2
 $PY - <<'PY'
 import importlib.metadata as md, torch
@@ -32,7 +32,7 @@ import sys, json, time
 sys.path.insert(0, "tests")
 import tiny_models as tm
 from transformers import AutoModelForCausalLM
-from adadsf_modifier.study.command import main
+from adadsf_lab.study.command import main
 t = time.time()
 cfg = tm.tiny_config("llama", 8)
 cfg.hidden_size, cfg.intermediate_size = 128, 256  # room for the rank-64 skip path

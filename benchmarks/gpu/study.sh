@@ -7,21 +7,15 @@ PY=${PY:-python3}
 STAGE=${STAGE:-/tmp/adadsf_gpu}
 OUT=${OUT:-/tmp/adadsf_out}
 MAX_HOURS=$1; shift
-export PYTHONPATH=$PWD:$STAGE/pkgs:$STAGE/site ADADSF_CACHE=$STAGE/cache
+export PYTHONPATH=$PWD:$PWD/lab:$STAGE/pkgs:$STAGE/site ADADSF_CACHE=$STAGE/cache
 mkdir -p "$OUT" "$STAGE/study_cache"
-# the committed runs (docs/study_runs*/): reused where this code computes the same keys
-for d in docs/study_runs*/; do [ -d "$d" ] && cp -rn "$d." "$STAGE/study_cache/"; done
-RUN_DIR=$PWD
-if [ -f "$STAGE/pinned/COMMIT" ]; then  # bundle.sh PIN=<commit>: that package, not ours
-  echo "study pinned to $(cat "$STAGE/pinned/COMMIT")"
-  export PYTHONPATH=$STAGE/pinned:$PYTHONPATH
-  RUN_DIR=$STAGE/pinned  # python -m puts the working directory first on sys.path
-fi
+# the committed runs (docs/results/runs): reused where their keys match
+cp -rn docs/results/runs/. "$STAGE/study_cache/"
 cat "$STAGE/gguf_a" .gpu/gguf_b/part > "$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf"
 echo "$(cat .gpu/gguf_b/sha256)  $STAGE/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
 $PY benchmarks/gpu/prime_model.py "$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf" \
   "$STAGE/cache/smollm2-135m-instruct" 2>&1 | tail -2
-(cd "$RUN_DIR" && timeout "${STUDY_TIMEOUT:-520}" $PY -m adadsf_modifier.study \
+(timeout "${STUDY_TIMEOUT:-520}" $PY -m adadsf_lab.study \
   --max-hours "$MAX_HOURS" --cache-dir "$STAGE/study_cache" --output-dir "$STAGE/docs" \
   --overwrite "$@") > "$OUT/study_log.txt" 2>&1
 echo "study exit $?"

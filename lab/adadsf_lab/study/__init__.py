@@ -1,0 +1,30 @@
+"""The results study (``adadsf study``): every compared method under the same data,
+alignment budget and seeds, at several budgets, with 95% intervals and paired
+differences, rendered to ``RESULTS.md`` + ``results.json`` + plots (the shipped
+study's: ``docs/results/``).
+
+Modules: :mod:`.spec` (methods, settings, run identity), :mod:`.plan` (which runs, in
+which order), :mod:`.run_cache` (finished runs on disk), :mod:`.runner` and
+:mod:`.measure` (one run), :mod:`.stats` (intervals, paired differences),
+:mod:`.aggregate` (``results.json``), :mod:`.render` / :mod:`.plots` (Markdown, PNG),
+:mod:`.cost` (up-front estimate), :mod:`.study` (orchestration), :mod:`.argv` (the
+options, and a recorded command with each option once), :mod:`.command` (CLI).
+
+The heavy modules (runner, measurements, lm-eval) load only when a study runs.
+"""
+
+from adadsf_lab.study.argv import add_study_arguments
+from adadsf_lab.study.command import build_settings, run_study_command
+from adadsf_lab.study.methods import METHODS
+from adadsf_lab.study.quick import quick_settings
+from adadsf_lab.study.settings import StudyInputError, StudySettings
+
+__all__ = [
+    "METHODS",
+    "StudyInputError",
+    "StudySettings",
+    "add_study_arguments",
+    "build_settings",
+    "quick_settings",
+    "run_study_command",
+]

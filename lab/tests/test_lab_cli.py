@@ -1,0 +1,158 @@
+"""The lab's commands (`adadsf run`, `adadsf report`): bad input is refused up front
+(exit status 2, one line, nothing written), `run --overwrite` keeps the earlier results
+until the new ones are complete, and the report names the lab when matplotlib is
+missing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny_model
+
+import adadsf_lab.commands as commands
+from adadsf_lab.report import build_report, plot_report
+from adadsf_modifier.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = str(REPO / "recipes" / "adadsf.yaml")
+RECORD = {"label": "dense", "model": "m", "routed": False, "routing_mode": None}
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def one_line_error(code: int, err: str) -> str:
+    assert code == 2
+    assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
+    return err
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return save_tiny_model("llama", str(tmp_path_factory.mktemp("m") / "llama"), 2)
+
+
+@pytest.fixture
+def no_heavy_work(monkeypatch):
+    """Fail the test if a command gets past its checks."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("heavy work started before the arguments were checked")
+
+    for name in ("compress", "evaluate", "bench", "_main_job"):
+        monkeypatch.setattr(commands, name, refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["run", "--limit", "0"], "--limit"),
+        (["run", "--seq-len", "-1"], "--seq-len"),
+        (["run", "--bench-repeats", "0"], "--bench-repeats"),
+        (["run", "--align-samples", "some"], "--align-samples"),
+    ],
+)
+def test_bad_numbers_fail_at_parse_time(capsys, tmp_path, no_heavy_work, argv, option):
+    err = one_line_error(*run(capsys, *argv))
+    assert f"argument {option}" in err and f"adadsf {argv[0]}" in err
+
+
+def test_missing_matplotlib_is_one_line_naming_the_lab(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps(RECORD))
+    argv = ["report", "--inputs", record, "--output-dir", tmp_path / "rep"]
+    assert "pip install -e lab" in one_line_error(*run(capsys, *argv))
+
+
+def test_report_missing_inputs(capsys, tmp_path):
+    code, err = run(
+        capsys, "report", "--inputs", tmp_path / "x.json", "--output-dir", tmp_path
+    )
+    assert code == 2 and "not found" in err
+
+
+def test_run_overwrite_with_a_bad_argument_keeps_earlier_results(capsys, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("earlier")
+    argv = ["run", "--recipe", RECIPE, "--output-dir", out, "--overwrite"]
+    one_line_error(*run(capsys, *argv, "--seq-len", "-1"))
+    assert (out / "report.json").read_text() == "earlier"
+
+
+def test_run_failure_midway_keeps_earlier_results_and_leaves_no_litter(
+    capsys, tmp_path, dense_dir, monkeypatch
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("earlier")
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("out of memory halfway")
+
+    monkeypatch.setattr(commands, "compress", crash)
+    argv = ["run", "--model", dense_dir, "--recipe", RECIPE, "--output-dir", out]
+    with pytest.raises(RuntimeError, match="halfway"):
+        main([str(a) for a in [*argv, "--overwrite", "--tasks", ""]])
+    assert (out / "report.json").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_run_overwrite_replaces_results_once_complete(
+    capsys, tmp_path, dense_dir, monkeypatch
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.json").write_text("earlier")
+
+    def job(args, recipe, tasks, model_path, work, final):
+        assert final == out and work.parent == out.parent and work != out
+        assert (out / "stale.json").is_file()  # still there while the job runs
+        (work / "report.json").write_text("new")
+        record = {"label": "dense", "routed": False}
+        return build_report([record], [], {"timings": {"total_s": 1.0}})
+
+    monkeypatch.setattr(commands, "_main_job", job)
+    argv = ["run", "--model", dense_dir, "--recipe", RECIPE, "--output-dir", out]
+    assert main([str(a) for a in [*argv, "--overwrite", "--tasks", ""]]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_report_refuses_bad_inputs_and_outputs(capsys, tmp_path):
+    good = tmp_path / "dense.json"
+    good.write_text(json.dumps(RECORD))
+    text = tmp_path / "notes.txt"
+    text.write_text("not json")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"results": []}))
+    speed = tmp_path / "speed.json"
+    speed.write_text(json.dumps({"results": [{"kind": "prefill"}]}))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    out = ["--output-dir", tmp_path / "rep"]
+    cases = [
+        (["--inputs", text, *out], "is not JSON"),
+        (["--inputs", wrong, *out], "is not an `adadsf eval` record"),
+        (["--inputs", good, "--speed", speed, *out], "not an `adadsf bench` result"),
+        (["--inputs", good, "--speed", good, *out], "not an `adadsf bench` result"),
+        (["--inputs", good, "--output-dir", a_file], "not a directory"),
+        (["--inputs", good, "--output-dir", a_file / "sub"], "not a directory"),
+    ]
+    for argv, text_ in cases:
+        err = one_line_error(*run(capsys, "report", *argv))
+        assert text_ in err
+    assert not (tmp_path / "rep").exists()
+
+
+def test_report_plot_names_the_extra_when_matplotlib_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    report = build_report([{"label": "dense", "routed": False}])
+    with pytest.raises(ModuleNotFoundError, match="pip install -e lab"):
+        plot_report(report, tmp_path / "report.png")

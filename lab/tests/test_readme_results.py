@@ -1,0 +1,61 @@
+"""The README's results table is rendered from a study's results.json, not typed."""
+
+from __future__ import annotations
+
+import pytest
+
+from adadsf_lab.readme_table import BEGIN, END, _with_ci, block, render_into
+
+
+def _stat(mean, ci=None):
+    return {"mean": mean, "ci95": ci}
+
+
+def _summary(method, budget, seeds, ppl, flops, prefill, decode):
+    metrics = {
+        "ppl_test": _stat(*ppl),
+        "task_mean": _stat(0.4),
+        "normalized_flops": _stat(flops),
+        "prefill_speedup": _stat(prefill),
+        "decode_speedup": _stat(decode),
+    }
+    return {"method": method, "budget": budget, "seeds": seeds, "metrics": metrics}
+
+
+RESULTS = {
+    "summary": [
+        _summary("dense", 1.0, [0], (30.0,), 1.0, 1.0, 1.0),
+        _summary("adadsf_ridge_kv_err", 0.9, [0], (31.0,), 0.93, 0.8, 0.9),
+        _summary("adadsf_ridge_kv_err", 0.8, [0, 1, 2], (33.0, 0.5), 0.84, 0.88, 0.78),
+        _summary("layer_drop_healed", 0.8, [0, 1, 2], (36.0, 0.2), 0.83, 1.26, 1.17),
+        _summary("uniform", 0.8, [0], (50.0,), 0.8, 1.0, 1.0),
+    ]
+}
+
+
+def test_the_table_shows_the_shipped_budget_with_the_most_seeds():
+    lines = block(RESULTS)
+    assert "budget 0.8," in lines[0]
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line]
+    assert [r.split(" | ")[0] for r in rows[1:]] == [
+        "| dense",
+        "| **AdaDSF, the shipped recipe**",
+        "| layer removal (ShortGPT) + healing",
+    ]
+    assert "33.00 ± 0.50 | 1.10 |" in rows[2] and "| 0.88 | 0.78 |" in rows[2]
+
+
+def test_rendering_replaces_only_the_text_between_the_markers():
+    readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
+    out = render_into(readme, RESULTS)
+    assert out.startswith("intro\n" + BEGIN) and out.endswith(END + "\noutro\n")
+    assert "old table" not in out
+    with pytest.raises(ValueError, match="markers"):
+        render_into("no markers", RESULTS)
+
+
+def test_the_table_drops_an_interval_that_rounds_to_zero():
+    assert _with_ci({"mean": 61.6, "ci95": 2e-14}, ".2f") == "61.60"
+    assert _with_ci({"mean": 37.15, "ci95": 0.918}, ".2f") == "37.15 ± 0.92"
+    assert _with_ci({"mean": 33.3, "ci95": None}, ".2f") == "33.30"
+    assert _with_ci({"mean": None, "ci95": None}, ".2f") == "-"

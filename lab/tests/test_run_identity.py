@@ -1,0 +1,163 @@
+"""A cached study run is keyed by what determines its numbers, not by the source text:
+editing the lab's presentation or the plug-in's CLI leaves every cached run reused;
+bumping an area's ``ALGORITHM_VERSIONS`` recomputes exactly the runs that exercise it;
+and a recomputed tiny run reproduces the numbers its cache recorded, so a change that
+moves numbers without a version bump fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny_model
+
+import adadsf_lab
+import adadsf_modifier
+from adadsf_lab.study.arms import Tuned
+from adadsf_lab.study.methods import METHODS
+from adadsf_lab.study.plan import Context, main_specs
+from adadsf_lab.study.runner import RunEnv, execute_run
+from adadsf_lab.study.settings import StudySettings
+from adadsf_lab.study.spec import code_versions, model_fingerprint
+from adadsf_modifier.algorithm_versions import ALGORITHM_VERSIONS
+
+PLUGIN = Path(adadsf_modifier.__file__).parent
+LAB = Path(adadsf_lab.__file__).parent
+TESTS = Path(__file__).resolve().parent
+
+# one study, run in a subprocess against a copy of both packages, with a stand-in
+# executor: prints how many runs it computed and how many it reused from the cache
+STUDY = """
+import sys
+from adadsf_lab.study.settings import StudySettings
+from adadsf_lab.study.study import run_study
+from test_study_run import fake_executor
+s = StudySettings(methods=("dense", "uniform", "ftp"), budgets=(0.8,), seeds=1,
+                  tune=False, calib_samples=2, calib_seq_len=16, align_steps=2,
+                  align_batch_size=1, align_seq_len=16, tasks=(), speed=False,
+                  ppl_tokens=64, ppl_val_tokens=64, ppl_max_length=32, ppl_stride=16)
+calls = []
+res = run_study(s, sys.argv[1], sys.argv[2], sys.argv[3],
+                executor=fake_executor(calls))
+print("COMPUTED", sorted(calls))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model("llama", str(tmp_path_factory.mktemp("id") / "m"), 4)
+
+
+def _copy_packages(root: Path) -> Path:
+    """Both packages copied under ``root`` (edited by the test, never the repo's)."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(PLUGIN, root / "adadsf_modifier", ignore=ignore)
+    shutil.copytree(LAB, root / "adadsf_lab", ignore=ignore)
+    return root
+
+
+def _study(code: Path, model: str, out: Path, cache: Path) -> list[str]:
+    paths = [code, TESTS, TESTS.parents[1] / "tests"]  # + tiny_models
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+    done = subprocess.run(
+        [sys.executable, "-c", STUDY, model, str(out), str(cache)],
+        env=env,
+        cwd=code,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("COMPUTED")]
+    return json.loads(line.removeprefix("COMPUTED ").replace("'", '"'))
+
+
+def test_edits_keep_cached_runs_and_a_version_bump_recomputes_its_runs(
+    tiny_dir, tmp_path
+):
+    code = _copy_packages(tmp_path / "code")
+    cache = tmp_path / "cache"
+    first = _study(code, tiny_dir, tmp_path / "o1", cache)
+    assert sorted(first) == ["main:dense@1/seed0", "main:ftp@0.8/seed0",
+                             "main:uniform@0.8/seed0"]  # fmt: skip
+    # presentation and command line edited: every run reused
+    for rel in ("adadsf_lab/study/render.py", "adadsf_modifier/cli/__init__.py"):
+        with (code / rel).open("a") as f:
+            f.write("\n# an edit that changes no number\n")
+    assert _study(code, tiny_dir, tmp_path / "o2", cache) == []
+    # FTP's code changes its numbers: its version is bumped, only FTP recomputes
+    versions = code / "adadsf_modifier" / "algorithm_versions.py"
+    text = versions.read_text()
+    versions.write_text(text.replace('"ftp": 1,', '"ftp": 2,'))
+    assert _study(code, tiny_dir, tmp_path / "o3", cache) == ["main:ftp@0.8/seed0"]
+    # the routed forward changes: every routed run recomputes, dense does not
+    versions.write_text(text.replace('"routing": 1,', '"routing": 2,'))
+    assert sorted(_study(code, tiny_dir, tmp_path / "o4", cache)) == [
+        "main:ftp@0.8/seed0",
+        "main:uniform@0.8/seed0",
+    ]
+
+
+def test_each_method_is_keyed_by_the_areas_it_exercises():
+    assert METHODS["dense"].algorithm_areas == ("evaluation",)
+    assert METHODS["dense_lm"].algorithm_areas == ("alignment", "evaluation")
+    assert METHODS["layer_drop"].algorithm_areas == ("adadsf", "evaluation", "routing")
+    assert "alignment" in METHODS["adadsf"].algorithm_areas
+    assert "ftp" in METHODS["ftp"].algorithm_areas
+    assert "adadsf" not in METHODS["ftp"].algorithm_areas
+    for method in METHODS.values():
+        assert set(method.algorithm_areas) <= set(ALGORITHM_VERSIONS), method.name
+
+
+# ------------------------------------------------------------------------------------
+# a recorded tiny run, recomputed
+
+RECORDED = TESTS / "data" / "tiny_run.json"
+COMPARED = ("ppl_test", "ppl_val", "normalized_flops", "retention_ratios")
+
+
+def _tiny_spec(model: str):
+    s = StudySettings(methods=("adadsf",), budgets=(0.6,), seeds=1,
+                      tune=False, calib_samples=4, calib_seq_len=32, align_steps=2,
+                      align_batch_size=2, align_seq_len=32, router_hidden_size=4,
+                      router_init_steps=5, router_init_tokens=64, tasks=(),
+                      speed=False, ppl_tokens=128, ppl_val_tokens=96,
+                      ppl_max_length=64, ppl_stride=32, flops_seq_len=32)  # fmt: skip
+    ctx = Context("tiny llama", model_fingerprint(model), code_versions(), "cpu")
+    tuned = Tuned.from_settings(s, "settings (tuning off)")
+    (spec,) = [x for x in main_specs(s, ctx, tuned, None) if x.method != "dense"]
+    return spec
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_tiny_run_recomputes_to_its_recorded_numbers(tmp_path):
+    """Fails when the plug-in's numbers move while ``ALGORITHM_VERSIONS`` stay put (or
+    the other way round): bump the area you changed, then re-record with
+    ``ADADSF_RECORD_TINY_RUN=1 pytest lab/tests/test_run_identity.py``."""
+    from transformers import AutoTokenizer
+
+    from adadsf_lab.study.measure import TokenStreams
+
+    model = save_tiny_model("llama", str(tmp_path / "m"), 4)
+    spec = _tiny_spec(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    record = execute_run(spec, RunEnv(model, "cpu", tok, TokenStreams(tok)))
+    numbers = {k: record[k] for k in COMPARED}
+    algorithm = spec.config["versions"]["algorithm"]
+    if os.environ.get("ADADSF_RECORD_TINY_RUN") == "1":
+        RECORDED.parent.mkdir(exist_ok=True)
+        RECORDED.write_text(json.dumps({"algorithm": algorithm, **numbers}, indent=1))
+    recorded = json.loads(RECORDED.read_text())
+    assert recorded.pop("algorithm") == algorithm, (
+        "ALGORITHM_VERSIONS changed since the tiny run was recorded: re-record it"
+    )
+    for key, value in recorded.items():
+        assert numbers[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (
+            f"{key} moved with no ALGORITHM_VERSIONS bump: bump the area whose code "
+            "changed the numbers, then re-record"
+        )

@@ -1,0 +1,45 @@
+"""The AdaDSF recipes ship the configuration the shipped study measures: the modifier
+fields the study builds for its variant at the recipe's budget (from the study's own
+settings file, ``docs/results/study.yaml``) are the recipe's, field for field, so a
+recipe cannot drift from what its numbers describe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from adadsf_lab.study.arms import modifier_fields
+from adadsf_lab.study.plan import single_candidate
+from adadsf_modifier import AdaDSFModifier
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_METHOD = "adadsf_ridge_kv_err"
+
+
+def _study_settings():
+    from adadsf_lab.study.settings import StudySettings
+
+    data = yaml.safe_load((ROOT / "docs" / "results" / "study.yaml").read_text())
+    return StudySettings(**data)
+
+
+def test_the_shipped_recipe_is_the_variant_the_study_runs():
+    s = _study_settings()
+    shipped = yaml.safe_load((ROOT / "recipes" / "adadsf.yaml").read_text())
+    block = shipped["sparsity_stage"]["sparsity_modifiers"]["AdaDSFModifier"]
+    assert SHIPPED_METHOD == s.tune_methods[0]
+    tuned = single_candidate(s)  # the study fixes the variant's rates: one candidate
+    assert tuned is not None
+    measured = modifier_fields(s, SHIPPED_METHOD, block["retention"], 0, tuned)
+    assert block["retention"] in s.budgets
+    for field, value in block.items():
+        if field == "seed":
+            continue
+        assert field in measured, f"{field}: not a field the study sets"
+        assert measured[field] == value, field
+    # what the recipe leaves unset is the modifier's default, as in the study's runs
+    defaults = AdaDSFModifier(**block).model_dump(include=set(measured))
+    for field, value in measured.items():
+        if field not in block and field in defaults and field != "seed":
+            assert defaults[field] == value, field
