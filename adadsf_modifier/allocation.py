@@ -2,9 +2,9 @@
 
 Pure functions, no torch modules: every allocation strategy the modifier offers maps a
 list of per-layer input/output cosine similarities (from dense calibration) to a list of
-retention ratios. Keeping them pure makes the comparison the method's reviewers asked
-for (similarity vs uniform vs reversed vs random vs layer removal, at the same budget) a
-matter of changing one string.
+retention ratios. Keeping them pure makes comparing strategies at the same budget
+(similarity vs uniform vs reversed vs random vs layer removal) a matter of changing
+one string.
 """
 
 from __future__ import annotations

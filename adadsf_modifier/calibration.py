@@ -15,14 +15,17 @@ layer's attention module (``x`` plus its output).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from adadsf_modifier import distributed
+from adadsf_modifier.layer_capture import LayerCall, capture_layers, layer_call_hook
 from adadsf_modifier.routing.architectures import architecture_for_config
-from adadsf_modifier.utils import layer_input, real_token_mask, run_calibration_batches
+from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [
     "SimilarityAccumulator",
@@ -70,48 +73,60 @@ class SimilarityAccumulator:
         self._kept = [0] * num_layers
         self._generator = torch.Generator().manual_seed(seed)
 
+    @contextlib.contextmanager
+    def capturing(self, layers: Sequence[nn.Module]) -> Iterator[None]:
+        """Within the block, every forward of the decoder ``layers`` (in index order)
+        adds to the statistics; with a sub-block routed, their attention modules are
+        captured too."""
+        with contextlib.ExitStack() as stack:
+            if self.route_target != "layer":
+                attns = [self._attention_of(layer) for layer in layers]
+                stack.enter_context(capture_layers(attns, self._stash_attention))
+            stack.enter_context(capture_layers(layers, self._record))
+            yield
+
     def hooks_for(self, index: int, layer: nn.Module) -> list[tuple[nn.Module, Any]]:
         """``[(module, hook)]`` to register with ``register_forward_hook(...,
         with_kwargs=True)`` for decoder layer ``index``: the layer's hook, preceded
-        when a sub-block is routed by one on its attention module."""
+        when a sub-block is routed by one on its attention module (for a caller that
+        manages its own hooks; :meth:`capturing` registers and removes them)."""
         if self.route_target == "layer":
             return [(layer, self.hook_for(index))]
-        # decoder layers keep no config; their attention modules do
-        config = next(m.config for m in layer.modules() if hasattr(m, "config"))
-        spec = architecture_for_config(config)
-        spec.check_sub_blocks(self.route_target)
-        attn = getattr(layer, spec.attention)
-
-        def stash(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self._attention_out[index] = output[0] if isinstance(output, tuple) else (
-                output)  # fmt: skip
-
-        return [(attn, stash), (layer, self.hook_for(index))]
+        attn = self._attention_of(layer)
+        return [
+            (attn, layer_call_hook(index, self._stash_attention)),
+            (layer, self.hook_for(index)),
+        ]
 
     def hook_for(self, index: int):
         """A ``register_forward_hook(..., with_kwargs=True)`` hook for decoder layer
         ``index`` (with a sub-block routed, after :meth:`hooks_for`'s attention
         hook)."""
+        return layer_call_hook(index, self._record)
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            x_in = layer_input(args, kwargs)
-            x_out = output[0] if isinstance(output, tuple) else output
-            batch, seq_len = x_in.shape[:2]
-            real = real_token_mask(
-                kwargs.get("attention_mask"), batch, seq_len, x_in.device
-            )
-            if self.route_target == "layer":
-                cos = token_cosine_similarity(x_in, x_out)
-            else:
-                h = x_in + self._attention_out.pop(index)
-                pair = (x_in, h) if self.route_target == "attention" else (h, x_out)
-                cos = token_cosine_similarity(*pair)
-            self.sums[index] += float(cos[real].double().sum())
-            self.counts[index] += int(real.sum())
-            if self._kept[index] < self.sample_tokens:
-                self._sample(index, x_in[real], cos[real])
+    def _attention_of(self, layer: nn.Module) -> nn.Module:
+        # decoder layers keep no config; their attention modules do
+        config = next(m.config for m in layer.modules() if hasattr(m, "config"))
+        spec = architecture_for_config(config)
+        spec.check_sub_blocks(self.route_target)
+        return getattr(layer, spec.attention)
 
-        return hook
+    def _stash_attention(self, call: LayerCall) -> None:
+        self._attention_out[call.index] = call.output_states
+
+    def _record(self, call: LayerCall) -> None:
+        index, x_in, x_out = call.index, call.hidden_states, call.output_states
+        real = call.real_tokens()
+        if self.route_target == "layer":
+            cos = token_cosine_similarity(x_in, x_out)
+        else:
+            h = x_in + self._attention_out.pop(index)
+            pair = (x_in, h) if self.route_target == "attention" else (h, x_out)
+            cos = token_cosine_similarity(*pair)
+        self.sums[index] += float(cos[real].double().sum())
+        self.counts[index] += int(real.sum())
+        if self._kept[index] < self.sample_tokens:
+            self._sample(index, x_in[real], cos[real])
 
     def _sample(self, index: int, x: torch.Tensor, cos: torch.Tensor) -> None:
         # at most a quarter of the budget per batch, so the sample spans several batches

@@ -28,6 +28,7 @@ calibration tokens (SmolLM2-135M, 2,048 tokens: about 30 forwards of 2k tokens);
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
@@ -41,6 +42,12 @@ from tqdm.auto import tqdm
 
 from adadsf_modifier import distributed
 from adadsf_modifier.constraints import PositiveInt
+from adadsf_modifier.layer_capture import (
+    LayerCall,
+    OnLayerCall,
+    StopForward,
+    capture_layers,
+)
 from adadsf_modifier.routing.skip_path import (
     RidgeFit,
     RidgeStats,
@@ -50,7 +57,6 @@ from adadsf_modifier.routing.skip_path import (
 )
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
-    layer_input,
     model_device,
     next_token_nll,
     real_token_mask,
@@ -125,41 +131,37 @@ def _token_batches(
     return out
 
 
-def _replace_hook(skip: SkipPath | None = None) -> Any:
-    """Forward hook: the layer's output replaced by its input (the layer skipped), or
-    with ``skip`` by its skip path ``x + u(x)``."""
+def _replaced_by(skip: SkipPath | None = None) -> OnLayerCall:
+    """Output callback: the layer's output replaced by its input (the layer skipped),
+    or with ``skip`` by its skip path ``x + u(x)``."""
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        x = layer_input(args, kwargs)
-        y = x if skip is None else x + skip(x)
-        return (y, *output[1:]) if isinstance(output, tuple) else y
+    def replace(call: LayerCall) -> Any:
+        x = call.hidden_states
+        return call.with_output_states(x if skip is None else x + skip(x))
 
-    return hook
+    return replace
 
 
 def _rises(
     model: nn.Module,
     data: list[dict[str, Any]],
-    hooks: Sequence[Any],
+    replacements: Sequence[OnLayerCall],
     layers: Sequence[nn.Module],
     name: str,
 ) -> tuple[float, int, list[float]]:
     """``(dense NLL, tokens, rises)``: the mean next-token NLL of ``model`` on
-    ``data`` and its rise with each of ``hooks`` (a forward hook replacing a layer's
-    output) on its layer of ``layers``, one layer at a time; sums and counts added over
-    the ranks under ``torchrun`` (the same result on every rank)."""
+    ``data`` and its rise with each of ``replacements`` (an output callback replacing
+    a layer's output) on its layer of ``layers``, one layer at a time; sums and counts
+    added over the ranks under ``torchrun`` (the same result on every rank)."""
     base = distributed.sum_across_ranks(list(next_token_nll(model, data)))
     if base[1] == 0:
         raise ValueError(f"importance: {name} saw no real calibration tokens")
     dense = base[0] / base[1]
     rises = []
-    pairs = list(zip(layers, hooks))
-    for layer, hook in tqdm(pairs, desc=f"AdaDSF importance ({name})", leave=False):
-        handle = layer.register_forward_hook(hook, with_kwargs=True)
-        try:
+    pairs = list(zip(layers, replacements))
+    for layer, replace in tqdm(pairs, desc=f"AdaDSF importance ({name})", leave=False):
+        with capture_layers([layer], replace):
             nll, n = distributed.sum_across_ranks(list(next_token_nll(model, data)))
-        finally:
-            handle.remove()
         rises.append(nll / n - dense)
     return dense, base[1], rises
 
@@ -181,8 +183,8 @@ def loss_importance(
     was_training = model.training
     model.eval()
     try:
-        hooks = [_replace_hook()] * len(layers)
-        dense, tokens, rises = _rises(model, data, hooks, layers, "loss")
+        skipped = [_replaced_by()] * len(layers)
+        dense, tokens, rises = _rises(model, data, skipped, layers, "loss")
     finally:
         model.train(was_training)
     logger.info(
@@ -207,10 +209,6 @@ def similarity_like(rises: Sequence[float]) -> list[float]:
     if hi == lo:
         return [1.0 if math.isfinite(x) else 0.0 for x in d]
     return [(hi - x) / (hi - lo) if math.isfinite(x) else 0.0 for x in d]
-
-
-class _Stop(Exception):
-    """Raised past the last measured layer: the rest of the forward is not needed."""
 
 
 #: Bytes of regression statistics held at once while fitting the maps: layers are
@@ -251,36 +249,21 @@ def _fold_stats(
     folds = [(RidgeStats(hidden, device), RidgeStats(hidden, device)) for _ in layers]
     parts: list[torch.Tensor] = []
 
-    def hook_for(i: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            x = layer_input(args, kwargs)
-            y = output[0] if isinstance(output, tuple) else output
-            for stats, part in zip(folds[i], parts):
-                stats.add(x[part], (y - x)[part])
-            if i == len(layers) - 1:
-                raise _Stop
+    def add(call: LayerCall) -> None:
+        x, y = call.hidden_states, call.output_states
+        for stats, part in zip(folds[call.index], parts):
+            stats.add(x[part], (y - x)[part])
 
-        return hook
-
-    handles = [
-        layer.register_forward_hook(hook_for(i), with_kwargs=True)
-        for i, layer in enumerate(layers)
-    ]
     rows_seen = 0
-    try:
+    with capture_layers(layers, add, stop_after_last=True):
         for batch in tqdm(data, desc="AdaDSF importance (map fit)", leave=False):
             inputs = tensors_to_device(batch, device)
             ids = inputs["input_ids"]
             real = real_token_mask(inputs.get("attention_mask"), *ids.shape, device)
             parts[:] = ridge_folds(real, rows_seen)
             rows_seen += ids.shape[0]
-            try:
+            with contextlib.suppress(StopForward):
                 model(**inputs, use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
     for a, b in folds:
         a.all_reduce()
         b.all_reduce()
@@ -328,8 +311,10 @@ def skip_path_loss_importance(
             skip = SkipPath(int(model.config.hidden_size), rank)
             skip.load_fit(fit)
             maps.append(skip.to(device=param.device, dtype=param.dtype))
-        hooks = [_replace_hook(skip) for skip in maps]
-        dense, tokens, rises = _rises(model, measured, hooks, layers, "skip_path_loss")
+        replaced = [_replaced_by(skip) for skip in maps]
+        dense, tokens, rises = _rises(
+            model, measured, replaced, layers, "skip_path_loss"
+        )
     finally:
         model.train(was_training)
     logger.info(

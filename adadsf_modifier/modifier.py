@@ -295,19 +295,13 @@ class AdaDSFModifier(
         samples = self.router_init_tokens if self.router_init != "random" else 0
         acc = SimilarityAccumulator(len(layers), samples, self.seed, self.route_target)
         self._accumulator = acc
-        for i, (_, layer) in enumerate(layers):
-            for module, hook in acc.hooks_for(i, layer):  # sub-blocks: two hooks
-                self.register_hook(module, hook, "forward", with_kwargs=True)
-        try:
-            # The base model skips the lm_head: calibration needs hidden states only. A
-            # shuffling DataLoader draws its order from the global RNG: seed it so the
-            # router warm start's token sample (and so the routers) depend on `seed`
-            # only.
+        # The base model skips the lm_head: calibration needs hidden states only. A
+        # shuffling DataLoader draws its order from the global RNG: seed it so the
+        # router warm start's token sample (and so the routers) depend on `seed` only.
+        with acc.capturing([layer for _, layer in layers]):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
                 run_calibration_batches(model.base_model, calib)
-        finally:
-            self.remove_hooks()
         acc.all_reduce()  # under torchrun: sums and counts over every rank's data
         sims = acc.similarities()
         logger.info(

@@ -1,9 +1,9 @@
 """Which floating-point precision to load a model in, on this machine.
 
 bfloat16 halves memory and, where the hardware has bfloat16 instructions (a CUDA GPU
-that supports it; a CPU with AVX512-BF16 or AMX), runs SmolLM2-135M's forwards ~3x
-faster than float32 on a 2-core CPU. Where it has none, torch emulates bfloat16: slower
-than float32 and rounded differently, so ``auto`` picks float32 there.
+that supports it; a CPU with AVX512-BF16 or AMX), runs forwards several times faster
+than float32. Where it has none, torch emulates bfloat16: slower than float32 and
+rounded differently, so ``auto`` picks float32 there.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "auto")
 
 def cpu_has_native_bfloat16() -> bool:
     """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Without them
-    torch emulates bfloat16 matmuls: ~5x slower than float32 on the 2-core AVX2 machine
-    of 2026-12-01, and rounded differently from a machine with them, so bfloat16 runs of
-    two such CPUs do not agree (``lab/NOTEBOOK.md`` §14)."""
+    torch emulates bfloat16 matmuls: several times slower than float32, and rounded
+    differently from a machine with them, so bfloat16 runs on CPUs with and without
+    them do not agree (``lab/NOTEBOOK.md`` §14)."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 

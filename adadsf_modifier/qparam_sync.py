@@ -9,11 +9,10 @@ compressed-tensors' ``DistributedCPUCache``: shared memory that the owning rank
 updates in place, and whose ``update_offload`` documents "performed asynchronously. If
 you need the offloaded value to update across all ranks, call ``dist.barrier()``
 after". Nothing does, so on a CPU run a rank can go on, propagate the next calibration
-pass through, or save, modules the other rank has not finished writing: we measured
-``weight_scale`` values of ``-5.3e36`` (uninitialised memory) on rank 0 for layer 3 of
-a tiny model in 1 of 5 two-rank runs on a loaded machine
-(``integration_tests/test_distributed_torchrun.py``; ``torch.empty`` scales are what
-the other rank reads before the owner writes them).
+pass through, or save, modules the other rank has not finished writing: it then reads
+the ``torch.empty`` scales the owner has not filled yet (uninitialised memory, values
+such as ``-5.3e36``), now and then, on a loaded machine
+(``integration_tests/test_distributed_torchrun.py`` runs two CPU ranks).
 
 :func:`install` wraps that function, where the two modifiers imported it, so that
 every rank waits at a barrier after it: the owners' writes are then complete and

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import yaml
 
-import adadsf_modifier.cli.commands as commands
+import adadsf_lab.commands as lab_commands
 from adadsf_modifier import RoutedLayer, from_pretrained
 from adadsf_modifier.cli import main
 
@@ -136,7 +136,7 @@ def test_run_overwrite_swaps_in_complete_results(compressed, monkeypatch):
         shutil.copytree(sparse_dir, target)
         return {"dtype": "float32", "alignment_rows": None}
 
-    monkeypatch.setattr(commands, "compress", reuse)
+    monkeypatch.setattr(lab_commands, "compress", reuse)  # `adadsf run` is the lab's
     argv = ["run", "--recipe", root / "recipe.yaml", "--output-dir", out]
     argv += ["--overwrite", "--tasks", "", "--ppl-tokens", "128"]  # lm-eval: above
     argv += ["--bench-seq-lens", "32", "--bench-repeats", "1", "--decode-tokens", "2"]

@@ -28,7 +28,7 @@ from adadsf_modifier.evaluation import (
     resolve_model,
     sliding_windows,
 )
-from adadsf_modifier.evaluation import cache as cache_mod
+from adadsf_modifier.evaluation import asset_cache as cache_mod
 from adadsf_modifier.evaluation import embedded_model as embedded_mod
 
 VOCAB = 320  # requested BPE size; the model uses len(tokenizer)

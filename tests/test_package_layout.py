@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -136,8 +137,16 @@ def test_importing_the_plugin_loads_neither_the_lab_nor_its_stack():
 
 
 def test_the_plugin_wheel_holds_no_lab_code(tmp_path):
+    # built from a copy of the tracked tree: setuptools writes build/ into the source
+    source = tmp_path / "src"
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.split()  # fmt: skip
+    for rel in listed:
+        if (REPO / rel).is_file():
+            (source / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, source / rel)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps",
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps",
          "--no-build-isolation", "-q", "-w", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
         env=dict(os.environ, PIP_NO_INDEX="1"),

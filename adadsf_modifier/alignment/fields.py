@@ -32,7 +32,7 @@ __all__ = ["AlignmentFields"]
 
 
 class AlignmentFields(BaseModel):
-    """Feature-preserving alignment fine-tune, run after routing (METHOD.md §1 step 4).
+    """Feature-preserving alignment fine-tune, run after routing.
 
     ```yaml
     AdaDSFModifier:

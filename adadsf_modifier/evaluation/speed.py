@@ -229,10 +229,9 @@ def load_pair(
 
     The dense twin is the same checkpoint with routing removed, so the weights are
     identical. Loading both the same way matters on CPU: weights that
-    ``from_pretrained`` maps from the safetensors file decoded ~5-10% faster here than
-    the same weights copied into fresh memory (measured on both models alike), so a
-    model built in-process timed against one loaded from disk measures memory placement,
-    not routing.
+    ``from_pretrained`` maps from the safetensors file can run measurably faster than
+    the same weights copied into fresh memory, so a model built in-process timed
+    against one loaded from disk measures memory placement, not routing.
     """
     from adadsf_modifier.checkpoint import from_pretrained
     from adadsf_modifier.routing import routed_layers, unroute_layer

@@ -11,6 +11,7 @@ from torch import nn
 
 from adadsf_modifier.flops.count import count_flops
 from adadsf_modifier.flops.formulas import FlopsReport, layer_shape
+from adadsf_modifier.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.routing.architectures import decoder_layers, original_class
 from adadsf_modifier.routing.recorder import RoutingRecorder
 from adadsf_modifier.routing.routed_layer import RoutedLayer
@@ -105,32 +106,30 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
     spec, layers = decoder_layers(model)
     shape = layer_shape(model.config)
     dense: dict[int, dict[str, Any]] = {}
-    handles = []
+    modules = [layer for _, layer in layers]
+    signatures = [inspect.signature(original_class(type(m)).forward) for m in modules]
 
-    def make_hook(index: int, layer: nn.Module):
-        sig = inspect.signature(original_class(type(layer)).forward)
-
-        def hook(module, args, kwargs):
-            if index in dense:
-                raise RuntimeError(
-                    f"decoder layer {index} ran more than once in one forward; "
-                    "observe_routing measures a single forward pass"
-                )
-            bound = sig.bind_partial(module, *args, **kwargs).arguments
-            bound.update(bound.pop("kwargs", None) or {})
-            x = bound["hidden_states"]
-            mask = bound.get("attention_mask")
-            cache = bound.get(spec.cache_kwarg)
-            past = int(cache.get_seq_length(index)) if cache is not None else 0
-            real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
-            window = shape.sliding_windows[index]
-            dense[index] = {
-                "seq_lens": real.sum(1).tolist(),
-                "keys": _dense_pairs(mask, real, past, window).tolist(),
-                "dtype_bytes": x.element_size(),
-            }
-
-        return hook
+    def read_inputs(call: LayerCall) -> None:
+        index = call.index
+        if index in dense:
+            raise RuntimeError(
+                f"decoder layer {index} ran more than once in one forward; "
+                "observe_routing measures a single forward pass"
+            )
+        bound = signatures[index].bind_partial(call.module, *call.args, **call.kwargs)
+        arguments = bound.arguments
+        arguments.update(arguments.pop("kwargs", None) or {})
+        x = arguments["hidden_states"]
+        mask = arguments.get("attention_mask")
+        cache = arguments.get(spec.cache_kwarg)
+        past = int(cache.get_seq_length(index)) if cache is not None else 0
+        real = real_token_mask(mask, x.shape[0], x.shape[1], x.device)
+        window = shape.sliding_windows[index]
+        dense[index] = {
+            "seq_lens": real.sum(1).tolist(),
+            "keys": _dense_pairs(mask, real, past, window).tolist(),
+            "dtype_bytes": x.element_size(),
+        }
 
     inputs = {"input_ids": batch} if isinstance(batch, torch.Tensor) else dict(batch)
     device = model_device(model)
@@ -138,18 +137,10 @@ def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
         k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
     }
     inputs.setdefault("use_cache", False)
-    routed = [layer for _, layer in layers if isinstance(layer, RoutedLayer)]
+    routed = [layer for layer in modules if isinstance(layer, RoutedLayer)]
     recorder = RoutingRecorder()
-    try:
-        for i, (_, layer) in enumerate(layers):
-            handles.append(
-                layer.register_forward_pre_hook(make_hook(i, layer), with_kwargs=True)
-            )
-        with recorder.attached(routed):
-            model(**inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with capture_layers(modules, read_inputs, at="input"), recorder.attached(routed):
+        model(**inputs)
     return _assemble(layers, dense, recorder)
 
 

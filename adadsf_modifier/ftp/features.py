@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adadsf_modifier.utils import layer_input, real_token_mask, run_calibration_batches
+from adadsf_modifier.layer_capture import LayerCall, capture_layers
+from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [
     "NUM_FEATURES",
@@ -134,8 +135,9 @@ def token_features(
 
 
 class _Collector:
-    """Forward pre-hooks on decoder layers: pass 1 sums ``input_layernorm(x)`` over real
-    tokens; pass 2 collects probe scores (a bounded sample) for the rank table."""
+    """Fed each decoder layer's inputs (:meth:`record`): pass 1 sums
+    ``input_layernorm(x)`` over real tokens; pass 2 collects probe scores (a bounded
+    sample) for the rank table."""
 
     def __init__(self, layers: list[nn.Module], sample: int, seed: int):
         self.layers = layers
@@ -147,21 +149,16 @@ class _Collector:
         self.sample = sample
         self.gen = torch.Generator().manual_seed(seed)
 
-    def hook(self, i: int):
-        def pre(module, args, kwargs):
-            x = layer_input(args, kwargs)
-            b, s = x.shape[:2]
-            real = real_token_mask(kwargs.get("attention_mask"), b, s, x.device)
-            self.max_len = max(self.max_len, int(real.sum(1).max()))
-            if self.probes is None:
-                z = module.input_layernorm(x)[real].double().sum(0)
-                self.sums[i] = z if self.sums[i] is None else self.sums[i] + z
-                self.counts[i] += int(real.sum())
-            else:
-                probe, bias, eps = self.probes[i]
-                self.scores[i].append(probe_scores(x, probe, bias, eps)[real].cpu())
-
-        return pre
+    def record(self, call: LayerCall) -> None:
+        i, x, real = call.index, call.hidden_states, call.real_tokens()
+        self.max_len = max(self.max_len, int(real.sum(1).max()))
+        if self.probes is None:
+            z = call.module.input_layernorm(x)[real].double().sum(0)
+            self.sums[i] = z if self.sums[i] is None else self.sums[i] + z
+            self.counts[i] += int(real.sum())
+        else:
+            probe, bias, eps = self.probes[i]
+            self.scores[i].append(probe_scores(x, probe, bias, eps)[real].cpu())
 
 
 def calibrate_features(
@@ -171,12 +168,8 @@ def calibrate_features(
     distribution. Returns the stats of every layer in ``layers`` and the longest real
     row seen (the position feature's scale)."""
     col = _Collector(layers, sample=65536, seed=seed)
-    handles = [
-        m.register_forward_pre_hook(col.hook(i), with_kwargs=True)
-        for i, m in enumerate(layers)
-    ]
     base = getattr(model, "base_model", model)
-    try:
+    with capture_layers(layers, col.record, at="input"):
         run_calibration_batches(base, batches, desc="FTP features (probes)")
         col.probes = []
         for i, m in enumerate(layers):
@@ -184,9 +177,6 @@ def calibrate_features(
             probe, bias = key_probe(m, mean, model.config)
             col.probes.append((probe, bias, norm_eps(m.input_layernorm)))
         run_calibration_batches(base, batches, desc="FTP features (scores)")
-    finally:
-        for h in handles:
-            h.remove()
     out = []
     grid = torch.linspace(0, 1, _QUANTILES)
     for i, (probe, bias, eps) in enumerate(col.probes):

@@ -6,10 +6,9 @@ Which tokens run while training (``FTPTrainConfig.routing``):
   the hard rule ``s > 0`` and the sparsity loss pulls each layer's hard kept fraction to
   its scheduled ratio. Inference does not use that gate: the final thresholds are
   re-fitted afterwards by :func:`adadsf_modifier.routing.calibrate_thresholds`, which
-  makes the ratios exact. On SmolLM2 the gate drifts from the ratios (the 829b1cc
-  results study's FTP runs: final sparsity loss up to 0.55, training loss 0.83 -> 7.74
-  over 100 steps at one seed), so the router is trained on decisions inference never
-  makes.
+  makes the ratios exact. The sparsity loss does not hold the hard gate at the ratios
+  (on SmolLM2 it drifts away from them while training), so under this rule the router
+  is trained on decisions inference never makes.
 - ``quantile`` (inference's rule, as AdaDSF's ``align_routing: quantile``): each layer's
   threshold is fitted on the batch itself, so every layer runs its ratio of the tokens
   while the router learns which; the sparsity loss then only centres the gate at 0.
@@ -38,7 +37,7 @@ from adadsf_modifier.ftp.losses import (
     sparsity_loss,
 )
 from adadsf_modifier.ftp.router import FTPLayerRouter
-from adadsf_modifier.routing import RoutedLayer, routed_layers
+from adadsf_modifier.routing import RoutedLayer, routed_layers, routing_override
 from adadsf_modifier.utils import model_device, tensors_to_device
 
 __all__ = [
@@ -94,15 +93,8 @@ def ftp_layers(model: nn.Module) -> list[RoutedLayer]:
 @contextmanager
 def dense_forward(model: nn.Module) -> Iterator[None]:
     """Every routed layer runs every token (the dense model, without a copy)."""
-    layers = routed_layers(model)
-    before = [m.retention_ratio for m in layers]
-    try:
-        for m in layers:
-            m.retention_ratio = 1.0
+    with routing_override(routed_layers(model), retention_ratio=1.0):
         yield
-    finally:
-        for m, r in zip(layers, before):
-            m.retention_ratio = r
 
 
 @contextmanager

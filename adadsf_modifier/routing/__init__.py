@@ -17,6 +17,7 @@ from adadsf_modifier.routing.modes import (
     ROUTING_MODES,
     get_routing_modes,
     routing_mode,
+    routing_override,
     set_routing_mode,
 )
 from adadsf_modifier.routing.recorder import LayerRecord, RoutingRecorder
@@ -56,6 +57,7 @@ __all__ = [
     "ROUTING_MODES",
     "get_routing_modes",
     "routing_mode",
+    "routing_override",
     "set_routing_mode",
     "RoutedLayer",
     "route_layer",

@@ -1,7 +1,8 @@
 """Swapping a decoder layer's class in place, offloading wrappers included.
 
-Split from :mod:`adadsf_modifier.routing.routed_layer` (which routes and unroutes
-layers by swapping their class) to keep that module to the routing itself.
+:mod:`adadsf_modifier.routing.routed_layer` routes and unroutes a layer by swapping
+its class; this module holds the swap itself, which has to see through
+compressed-tensors' offloading wrappers.
 """
 
 from __future__ import annotations

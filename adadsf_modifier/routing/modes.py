@@ -17,14 +17,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator
 
 from torch import nn
 
-from adadsf_modifier.routing.routed_layer import routed_layers
+from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 
-__all__ = ["ROUTING_MODES", "set_routing_mode", "routing_mode", "get_routing_modes"]
+__all__ = [
+    "ROUTING_MODES",
+    "set_routing_mode",
+    "routing_mode",
+    "routing_override",
+    "get_routing_modes",
+]
 
 ROUTING_MODES = ("auto", "topk", "causal", "quantile")
 
@@ -36,14 +42,16 @@ def _routed(model: nn.Module):
     return layers
 
 
-def set_routing_mode(model: nn.Module, mode: str) -> None:
-    """Switch every routed layer of ``model`` to ``mode`` (one of
-    :data:`ROUTING_MODES`)."""
+def _check_known(mode: str) -> None:
     if mode not in ROUTING_MODES:
         raise ValueError(
             f"routing mode must be one of {list(ROUTING_MODES)}, got {mode!r}"
         )
-    layers = _routed(model)
+
+
+def _check_thresholds(layers: Sequence[RoutedLayer], mode: str) -> None:
+    """Causal routing of a layer that keeps some but not all tokens needs its
+    calibrated threshold."""
     if mode == "causal":
         missing = [
             m.layer_index
@@ -55,6 +63,14 @@ def set_routing_mode(model: nn.Module, mode: str) -> None:
                 f"causal routing needs calibrated thresholds; layers {missing} have "
                 "none (run adadsf_modifier.routing.calibrate_thresholds)"
             )
+
+
+def set_routing_mode(model: nn.Module, mode: str) -> None:
+    """Switch every routed layer of ``model`` to ``mode`` (one of
+    :data:`ROUTING_MODES`)."""
+    _check_known(mode)
+    layers = _routed(model)
+    _check_thresholds(layers, mode)
     for layer in layers:
         layer.routing_mode = mode
 
@@ -65,13 +81,52 @@ def get_routing_modes(model: nn.Module) -> list[str]:
 
 
 @contextmanager
+def routing_override(
+    target: nn.Module | Sequence[nn.Module],
+    *,
+    retention_ratio: float | None = None,
+    mode: str | None = None,
+) -> Iterator[list[RoutedLayer]]:
+    """Within the block, the routed layers of ``target`` keep ``retention_ratio`` of
+    their tokens and/or route in ``mode``; each layer's own values come back when the
+    block ends, also on error. Yields those layers.
+
+    ``target``: a model or one layer (its routed layers; none is an error, as for
+    :func:`set_routing_mode`), or a sequence of decoder layers (its routed ones; the
+    dense ones have no routing to change). Calibration passes use it to run layers
+    densely (ratio 1), to pass inputs straight through (ratio 0) or to fit under a
+    given mode, without touching what allocation and calibration decided.
+    """
+    if isinstance(target, nn.Module):
+        layers = _routed(target)
+    else:
+        layers = [m for m in target if isinstance(m, RoutedLayer)]
+    changes: dict[str, object] = {}
+    if retention_ratio is not None:
+        if not 0.0 <= retention_ratio <= 1.0:
+            raise ValueError(
+                f"retention ratio must be in [0, 1], got {retention_ratio}"
+            )
+        changes["retention_ratio"] = float(retention_ratio)
+    if mode is not None:
+        _check_known(mode)
+        changes["routing_mode"] = mode
+    before = [{name: getattr(m, name) for name in changes} for m in layers]
+    try:
+        for layer in layers:
+            for name, value in changes.items():
+                setattr(layer, name, value)
+        if mode is not None:  # under the ratio the block runs at
+            _check_thresholds(layers, mode)
+        yield layers
+    finally:
+        for layer, values in zip(layers, before):
+            for name, value in values.items():
+                setattr(layer, name, value)
+
+
+@contextmanager
 def routing_mode(model: nn.Module, mode: str) -> Iterator[None]:
     """Temporarily use ``mode`` (restores each layer's previous setting)."""
-    layers = _routed(model)
-    before = [m.routing_mode for m in layers]
-    set_routing_mode(model, mode)
-    try:
+    with routing_override(model, mode=mode):
         yield
-    finally:
-        for layer, m in zip(layers, before):
-            layer.routing_mode = m

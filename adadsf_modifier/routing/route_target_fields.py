@@ -21,8 +21,7 @@ __all__ = ["RouteTargetFields"]
 
 class RouteTargetFields(BaseModel):
     """Route whole decoder layers, or only their attention or MLP sub-block
-    (METHOD.md section 3: Router-Tuning / MindSkip skip attention only; SkipGPT routes
-    both separately).
+    (Router-Tuning / MindSkip skip attention only; SkipGPT routes both separately).
 
     ```yaml
     AdaDSFModifier:

@@ -81,9 +81,10 @@ class TokenRouter(nn.Module):
         for a single token, where the cost is per-op dispatch, not arithmetic. The
         normalisation is applied after ``fc1`` (``W1 (h / rms(h)) = (W1 h) / rms(h)``,
         with ``rms`` from a float32 ``vector_norm``, and the rest of the small MLP in
-        float32): in bfloat16 on CPU ``rms_norm`` of a 1024-token prefill cost ~17x
-        the ``fc1`` matmul itself (measured, ``lab/NOTEBOOK.md`` §4), the
-        router's largest cost.
+        float32): in bfloat16 on CPU a separate ``rms_norm`` over the full hidden state
+        costs far more than the ``fc1`` matmul it feeds (``lab/NOTEBOOK.md`` §4.1), so
+        normalising ``fc1``'s small output instead removes the router's largest
+        cost.
         """
         h = hidden_states
         w1, b1, w2, b2 = self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias

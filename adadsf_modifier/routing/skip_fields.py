@@ -42,7 +42,7 @@ RidgePenalty = Annotated[float | Literal["auto"], PlainValidator(_ridge_penalty)
 
 
 class SkipPathFields(RouteTargetFields):
-    """Variants of what a token that skips a routed layer gets (METHOD.md §3), and
+    """Variants of what a token that skips a routed layer gets, and
     what it skips (``route_target``, see :class:`RouteTargetFields`).
 
     ```yaml
@@ -64,8 +64,8 @@ class SkipPathFields(RouteTargetFields):
         ``[1, hidden_size - 1]``
     :param skip_path_ridge: ridge penalty, relative to the mean input variance, or
         ``auto`` (default): chosen per layer by two-fold held-out error on the
-        calibration rows (SmolLM2-135M, retention 0.8: validation PPL 65 vs 76 for a
-        fixed 1e-3, full rank)
+        calibration rows (layers want different penalties: one fixed penalty for all
+        gives clearly worse maps, ``lab/NOTEBOOK.md`` §6)
     :param skip_path_tokens: fit each map on the tokens its router skips (``skipped``)
         or on every calibration token (``all``)
     :param skipped_tokens_kv: skipped tokens still give the layer's attention their

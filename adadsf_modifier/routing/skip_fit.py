@@ -42,7 +42,9 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier import distributed
+from adadsf_modifier.layer_capture import LayerCall, StopForward, capture_layers
 from adadsf_modifier.routing.architectures import decoder_layers
+from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.routing.routed_layer import RoutedLayer
 from adadsf_modifier.routing.skip_path import (
     RidgeFit,
@@ -55,7 +57,6 @@ from adadsf_modifier.routing.skip_path import (
 from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
-    layer_input,
     model_device,
     real_token_mask,
     tensors_to_device,
@@ -90,10 +91,6 @@ class RouterRefit:
     seed: int = 0
 
 
-class _Stop(Exception):
-    """Ends the kwargs-recording pass after the last decoder layer's inputs."""
-
-
 def install_skip_paths(model: nn.Module, rank: int | None) -> list[RoutedLayer]:
     """Give every routed layer below ratio 1 a zero :class:`SkipPath` (identity until
     fitted) unless it has one of that rank; returns those layers."""
@@ -114,59 +111,34 @@ def _layer_call(layer: nn.Module, x: torch.Tensor, call: tuple) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-@contextlib.contextmanager
-def _dense(layer: RoutedLayer):
-    """The layer runs every token (its own computation; its skip path unused)."""
-    ratio = layer.retention_ratio
-    layer.retention_ratio = 1.0
-    try:
-        yield
-    finally:
-        layer.retention_ratio = ratio
-
-
 def _record_calls(
     model: nn.Module, layers: list[nn.Module], batches: list[Mapping[str, Any]]
 ) -> tuple[list[torch.Tensor], list[list[tuple]]]:
     """First decoder layer's input and every layer's other arguments, per batch.
 
-    Routed layers are switched to ratio 0 for this pass (they pass their input through),
-    so it costs about the dense layers that are left: the arguments (masks, rotary
-    embeddings, positions) do not depend on what the layers compute.
+    Routed layers are switched to ratio 0 for this pass (they pass their input through)
+    and each forward stops at the last layer's input, so it costs about the dense
+    layers that are left: the arguments (masks, rotary embeddings, positions) do not
+    depend on what the layers compute.
     """
     firsts: list[torch.Tensor] = []
     calls: list[list[tuple]] = [[] for _ in layers]
 
-    def hook_for(i: int):
-        def hook(module, args, kwargs):
-            if i == 0:
-                firsts.append(layer_input(args, kwargs))
-            rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            calls[i].append((tuple(args[1:]), rest))
-            if i == len(layers) - 1:
-                raise _Stop
+    def record(call: LayerCall) -> None:
+        if call.index == 0:
+            firsts.append(call.hidden_states)
+        rest = {k: v for k, v in call.kwargs.items() if k != "hidden_states"}
+        calls[call.index].append((tuple(call.args[1:]), rest))
 
-        return hook
-
-    routed = [m for m in layers if isinstance(m, RoutedLayer)]
-    ratios = [m.retention_ratio for m in routed]
-    handles = [
-        m.register_forward_pre_hook(hook_for(i), with_kwargs=True)
-        for i, m in enumerate(layers)
-    ]
-    try:
-        for m in routed:
-            m.retention_ratio = 0.0
-        device = model_device(model)
+    device = model_device(model)
+    with (
+        capture_layers(layers, record, at="input", stop_after_last=True),
+        routing_override(layers, retention_ratio=0.0),
+    ):
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
-            with contextlib.suppress(_Stop):
+            with contextlib.suppress(StopForward):
                 model(**tensors_to_device(inputs, device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-        for m, r in zip(routed, ratios):
-            m.retention_ratio = r
     return firsts, calls
 
 
@@ -259,10 +231,8 @@ def _fit_layer(
 ) -> list[torch.Tensor]:
     """Fit ``layer``'s skip path on ``xs`` (and with ``refit``, its router, then the
     map again); returns the dense layer's outputs."""
-    dense_out = []
-    for x, call in zip(xs, calls):
-        with _dense(layer):
-            dense_out.append(_layer_call(layer, x, call))
+    with routing_override([layer], retention_ratio=1.0):  # every token, no skip path
+        dense_out = [_layer_call(layer, x, call) for x, call in zip(xs, calls)]
     use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
     fit = _fit_map(layer, xs, calls, dense_out, rank, ridge, use_skipped, device)
     if refit is not None and layer.retention_ratio > 0.0:

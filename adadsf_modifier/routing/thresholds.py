@@ -35,10 +35,11 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier import distributed
-from adadsf_modifier.routing.modes import routing_mode
+from adadsf_modifier.layer_capture import LayerCall, capture_layers
+from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.routing.token_choice import threshold_beside_forced
-from adadsf_modifier.utils import layer_input, real_token_mask, run_calibration_batches
+from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [
     "ThresholdCalibrationError",
@@ -121,8 +122,9 @@ def check_calibration_rows(
 
 
 class _ScoreRecorder:
-    """Forward pre-hooks: each layer's non-forced real-token scores and token counts,
-    and (``measure``) its causal kept count and agreement with top-k."""
+    """Fed each routed layer's inputs (:meth:`record`): its non-forced real-token
+    scores and token counts, and (``measure``) its causal kept count and agreement
+    with top-k."""
 
     def __init__(self, layers: list[RoutedLayer], measure: bool):
         self.layers = layers
@@ -130,15 +132,10 @@ class _ScoreRecorder:
         self.scores: dict[int, list[torch.Tensor]] = {id(m): [] for m in layers}
         # per layer: [agree, kept, real tokens, forced tokens]
         self.counts: dict[int, list[int]] = {id(m): [0, 0, 0, 0] for m in layers}
-        self.handles = [
-            m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in layers
-        ]
 
-    def _hook(self, module: RoutedLayer, args: tuple, kwargs: dict) -> None:
-        x = layer_input(args, kwargs)
-        batch, seq_len = x.shape[:2]
-        mask = kwargs.get("attention_mask")
-        real = real_token_mask(mask, batch, seq_len, x.device)
+    def record(self, call: LayerCall) -> None:
+        module, x, mask = call.module, call.hidden_states, call.attention_mask
+        real = call.real_tokens()
         forced = module.forced_tokens(real)
         free = real if forced is None else real & ~forced
         scores = module.router(x).float()
@@ -170,10 +167,6 @@ class _ScoreRecorder:
         return threshold_beside_forced(
             torch.cat(self.scores[id(layer)]), total, forced, ratio
         )
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def calibrate_thresholds(
@@ -212,13 +205,11 @@ def calibrate_thresholds(
     for p in range(limit + 1):
         mode = "topk" if p == 0 else "causal"
         recorder = _ScoreRecorder(layers, measure=p >= passes)
-        try:
-            with routing_mode(model, mode):
-                run_calibration_batches(
-                    base, batches, desc=f"AdaDSF thresholds ({mode})"
-                )
-        finally:
-            recorder.remove()
+        with (
+            capture_layers(layers, recorder.record, at="input"),
+            routing_override(model, mode=mode),
+        ):
+            run_calibration_batches(base, batches, desc=f"AdaDSF thresholds ({mode})")
         recorder.all_reduce()
         fits = [recorder.fit(layer) for layer in layers]
         if p >= passes:

@@ -30,10 +30,13 @@ PLUGIN = Path(adadsf_modifier.__file__).parent
 LAB = Path(adadsf_lab.__file__).parent
 TESTS = Path(__file__).resolve().parent
 
-# one study, run in a subprocess against a copy of both packages, with a stand-in
-# executor: prints how many runs it computed and how many it reused from the cache
+# studies run in a subprocess against a copy of both packages, with a stand-in
+# executor: each prints the runs it computed (the others came from the cache). Each
+# argument after the paths is a study to run in turn: "-" as the code stands, or
+# "AREA=N", the study after ALGORITHM_VERSIONS[AREA] = N.
 STUDY = """
 import sys
+from adadsf_modifier.algorithm_versions import ALGORITHM_VERSIONS
 from adadsf_lab.study.settings import StudySettings
 from adadsf_lab.study.study import run_study
 from test_study_run import fake_executor
@@ -41,10 +44,14 @@ s = StudySettings(methods=("dense", "uniform", "ftp"), budgets=(0.8,), seeds=1,
                   tune=False, calib_samples=2, calib_seq_len=16, align_steps=2,
                   align_batch_size=1, align_seq_len=16, tasks=(), speed=False,
                   ppl_tokens=64, ppl_val_tokens=64, ppl_max_length=32, ppl_stride=16)
-calls = []
-res = run_study(s, sys.argv[1], sys.argv[2], sys.argv[3],
-                executor=fake_executor(calls))
-print("COMPUTED", sorted(calls))
+model, out, cache = sys.argv[1:4]
+for n, change in enumerate(sys.argv[4:]):
+    if change != "-":
+        area, version = change.split("=")
+        ALGORITHM_VERSIONS[area] = int(version)
+    calls = []
+    run_study(s, model, f"{out}{n}", cache, executor=fake_executor(calls))
+    print("COMPUTED", sorted(calls))
 """
 
 
@@ -61,46 +68,38 @@ def _copy_packages(root: Path) -> Path:
     return root
 
 
-def _study(code: Path, model: str, out: Path, cache: Path) -> list[str]:
+def _studies(code: Path, model: str, tmp: Path, *changes: str) -> list[list[str]]:
     paths = [code, TESTS, TESTS.parents[1] / "tests"]  # + tiny_models
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
     done = subprocess.run(
-        [sys.executable, "-c", STUDY, model, str(out), str(cache)],
-        env=env,
-        cwd=code,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+        [sys.executable, "-c", STUDY, model, str(tmp / "out"), str(tmp / "cache"),
+         *changes],
+        env=env, cwd=code, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("COMPUTED")]
-    return json.loads(line.removeprefix("COMPUTED ").replace("'", '"'))
+    lines = [x for x in done.stdout.splitlines() if x.startswith("COMPUTED")]
+    return [json.loads(x.removeprefix("COMPUTED ").replace("'", '"')) for x in lines]
 
 
 def test_edits_keep_cached_runs_and_a_version_bump_recomputes_its_runs(
     tiny_dir, tmp_path
 ):
     code = _copy_packages(tmp_path / "code")
-    cache = tmp_path / "cache"
-    first = _study(code, tiny_dir, tmp_path / "o1", cache)
-    assert sorted(first) == ["main:dense@1/seed0", "main:ftp@0.8/seed0",
-                             "main:uniform@0.8/seed0"]  # fmt: skip
-    # presentation and command line edited: every run reused
+    (first,) = _studies(code, tiny_dir, tmp_path, "-")
+    assert first == ["main:dense@1/seed0", "main:ftp@0.8/seed0",
+                     "main:uniform@0.8/seed0"]  # fmt: skip
+    # presentation and command line edited (a new process reads the edited source)
     for rel in ("adadsf_lab/study/render.py", "adadsf_modifier/cli/__init__.py"):
         with (code / rel).open("a") as f:
             f.write("\n# an edit that changes no number\n")
-    assert _study(code, tiny_dir, tmp_path / "o2", cache) == []
-    # FTP's code changes its numbers: its version is bumped, only FTP recomputes
-    versions = code / "adadsf_modifier" / "algorithm_versions.py"
-    text = versions.read_text()
-    versions.write_text(text.replace('"ftp": 1,', '"ftp": 2,'))
-    assert _study(code, tiny_dir, tmp_path / "o3", cache) == ["main:ftp@0.8/seed0"]
-    # the routed forward changes: every routed run recomputes, dense does not
-    versions.write_text(text.replace('"routing": 1,', '"routing": 2,'))
-    assert sorted(_study(code, tiny_dir, tmp_path / "o4", cache)) == [
-        "main:ftp@0.8/seed0",
-        "main:uniform@0.8/seed0",
-    ]
+    edited, ftp_bumped, routing_bumped = _studies(
+        code, tiny_dir, tmp_path, "-", "ftp=2", "routing=2"
+    )
+    assert edited == []  # every run reused
+    # FTP's code changed its numbers and its version was bumped: only FTP recomputes
+    assert ftp_bumped == ["main:ftp@0.8/seed0"]
+    # the routed forward changed: every routed run recomputes, dense does not
+    assert routing_bumped == ["main:ftp@0.8/seed0", "main:uniform@0.8/seed0"]
 
 
 def test_each_method_is_keyed_by_the_areas_it_exercises():

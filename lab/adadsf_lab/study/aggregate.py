@@ -88,7 +88,7 @@ SUMMARY_METRICS = (
 )
 
 PAPER_RESULTS: list[dict[str, Any]] = [
-    # arXiv 2607.21291 (single seed, no error bars), via shared/METHOD.md section 1
+    # arXiv 2607.21291's reported numbers (single seed, no error bars)
     {"setting": "GPT-NeoX-130M, WikiText-103 PPL", "method": "dense", "result": 17.9,
      "normalized_flops": 1.000},
     {"setting": "80% retention", "method": "MoD (uniform)", "result": 21.6,

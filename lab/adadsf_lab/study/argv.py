@@ -3,11 +3,11 @@
 :func:`add_study_arguments` declares the options of ``adadsf study`` (the ``study``
 subparser of ``adadsf`` and ``python -m adadsf_lab.study`` both take them from
 here). :func:`canonical_command` rewrites a recorded command with each option once:
-wrapper scripts (``benchmarks/pinned_study.sh`` and the study scripts built on it) pass
-their fixed arguments first and the caller's after, so a command can name
-``--methods``, ``--cache-dir`` or one ``--set`` key several times; argparse keeps the
-last of each, which is what ran, but a reader of ``RESULTS.md`` had to work that out
-from lines a thousand characters long.
+wrapper scripts (such as ``benchmarks/gpu/study.sh``) pass their fixed arguments
+first and the caller's after, so a command can name ``--methods``, ``--cache-dir`` or
+one ``--set`` key several times; argparse keeps the last of each, which is what ran,
+and the rewritten command shows only that, so a reader of ``RESULTS.md`` need not
+work it out from a very long line.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
     adadsf study --max-hours 5         # only runs that fit in 5 h; rerun to resume
     adadsf study --set task_limit=200 --set speed=false
 
-``cli.py`` wires it with :func:`add_study_arguments` (its options live in
-:mod:`~adadsf_lab.study.argv`) and :func:`run_study_command`;
+:mod:`adadsf_lab.commands` wires it into ``adadsf`` with :func:`add_study_arguments`
+(its options live in :mod:`~adadsf_lab.study.argv`) and :func:`run_study_command`;
 ``python -m adadsf_lab.study`` runs it without the rest of the CLI. Bad input
 raises :class:`~adadsf_lab.study.settings.StudyInputError` (one line) before any
 heavy work.

@@ -4,8 +4,8 @@ Two sources, best first: the measured seconds of finished runs of the same study
 cache), and otherwise a simple model whose per-token constants were measured on this
 project's CPU machine the way studies run there (2 threads, SmolLM2-135M), scaled by
 the model's parameter count. Alignment dominates an aligned run and its speed differs
-most between hosts (15-37 s a step of 8 x 512 tokens in bfloat16 on the project's
-2-core machines), so once any aligned run of this model on this device is cached, its
+most between hosts (by more than a factor of two between the project's 2-core
+machines), so once any aligned run of this model on this device is cached, its
 measured seconds per aligned token replace the model's rate for the methods that have
 no finished run yet. The GPU factor is a guess until a GPU run is cached; the estimate
 is printed as such.
@@ -39,10 +39,9 @@ PerRun = dict[tuple[str, str, float], tuple[float, int]]
 that is the mean of)``: a budget's own alignment steps (``budget_align_steps``) price
 its runs."""
 
-# Measured on the project's 2-core CPU machine with both threads (OMP_NUM_THREADS=2, how
-# the studies run there; study caches of lab/NOTEBOOK.md sections 8-10 and the
-# results study's bfloat16 runs): a dense run scoring ~120k float32 tokens took 182 s;
-# 36 x 8 x 512-token alignments took 818-960 s in float32, 455-770 s in bfloat16.
+# Fitted to runs on the project's 2-core CPU machine with both threads
+# (OMP_NUM_THREADS=2, how the studies run there): the study caches of lab/NOTEBOOK.md
+# sections 8-10 and the results study's bfloat16 runs (docs/results/runs).
 _CPU_FORWARD_S_PER_TOKEN = 1.5e-3  # SmolLM2-135M prefill, fp32
 _CPU_ALIGN_S_PER_TOKEN = 5.4e-3  # routers_and_layers, fp32, with the dense teacher
 _CPU_ALIGN_S_PER_STEP = 3.0  # AdamW update and clipping over ~100M parameters
@@ -93,7 +92,8 @@ def _align_tokens(s: StudySettings) -> int:
 
 def cpu_align_seconds(s: StudySettings, params: float) -> float:
     """The alignment budget of one run in seconds of the project's 2-core CPU (the cost
-    model's rates; issue 13 caps it at 30 minutes there), whatever device ran it."""
+    model's rates), whatever device ran it: RESULTS.md states the budget in those
+    units, so studies computed on different devices read alike."""
     scale = params / _REFERENCE_PARAMS
     tokens = _align_tokens(s)
     per_token = _cpu_align_s_per_token(s)

@@ -27,7 +27,7 @@ class Method:
     base: str | None = None
     match_flops: bool = False  # layer removal: keep as many layers as AdaDSF's FLOPs
     description: str = ""
-    # further modifier fields of this arm (e.g. the skip path of issue 13)
+    # further modifier fields of this arm (e.g. a fitted skip path)
     fields: dict[str, Any] = field(default_factory=dict)
     modifier: Literal["adadsf", "ftp"] = "adadsf"  # which modifier builds the arm
 

@@ -12,8 +12,8 @@ __all__ = ["quick_settings"]
 def quick_settings(**overrides: Any) -> StudySettings:
     """One seed, budget 0.8 and tiny limits: every method through the whole pipeline
     (one run each; ``adadsf study --quick --plan`` prints how many and its time
-    estimate: smoke runs took 40-350 s each on the project's shared 2-core CPU, the
-    W8A8 arms the slowest). A smoke test: its numbers are not evidence of anything.
+    estimate, the W8A8 arms the slowest). A smoke test: its numbers are not evidence
+    of anything.
     ``overrides`` (e.g. ``budgets`` or ``methods``) replace any of it."""
     base: dict[str, Any] = dict(
         seeds=1,

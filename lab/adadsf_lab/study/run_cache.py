@@ -65,7 +65,7 @@ def _agree(a: Any, b: Any) -> bool:
 
 
 class RunCache:
-    """``root/<method>/<key>.json`` for every finished run."""
+    """``root/<phase>/<method>/<key>.json`` for every finished run."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)

@@ -78,7 +78,8 @@ class StudySettings(BaseModel):
     # budget's steps. E.g. {0.71: [adadsf_ridge_kv_err, uniform, layer_drop_healed]}
     # and {0.71: 50}. budget_seeds: at most this many seeds there, for every method
     # (an int) or per method (a dict; the others keep theirs), e.g. {0.91: 1} or
-    # {0.71: {adadsf: 1}}: issue 12 asks 3 seeds at its main budget, one elsewhere.
+    # {0.71: {adadsf: 1}}: the main budget's comparisons get every seed, a secondary
+    # budget fewer.
     budget_methods: dict[float, tuple[str, ...]] = Field(default_factory=dict)
     budget_align_steps: dict[float, NonNegativeInt] = Field(default_factory=dict)
     budget_seeds: dict[float, PositiveInt | dict[str, PositiveInt]] = Field(
@@ -99,8 +100,9 @@ class StudySettings(BaseModel):
     )
     ablation_seeds: PositiveInt | None = None  # None: every seed
     # Precision every run loads the model in (compressing, training masters stay
-    # float32, evaluating, timing). bfloat16 on a CPU with AMX runs forwards ~3x faster
-    # than float32 (SmolLM2-135M, 512 tokens, 1 thread: 0.5 vs 1.65 s).
+    # float32, evaluating, timing). bfloat16 runs forwards several times faster than
+    # float32 on a CPU with bfloat16 instructions (AMX, AVX512-BF16) and much slower on
+    # one without (adadsf_modifier.precision; lab/NOTEBOOK.md section 14).
     dtype: Literal["float32", "bfloat16"] = "float32"
     # ---- calibration and AdaDSF fields (the same for every method)
     calib_samples: PositiveInt = 128
@@ -173,13 +175,12 @@ class StudySettings(BaseModel):
     ppl_stride: int = 256
     tasks: tuple[str, ...] = ALL_TASKS
     task_limit: PositiveInt | None = 1000  # examples per task (None: the whole split)
-    # None: 16 on a GPU, 8 on a CPU (2.3-2.5x faster than one request per forward
-    # there, same accuracies: lab/NOTEBOOK.md section 13)
+    # None: 16 on a GPU, 8 on a CPU (faster than one request per forward there, with
+    # the same accuracies: lab/NOTEBOOK.md section 13)
     task_batch_size: PositiveInt | None = None
     # Rows per forward of AdaDSF's calibration passes (similarities, warm start, skip
     # paths, thresholds) and windows per forward of perplexity. None: 1 on CPU (where
-    # batching gains nothing), 16 on a GPU (one row per forward leaves it idle: the
-    # first H200 runs spent ~45 s per run on 3 threshold passes over 128 single rows).
+    # batching gains nothing), 16 on a GPU (one row per forward leaves it mostly idle).
     calib_batch_size: PositiveInt | None = None
     ppl_batch_size: PositiveInt | None = None
     flops_batch: PositiveInt = 4

@@ -3,9 +3,9 @@
 A run is identified by everything that can change its numbers (model identity, method,
 budget, seed, every ``AdaDSFModifier`` field, data sizes, evaluation limits, library
 versions and the plug-in's explicit ``ALGORITHM_VERSIONS`` of the areas the run
-exercises), hashed into a stable key.
-The cache (:mod:`.cache`) stores finished runs under that key, so an interrupted study
-resumes and a changed setting recomputes exactly the runs it affects.
+exercises), hashed into a stable key. The cache (:mod:`.run_cache`) stores finished
+runs under that key, so an interrupted study resumes and a changed setting recomputes
+exactly the runs it affects.
 """
 
 from __future__ import annotations

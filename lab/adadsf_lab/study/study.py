@@ -1,7 +1,7 @@
 """The study end to end: check inputs, plan, tune on validation, run (or reuse) every
 run, aggregate, write ``RESULTS.md``, ``results.json`` and the plots.
 
-Runs are cached as they finish (:mod:`.cache`), so the study can stop at any point
+Runs are cached as they finish (:mod:`.run_cache`), so the study can stop at any point
 (``max_hours``, ``max_runs``, Ctrl-C) and a later invocation with the same settings
 continues where it stopped; the final invocation, with nothing left to run, only
 renders.
