@@ -48,13 +48,13 @@ from adadsf_modifier.layer_capture import (
     StopForward,
     capture_layers,
 )
-from adadsf_modifier.routing.skip_path import (
+from adadsf_modifier.routing.ridge import (
     RidgeFit,
     RidgeStats,
-    SkipPath,
     fit_ridge_on_folds,
     ridge_folds,
 )
+from adadsf_modifier.routing.skip_path import SkipPath
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
     model_device,

@@ -11,7 +11,7 @@ from adadsf_modifier.allocation import (
     layer_drop_ratios,
     similarity_ratios,
 )
-from adadsf_modifier.routing.token_choice import tokens_to_keep
+from adadsf_modifier.routing.selection import tokens_to_keep
 
 SIMS = [0.62, 0.91, 0.95, 0.97, 0.88, 0.99, 0.93, 0.80]
 

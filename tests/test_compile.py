@@ -5,7 +5,7 @@ is silently lost)."""
 
 import torch
 import torch._dynamo
-from test_kv_keep import causal_kv_model
+from test_kept_attention_kv import causal_kv_model
 
 # more routed layers than dynamo's default recompile limit, each at its own ratio
 RATIOS = [0.7, 0.5, 0.8, 0.6, 0.9, 0.55, 0.65, 0.75, 0.85, 0.45, 0.6, 0.8]

@@ -5,12 +5,12 @@ anything else touches its marker."""
 
 import pytest
 import torch
-from test_kv_keep import keep_kv
+from test_kept_attention_kv import keep_kv
 from test_routing import route_all
 from tiny_models import ARCHITECTURES, tiny_model
 
 from adadsf_modifier.flops import normalized_flops
-from adadsf_modifier.routing import kept_attention, paths, routed_layers
+from adadsf_modifier.routing import kept_attention, routed_layer, routed_layers
 
 RATIOS = [0.8, 0.5, 1.0, 0.6]
 
@@ -38,7 +38,7 @@ def kernel_calls(monkeypatch):
 
 
 def explicit_mask(monkeypatch):
-    monkeypatch.setattr(paths, "causal_kernel_applies", lambda *a: False)
+    monkeypatch.setattr(routed_layer, "causal_kernel_applies", lambda *a: False)
 
 
 @pytest.mark.parametrize("chunk", [256, 3])  # 3: the kept queries in chunks

@@ -204,7 +204,7 @@ def test_unsupported_architecture_names_what_is_missing():
 
 
 def test_causal_padding_mask_detection():
-    from adadsf_modifier.routing.selection import is_causal_padding_mask
+    from adadsf_modifier.routing.kept_attention import is_causal_padding_mask
 
     n = 6
     real = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)

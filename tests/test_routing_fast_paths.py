@@ -10,10 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adadsf_modifier.routing.kv_keep import place_kv
+from adadsf_modifier.routing.kept_attention import place_kv
 from adadsf_modifier.routing.router import TokenRouter
-from adadsf_modifier.routing.selection import gather_tokens, scatter_tokens
-from adadsf_modifier.routing.token_choice import select_by_mask
+from adadsf_modifier.routing.selection import (
+    gather_tokens,
+    scatter_tokens,
+    select_by_mask,
+)
 
 
 def _selection(batch=3, seq=10, seed=0):
@@ -156,9 +159,8 @@ def test_one_row_selection_and_its_complement_equal_the_batched_path():
     """A prompt alone takes the one-row forms (``nonzero`` instead of the padded sort,
     flat positions without offsets); each row of a batch must select, alone, the tokens
     and skipped tokens the batched path gives it, gathers and flat positions too."""
-    from adadsf_modifier.routing.paths import skipped_slots
-    from adadsf_modifier.routing.selection import flat_positions
-    from adadsf_modifier.routing.token_choice import choose_tokens
+    from adadsf_modifier.routing.routed_layer import skipped_slots
+    from adadsf_modifier.routing.selection import choose_tokens, flat_positions
 
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(4, 12, generator=g)
@@ -194,7 +196,7 @@ def test_one_row_selection_and_its_complement_equal_the_batched_path():
 def test_one_row_topk_and_quantile_choices_equal_the_batched_path(mode):
     """Top-k and the batch's own quantile: a row alone chooses what it chooses in a
     batch of identical rows (the forced first token included)."""
-    from adadsf_modifier.routing.token_choice import choose_tokens
+    from adadsf_modifier.routing.selection import choose_tokens
 
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(1, 15, generator=g)
@@ -213,7 +215,7 @@ def test_one_row_topk_and_quantile_choices_equal_the_batched_path(mode):
 def test_the_forced_first_token_runs_whatever_the_causal_threshold(threshold):
     """Outside top-k the forced token is no longer written into the scores: it must
     still run when no score clears the threshold (or the threshold is NaN)."""
-    from adadsf_modifier.routing.token_choice import choose_tokens
+    from adadsf_modifier.routing.selection import choose_tokens
 
     scores = torch.randn(1, 9)
     real = torch.ones(1, 9, dtype=torch.bool)
@@ -231,7 +233,7 @@ def test_a_prompt_alone_equals_its_row_in_a_batch_with_skip_path_and_kv():
     causal routing), with and without a recorder: a prompt's logits alone equal its
     row in a batch of two prompts of the same length, and the recorder changes
     nothing."""
-    from test_kv_keep import causal_kv_model
+    from test_kept_attention_kv import causal_kv_model
 
     from adadsf_modifier.routing import RoutingRecorder, routed_layers
 

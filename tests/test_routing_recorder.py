@@ -25,7 +25,7 @@ from adadsf_modifier.routing import (
     tokens_to_keep,
     unroute_layer,
 )
-from adadsf_modifier.routing.token_choice import keep_counts, tokens_to_keep_per_row
+from adadsf_modifier.routing.selection import keep_counts, tokens_to_keep_per_row
 
 RATIOS = [None, 0.5, 1.0, 0.0]  # dense, routed, routed at ratio 1, removed
 

@@ -7,11 +7,11 @@ from test_routing import route_all
 from tiny_models import tiny_model
 
 from adadsf_modifier.routing import calibrate_thresholds, routed_layers
+from adadsf_modifier.routing.selection import threshold_for_ratio
 from adadsf_modifier.routing.thresholds import (
     ThresholdCalibrationError,
     check_calibration_rows,
 )
-from adadsf_modifier.routing.token_choice import threshold_for_ratio
 
 RATIOS = [0.73, 0.61, 0.56, 0.3]
 

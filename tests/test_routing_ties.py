@@ -7,7 +7,7 @@ import torch
 from test_routing import positions, route_all
 from tiny_models import ARCHITECTURES, tiny_model
 
-from adadsf_modifier.routing.token_choice import select_topk, tokens_to_keep_per_row
+from adadsf_modifier.routing.selection import select_topk, tokens_to_keep_per_row
 
 # A prompt that repeats one token: at a routed layer 0 every occurrence that skips it
 # enters layer 1 with the same hidden state, hence the same router score (a tie).

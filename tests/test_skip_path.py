@@ -5,7 +5,7 @@ import pytest
 import torch
 from llmcompressor import oneshot
 from test_causal_routing import incremental_logits, left_padded
-from test_kv_keep import layer_calls
+from test_kept_attention_kv import layer_calls
 from test_routing import batch_with_padding, positions, route_all
 from tiny_models import ARCHITECTURES, save_tiny_model, tiny_model, token_dataset
 from transformers import AutoModelForCausalLM
@@ -18,7 +18,7 @@ from adadsf_modifier.routing import (
     original_class,
     routed_layers,
 )
-from adadsf_modifier.routing.skip_path import (
+from adadsf_modifier.routing.ridge import (
     RIDGE_GRID,
     RidgeStats,
     choose_ridge,

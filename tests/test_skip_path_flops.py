@@ -4,7 +4,7 @@ record is what actually runs (checked against torch's own FlopCounterMode)."""
 import pytest
 import torch
 from test_causal_routing import left_padded
-from test_kv_keep import keep_kv
+from test_kept_attention_kv import keep_kv
 from test_routing import positions, route_all
 from tiny_models import tiny_model
 from torch.utils.flop_counter import FlopCounterMode

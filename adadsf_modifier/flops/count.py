@@ -13,7 +13,7 @@ from adadsf_modifier.flops.formulas import (
     causal_key_count,
     layer_shape,
 )
-from adadsf_modifier.routing.token_choice import tokens_to_keep
+from adadsf_modifier.routing.selection import tokens_to_keep
 
 __all__ = ["planned_kept", "count_flops"]
 
@@ -24,7 +24,7 @@ def planned_kept(ratios: Sequence[float], seq_lens: Sequence[int]) -> list[list[
 
     For planning without a model (e.g. the worked example in ``docs/flops.md``); a ratio
     of 1 keeps every real token. The routed layers' own rule:
-    :func:`adadsf_modifier.routing.token_choice.tokens_to_keep`.
+    :func:`adadsf_modifier.routing.selection.tokens_to_keep`.
     """
     return [
         [int(n) if r >= 1.0 else tokens_to_keep(float(r), int(n)) for n in seq_lens]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from adadsf_modifier.routing.token_choice import select_topk, tokens_to_keep_per_row
+from adadsf_modifier.routing.selection import select_topk, tokens_to_keep_per_row
 
 __all__ = ["first_and_last", "static_scores", "static_keep_mask"]
 

@@ -12,7 +12,6 @@ from adadsf_modifier.routing.architectures import (
     original_class,
     sliding_windows,
 )
-from adadsf_modifier.routing.cache import RoutedCacheLayer
 from adadsf_modifier.routing.modes import (
     ROUTING_MODES,
     get_routing_modes,
@@ -22,6 +21,7 @@ from adadsf_modifier.routing.modes import (
 )
 from adadsf_modifier.routing.recorder import LayerRecord, RoutingRecorder
 from adadsf_modifier.routing.route_target_fields import RouteTargetFields
+from adadsf_modifier.routing.routed_cache import RoutedCacheLayer
 from adadsf_modifier.routing.routed_layer import (
     RoutedLayer,
     route_layer,
@@ -30,6 +30,7 @@ from adadsf_modifier.routing.routed_layer import (
     unroute_layer,
 )
 from adadsf_modifier.routing.router import TokenRouter
+from adadsf_modifier.routing.selection import threshold_for_ratio, tokens_to_keep
 from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.skip_fit import RouterRefit, SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
@@ -40,7 +41,6 @@ from adadsf_modifier.routing.thresholds import (
     calibrate_thresholds,
     check_calibration_rows,
 )
-from adadsf_modifier.routing.token_choice import threshold_for_ratio, tokens_to_keep
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

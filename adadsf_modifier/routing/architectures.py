@@ -6,8 +6,8 @@ batch); it needs to know which modules are the decoder layers, that they take ro
 ``position_embeddings`` plus a 4D attention mask, and the keyword of the cache
 argument. The FLOPs model needs the MLP kind and where the config keeps the number of
 key/value heads. Keeping the keys/values of skipped tokens
-(:mod:`adadsf_modifier.routing.kv_keep`) needs the names of the layer's input norm and
-key/value projections. Adding an architecture is one entry in
+(:mod:`adadsf_modifier.routing.kept_attention`) needs the names of the layer's input
+norm and key/value projections. Adding an architecture is one entry in
 :data:`SUPPORTED_ARCHITECTURES`.
 """
 

@@ -1,56 +1,481 @@
-"""The kept tokens' attention over every position, on SDPA's causal kernel.
+"""How the tokens that run a routed layer attend, and what the skipped tokens give them.
 
-With ``skipped_tokens_kv`` the tokens that run a layer attend to the keys of *all*
-positions, so their queries sit at scattered positions of a full-length key sequence.
-Written as an explicit ``[K, seq]`` mask, SDPA computes every (query, key) block and
-reads the mask (on the 2-core CPU, bfloat16, seq 1024, 80% kept: 6.4 ms against 4.6
-ms for the dense layer's causal attention; ``lab/NOTEBOOK.md`` §4). When the
-layer's mask is plain causal and nothing is cached yet (a prefill), the same result
-comes from the causal kernel: the kept queries are put at their positions in a
-full-length query tensor (zeros elsewhere), attention runs with ``is_causal=True``,
-and the kept rows are read back (4.9 ms; the outputs are bit-identical in that
-measurement, and equal to the masked form in the tests).
+The kept (selected) tokens run the original layer on a compacted batch
+(:mod:`~adadsf_modifier.routing.selection`), at their original positions. Their
+attention needs a mask of its own and, with ``skipped_tokens_kv``, the skipped tokens'
+keys and values. This module holds both, in three parts.
 
-That form still does the dense layer's attention work: the skipped positions' query rows
-are zeros, not absent. On a CPU in bfloat16 running one thread, when more than
+**Kept tokens attending among themselves** (the default, as in the paper). The kept
+queries see the kept keys, plus the keys this layer cached for earlier tokens that ran
+it (:mod:`~adadsf_modifier.routing.routed_cache`). Their boolean mask is read off the
+layer's own 4D mask at the kept (query, key) positions, so causality, padding and any
+sliding window carry over (:func:`compact_attention_mask`). When the kernel's own
+causal behaviour is already exact (no cached past, a mask that is only causal +
+padding) no mask is built at all, which keeps SDPA's fast causal kernel
+(:func:`selected_attention_mask`). A mask reaches a grouped-query layer as
+transformers' ``position_bias``: an ``attention_mask`` would make transformers' SDPA
+path give up grouped-query attention and copy every cached key and value once per query
+head (:func:`attention_mask_kwargs`).
+
+**Skipped tokens keep their keys/values** (``skipped_tokens_kv``). A token that skips
+layer ``l`` still produces the keys and values the layer would have made from it (its
+input, after the layer's input norm, through the key/value projections, rotated at its
+position: :func:`project_kv`), so the tokens that run the layer attend to the *full*
+context, as in the dense model; only their queries, the attention output projection and
+the MLP are saved for the skipped tokens. A kept token's output then equals the dense
+layer's output on the same inputs exactly. This needs no re-implementation of attention
+per architecture: the kept tokens run the original layer as usual, but the layer
+receives a :class:`MergedKV` in place of its KV cache. When the attention module hands
+it the kept tokens' new keys/values (``cache.update``), it puts them at their original
+positions among the skipped tokens' and returns the full-length keys/values, passing
+them through the model's real cache first when there is one. The kept queries attend
+with the rows of the layer's own mask at their positions (:func:`query_rows_mask`). The
+KV cache of such a layer is the model's ordinary dense cache layer (every position has
+keys), so incremental decoding equals one full forward.
+
+**The kept queries on SDPA's causal kernel.** With the skipped tokens' keys the kept
+queries sit at scattered positions of a full-length key sequence. Written as an
+explicit ``[K, seq]`` mask, SDPA computes every (query, key) block and reads the mask.
+When the layer's mask is plain causal and nothing is cached yet (a prefill,
+:func:`causal_kernel_applies`), the same result comes from the causal kernel: the kept
+queries are put at their positions in a full-length query tensor (zeros elsewhere),
+attention runs with ``is_causal=True``, and the kept rows are read back. That form
+still does the dense layer's attention work (the skipped positions' query rows are
+zeros, not absent), so on a CPU in bfloat16 running one thread, when more than
 :data:`CPU_QUERY_CHUNK` queries are kept, they are instead split by position into a few
 equal chunks, each attending (through an explicit mask) only to the keys up to its last
-query: about half the keys per query on average, as the causal kernel would, and no zero
-rows. Measured (the quality variant at 79-81% kept, twins interleaved;
-``lab/NOTEBOOK.md`` §4.2): on one thread bfloat16 prefill 3-10% faster at seq
-1024 and 2048 on an AVX512-BF16 CPU and 5% faster on an AMX one; float32 within the
-run-to-run noise either way (-5% to +2.5%), so float32 keeps the causal kernel, as does
-CUDA (an arbitrary mask would leave the flash kernel; not measured). On two threads the
-chunks do not pay (AMX: behind the causal kernel in 3 of 4 runs, 0.74 against 0.78 of
-the FLOPs ideal on average; AVX512-BF16: even), so more threads than
-:data:`CPU_CHUNKED_MAX_THREADS` keep the causal kernel.
+query: about half the keys per query on average, as the causal kernel would, and no
+zero rows. Where the chunks did not pay when measured (float32; more than
+:data:`CPU_CHUNKED_MAX_THREADS` threads) the causal kernel stays, as it does on CUDA (an
+arbitrary mask would leave the flash kernel). The measurements are in
+``lab/NOTEBOOK.md`` §4.
 
-How it reaches the kernel without re-implementing each architecture's attention: the
-routed layer passes a :class:`KeptQueries` as transformers' ``position_bias`` (with
-``attention_mask=None, is_causal=False``, which ``sdpa_attention_forward`` hands to
-``torch.nn.functional.scaled_dot_product_attention`` unchanged as ``attn_mask``); its
-``__torch_function__`` turns that one call into the causal form. Any other use of it
-raises, so a transformers change that touches the bias fails loudly instead of
-computing something else.
+The causal form reaches the kernel without re-implementing each architecture's
+attention: the routed layer passes a :class:`KeptQueries` as transformers'
+``position_bias`` (with ``attention_mask=None, is_causal=False``, which
+``sdpa_attention_forward`` hands to ``torch.nn.functional.scaled_dot_product_attention``
+unchanged as ``attn_mask``); its ``__torch_function__`` turns that one call into the
+causal form. Any other use of it raises, so a transformers change that touches the bias
+fails loudly instead of computing something else.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from adadsf_modifier.routing.selection import flat_positions
+from adadsf_modifier.routing.architectures import ArchitectureSpec
+from adadsf_modifier.routing.selection import (
+    flat_positions,
+    gather_position_embeddings,
+    gather_tokens,
+)
+from adadsf_modifier.utils import allowed_by_mask
 
 __all__ = [
     "CPU_CHUNKED_DTYPES",
     "CPU_CHUNKED_MAX_THREADS",
     "CPU_QUERY_CHUNK",
     "KeptQueries",
+    "MergedKV",
+    "attended_pairs",
+    "attention_mask_kwargs",
     "causal_kernel_applies",
+    "compact_attention_mask",
     "cpu_chunks_for",
+    "gather_for_kept",
+    "is_causal_padding_mask",
+    "place_kv",
+    "project_kv",
+    "query_rows_mask",
+    "selected_attention_mask",
+    "skipped_kv",
+    "stored_keys",
+    "to_attention_dtype",
 ]
+
+
+# -- kept tokens attending among themselves --------------------------------------------
+
+
+def selected_attention_mask(
+    attention_mask: torch.Tensor | None,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    cache_layer: Any,
+    impl: str,
+) -> torch.Tensor | None:
+    """The mask the selected tokens attend with: ``None`` when the attention kernel's
+    own behaviour is exact, else :func:`compact_attention_mask`.
+
+    Without a cached past, SDPA's causal kernel is exact whenever the layer's own mask
+    is plain causal + padding: the selected tokens of a row sit in position order,
+    padding is never selected, and unused slots trail every used one (so no used slot
+    sees them). That keeps the fast causal kernel (it skips the upper triangle) for
+    rows that keep different numbers of tokens. One query whose cached past is all
+    visible may see everything. ``cache_layer``: the layer's
+    :class:`~adadsf_modifier.routing.routed_cache.RoutedCacheLayer` or ``None``.
+    """
+    batch, k = index.shape
+    num_past = cache_layer.num_slots if cache_layer is not None else 0
+    if num_past == 0 and impl != "eager" and is_causal_padding_mask(attention_mask):
+        return None
+    if (
+        k == 1
+        and attention_mask is None
+        and (cache_layer is None or cache_layer.past_fully_visible(1))
+    ):
+        return None
+    return compact_attention_mask(
+        attention_mask, index, valid, _past(cache_layer, index)
+    )
+
+
+_MASK_VERDICTS: dict[int, tuple[weakref.ref, bool]] = {}
+
+
+def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
+    """Whether a layer's mask (no cached past) is nothing but causal + padding of keys.
+
+    ``None`` (SDPA's causal fast path) is. A 4D mask qualifies when, for every real
+    query, the allowed keys are exactly the real keys at or before it (no sliding
+    window, no packed sequences, no custom pattern). Every decoder layer of a forward
+    receives the same mask object, so the verdict is computed once per mask and
+    remembered while it lives.
+    """
+    if attention_mask is None:
+        return True
+    if (
+        attention_mask.dim() != 4
+        or attention_mask.shape[-1] != attention_mask.shape[-2]
+    ):
+        return False
+    key = id(attention_mask)
+    hit = _MASK_VERDICTS.get(key)
+    if hit is not None and hit[0]() is attention_mask:
+        return hit[1]
+    full = attention_mask[:, 0]
+    allowed = allowed_by_mask(full)
+    n = allowed.shape[-1]
+    real = torch.diagonal(allowed, dim1=-2, dim2=-1)  # [batch or 1, n]
+    expected = (
+        torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
+        & real[:, None, :]
+    )
+    verdict = not bool(((allowed ^ expected) & real[:, :, None]).any())
+    for k in [k for k, (ref, _) in _MASK_VERDICTS.items() if ref() is None]:
+        del _MASK_VERDICTS[k]
+    _MASK_VERDICTS[key] = (weakref.ref(attention_mask), verdict)
+    return verdict
+
+
+def compact_attention_mask(
+    attention_mask: torch.Tensor | None,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    past_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The boolean ``[batch, 1, K, past_slots + K]`` mask of the selected queries.
+
+    Among the new tokens it is read off the layer's own 4D mask at the selected (query,
+    key) positions, so causality, padding and any sliding window carry over; ``None``
+    means plain causal. Cached slots are visible where ``past_valid`` says so: ``[batch,
+    past_slots]`` (the same for every query) or ``[batch, K, past_slots]`` (per query,
+    under a sliding window). Unused slots are masked as keys, and each slot may attend
+    to itself so no row is fully masked (SDPA would return NaN; those rows are
+    discarded anyway).
+    """
+    batch, k = index.shape
+    device = index.device
+    if attention_mask is None:
+        allowed = (
+            torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
+        )
+    else:
+        full = attention_mask[:, 0]
+        kv_len = full.shape[-1]
+        offset = kv_len - full.shape[-2]  # keys of the current tokens start here
+        idx = index.clamp(max=full.shape[-2] - 1)
+        if full.shape[0] == 1 and batch > 1:
+            full = full.expand(batch, *full.shape[1:])
+        rows = torch.arange(batch, device=device).view(batch, 1, 1)
+        picked = full[rows, idx.unsqueeze(2), offset + idx.unsqueeze(1)]
+        allowed = allowed_by_mask(picked)
+    allowed = (allowed & valid.unsqueeze(1)) | torch.eye(
+        k, dtype=torch.bool, device=device
+    )
+    if past_valid is not None and past_valid.shape[-1] > 0:
+        if past_valid.dim() == 2:
+            past_valid = past_valid.unsqueeze(1)
+        past = past_valid.expand(batch, k, past_valid.shape[-1])
+        allowed = torch.cat([past, allowed], dim=-1)
+    return allowed.unsqueeze(1)
+
+
+def _past(cache_layer: Any, index: torch.Tensor) -> torch.Tensor | None:
+    if cache_layer is None or cache_layer.num_slots == 0:
+        return None
+    return cache_layer.visible_slots(index.shape[0], index.device, index)
+
+
+def attended_pairs(
+    attention_mask: torch.Tensor | None,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    cache_layer: Any,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[batch]`` (query, key) pairs the selected tokens attend to, cached keys
+    included.
+
+    ``allowed``: what :func:`selected_attention_mask` returned (rebuilt explicitly when
+    it is ``None``, i.e. when the kernel's own causal mask ran).
+    """
+    if allowed is None:
+        allowed = compact_attention_mask(
+            attention_mask, index, valid, _past(cache_layer, index)
+        )
+    return (allowed[:, 0] & valid.unsqueeze(-1)).sum((1, 2))
+
+
+def attention_mask_kwargs(
+    allowed: torch.Tensor | None,
+    dtype: torch.dtype,
+    impl: str,
+    grouped_query: bool,
+    float_mask: bool = False,
+) -> dict[str, Any]:
+    """The decoder-layer keyword(s) that apply the boolean mask ``allowed`` (``None``:
+    no mask).
+
+    transformers' SDPA path gives up grouped-query attention whenever an
+    ``attention_mask`` is passed and copies every cached key and value ``num_heads /
+    num_kv_heads`` times (``repeat_kv``), which on SmolLM2 costs more than the layers a
+    token skips. Its ``position_bias`` argument (an additive mask applied inside the
+    same SDPA call, made for T5-style biases) keeps ``enable_gqa``, so grouped-query
+    layers (``grouped_query``) get the mask that way; others get the usual boolean
+    (SDPA) or additive (eager, or ``float_mask``: the model passed an additive one)
+    mask.
+    """
+    if allowed is None:
+        return {"attention_mask": None}
+    if impl == "sdpa" and grouped_query:
+        # is_causal=False: the mask is complete; transformers would otherwise add a
+        # top-left causal mask and crop the keys to the query length.
+        return {
+            "attention_mask": None,
+            "is_causal": False,
+            "position_bias": to_attention_dtype(allowed, dtype, False),
+        }
+    return {
+        "attention_mask": to_attention_dtype(
+            allowed, dtype, impl != "eager" and not float_mask
+        )
+    }
+
+
+def to_attention_dtype(
+    mask: torch.Tensor, dtype: torch.dtype, as_bool: bool
+) -> torch.Tensor:
+    """Boolean mask for SDPA, additive float mask for eager attention."""
+    if as_bool:
+        return mask
+    return torch.where(
+        mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min
+    )
+
+
+# -- skipped tokens keep their keys/values (skipped_tokens_kv) -------------------------
+
+
+def gather_for_kept(kwargs: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """The kept tokens' rotary embeddings and position ids (original positions)."""
+    inner = dict(kwargs)
+    inner["position_embeddings"] = gather_position_embeddings(
+        kwargs.get("position_embeddings"), index
+    )
+    if kwargs.get("position_ids") is not None:
+        inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
+    return inner
+
+
+def skipped_kv(
+    layer: Any,
+    spec: ArchitectureSpec,
+    x_skipped: torch.Tensor,
+    position_embeddings: Any,
+    skip_index: torch.Tensor,
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The skipped tokens' keys/values ``[batch, kv_heads, seq + 1, head_dim]`` at their
+    positions (zeros elsewhere; unused slots of ``skip_index`` land in the extra one).
+    """
+    pe = gather_position_embeddings(position_embeddings, skip_index)
+    k, v = project_kv(layer, spec, x_skipped, pe)
+    return place_kv(None, k, skip_index, seq_len), place_kv(
+        None, v, skip_index, seq_len
+    )
+
+
+def project_kv(
+    layer: Any,
+    spec: ArchitectureSpec,
+    x: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[batch, kv_heads, seq, head_dim]`` the layer makes from ``x``.
+
+    The layer's own modules compute them (its input norm, its key/value or fused
+    projection, the rotary function of its attention module's source file), so
+    quantized projections and biases behave exactly as inside the layer.
+    """
+    attn = getattr(layer, spec.attention)
+    h = getattr(layer, spec.input_norm)(x)
+    batch, seq = x.shape[:2]
+    head_dim = int(getattr(attn, spec.head_dim_attr))
+    if spec.fused_qkv is not None:
+        qkv = getattr(attn, spec.fused_qkv)(h).view(batch, seq, -1, 3 * head_dim)
+        _, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)
+    else:
+        k_name, v_name = spec.kv_projections
+        k = getattr(attn, k_name)(h).view(batch, seq, -1, head_dim).transpose(1, 2)
+        v = getattr(attn, v_name)(h).view(batch, seq, -1, head_dim).transpose(1, 2)
+    if position_embeddings is not None:
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        cos, sin = position_embeddings
+        _, k = rotate(k[:, :0], k, cos, sin)  # no query heads: only the keys rotate
+    return k, v
+
+
+def place_kv(
+    base: torch.Tensor | None,
+    new: torch.Tensor,
+    index: torch.Tensor,
+    seq_len: int,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """``base`` ``[batch, heads, seq + 1, d]`` (``None``: zeros) with ``new``
+    ``[batch, heads, n, d]`` written at the positions ``index [batch, n]`` (unused
+    slots at ``seq``, the extra position). ``base`` is left as it was unless
+    ``inplace`` (the caller owns it) and it has the layout this function returns.
+
+    Stored position-major (a ``[batch, heads, seq + 1, d]`` view of ``[batch, seq + 1,
+    heads, d]`` memory, the layout the attention module's own keys have), so the write
+    is a row-wise ``index_copy`` over the flattened ``batch * (seq + 1)`` positions:
+    cheaper on CPU than ``scatter`` with an index expanded over heads and dims.
+    """
+    batch, heads, _, dim = new.shape
+    rows = flat_positions(index, seq_len + 1)
+    src = new.transpose(1, 2).reshape(-1, heads, dim)
+    if base is None:
+        out = new.new_zeros(batch * (seq_len + 1), heads, dim).index_copy_(0, rows, src)
+    elif inplace and base.transpose(1, 2).is_contiguous():
+        out = base.transpose(1, 2).view(-1, heads, dim)
+        out.index_copy_(0, rows, src.to(out.dtype))
+    else:
+        flat = base.transpose(1, 2).reshape(batch * (seq_len + 1), heads, dim)
+        out = flat.index_copy(0, rows, src.to(flat.dtype))
+    return out.view(batch, seq_len + 1, heads, dim).transpose(1, 2)
+
+
+class MergedKV:
+    """Stands in for the KV cache inside a kv-keeping layer's call on its kept tokens.
+
+    ``keys``/``values`` ``[batch, kv_heads, seq + 1, head_dim]`` hold the skipped
+    tokens' keys/values at their positions (``None``: none were skipped); the attention
+    module's ``update`` with the kept tokens' keys/values (slots ``index [batch, K]``,
+    unused slots at ``seq``) returns the full-length merge, after appending it to
+    ``cache`` (the model's cache, or ``None``). ``rows``: decoding with only some rows
+    of the batch running: their keys go to those rows of ``keys`` (one position) and
+    only those rows come back.
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        index: torch.Tensor | None,
+        seq_len: int,
+        cache: Any = None,
+        rows: torch.Tensor | None = None,
+    ):
+        self.keys, self.values = keys, values
+        self.index, self.seq_len = index, seq_len
+        self.cache, self.rows = cache, rows
+
+    def _merge(self, base: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:  # decoding: new [rows, heads, 1, d]
+            return base.index_copy(0, self.rows, new)
+        # the skipped tokens' buffers are this call's own: the kept keys go in place
+        out = place_kv(base, new, self.index, self.seq_len, inplace=True)
+        return out[:, :, : self.seq_len]
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self._merge(self.keys, key_states)
+        values = self._merge(self.values, value_states)
+        if self.cache is not None:
+            keys, values = self.cache.update(keys, values, layer_idx, *args, **kwargs)
+        if self.rows is not None:
+            keys, values = (
+                keys.index_select(0, self.rows),
+                values.index_select(0, self.rows),
+            )
+        return keys, values
+
+
+def query_rows_mask(
+    attention_mask: torch.Tensor | None,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    seq_len: int,
+    kv_len: int,
+) -> torch.Tensor:
+    """``[batch, K, kv_len]`` bool: the keys each kept query (position ``index`` among
+    the ``seq_len`` new tokens) may see.
+
+    The rows of the layer's own 4D mask at the kept positions (causality, padding,
+    sliding window and cached length as the dense layer has them); ``None`` (plain
+    causal: transformers leaves the mask out only then) gives the causal rule after
+    ``kv_len - seq_len`` cached keys. Unused query slots may see every key (their
+    output is dropped; a fully masked row would be NaN).
+    """
+    batch = index.shape[0]
+    if attention_mask is None:
+        # unused slots hold ``seq_len`` (select_by_mask's convention): they see all
+        keys = torch.arange(kv_len, device=index.device)
+        return keys.view(1, 1, -1) <= (kv_len - seq_len + index).unsqueeze(-1)
+    full = attention_mask[:, 0]
+    idx = index.clamp(max=full.shape[-2] - 1)
+    if full.shape[0] == 1 and batch > 1:
+        full = full.expand(batch, *full.shape[1:])
+    rows = torch.arange(batch, device=index.device).view(batch, 1)
+    allowed = allowed_by_mask(full[rows, idx])
+    return allowed | ~valid.unsqueeze(-1)
+
+
+def stored_keys(cache: Any, layer_idx: int) -> int:
+    """Key slots ``cache`` holds for ``layer_idx`` (0 when none yet)."""
+    if cache is None or layer_idx >= len(getattr(cache, "layers", ())):
+        return 0
+    layer = cache.layers[layer_idx]
+    if not getattr(layer, "is_initialized", False):
+        return 0
+    return int(layer.keys.shape[-2])
+
+
+# -- the kept queries on SDPA's causal kernel ------------------------------------------
+
 
 #: Largest chunk of kept queries per masked attention call on a CPU in bfloat16
 #: (chunks are made equal, each at most this many); at most this many kept queries
@@ -62,16 +487,6 @@ CPU_CHUNKED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 #: The most intra-op threads (``torch.get_num_threads()``) at which the chunks are used:
 #: they won on one thread and lost or tied on two (``lab/NOTEBOOK.md`` §4.2-4.3).
 CPU_CHUNKED_MAX_THREADS = 1
-
-
-def cpu_chunks_for(dtype: torch.dtype) -> bool:
-    """Whether kept queries of ``dtype`` on a CPU go in chunks (when more than
-    :data:`CPU_QUERY_CHUNK` are kept) at the current thread count: the one place the
-    rule lives, for :func:`_attend` and for the benchmark that labels its default."""
-    return (
-        dtype in CPU_CHUNKED_DTYPES
-        and torch.get_num_threads() <= CPU_CHUNKED_MAX_THREADS
-    )
 
 
 def causal_kernel_applies(
@@ -147,6 +562,16 @@ def _attend(
     rows = flat_positions(index.clamp(max=n - 1), n)
     out = out.transpose(1, 2).reshape(batch * n, heads, dim).index_select(0, rows)
     return out.view(batch, k, heads, dim).transpose(1, 2)
+
+
+def cpu_chunks_for(dtype: torch.dtype) -> bool:
+    """Whether kept queries of ``dtype`` on a CPU go in chunks (when more than
+    :data:`CPU_QUERY_CHUNK` are kept) at the current thread count: the one place the
+    rule lives, for :func:`_attend` and for the benchmark that labels its default."""
+    return (
+        dtype in CPU_CHUNKED_DTYPES
+        and torch.get_num_threads() <= CPU_CHUNKED_MAX_THREADS
+    )
 
 
 def _attend_in_chunks(

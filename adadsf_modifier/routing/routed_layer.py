@@ -6,6 +6,26 @@ LlamaDecoderLayer)``): parameter names, hooks, ``isinstance`` checks, GPTQ
 ``targets``/``ignore`` and the sequential pipeline's ``sequential_targets`` (which match
 by class name along the MRO) all keep working, and a reference anyone took to the layer
 before routing still points at the routed layer.
+
+The module reads top to bottom: the :class:`RoutedLayer` class (``forward`` picks what
+is routed, ``_route`` the path), then the paths ``_route`` takes:
+
+- the prefill path (``0 < r < 1``, :func:`run_routed`): the selected tokens run the
+  layer on a compacted batch, the others take the skip path (identity, or a fitted map,
+  :mod:`~adadsf_modifier.routing.skip_path`), and the results are scattered back; with
+  ``skipped_tokens_kv`` the skipped tokens' keys/values join the kept tokens' attention
+  (:mod:`~adadsf_modifier.routing.kept_attention`). Everything works on the whole batch
+  at once; the only host syncs are the compacted widths. A layer no token runs (``r =
+  0``, a removed layer) takes :func:`skip_all`.
+- the decoding step (one new token per row, causal mode, :func:`decode_step`): no
+  gather/scatter along the sequence, only the rows whose token passes the layer's
+  threshold run it. It is the hot path of ``generate()``: one host sync per layer and
+  step, none more. A layer keeping skipped tokens' keys/values decodes with
+  :func:`decode_step_keeping_kv`.
+
+then :func:`route_layer` / :func:`unroute_layer`, which swap the class. Which tokens run
+is :mod:`~adadsf_modifier.routing.selection`'s choice; routing one sub-block instead of
+the whole layer is :mod:`~adadsf_modifier.routing.sub_blocks`'s.
 """
 
 from __future__ import annotations
@@ -18,20 +38,34 @@ from torch import nn
 
 from adadsf_modifier.routing.architectures import (
     ROUTED_CLASS_MARKER,
+    architecture_for_config,
     original_class,
     sliding_windows,
 )
-from adadsf_modifier.routing.cache import routed_cache_layer
 from adadsf_modifier.routing.class_swap import swap_class
-from adadsf_modifier.routing.decode import (
-    decode_step,
-    decode_step_keeping_kv,
-    gated,
-    pass_through,
+from adadsf_modifier.routing.kept_attention import (
+    KeptQueries,
+    MergedKV,
+    attended_pairs,
+    attention_mask_kwargs,
+    causal_kernel_applies,
+    gather_for_kept,
+    project_kv,
+    query_rows_mask,
+    selected_attention_mask,
+    skipped_kv,
+    stored_keys,
 )
-from adadsf_modifier.routing.kv_keep import stored_keys
-from adadsf_modifier.routing.paths import check_dense_cache, run_routed, skip_all
-from adadsf_modifier.routing.router import TokenRouter
+from adadsf_modifier.routing.routed_cache import RoutedCacheLayer, routed_cache_layer
+from adadsf_modifier.routing.router import TokenRouter, gated
+from adadsf_modifier.routing.selection import (
+    Selection,
+    choose_decode_rows,
+    choose_tokens,
+    gather_tokens,
+    positions_of,
+    scatter_tokens,
+)
 from adadsf_modifier.routing.skip_path import SkipPath, skip_path_of
 from adadsf_modifier.routing.sub_blocks import (
     attention_block,
@@ -39,16 +73,23 @@ from adadsf_modifier.routing.sub_blocks import (
     mlp_block,
     route_mlp,
 )
-from adadsf_modifier.routing.token_choice import choose_tokens
-from adadsf_modifier.utils import first_real_tokens, real_token_mask
+from adadsf_modifier.utils import allowed_by_mask, first_real_tokens, real_token_mask
 
 __all__ = [
     "RoutedLayer",
+    "check_dense_cache",
+    "decode_step",
+    "decode_step_keeping_kv",
+    "pass_through",
     "route_layer",
-    "unroute_layer",
     "routed_class_for",
     "routed_layers",
+    "run_routed",
+    "skip_all",
+    "skipped_slots",
+    "unroute_layer",
 ]
+
 
 _UNSUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 _ROUTED_CLASSES: dict[type, type] = {}
@@ -64,13 +105,14 @@ class RoutedLayer(nn.Module):
     skipped tokens ``x + u(x)`` instead of ``x``
     (:mod:`~adadsf_modifier.routing.skip_path`), and ``skipped_tokens_kv`` lets them
     keep contributing keys/values, so the selected tokens attend to the full context
-    (:mod:`~adadsf_modifier.routing.kv_keep`). With ``route_target`` ``attention`` or
-    ``mlp`` only that sub-block is routed (:mod:`~adadsf_modifier.routing.sub_blocks`).
-    The update of a selected token is multiplied by a straight-through gate
-    ``1 + sigmoid(s) - sigmoid(s).detach()``: exactly 1 in value (so an untrained
-    router at r = 1 reproduces the dense layer exactly), while the router receives
-    ``d loss / d out * (out - skipped) * sigmoid'(s)`` as gradient (``skipped``: what
-    the token would get if it skipped).
+    (:mod:`~adadsf_modifier.routing.kept_attention`). With ``route_target``
+    ``attention`` or ``mlp`` only that sub-block is routed
+    (:mod:`~adadsf_modifier.routing.sub_blocks`). The update of a selected token is
+    multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``
+    (:func:`~adadsf_modifier.routing.router.gated`): exactly 1 in value (so an
+    untrained router at r = 1 reproduces the dense layer exactly), while the router
+    receives ``d loss / d out * (out - skipped) * sigmoid'(s)`` as gradient
+    (``skipped``: what the token would get if it skipped).
     """
 
     router: TokenRouter
@@ -83,8 +125,8 @@ class RoutedLayer(nn.Module):
     #: keys per query of this layer's sliding-window attention (None: full causal)
     attention_window: int | None = None
     #: skipped tokens still give keys/values to the attention of the tokens that run
-    #: (see :mod:`adadsf_modifier.routing.kv_keep`); their skip path itself is the
-    #: ``skip_path`` child module (:class:`SkipPath`), absent for the identity
+    #: (see :mod:`adadsf_modifier.routing.kept_attention`); their skip path itself is
+    #: the ``skip_path`` child module (:class:`SkipPath`), absent for the identity
     skipped_tokens_kv: bool = False
     #: what the router decides: the whole ``layer``, or only its ``attention`` or
     #: ``mlp`` sub-block (:mod:`~adadsf_modifier.routing.sub_blocks`)
@@ -110,9 +152,10 @@ class RoutedLayer(nn.Module):
         mode: str | None = None,
         has_past: bool = False,
         attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        """``(index, valid, k_max)`` of the tokens this layer runs (``index`` None if
-        none), by the rule of ``mode`` (``token_choice.choose_tokens``).
+    ) -> Selection:
+        """The :class:`~adadsf_modifier.routing.selection.Selection` ``(index, valid,
+        k_max)`` of the tokens this layer runs (``index`` None if none), by the rule of
+        ``mode`` (:func:`~adadsf_modifier.routing.selection.choose_tokens`).
 
         The first real token of a sequence (the attention sink every later token attends
         to) always runs while ``keep_first_token`` is set; in top-k mode it counts
@@ -208,12 +251,12 @@ class RoutedLayer(nn.Module):
         if ratio <= 0.0:  # a removed layer (ShortGPT-style allocation)
             real = None
             if rec is not None or skip_path_of(self) is not None:
-                real = real_token_mask(kwargs.get("attention_mask"), batch, q_len,
-                                       x.device)  # fmt: skip
+                real = real_token_mask(
+                    kwargs.get("attention_mask"), batch, q_len, x.device
+                )
             out, skipped = skip_all(self, x, real)
             if rec is not None:
-                rec.record(self.layer_index, "removed", batch=batch,
-                           skip_path=skipped)  # fmt: skip
+                rec.record(self.layer_index, "removed", batch=batch, skip_path=skipped)
             return pass_through(out, cache_layer)
         impl = getattr(self._adadsf_config, "_attn_implementation", "sdpa")
         if impl in _UNSUPPORTED_ATTENTION:
@@ -249,8 +292,9 @@ class RoutedLayer(nn.Module):
                 return decode_step_keeping_kv(
                     self, forward, x, scores, attention_mask, kwargs, cache
                 )
-            return decode_step(self, forward, x, scores, attention_mask,
-                               kwargs, cache_layer, impl)  # fmt: skip
+            return decode_step(
+                self, forward, x, scores, attention_mask, kwargs, cache_layer, impl
+            )
         real = real_token_mask(attention_mask, batch, q_len, x.device)
         if self.skipped_tokens_kv:
             has_past = stored_keys(cache, self.layer_index) > 0
@@ -265,8 +309,9 @@ class RoutedLayer(nn.Module):
                 "set_routing_mode(model, 'causal'))"
             )
         selection = self.select_tokens(scores, real, mode, has_past, attention_mask)
-        return run_routed(self, forward, x, scores, selection, real, kwargs,
-                          cache, cache_layer, impl)  # fmt: skip
+        return run_routed(
+            self, forward, x, scores, selection, real, kwargs, cache, cache_layer, impl
+        )
 
     def extra_repr(self) -> str:
         thr = (
@@ -282,6 +327,402 @@ class RoutedLayer(nn.Module):
 
 # original_class() walks the MRO past every class carrying this marker
 setattr(RoutedLayer, ROUTED_CLASS_MARKER, True)
+
+
+# -- the prefill path ------------------------------------------------------------------
+
+
+def run_routed(
+    layer: Any,
+    forward: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    selection: Selection,
+    real: torch.Tensor,
+    kwargs: dict[str, Any],
+    cache: Any,
+    cache_layer: RoutedCacheLayer | None,
+    impl: str,
+) -> Any:
+    """Run the selected tokens ``selection = (index, valid, k_max)`` through
+    ``forward`` (the original layer's, bound) and the rest through the skip path.
+
+    ``cache``: the model's KV cache (kv-keeping layers store every position there);
+    ``cache_layer``: the layer's routed cache (others store only the tokens that ran).
+    """
+    index, valid, k_max = selection
+    rec = layer.routing_recorder
+    q_len = x.shape[1]
+    skip_map = skip_path_of(layer)
+    keep_kv = bool(layer.skipped_tokens_kv)
+    if keep_kv and cache is not None:
+        check_dense_cache(cache, layer.layer_index)
+    need_kv = keep_kv and (k_max > 0 or cache is not None)
+    slots = (
+        skipped_slots(real, index if k_max else None)
+        if skip_map is not None or need_kv
+        else None
+    )
+    x_s = gather_tokens(x, slots[0]) if slots is not None else None
+    # how many took the skip path: only the recorder reads it
+    n_skip = slots[1].sum(1) if slots is not None and rec is not None else None
+    pe = kwargs.get("position_embeddings")
+    spec = architecture_for_config(layer._adadsf_config) if need_kv else None
+
+    if k_max == 0:
+        kv_count = None
+        if need_kv:  # later tokens (decoding) will attend to these positions
+            k, v = project_kv(layer, spec, x, pe)
+            cache.update(k, v, layer.layer_index)
+            kv_count = real.sum(1)
+        out = x
+        if skip_map is not None and slots is not None:
+            out = scatter_tokens(x, slots[0], x_s + skip_map(x_s))
+        if rec is not None:
+            skipped = n_skip if skip_map is not None else None
+            rec.record(
+                layer.layer_index,
+                "skipped",
+                batch=x.shape[0],
+                skip_path=skipped,
+                kv=kv_count,
+            )
+        if cache_layer is not None:
+            cache_layer.record_step(q_len)
+        return out
+
+    inner = gather_for_kept(kwargs, index)
+    attention_mask = kwargs.get("attention_mask")
+    causal_kernel = False
+    if keep_kv:
+        keys = values = None
+        if slots is not None:
+            keys, values = skipped_kv(layer, spec, x_s, pe, slots[0], q_len)
+        kv_len = stored_keys(cache, layer.layer_index) + q_len
+        causal_kernel = causal_kernel_applies(attention_mask, impl, kv_len, q_len)
+        rows = allowed = None
+        if not causal_kernel:
+            rows = query_rows_mask(attention_mask, index, valid, q_len, kv_len)
+            allowed = rows.unsqueeze(1)
+        inner[layer.cache_kwarg] = MergedKV(keys, values, index, q_len, cache)
+        inner["use_cache"] = cache is not None
+    else:
+        allowed = selected_attention_mask(
+            attention_mask, index, valid, cache_layer, impl
+        )
+        if cache_layer is None:
+            inner[layer.cache_kwarg] = None
+            inner["use_cache"] = False
+    if rec is not None:
+        kept = valid.sum(1)
+        kv_count = None
+        if keep_kv:
+            if causal_kernel:  # plain causal, nothing cached: position p sees p + 1
+                pairs = ((index + 1) * valid).sum(1)
+            else:
+                pairs = (rows & valid.unsqueeze(-1)).sum((1, 2))
+            kv_count = n_skip if n_skip is not None else torch.zeros_like(kept)
+        else:
+            pairs = attended_pairs(attention_mask, index, valid, cache_layer, allowed)
+        skipped = n_skip if skip_map is not None else None
+        rec.record(
+            layer.layer_index, "gather", kept, pairs, skip_path=skipped, kv=kv_count
+        )
+    if causal_kernel:
+        inner.update(
+            attention_mask=None,
+            is_causal=False,
+            position_bias=KeptQueries(index, q_len),
+        )
+    else:
+        inner.update(
+            attention_mask_kwargs(
+                allowed,
+                x.dtype,
+                impl,
+                layer.grouped_query_attention,
+                float_mask=attention_mask is not None
+                and attention_mask.dtype != torch.bool,
+            )
+        )
+    x_sel = gather_tokens(x, index)
+    y = forward(x_sel, **inner)
+    y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
+    if cache_layer is not None:
+        cache_layer.record_step(q_len, valid, appended=k_max, index=index)
+    if torch.is_grad_enabled():
+        # the router learns how much running the layer beats the skip path
+        base = x_sel if skip_map is None else x_sel + skip_map(x_sel)
+        y = gated(y, base, scores.gather(1, index.clamp(max=q_len - 1)))
+    more = None
+    if skip_map is not None and slots is not None:
+        more = (slots[0], x_s + skip_map(x_s))
+    # no mask means no padding: the kept and skipped tokens then fill every position
+    covers_all = more is not None and attention_mask is None
+    out = scatter_tokens(x, index, y, more, covers_all=covers_all)
+    return (out, *rest) if rest is not None else out
+
+
+def check_dense_cache(cache: Any, layer_idx: int) -> None:
+    """A kv-keeping layer caches every position in the model's own cache layer."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None and layer_idx < len(layers):
+        if isinstance(layers[layer_idx], RoutedCacheLayer):
+            raise RuntimeError(
+                f"cache layer {layer_idx} was filled by a routed layer that did not "
+                "keep skipped tokens' keys/values; start a new cache after changing "
+                "skipped_tokens_kv"
+            )
+
+
+def skipped_slots(
+    real: torch.Tensor, index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(index, valid)`` of the real tokens not at the positions ``index`` (the
+    selected ones, unused slots holding ``seq``; ``None``: none selected), as
+    :func:`~adadsf_modifier.routing.selection.select_by_mask` lays them out, or
+    ``None`` when every real token runs. One host sync."""
+    seq = real.shape[1]
+    # the real tokens with the selected ones cleared; unused slots (at ``seq``) clear
+    # the extra column
+    free = torch.nn.functional.pad(real, (0, 1))
+    if index is not None:
+        free.scatter_(1, index, False)
+    skip, valid, _ = positions_of(free[:, :seq])
+    return (skip, valid) if skip is not None else None
+
+
+def skip_all(
+    layer: Any, x: torch.Tensor, real: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No token runs the layer: ``(x + u(x) on real tokens, tokens that took u)``.
+
+    ``real`` ``None``: every token is real. Identity skip path: ``x`` itself.
+    """
+    skip_map = skip_path_of(layer)
+    if skip_map is None:
+        return x, None
+    update = skip_map(x)
+    if real is None:
+        return x + update, torch.full((x.shape[0],), x.shape[1])
+    return x + update * real.unsqueeze(-1).to(update.dtype), real.sum(1)
+
+
+# -- the decoding step -----------------------------------------------------------------
+
+
+def decode_step(
+    layer: Any,
+    forward: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    cache_layer: RoutedCacheLayer | None,
+    impl: str,
+) -> Any:
+    """One new token per row (causal mode): only the rows whose token passes run
+    ``layer``.
+
+    ``forward`` is the original decoder layer's forward (bound). The rows that run are
+    picked with one host sync (``index_select`` on the batch), their cached
+    keys/values are the slots this layer stored for them, and a mask is built only when
+    some of those slots are filler (a row skipped a step another row ran) or out of a
+    sliding window.
+    """
+    batch = x.shape[0]
+    first = layer.keep_first_token and (
+        cache_layer is None or cache_layer.seen_tokens == 0
+    )
+    rec = layer.routing_recorder
+    selected, rows, skip_rows, n, real = choose_decode_rows(
+        x, scores, attention_mask, first, layer.causal_threshold, layer.keep_first_token
+    )
+    if n == 0:
+        out, skipped = _skip_rows(layer, x, None, real, rec)
+        if rec is not None:
+            rec.record(layer.layer_index, "skipped", batch=batch, skip_path=skipped)
+        return pass_through(out, cache_layer)
+
+    inner = dict(kwargs)
+    inner["attention_mask"] = None
+    x_in = x
+    if rows is not None:
+        x_in = x.index_select(0, rows)
+        inner["position_embeddings"] = _rows_of(
+            kwargs.get("position_embeddings"), rows, batch
+        )
+        inner["position_ids"] = _rows_of(kwargs.get("position_ids"), rows, batch)
+    past = None
+    if cache_layer is None:
+        inner[layer.cache_kwarg] = None
+        inner["use_cache"] = False
+    elif not cache_layer.past_fully_visible(1) or rec is not None:
+        past = cache_layer.visible_slots(batch, x.device)
+        past = past.reshape(batch, past.shape[-1])  # one query: [batch, slots]
+    if past is not None and not cache_layer.past_fully_visible(1):
+        seen = past if rows is None else past.index_select(0, rows)
+        allowed = torch.cat([seen, seen.new_ones(seen.shape[0], 1)], dim=1)
+        inner.update(
+            attention_mask_kwargs(
+                allowed[:, None, None, :], x.dtype, impl, layer.grouped_query_attention
+            )
+        )
+    base, skipped = x, None
+    if rows is not None:
+        base, skipped = _skip_rows(layer, x, skip_rows, real, rec)
+    if rec is not None:
+        ran = _ran(selected, batch, x.device)
+        visible = 1 + (past.sum(1) if past is not None else 0)
+        path = "in_place" if rows is None else "gather"
+        rec.record(
+            layer.layer_index, path, kept=ran, attended=ran * visible, skip_path=skipped
+        )
+
+    if cache_layer is not None and rows is not None:
+        with cache_layer.only_rows(rows, batch):
+            y = forward(x_in, **inner)
+    else:
+        y = forward(x_in, **inner)
+    y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
+    if torch.is_grad_enabled():
+        y = _gated_step(layer, y, x_in, scores, rows)
+    if rows is not None:
+        y = base.index_copy(0, rows, y)
+    if cache_layer is not None:
+        valid = None if rows is None else selected.unsqueeze(1)
+        cache_layer.record_step(1, valid, appended=1)
+    return (y, *rest) if rest is not None else y
+
+
+def decode_step_keeping_kv(
+    layer: Any,
+    forward: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    cache: Any,
+) -> Any:
+    """:func:`decode_step` for a layer whose skipped tokens keep their keys/values.
+
+    Its cache layer is the model's dense one: a row that runs is a plain dense decoding
+    step (the model's own mask and cache); a row that skips still appends its keys and
+    values. When only some rows run, the skipping rows' keys/values are computed
+    separately and merged into the one cache update (:class:`MergedKV`).
+    """
+    batch = x.shape[0]
+    idx = layer.layer_index
+    first = layer.keep_first_token and stored_keys(cache, idx) == 0
+    rec = layer.routing_recorder
+    selected, rows, skip_rows, n, real = choose_decode_rows(
+        x, scores, attention_mask, first, layer.causal_threshold, layer.keep_first_token
+    )
+    spec = architecture_for_config(layer._adadsf_config)
+    pe = kwargs.get("position_embeddings")
+    if n == 0:
+        if cache is not None:
+            k, v = project_kv(layer, spec, x, pe)
+            cache.update(k, v, idx)
+        out, skipped = _skip_rows(layer, x, None, real, rec)
+        if rec is not None:
+            kv = _skipping(batch, None, real) if cache is not None else None
+            rec.record(idx, "skipped", batch=batch, skip_path=skipped, kv=kv)
+        return out
+    inner = dict(kwargs)
+    x_in, base, skipped, kv = x, x, None, None
+    if rows is not None:
+        x_in = x.index_select(0, rows)
+        k, v = project_kv(
+            layer, spec, x.index_select(0, skip_rows), _rows_of(pe, skip_rows, batch)
+        )
+        keys = k.new_zeros(batch, *k.shape[1:]).index_copy(0, skip_rows, k)
+        values = v.new_zeros(batch, *v.shape[1:]).index_copy(0, skip_rows, v)
+        inner[layer.cache_kwarg] = MergedKV(keys, values, None, 1, cache, rows=rows)
+        inner["use_cache"] = cache is not None
+        for key in ("position_embeddings", "position_ids", "attention_mask"):
+            inner[key] = _rows_of(kwargs.get(key), rows, batch)
+        base, skipped = _skip_rows(layer, x, skip_rows, real, rec)
+        kv = _skipping(batch, skip_rows, real) if rec is not None else None
+    if rec is not None:
+        ran = _ran(selected, batch, x.device)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            visible = allowed_by_mask(attention_mask[:, 0, -1, :]).sum(-1)
+        else:
+            visible = stored_keys(cache, idx) + 1
+        path = "in_place" if rows is None else "gather"
+        rec.record(
+            idx, path, kept=ran, attended=ran * visible, skip_path=skipped, kv=kv
+        )
+    y = forward(x_in, **inner)
+    y, rest = (y[0], y[1:]) if isinstance(y, tuple) else (y, None)
+    if torch.is_grad_enabled():
+        y = _gated_step(layer, y, x_in, scores, rows)
+    if rows is not None:
+        y = base.index_copy(0, rows, y)
+    return (y, *rest) if rest is not None else y
+
+
+def _skip_rows(
+    layer: Any, x: torch.Tensor, skip_rows: torch.Tensor | None, real: Any, rec: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` with the skip path applied to ``skip_rows`` (``None``: every row), and,
+    while recording, the ``[batch]`` count of real tokens that took it (``None``:
+    identity skip path)."""
+    skip_map = skip_path_of(layer)
+    if skip_map is None:
+        return x, None
+    count = _skipping(x.shape[0], skip_rows, real) if rec is not None else None
+    if skip_rows is None:
+        return x + skip_map(x), count
+    x_s = x.index_select(0, skip_rows)
+    return x.index_copy(0, skip_rows, x_s + skip_map(x_s)), count
+
+
+def _skipping(
+    batch: int, skip_rows: torch.Tensor | None, real: torch.Tensor | None
+) -> torch.Tensor:
+    """``[batch]`` 1 for the real rows among ``skip_rows`` (``None``: every row)."""
+    count = torch.ones(batch, dtype=torch.long)
+    if skip_rows is not None:
+        count = torch.zeros(batch, dtype=torch.long).index_fill(0, skip_rows.cpu(), 1)
+    return count if real is None else count * real.cpu().long()
+
+
+def _ran(selected: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    ran = torch.ones(batch, dtype=torch.bool) if selected is None else selected
+    return ran.to(device)
+
+
+def _gated_step(layer, y, x_in, scores, rows) -> torch.Tensor:
+    skip_map = skip_path_of(layer)
+    base = x_in if skip_map is None else x_in + skip_map(x_in)
+    return gated(y, base, scores if rows is None else scores.index_select(0, rows))
+
+
+def pass_through(x: torch.Tensor, cache_layer: RoutedCacheLayer | None) -> torch.Tensor:
+    """No token runs the layer: ``x`` passes through; the cache only counts the
+    positions."""
+    if cache_layer is not None:
+        cache_layer.record_step(x.shape[1])
+    return x
+
+
+def _rows_of(value: Any, rows: torch.Tensor, batch: int) -> Any:
+    """``value`` (a tensor or tuple of tensors with a leading batch dim) at ``rows``.
+
+    A leading dim of 1 is a broadcast over the batch and is left as is.
+    """
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_rows_of(v, rows, batch) for v in value)
+    return (
+        value.index_select(0, rows) if value.shape[0] == batch and batch > 1 else value
+    )
+
+
+# -- routing and unrouting a layer -----------------------------------------------------
 
 
 def routed_class_for(layer_class: type) -> type:

@@ -1,5 +1,6 @@
 """The per-layer token router: a small MLP that scores how much a token needs a
-layer."""
+layer, and the straight-through gate through which a routed layer passes the router
+its gradient (:func:`gated`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TokenRouter"]
+__all__ = ["TokenRouter", "gated"]
 
 
 class TokenRouter(nn.Module):
@@ -94,3 +95,16 @@ class TokenRouter(nn.Module):
         inv_rms = torch.rsqrt(ms.square() / self.hidden_size + self.eps)
         z = torch.addcmul(b1.float(), F.linear(h, w1).float(), inv_rms)
         return F.linear(F.gelu(z), w2.float(), b2.float()).squeeze(-1)
+
+
+def gated(y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``y * g + x * (1 - g)`` with the straight-through gate ``g = 1 + sigmoid(s) -
+    sg(...)``.
+
+    ``g`` is exactly 1 in value, so the result equals ``y``; only the router's gradient
+    ``d/ds = (y - x) * sigmoid'(s)`` is added. Callers skip it when no gradient is
+    needed.
+    """
+    p = torch.sigmoid(scores)
+    gate = (1.0 + (p - p.detach())).unsqueeze(-1).to(y.dtype)
+    return y * gate + x * (1 - gate)

@@ -1,71 +1,319 @@
-"""Tensor helpers that turn the chosen tokens (:mod:`~adadsf_modifier.routing.
-token_choice`) into a compacted batch and back.
+"""Which tokens run a routed layer, and the compacted batch they run in.
 
-All of them work on the whole batch at once (no Python loop over rows): a routed layer
-gathers the selected tokens of every row into a dense ``[batch, K_max, hidden]`` tensor,
-runs the original layer on it with a matching attention mask, and scatters the results
-back.
+The choice: the keep-count rule, per-row top-k, score thresholds (fitted on calibration
+data or on the batch itself) and the choice each routing mode makes
+(:mod:`~adadsf_modifier.routing.modes`), returned as a :class:`Selection`; for a
+decoding step (one new token per row, causal mode) the rows that run, a
+:class:`DecodeChoice`. Positions follow one convention throughout: ``index [batch,
+k_max]`` ascending, unused slots holding ``seq_len`` (one past the end, so they sort
+last and scatter into a discarded slot).
+
+The compacted batch: a routed layer gathers the selected tokens of every row into a
+dense ``[batch, K_max, hidden]`` tensor (:func:`gather_tokens`), runs the original
+layer on it and scatters the results back (:func:`scatter_tokens`). Everything works on
+the whole batch at once (no Python loop over rows); the attention masks of the
+compacted batch are :mod:`~adadsf_modifier.routing.kept_attention`'s.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from adadsf_modifier.utils import allowed_by_mask
+from adadsf_modifier.utils import first_real_tokens, real_token_mask
 
 __all__ = [
-    "is_causal_padding_mask",
+    "DecodeChoice",
+    "Selection",
+    "batch_threshold",
+    "choose_decode_rows",
+    "choose_tokens",
+    "cut_for_ratio",
     "flat_positions",
-    "gather_tokens",
     "gather_position_embeddings",
-    "compact_attention_mask",
-    "selected_attention_mask",
-    "attended_pairs",
-    "attention_mask_kwargs",
-    "to_attention_dtype",
+    "gather_tokens",
+    "keep_counts",
+    "positions_of",
     "scatter_tokens",
+    "select_by_mask",
+    "select_topk",
+    "threshold_beside_forced",
+    "threshold_for_ratio",
+    "tokens_to_keep",
+    "tokens_to_keep_per_row",
 ]
 
 
-_MASK_VERDICTS: dict[int, tuple[weakref.ref, bool]] = {}
+class Selection(NamedTuple):
+    """The tokens that run a layer: ``index [batch, k_max]`` (positions ascending,
+    unused slots holding ``seq_len``) and ``valid [batch, k_max]`` (the used slots);
+    both ``None``, and ``k_max`` 0, when no token runs."""
+
+    index: torch.Tensor | None
+    valid: torch.Tensor | None
+    k_max: int
 
 
-def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
-    """Whether a layer's mask (no cached past) is nothing but causal + padding of keys.
+class DecodeChoice(NamedTuple):
+    """The rows of a decoding step (one new token per row) that run a layer.
 
-    ``None`` (SDPA's causal fast path) is. A 4D mask qualifies when, for every real
-    query, the allowed keys are exactly the real keys at or before it (no sliding
-    window, no packed sequences, no custom pattern). Every decoder layer of a forward
-    receives the same mask object, so the verdict is computed once per mask and
-    remembered while it lives.
+    ``selected [batch]`` bool (``None`` at batch size 1); ``n``: how many rows run;
+    ``rows`` / ``skip_rows`` (ascending): the rows that run and those that skip, both
+    ``None`` unless some rows run and some skip; ``real [batch]``: the rows whose new
+    token is not padding (``None``: all).
     """
-    if attention_mask is None:
-        return True
-    if (
-        attention_mask.dim() != 4
-        or attention_mask.shape[-1] != attention_mask.shape[-2]
-    ):
-        return False
-    key = id(attention_mask)
-    hit = _MASK_VERDICTS.get(key)
-    if hit is not None and hit[0]() is attention_mask:
-        return hit[1]
-    full = attention_mask[:, 0]
-    allowed = allowed_by_mask(full)
-    n = allowed.shape[-1]
-    real = torch.diagonal(allowed, dim1=-2, dim2=-1)  # [batch or 1, n]
-    expected = (
-        torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
-        & real[:, None, :]
+
+    selected: torch.Tensor | None
+    rows: torch.Tensor | None
+    skip_rows: torch.Tensor | None
+    n: int
+    real: torch.Tensor | None
+
+
+def choose_tokens(
+    mode: str,
+    scores: torch.Tensor,
+    real: torch.Tensor,
+    first: torch.Tensor | None,
+    ratio: float,
+    threshold: float | None = None,
+    owner: Callable[[], str] = lambda: "this layer",
+) -> Selection:
+    """The :class:`Selection` ``(index, valid, k_max)`` of the tokens that run a layer
+    keeping ``ratio`` of its real tokens, under routing ``mode``
+    (:mod:`~adadsf_modifier.routing.modes`): ``topk`` (each row's ``K`` best scores),
+    ``causal`` (scores above the calibrated ``threshold``) or ``quantile`` (scores
+    above the threshold fitted on this batch). ``first`` (``[batch, seq]`` bool or
+    None): tokens that run whatever their score (in top-k they count toward ``K``).
+    ``index`` is None when nothing runs. ``owner`` names the layer in an error, called
+    only then: a layer's index read on every call would make ``torch.compile``
+    specialise on it and compile the routing once per layer, past its recompile limit
+    (eager after the eighth layer)."""
+    if ratio <= 0.0:
+        return Selection(None, None, 0)
+    if mode == "topk":
+        if first is not None:
+            scores = scores.masked_fill(first, float("inf"))
+        keep = tokens_to_keep_per_row(real, ratio)
+        k_max = int(keep.max())
+        if k_max == 0:
+            return Selection(None, None, 0)
+        index, valid = select_topk(scores, real, keep, k_max)
+        return Selection(index, valid, k_max)
+    if mode == "quantile":
+        threshold = batch_threshold(scores, real, first, ratio)
+    elif mode != "causal":
+        raise ValueError(f"unknown routing mode {mode!r}")
+    elif threshold is None:
+        raise RuntimeError(
+            f"{owner()} has no causal threshold; calibrate thresholds first "
+            "(adadsf_modifier.routing.calibrate_thresholds)"
+        )
+    selected = real & (scores > threshold)
+    if first is not None:
+        selected = selected | first
+    return positions_of(selected)
+
+
+def choose_decode_rows(
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    first: bool,
+    threshold: float,
+    keep_first_token: bool,
+) -> DecodeChoice:
+    """The :class:`DecodeChoice` ``(selected, rows, skip_rows, n, real)`` of a
+    decoding step: the rows whose token ``x [batch, 1, hidden]`` scores above the
+    causal ``threshold`` run (``n`` of them, with one host sync). ``first``: the step
+    opens the layer's cache, so every real row runs; ``keep_first_token``: a row whose
+    past was all padding runs its first real token."""
+    batch = x.shape[0]
+    real = late = None
+    if attention_mask is not None:
+        real_q = real_token_mask(attention_mask, batch, 1, x.device)
+        real = real_q[:, 0]
+        if not first and keep_first_token:
+            # a row whose past was all padding gets its first real token now
+            late = first_real_tokens(attention_mask, real_q)[:, 0]
+    if batch == 1 and late is None:  # one sync, no index ops
+        run = (first or float(scores) > threshold) and (real is None or bool(real))
+        return DecodeChoice(None, None, None, int(run), real)
+    selected = scores[:, 0] > threshold
+    if first:
+        selected = torch.ones_like(selected)
+    elif late is not None:
+        selected = selected | late
+    if batch == 1:
+        run = bool(selected[0] & real[0]) if real is not None else bool(selected[0])
+        return DecodeChoice(None, None, None, int(run), real)
+    if real is not None:
+        selected = selected & real
+    n = int(selected.sum())  # the one host sync of this layer
+    if n in (0, batch):
+        return DecodeChoice(selected, None, None, n, real)
+    order = torch.argsort((~selected).to(torch.int8), stable=True)
+    return DecodeChoice(selected, order[:n], order[n:], n, real)
+
+
+#: Absorbs float error in ``ratio * n`` (0.29 * 100 = 28.999999999999996 must keep 29).
+_KEEP_EPS = 1e-6
+
+
+def keep_counts(real_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The keep-count rule: ``K = max(1, floor(ratio * n))`` for each real length ``n``.
+
+    The one place the rule lives (top-k routing, :func:`tokens_to_keep` and the FLOPs
+    model's planned counts all call it). A sequence with no real token keeps none, and
+    a ratio of 0 (a removed layer) keeps none. Computed in float64.
+    """
+    n = real_lengths
+    if ratio <= 0:
+        return torch.zeros_like(n)
+    k = torch.floor(n.to(torch.float64) * ratio + _KEEP_EPS).to(n.dtype)
+    return torch.where(n > 0, k.clamp(min=1), torch.zeros_like(n))
+
+
+def tokens_to_keep(ratio: float, real_length: int) -> int:
+    """:func:`keep_counts` for one sequence of ``real_length`` real tokens."""
+    return int(keep_counts(torch.tensor([int(real_length)]), float(ratio))[0])
+
+
+def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
+    """:func:`keep_counts` of each row of a ``[batch, seq]`` real-token mask."""
+    return keep_counts(real.sum(dim=1), ratio)
+
+
+def select_topk(
+    scores: torch.Tensor, real: torch.Tensor, keep: torch.Tensor, k_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``keep[b]`` real tokens of each row by score, returned in position order.
+
+    Returns ``index [batch, k_max]`` (positions ascending; unused slots hold
+    ``seq_len``, one past the end, so they sort last and scatter into a discarded slot)
+    and ``valid [batch, k_max]``. Padding gets ``-inf`` and is never chosen while a real
+    token remains (``keep <= n_real``).
+
+    Equal scores are common (a repeated token that skipped the earlier layers has the
+    same hidden state, hence the same score, at every occurrence), so ties are broken
+    explicitly: the earlier token wins. A stable sort does that, and because padding
+    never reorders the real tokens of a row, a prompt selects the same tokens alone and
+    inside a padded batch (``topk`` breaks ties by memory layout instead).
+    """
+    batch, seq_len = scores.shape
+    masked = scores.masked_fill(~real, float("-inf"))
+    order = masked.sort(dim=1, descending=True, stable=True).indices
+    top = order[:, :k_max]  # rank order, best first
+    slot = torch.arange(k_max, device=scores.device).expand(batch, k_max)
+    valid_rank = slot < keep.unsqueeze(1)
+    top = torch.where(valid_rank, top, torch.full_like(top, seq_len))
+    index = top.sort(dim=1).values
+    valid = index < seq_len
+    return index, valid
+
+
+def select_by_mask(
+    selected: torch.Tensor, k_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the ``selected`` tokens of each row, ascending, padded to ``k_max``
+    slots.
+
+    Same output convention as :func:`select_topk` (unused slots hold ``seq_len``).
+    """
+    batch, seq_len = selected.shape
+    pos = torch.arange(seq_len, device=selected.device).expand(batch, seq_len)
+    key = torch.where(selected, pos, torch.full_like(pos, seq_len))
+    index = key.sort(dim=1).values[:, :k_max]
+    return index, index < seq_len
+
+
+def positions_of(selected: torch.Tensor) -> Selection:
+    """The :class:`Selection` ``(index, valid, k_max)`` of the ``selected [batch,
+    seq]`` tokens, laid out as :func:`select_by_mask` does (``index`` None, ``k_max`` 0
+    when none is selected), with one host sync. One row (a prompt) takes ``nonzero``:
+    its width is the row's own count, so no slot is unused and no padded sort is
+    needed."""
+    if selected.shape[0] == 1:
+        index = selected[0].nonzero().view(1, -1)
+        if index.shape[1] == 0:
+            return Selection(None, None, 0)
+        return Selection(
+            index, torch.ones_like(index, dtype=torch.bool), index.shape[1]
+        )
+    k_max = int(selected.sum(dim=1).max()) if selected.shape[0] else 0
+    if k_max == 0:
+        return Selection(None, None, 0)
+    index, valid = select_by_mask(selected, k_max)
+    return Selection(index, valid, k_max)
+
+
+def batch_threshold(
+    scores: torch.Tensor,
+    real: torch.Tensor,
+    first: torch.Tensor | None,
+    ratio: float,
+) -> float:
+    """The causal rule's threshold fitted on this batch: ``ratio`` of its real tokens
+    score above it, the forced first tokens (``first``) counted as running, as
+    :func:`~adadsf_modifier.routing.calibrate_thresholds` fits it on calibration
+    data."""
+    free = real if first is None else real & ~first
+    total = int(real.sum())
+    threshold, _ = threshold_beside_forced(
+        scores.detach()[free], total, total - int(free.sum()), ratio
     )
-    verdict = not bool(((allowed ^ expected) & real[:, :, None]).any())
-    for k in [k for k, (ref, _) in _MASK_VERDICTS.items() if ref() is None]:
-        del _MASK_VERDICTS[k]
-    _MASK_VERDICTS[key] = (weakref.ref(attention_mask), verdict)
-    return verdict
+    return threshold
+
+
+def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
+    """A threshold with ``mean(scores > t) ~= ratio``, midway between neighbouring
+    distinct scores.
+
+    Equal scores fall on the same side of any threshold, so with ties the cut goes to
+    the gap between distinct values whose kept count is closest to ``ratio * n``.
+    """
+    return cut_for_ratio(scores, ratio)[0]
+
+
+def cut_for_ratio(scores: torch.Tensor, ratio: float) -> tuple[float, int]:
+    """``(threshold, scores kept by it)`` for :func:`threshold_for_ratio`."""
+    n = scores.numel()
+    if ratio >= 1.0:
+        return float("-inf"), n
+    if ratio <= 0.0 or n == 0:
+        return float("inf"), 0
+    s = scores.flatten().double().sort(descending=True).values
+    n_keep = int(round(ratio * n))
+    gaps = (s[:-1] > s[1:]).nonzero().flatten() + 1  # keeping c tokens is possible
+    cuts = torch.cat([gaps.new_tensor([0]), gaps, gaps.new_tensor([n])])
+    best = int(cuts[(cuts - n_keep).abs().argmin()])
+    if best == 0:
+        return float(s[0]) + 1.0, 0
+    if best == n:
+        return float(s[-1]) - 1.0, n
+    hi, lo = float(s[best - 1]), float(s[best])
+    mid = 0.5 * (hi + lo)
+    # scores are compared in their own dtype: a midpoint that rounds onto ``hi`` there
+    # would drop the tokens at ``hi``, so fall back to ``lo`` (kept: exactly ``> lo``)
+    as_scored = float(torch.tensor(mid, dtype=scores.dtype))
+    return (mid if lo <= as_scored < hi else lo), best
+
+
+def threshold_beside_forced(
+    free_scores: torch.Tensor, total: int, forced: int, ratio: float
+) -> tuple[float, float]:
+    """``(threshold, kept fraction)``: the threshold over the scores of the tokens
+    that are free to skip (``free_scores``) at which ``ratio`` of all ``total`` real
+    tokens run, ``forced`` of them (the attention sinks) running whatever their score;
+    the fraction is what that threshold actually keeps (ties and the forced tokens can
+    make ``ratio`` itself unreachable)."""
+    if total == forced:  # every token is forced: nothing left to choose
+        return (float("inf") if ratio < 1.0 else float("-inf")), 1.0
+    free_ratio = (ratio * total - forced) / (total - forced)
+    threshold, kept = cut_for_ratio(free_scores, min(max(free_ratio, 0.0), 1.0))
+    return threshold, (kept + forced) / total
 
 
 def flat_positions(index: torch.Tensor, row_len: int) -> torch.Tensor:
@@ -110,155 +358,6 @@ def gather_position_embeddings(
         return None
     cos, sin = position_embeddings
     return gather_tokens(cos, index), gather_tokens(sin, index)
-
-
-def compact_attention_mask(
-    attention_mask: torch.Tensor | None,
-    index: torch.Tensor,
-    valid: torch.Tensor,
-    past_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The boolean ``[batch, 1, K, past_slots + K]`` mask of the selected queries.
-
-    Among the new tokens it is read off the layer's own 4D mask at the selected (query,
-    key) positions, so causality, padding and any sliding window carry over; ``None``
-    means plain causal. Cached slots are visible where ``past_valid`` says so: ``[batch,
-    past_slots]`` (the same for every query) or ``[batch, K, past_slots]`` (per query,
-    under a sliding window). Unused slots are masked as keys, and each slot may attend
-    to itself so no row is fully masked (SDPA would return NaN; those rows are
-    discarded anyway).
-    """
-    batch, k = index.shape
-    device = index.device
-    if attention_mask is None:
-        allowed = (
-            torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(batch, k, k)
-        )
-    else:
-        full = attention_mask[:, 0]
-        kv_len = full.shape[-1]
-        offset = kv_len - full.shape[-2]  # keys of the current tokens start here
-        idx = index.clamp(max=full.shape[-2] - 1)
-        if full.shape[0] == 1 and batch > 1:
-            full = full.expand(batch, *full.shape[1:])
-        rows = torch.arange(batch, device=device).view(batch, 1, 1)
-        picked = full[rows, idx.unsqueeze(2), offset + idx.unsqueeze(1)]
-        allowed = allowed_by_mask(picked)
-    allowed = (allowed & valid.unsqueeze(1)) | torch.eye(
-        k, dtype=torch.bool, device=device
-    )
-    if past_valid is not None and past_valid.shape[-1] > 0:
-        if past_valid.dim() == 2:
-            past_valid = past_valid.unsqueeze(1)
-        past = past_valid.expand(batch, k, past_valid.shape[-1])
-        allowed = torch.cat([past, allowed], dim=-1)
-    return allowed.unsqueeze(1)
-
-
-def selected_attention_mask(
-    attention_mask: torch.Tensor | None,
-    index: torch.Tensor,
-    valid: torch.Tensor,
-    cache_layer: Any,
-    impl: str,
-) -> torch.Tensor | None:
-    """The mask the selected tokens attend with: ``None`` when the attention kernel's
-    own behaviour is exact, else :func:`compact_attention_mask`.
-
-    Without a cached past, SDPA's causal kernel is exact whenever the layer's own mask
-    is plain causal + padding: the selected tokens of a row sit in position order,
-    padding is never selected, and unused slots trail every used one (so no used slot
-    sees them). That keeps the fast causal kernel (it skips the upper triangle) for
-    rows that keep different numbers of tokens. One query whose cached past is all
-    visible may see everything. ``cache_layer``: the layer's
-    :class:`~adadsf_modifier.routing.cache.RoutedCacheLayer` or ``None``.
-    """
-    batch, k = index.shape
-    num_past = cache_layer.num_slots if cache_layer is not None else 0
-    if num_past == 0 and impl != "eager" and is_causal_padding_mask(attention_mask):
-        return None
-    if (
-        k == 1
-        and attention_mask is None
-        and (cache_layer is None or cache_layer.past_fully_visible(1))
-    ):
-        return None
-    return compact_attention_mask(
-        attention_mask, index, valid, _past(cache_layer, index)
-    )
-
-
-def attended_pairs(
-    attention_mask: torch.Tensor | None,
-    index: torch.Tensor,
-    valid: torch.Tensor,
-    cache_layer: Any,
-    allowed: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``[batch]`` (query, key) pairs the selected tokens attend to, cached keys
-    included.
-
-    ``allowed``: what :func:`selected_attention_mask` returned (rebuilt explicitly when
-    it is ``None``, i.e. when the kernel's own causal mask ran).
-    """
-    if allowed is None:
-        allowed = compact_attention_mask(
-            attention_mask, index, valid, _past(cache_layer, index)
-        )
-    return (allowed[:, 0] & valid.unsqueeze(-1)).sum((1, 2))
-
-
-def _past(cache_layer: Any, index: torch.Tensor) -> torch.Tensor | None:
-    if cache_layer is None or cache_layer.num_slots == 0:
-        return None
-    return cache_layer.visible_slots(index.shape[0], index.device, index)
-
-
-def attention_mask_kwargs(
-    allowed: torch.Tensor | None,
-    dtype: torch.dtype,
-    impl: str,
-    grouped_query: bool,
-    float_mask: bool = False,
-) -> dict[str, Any]:
-    """The decoder-layer keyword(s) that apply the boolean mask ``allowed`` (``None``:
-    no mask).
-
-    transformers' SDPA path gives up grouped-query attention whenever an
-    ``attention_mask`` is passed and copies every cached key and value ``num_heads /
-    num_kv_heads`` times (``repeat_kv``), which on SmolLM2 costs more than the layers a
-    token skips. Its ``position_bias`` argument (an additive mask applied inside the
-    same SDPA call, made for T5-style biases) keeps ``enable_gqa``, so grouped-query
-    layers (``grouped_query``) get the mask that way; others get the usual boolean
-    (SDPA) or additive (eager, or ``float_mask``: the model passed an additive one)
-    mask.
-    """
-    if allowed is None:
-        return {"attention_mask": None}
-    if impl == "sdpa" and grouped_query:
-        # is_causal=False: the mask is complete; transformers would otherwise add a
-        # top-left causal mask and crop the keys to the query length.
-        return {
-            "attention_mask": None,
-            "is_causal": False,
-            "position_bias": to_attention_dtype(allowed, dtype, False),
-        }
-    return {
-        "attention_mask": to_attention_dtype(
-            allowed, dtype, impl != "eager" and not float_mask
-        )
-    }
-
-
-def to_attention_dtype(
-    mask: torch.Tensor, dtype: torch.dtype, as_bool: bool
-) -> torch.Tensor:
-    """Boolean mask for SDPA, additive float mask for eager attention."""
-    if as_bool:
-        return mask
-    return torch.where(
-        mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min
-    )
 
 
 def scatter_tokens(

@@ -2,8 +2,9 @@
 a pydantic mixin that :class:`~adadsf_modifier.AdaDSFModifier` inherits.
 
 Kept next to the code they configure (:mod:`~adadsf_modifier.routing.skip_path`,
-:mod:`~adadsf_modifier.routing.kv_keep`) so the modifier only wires them in. The mixin
-declares no ``model_config``: the modifier keeps llm-compressor's ``extra="forbid"``.
+:mod:`~adadsf_modifier.routing.kept_attention`) so the modifier only wires them in. The
+mixin declares no ``model_config``: the modifier keeps llm-compressor's
+``extra="forbid"``.
 """
 
 from __future__ import annotations

@@ -45,15 +45,14 @@ from adadsf_modifier import distributed
 from adadsf_modifier.layer_capture import LayerCall, StopForward, capture_layers
 from adadsf_modifier.routing.architectures import decoder_layers
 from adadsf_modifier.routing.modes import routing_override
-from adadsf_modifier.routing.routed_layer import RoutedLayer
-from adadsf_modifier.routing.skip_path import (
+from adadsf_modifier.routing.ridge import (
     RidgeFit,
     RidgeStats,
-    SkipPath,
     fit_ridge_on_folds,
-    install_skip_path,
     ridge_folds,
 )
+from adadsf_modifier.routing.routed_layer import RoutedLayer
+from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
 from adadsf_modifier.utils import (
     MODEL_INPUT_KEYS,
@@ -156,8 +155,8 @@ def fit_skip_paths(
 
     :param rank: ``None`` full rank, else the rank of each map
     :param ridge: ridge penalty relative to the mean input variance (see
-        :func:`~adadsf_modifier.routing.skip_path.fit_ridge`); ``"auto"``: per layer,
-        the value of :data:`~adadsf_modifier.routing.skip_path.RIDGE_GRID` with the
+        :func:`~adadsf_modifier.routing.ridge.fit_ridge`); ``"auto"``: per layer,
+        the value of :data:`~adadsf_modifier.routing.ridge.RIDGE_GRID` with the
         least two-fold held-out error (calibration rows alternate between the folds)
     :param tokens: fit on the real tokens the router skips (in the layer's current
         routing mode: causal once thresholds exist, else top-k) or on all real tokens;

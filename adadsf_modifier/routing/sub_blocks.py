@@ -8,8 +8,8 @@ A pre-norm decoder layer (Llama, Qwen2, Mistral) is two residual sub-blocks::
 With ``route_target: attention`` (Router-Tuning / MindSkip, METHOD.md section 3) the
 router's selected tokens run the attention sub-block and the others keep ``h = x``;
 *every* token then runs the MLP sub-block. The attention sub-block is routed exactly
-like a whole layer (:func:`~adadsf_modifier.routing.paths.run_routed`,
-:func:`~adadsf_modifier.routing.decode.decode_step`): selected tokens attend among
+like a whole layer (:func:`~adadsf_modifier.routing.routed_layer.run_routed`,
+:func:`~adadsf_modifier.routing.routed_layer.decode_step`): selected tokens attend among
 themselves at their original positions, and the layer's KV cache keeps only their
 keys/values, unless ``skipped_tokens_kv`` is set (then skipped tokens still give
 keys/values and the cache is the model's dense one). Prefill + incremental decoding
@@ -32,8 +32,8 @@ from typing import Any, Literal
 import torch
 
 from adadsf_modifier.routing.architectures import architecture_for_config
-from adadsf_modifier.routing.decode import gated
-from adadsf_modifier.routing.kv_keep import stored_keys
+from adadsf_modifier.routing.kept_attention import stored_keys
+from adadsf_modifier.routing.router import gated
 from adadsf_modifier.routing.selection import gather_tokens, scatter_tokens
 from adadsf_modifier.utils import real_token_mask
 
@@ -107,7 +107,7 @@ def route_mlp(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tens
 
     Selection as for a whole layer (top-k or causal thresholds, the first token forced
     unless the batch continues from a cache); the router's gradient is that of the
-    MLP's update (straight-through gate, :func:`~adadsf_modifier.routing.decode.gated`).
+    MLP's update (straight-through gate, :func:`~adadsf_modifier.routing.router.gated`).
     """
     cache = kwargs.get(layer.cache_kwarg)
     has_past = stored_keys(cache, layer.layer_index) > 0  # before the attention adds

@@ -38,7 +38,7 @@ from adadsf_modifier import distributed
 from adadsf_modifier.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
-from adadsf_modifier.routing.token_choice import threshold_beside_forced
+from adadsf_modifier.routing.selection import threshold_beside_forced
 from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [

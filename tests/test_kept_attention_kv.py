@@ -15,7 +15,7 @@ from adadsf_modifier.routing import (
     original_class,
     routed_layers,
 )
-from adadsf_modifier.routing.kv_keep import project_kv
+from adadsf_modifier.routing.kept_attention import project_kv
 
 RATIOS = [0.8, 0.5, 1.0, 0.6]
 

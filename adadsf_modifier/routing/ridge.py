@@ -1,0 +1,258 @@
+"""The ridge maths of a fitted skip path: closed-form ridge regression of a layer's
+update ``layer(x) - x`` on its input ``x``, from running sums, with the penalty chosen
+by two-fold held-out error.
+
+:class:`RidgeStats` accumulates the sums (float64, no token stored), :func:`fit_ridge`
+solves the centred normal equations (full rank, or reduced rank ``k``) into a
+:class:`RidgeFit`, and :func:`choose_ridge` picks the relative penalty of
+:data:`RIDGE_GRID` on two folds (:func:`ridge_folds`). The map these fits fill is
+:class:`~adadsf_modifier.routing.skip_path.SkipPath`; fitting every layer's map on
+calibration activations is :mod:`~adadsf_modifier.routing.skip_fit`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adadsf_modifier import distributed
+
+__all__ = [
+    "RIDGE_GRID",
+    "RidgeStats",
+    "RidgeFit",
+    "choose_ridge",
+    "fit_ridge",
+    "fit_ridge_on_folds",
+    "held_out_errors",
+    "ridge_folds",
+]
+
+#: Relative ridge penalties :func:`choose_ridge` tries.
+RIDGE_GRID = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+class RidgeStats:
+    """Running sums (float64) for regressing updates ``y`` on inputs ``x``.
+
+    Enough for the centred normal equations, so no token is stored: ``n``, ``sum x``,
+    ``sum y``, ``sum x x^T``, ``sum x y^T`` and ``sum |y|^2``.
+    """
+
+    def __init__(self, hidden_size: int, device: torch.device | str = "cpu"):
+        h = int(hidden_size)
+        kw = {"dtype": torch.float64, "device": device}
+        self.n = 0
+        self.sx = torch.zeros(h, **kw)
+        self.sy = torch.zeros(h, **kw)
+        self.sxx = torch.zeros(h, h, **kw)
+        self.sxy = torch.zeros(h, h, **kw)
+        self.syy = 0.0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add tokens ``x [n, h]`` with targets ``y [n, h]``."""
+        if x.shape[0] == 0:
+            return
+        x = x.to(self.sx.device, torch.float64)
+        y = y.to(self.sx.device, torch.float64)
+        self.n += int(x.shape[0])
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.sxx += x.T @ x
+        self.sxy += x.T @ y
+        self.syy += float((y * y).sum())
+
+    def all_reduce(self) -> None:
+        """Sum these statistics over the ranks under ``torchrun`` (in place; nothing
+        in one process), so every rank fits the same map on every partition."""
+        if not distributed.is_distributed():
+            return
+        for name in ("sx", "sy", "sxx", "sxy"):
+            setattr(self, name, distributed.sum_across_ranks(getattr(self, name)))
+        (self.n,) = distributed.sum_across_ranks([int(self.n)])
+        (self.syy,) = distributed.sum_across_ranks([float(self.syy)])
+
+    def __add__(self, other: RidgeStats) -> RidgeStats:
+        out = RidgeStats(self.sx.shape[0], self.sx.device)
+        out.n, out.syy = self.n + other.n, self.syy + other.syy
+        for name in ("sx", "sy", "sxx", "sxy"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        return out
+
+    def squared_error(self, weight: torch.Tensor, bias: torch.Tensor) -> float:
+        """``sum |y - x W - b|^2`` over these tokens, ``weight [h_in, h_out]``."""
+        return (
+            self.syy
+            - 2 * float((weight * self.sxy).sum())
+            - 2 * float(bias @ self.sy)
+            + float((weight * (self.sxx @ weight)).sum())
+            + 2 * float((self.sx @ weight) @ bias)
+            + self.n * float(bias @ bias)
+        )
+
+
+@dataclass
+class RidgeFit:
+    """A fitted skip path (float64): ``weight [h, h]`` or ``down``/``up``, and
+    ``bias``.
+
+    ``r2``: fraction of the fit tokens' update variance it explains (uncentred: the
+    identity skip path has ``r2 = 0``); ``tokens``: how many tokens it was fit on.
+    """
+
+    bias: torch.Tensor
+    weight: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    rank: int | None = None
+    r2: float = float("nan")
+    tokens: int = 0
+    ridge: float = float("nan")
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The map's ``[h_in, h_out]`` matrix (``x @ matrix + bias``)."""
+        return self.weight.T if self.rank is None else self.down.T @ self.up.T
+
+
+def choose_ridge(
+    folds: tuple[RidgeStats, RidgeStats],
+    rank: int | None = None,
+    grid: tuple[float, ...] = RIDGE_GRID,
+) -> float:
+    """The relative ridge penalty of ``grid`` with the least two-fold held-out error
+    (fit on one fold, measured on the other, both ways). Ties go to the larger one."""
+    errors = held_out_errors(folds, rank, grid)
+    return -min(zip(errors, (-r for r in grid)))[1]
+
+
+def held_out_errors(
+    folds: tuple[RidgeStats, RidgeStats],
+    rank: int | None = None,
+    grid: tuple[float, ...] = RIDGE_GRID,
+) -> list[float]:
+    """Per penalty of ``grid``: the squared error on each fold of :func:`fit_ridge` fit
+    on the other, summed over both ways.
+
+    The same fits as :func:`fit_ridge`, cheaper over a grid: each fold's input
+    covariance is diagonalised once, ``C = Q diag(l) Q^T``, so a penalty's solution is
+    ``Q diag(1 / (l + lam)) Q^T C_xy`` and its fitted-value covariance
+    ``P^T diag(l / (l + lam)^2) P`` (``P = Q^T C_xy``) without a new solve. Choosing a
+    rank-64 map's penalty is most of a ridge run's calibration in ``adadsf study
+    --quick`` (~1.5 s a layer and fit, 29 layers, three fits a run, at h = 576 on one
+    CPU thread); this takes 0.70 of that on one thread, 0.77 on two, the per-penalty
+    ``eigh`` of the fitted values being most of the rest.
+    """
+    errors = [0.0] * len(grid)
+    for fit_on, test_on in (folds, folds[::-1]):
+        mx, my, cxx, cxy = _centred(fit_on)
+        evals, q = torch.linalg.eigh(cxx)
+        proj = q.T @ cxy
+        scale = _penalty_scale(cxx)
+        for i, ridge in enumerate(grid):
+            inv = 1.0 / (evals + float(ridge) * scale)
+            w = q @ (proj * inv[:, None])
+            if rank is not None:
+                fitted = proj.T @ (proj * (evals * inv * inv)[:, None])
+                v = _top_eigenvectors(fitted, int(rank))
+                w = (w @ v) @ v.T
+            errors[i] += test_on.squared_error(w, my - mx @ w)
+    return errors
+
+
+def _centred(stats: RidgeStats) -> tuple[torch.Tensor, ...]:
+    """Means of ``x`` and ``y`` and the centred sums ``C_xx``, ``C_xy`` of ``stats``."""
+    if stats.n == 0:
+        raise ValueError("no tokens to fit a skip path on")
+    n = stats.n
+    mx, my = stats.sx / n, stats.sy / n
+    cxx = stats.sxx - n * torch.outer(mx, mx)
+    cxy = stats.sxy - n * torch.outer(mx, my)
+    return mx, my, cxx, cxy
+
+
+def _penalty_scale(cxx: torch.Tensor) -> float:
+    """What a relative ridge penalty multiplies: the mean input variance sum."""
+    return float(cxx.diagonal().mean().clamp(min=1e-12))
+
+
+def _top_eigenvectors(sym: torch.Tensor, k: int) -> torch.Tensor:
+    """The eigenvectors of the ``k`` largest eigenvalues of a symmetric matrix,
+    ``[h, k]``, ascending. A full ``torch.linalg.eigh``: LAPACK's subset solver
+    (``scipy.linalg.eigh(subset_by_index=...)``) took 24 ms against 43 at h = 576 on one
+    thread, but on two its OpenBLAS threads ran slower than torch's and kept spinning
+    into the torch matmuls after them (1.5x slower), a net loss in a model's process."""
+    return torch.linalg.eigh(0.5 * (sym + sym.T))[1][:, -k:]
+
+
+def ridge_folds(
+    real: torch.Tensor, rows_seen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-fold split of a batch's real tokens for choosing the ridge penalty
+    (:func:`choose_ridge`): whole rows alternate between the folds (neighbouring
+    tokens are alike, rows much less); a lone row alternates tokens. ``rows_seen``:
+    rows of earlier batches, so the alternation runs on across batches."""
+    batch, seq = real.shape
+    if rows_seen == 0 and batch == 1:
+        odd = (torch.arange(seq, device=real.device) % 2 == 1).expand(batch, seq)
+    else:
+        rows = torch.arange(batch, device=real.device) + rows_seen
+        odd = (rows % 2 == 1).unsqueeze(1).expand(batch, seq)
+    return real & ~odd, real & odd
+
+
+def fit_ridge_on_folds(
+    folds: tuple[RidgeStats, RidgeStats],
+    rank: int | None = None,
+    ridge: float | str = "auto",
+) -> RidgeFit:
+    """:func:`fit_ridge` on both folds' tokens; ``ridge`` ``auto``: the penalty
+    :func:`choose_ridge` picks on them (1e-3 when a fold has too few tokens to hold
+    out)."""
+    if ridge == "auto":
+        ridge = choose_ridge(folds, rank) if min(f.n for f in folds) > 1 else 1e-3
+    return fit_ridge(folds[0] + folds[1], rank, float(ridge))
+
+
+def fit_ridge(
+    stats: RidgeStats, rank: int | None = None, ridge: float = 1e-3
+) -> RidgeFit:
+    """Closed-form ridge regression of ``y`` on ``[x, 1]`` (unpenalised intercept).
+
+    ``lambda = ridge * mean(diag(C_xx))`` with ``C_xx`` the centred input covariance
+    sum, so ``ridge`` is scale-free (the residual stream's scale grows with depth).
+    With ``rank``: reduced-rank ridge regression, the full solution projected onto the
+    top-``rank`` principal directions of its fitted values (``W V_k V_k^T``), which is
+    the best rank-``k`` map for the same penalised fit.
+    """
+    mx, my, cxx, cxy = _centred(stats)
+    n, h = stats.n, cxx.shape[0]
+    lam = float(ridge) * _penalty_scale(cxx)
+    eye = torch.eye(h, dtype=cxx.dtype, device=cxx.device)
+    w = torch.linalg.solve(cxx + lam * eye, cxy)  # [h_in, h_out]: y ~ (x - mx) w + my
+    down = up = None
+    if rank is not None:
+        v = _top_eigenvectors(w.T @ cxx @ w, int(rank))  # of the fitted values
+        w = w @ v @ v.T
+        down = (w @ v).T.contiguous()  # [k, h_in]
+        up = v.contiguous()  # [h_out, k]
+    bias = my - mx @ w
+    # residual sum of squares from the sums: y - x w - b = (y - my) - (x - mx) w
+    resid = (
+        stats.syy
+        - n * float(my @ my)
+        - 2 * float((w * cxy).sum())
+        + float((w * (cxx @ w)).sum())
+    )
+    r2 = 1.0 - resid / stats.syy if stats.syy > 0 else float("nan")
+    return RidgeFit(
+        bias=bias,
+        weight=None if rank is not None else w.T.contiguous(),
+        down=down,
+        up=up,
+        rank=None if rank is None else int(rank),
+        r2=r2,
+        tokens=n,
+        ridge=float(ridge),
+    )
