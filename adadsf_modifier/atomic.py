@@ -32,6 +32,7 @@ import secrets
 import shutil
 import socket
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from loguru import logger
 __all__ = [
     "TEMP_TAG",
     "atomic_directory",
+    "atomic_write_text",
     "give_files_folder_mode",
     "make_temp_dir",
     "publish_dir",
@@ -232,6 +234,28 @@ def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
         publish_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one.
+
+    The temporary file gets an unpredictable name, created exclusively, next to
+    ``path``: a fixed name (``path.tmp``) could be a symbolic link planted by someone
+    else, through which the write would land on its target. ``path`` itself is
+    replaced, not followed, when it is a link."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
 
 

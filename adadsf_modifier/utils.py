@@ -8,6 +8,8 @@ rather than home-made copies.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -21,6 +23,7 @@ from tqdm.auto import tqdm
 
 __all__ = [
     "allowed_by_mask",
+    "json_text",
     "get_execution_device",
     "layer_input",
     "model_device",
@@ -167,3 +170,21 @@ def run_calibration_batches(
         model.train(was_training)
     logger.debug(f"{desc}: {n} batches")
     return n
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(data: Any, indent: int = 1, sort_keys: bool = True) -> str:
+    """Strict JSON: non-finite numbers (a diverged run's perplexity) become ``null``,
+    since ``NaN`` is not JSON and a reader other than Python's would refuse the file."""
+    return json.dumps(
+        _finite(data), indent=indent, sort_keys=sort_keys, allow_nan=False
+    )

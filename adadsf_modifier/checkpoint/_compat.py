@@ -19,6 +19,8 @@ import yaml
 from loguru import logger
 from torch import nn
 
+from adadsf_modifier.checkpoint.sidecar import AdaDSFCheckpointError
+
 __all__ = [
     "WORKAROUNDS",
     "load_with_expected_extra_keys",
@@ -296,6 +298,13 @@ def load_with_expected_extra_keys(
             "__module__": base_cls.__module__,
         },
     )
-    model = loader.from_pretrained(str(path), **kwargs)
+    model, info = loader.from_pretrained(str(path), output_loading_info=True, **kwargs)
     model.__class__ = base_cls
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        # transformers only warns, and leaves those weights randomly initialised
+        raise AdaDSFCheckpointError(
+            f"{path}: the safetensors files lack {len(missing)} tensor(s) of the base "
+            f"model (e.g. {', '.join(missing[:3])}); the checkpoint is incomplete"
+        )
     return model

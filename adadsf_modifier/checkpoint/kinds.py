@@ -86,7 +86,9 @@ def checkpoint_sidecar(path: str | os.PathLike[str]) -> str | None:
 
     :raises AdaDSFCheckpointError: the folder holds both sidecars, so which routing it
         stores cannot be told (a save of this package never leaves both: each
-        replaces the whole folder)
+        replaces the whole folder); or neither, while its weights hold routers (the
+        sidecar was lost: loaded as a plain model it would be the dense-depth model,
+        measured as if it were the routed one)
     """
     path = Path(path)
     if not path.is_dir():
@@ -98,4 +100,24 @@ def checkpoint_sidecar(path: str | os.PathLike[str]) -> str | None:
             "clear which routing the weights belong to; delete the stale one (the "
             "older file) or save the model again"
         )
+    if not found and _holds_routers(path):
+        raise AdaDSFCheckpointError(
+            f"{path} holds router tensors but neither {SIDECAR_NAME} nor "
+            f"{FTP_SIDECAR_NAME}: its routing data is missing, so it can be loaded "
+            "neither routed nor as the model it was made from; restore the sidecar or "
+            "save the routed model again"
+        )
     return found[0] if found else None
+
+
+def _holds_routers(path: Path) -> bool:
+    """Whether the folder's safetensors files name router tensors (headers only)."""
+    from adadsf_modifier.checkpoint.tensors import safetensors_files
+
+    if not any(path.glob("*.safetensors")):
+        return False
+    try:
+        names = safetensors_files(path)
+    except AdaDSFCheckpointError:
+        return False  # a malformed index: the loader that reads it says so
+    return any(".router." in name for name in names)

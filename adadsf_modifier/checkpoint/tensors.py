@@ -39,8 +39,7 @@ def safetensors_files(path: Path) -> dict[str, Path]:
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: path / v for k, v in weight_map.items()}
+        return {k: _shard(path, index, v) for k, v in _weight_map(index).items()}
     single = path / "model.safetensors"
     files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
@@ -50,6 +49,35 @@ def safetensors_files(path: Path) -> dict[str, Path]:
         with safe_open(str(file), framework="pt") as f:
             out.update({k: file for k in f.keys()})
     return out
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map`` ``{tensor name: shard file name}``, or a one-line
+    error naming the file."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AdaDSFCheckpointError(f"{index} is not readable JSON: {err}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise AdaDSFCheckpointError(
+            f"{index} has no `weight_map` of tensor names to shard files"
+        )
+    return weight_map
+
+
+def _shard(path: Path, index: Path, name: str) -> Path:
+    """The shard ``name`` inside the checkpoint folder; a name that leads elsewhere
+    (``../x.safetensors``, an absolute path) is refused: tensors are read from the
+    folder being loaded, nowhere else."""
+    shard = path / name
+    if Path(name).is_absolute() or path.resolve() not in shard.resolve().parents:
+        raise AdaDSFCheckpointError(
+            f"{index} names the shard {name!r}, which is outside {path}"
+        )
+    return shard
 
 
 def _expected_shapes(entry: LayerEntry, hidden_size: int) -> dict[str, tuple]:
@@ -106,6 +134,11 @@ def _read_checked(
         raise AdaDSFCheckpointError(
             f"{what} tensor `{key}` in {path} is {tensor.dtype}, not floating "
             f"point: {what}s must stay in full precision ({hint})"
+        )
+    if not bool(torch.isfinite(tensor).all()):
+        raise AdaDSFCheckpointError(
+            f"{what} tensor `{key}` in {path} holds NaN or infinite values: the "
+            "checkpoint is corrupt (a layer would run or skip tokens at random)"
         )
     return tensor
 

@@ -15,6 +15,9 @@ from typing import Any, NoReturn
 
 from loguru import logger
 
+from adadsf_modifier.atomic import atomic_write_text
+from adadsf_modifier.utils import json_text
+
 EVAL_EXTRA = "pip install 'adadsf-modifier[eval]'"
 
 
@@ -197,10 +200,7 @@ def write_json(path: Path | None, data: Any) -> None:
     if path is None:
         print(json.dumps(data, indent=2))
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    atomic_write_text(path, json_text(data, indent=2, sort_keys=False))
     logger.info(f"wrote {path}")
 
 

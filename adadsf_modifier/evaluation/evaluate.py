@@ -17,6 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from adadsf_modifier.checkpoint import checkpoint_sidecar, from_pretrained
+from adadsf_modifier.constraints import NonNegativeFloat, PositiveFloat
 from adadsf_modifier.evaluation.assets import load_text_splits, resolve_model
 from adadsf_modifier.evaluation.perplexity import perplexity, token_stream
 from adadsf_modifier.flops import stream_flops
@@ -31,13 +32,16 @@ class EvalRecord:
     model: str
     routed: bool
     routing_mode: str | None
-    ppl: float | None = None
+    # the annotations are what a record read back from disk is checked against
+    # (``adadsf report``): a perplexity or FLOPs ratio that is not a positive number
+    # is no measurement of a model
+    ppl: PositiveFloat | None = None
     ppl_tokens: int | None = None
     tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
-    normalized_flops: float = 1.0
-    normalized_flops_with_lm_head: float = 1.0
+    normalized_flops: PositiveFloat = 1.0
+    normalized_flops_with_lm_head: PositiveFloat = 1.0
     flops_tokens: int = 0
-    seconds: float = 0.0
+    seconds: NonNegativeFloat = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -20,6 +20,7 @@ from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
+from adadsf_modifier.constraints import PositiveFloat
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.utils import model_device
 
@@ -41,12 +42,13 @@ class SpeedResult:
     batch_size: int
     seq_len: int  # prompt length (prefill) or prompt length before decoding
     new_tokens: int  # decode steps timed (0 for prefill)
-    dense_s: float  # median seconds per prefill, or per decode step
-    routed_s: float
-    speedup: float  # dense_s / routed_s
-    flops_ideal: float  # 1 / normalized FLOPs (decoder layers + routers, no lm_head)
-    flops_ideal_with_lm_head: float
-    normalized_flops: float
+    # positive numbers: what a result read back from disk is checked against
+    dense_s: PositiveFloat  # median seconds per prefill, or per decode step
+    routed_s: PositiveFloat
+    speedup: PositiveFloat  # dense_s / routed_s
+    flops_ideal: PositiveFloat  # 1 / normalized FLOPs (decoder layers + routers)
+    flops_ideal_with_lm_head: PositiveFloat
+    normalized_flops: PositiveFloat
     dense_runs: list[float] = field(default_factory=list)
     routed_runs: list[float] = field(default_factory=list)
 

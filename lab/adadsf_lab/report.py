@@ -198,6 +198,7 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     js, png = (out / name for name in REPORT_FILES)
-    js.write_text(json.dumps(report, indent=2))
+    # strict JSON: the inputs were checked, so a non-finite number here is a bug
+    js.write_text(json.dumps(report, indent=2, allow_nan=False))
     plot_report(report, png)
     return js, png

@@ -156,3 +156,40 @@ def test_report_plot_names_the_extra_when_matplotlib_is_missing(monkeypatch, tmp
     report = build_report([{"label": "dense", "routed": False}])
     with pytest.raises(ModuleNotFoundError, match="pip install -e lab"):
         plot_report(report, tmp_path / "report.png")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("ppl", float("nan")), ("ppl", -3.0), ("normalized_flops", float("nan")),
+     ("normalized_flops", -0.5), ("normalized_flops", float("inf"))],
+)  # fmt: skip
+def test_report_refuses_a_record_whose_numbers_are_not_measurements(
+    capsys, tmp_path, field, value
+):
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps({**RECORD, field: value}))  # NaN/Infinity tokens
+    argv = ["report", "--inputs", record, "--output-dir", tmp_path / "rep"]
+    err = one_line_error(*run(capsys, *argv))
+    assert "is not an `adadsf eval` record" in err and field in err
+    assert not (tmp_path / "rep").exists()
+
+
+def test_report_refuses_a_speed_row_with_a_negative_speedup(capsys, tmp_path):
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps(RECORD))
+    row = {"kind": "prefill", "batch_size": 1, "seq_len": 8, "new_tokens": 0,
+           "dense_s": 1.0, "routed_s": 1.0, "speedup": -1.0, "flops_ideal": 1.2,
+           "flops_ideal_with_lm_head": 1.1, "normalized_flops": 0.8}  # fmt: skip
+    speed = tmp_path / "speed.json"
+    speed.write_text(json.dumps({"results": [row]}))
+    argv = ["report", "--inputs", record, "--speed", speed]
+    err = one_line_error(*run(capsys, *argv, "--output-dir", tmp_path / "rep"))
+    assert "not an `adadsf bench` result" in err and "speedup" in err
+
+
+def test_the_report_file_is_strict_json(tmp_path):
+    from adadsf_lab.report import write_report
+
+    report = build_report([{**RECORD, "ppl": float("nan")}])
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        write_report(report, tmp_path)

@@ -160,3 +160,20 @@ def test_a_tiny_run_recomputes_to_its_recorded_numbers(tmp_path):
             f"{key} moved with no ALGORITHM_VERSIONS bump: bump the area whose code "
             "changed the numbers, then re-record"
         )
+
+
+def test_rendering_finds_a_run_computed_before_a_version_bump(tmp_path):
+    from adadsf_lab.study.run_cache import RunCache
+    from adadsf_lab.study.spec import RunSpec
+
+    def spec(routing: int) -> RunSpec:
+        versions = {"torch": "2", "algorithm": {"routing": routing}}
+        config = {"versions": versions, "modifier": {"retention": 0.8}}
+        return RunSpec.create("main", "uniform", 0.8, 0, config)
+
+    cache = RunCache(tmp_path)
+    cache.put(spec(1), {"ppl_test": 30.0})
+    assert cache.get(spec(2)) is None  # a study recomputes it
+    assert cache.get(spec(2), lenient=True) == {
+        "ppl_test": 30.0
+    }  # render-only shows it

@@ -9,9 +9,7 @@ leaves either the finished run or nothing, never half a file.
 from __future__ import annotations
 
 import json
-import math
 import os
-import tempfile
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,41 +18,10 @@ from typing import Any
 from loguru import logger
 
 from adadsf_lab.study.spec import RunSpec
+from adadsf_modifier.atomic import atomic_write_text
+from adadsf_modifier.utils import json_text
 
-__all__ = ["RunCache", "atomic_write_text", "json_text"]
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def json_text(data: Any) -> str:
-    """Strict JSON (non-finite numbers, e.g. a diverged run's perplexity, become
-    ``null``: ``NaN`` is not JSON)."""
-    return json.dumps(_finite(data), indent=1, sort_keys=True, allow_nan=False)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+__all__ = ["RunCache"]
 
 
 def _agree(a: Any, b: Any) -> bool:
@@ -62,6 +29,12 @@ def _agree(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return all(_agree(a[k], b[k]) for k in a.keys() & b.keys())
     return a == b
+
+
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without the algorithm versions that computed it."""
+    versions = {k: v for k, v in config.get("versions", {}).items() if k != "algorithm"}
+    return {**config, "versions": versions}
 
 
 class RunCache:
@@ -80,9 +53,11 @@ class RunCache:
 
         ``lenient`` (rendering only): without an exact match, the one cached run of the
         same phase, method, budget and seed whose configuration agrees with ``spec`` on
-        every setting both have. Settings added to the code since (a new modifier field
-        with its default) then do not orphan runs computed before; any setting they
-        share must still be equal."""
+        every setting both have, whatever algorithm versions computed it. Settings added
+        to the code since (a new modifier field with its default) then do not orphan
+        runs computed before, and a version bump leaves the finished study renderable
+        (as computed) until its runs are recomputed; any setting they share must still
+        be equal."""
         path = self.path_for(spec)
         if not path.is_file():
             return self._lenient(spec) if lenient else None
@@ -104,7 +79,9 @@ class RunCache:
                 data = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if data.get("label") == spec.label and _agree(data["config"], spec.config):
+            if data.get("label") == spec.label and _agree(
+                _settings(data["config"]), _settings(spec.config)
+            ):
                 found.append(data)
         if len(found) != 1:
             return None  # none, or ambiguous: not rendered

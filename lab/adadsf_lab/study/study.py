@@ -47,12 +47,7 @@ from adadsf_lab.study.plan import (
 )
 from adadsf_lab.study.plots import PLOT_FILES, write_plots
 from adadsf_lab.study.render import MARKER, render_markdown
-from adadsf_lab.study.run_cache import (
-    RunCache,
-    atomic_write_text,
-    json_text,
-    weights_mismatch_warning,
-)
+from adadsf_lab.study.run_cache import RunCache, weights_mismatch_warning
 from adadsf_lab.study.runner import RunEnv, execute_run
 from adadsf_lab.study.settings import StudyInputError, StudySettings
 from adadsf_lab.study.spec import (
@@ -65,7 +60,9 @@ from adadsf_lab.study.stats import resolvable_task_mean_difference
 from adadsf_lab.study.tuning import tune_on_validation
 
 # Project APIs used here (one place, so a module move needs one edit).
+from adadsf_modifier.atomic import atomic_write_text
 from adadsf_modifier.evaluation import calibration_dataset, resolve_model
+from adadsf_modifier.utils import json_text
 
 __all__ = ["check_output_dir", "hardware", "run_study"]
 

@@ -1,0 +1,136 @@
+"""Speed of the shipped variant's routed layer at a real model's shape, with the kept
+fraction forced, side by side with its dense twin.
+
+    python benchmarks/shape_speed.py                        # SmolLM2-135M's shape
+    python benchmarks/shape_speed.py --shape llama-3.2-1b   # Llama-3.2-1B's shape
+    python benchmarks/shape_speed.py --retention 0.6 --decode-tokens 0
+
+Random weights: a config-built model of the shape, every decoder layer but the first
+routed as the shipped recipe routes it (a rank-64 skip path, skipped tokens' keys and
+values kept), with random routers. Random routers rank nothing, so calibrated
+thresholds would not transfer; instead each layer's threshold is the quantile of its
+own scores on a sample of the benchmark's distribution that keeps ``--retention`` of
+the tokens (the kept fraction is forced, as the issue asks of a speed test at a shape
+whose routers were never trained). Prefill (one forward of ``--seq-len`` tokens) and
+greedy decoding (``--decode-tokens`` steps after a ``--decode-prompt`` prompt) run in
+causal mode, timed by the plug-in's own ``measure_prefill`` / ``measure_decode`` (the
+twins interleaved, medians, the measured FLOPs of the same tokens): each speedup and
+the fraction of the FLOPs ideal it reaches. Ratios only: absolute times on a shared CPU
+mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from adadsf_modifier.evaluation.speed import (
+    format_table,
+    measure_decode,
+    measure_prefill,
+)
+from adadsf_modifier.routing import (
+    SkipPath,
+    TokenRouter,
+    decoder_layers,
+    route_layer,
+    routed_layers,
+    set_routing_mode,
+)
+
+SHAPES = {
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        rope_theta=100000.0,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+}  # fmt: skip
+
+
+def build_twins(
+    shape: str, retention: float, dtype: torch.dtype, rank: int, seed: int = 0
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(dense, routed)`` with identical weights; the routed twin's thresholds keep
+    ``retention`` of a random sample's tokens at every routed layer."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        **SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, attn_implementation="sdpa",
+    )  # fmt: skip
+    dense = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    routed = copy.deepcopy(dense)
+    hidden = config.hidden_size
+    for index, (_, layer) in enumerate(decoder_layers(routed)[1]):
+        if index == 0:
+            continue  # the shipped recipe keeps layer 0 dense
+        skip = SkipPath(hidden, rank)
+        with torch.no_grad():
+            skip.down.normal_(0, 0.02)
+            skip.up.normal_(0, 0.02)
+        route_layer(layer, TokenRouter(hidden, 64), retention, index,
+                    "past_key_values", config, skip_path=skip,
+                    skipped_tokens_kv=True)  # fmt: skip
+    scores: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.router.register_forward_hook(
+            lambda m, a, out, i=layer.layer_index: scores.__setitem__(i, out.float())
+        )
+        for layer in routed_layers(routed)
+    ]
+    set_routing_mode(routed, "topk")  # the sample runs each layer at its ratio
+    with torch.no_grad():
+        routed(torch.randint(0, config.vocab_size, (1, 512)), use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    for layer in routed_layers(routed):
+        s = scores[layer.layer_index].flatten()
+        layer.causal_threshold = float(torch.quantile(s, 1.0 - retention))
+    set_routing_mode(routed, "causal")
+    return dense, routed
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--retention", type=float, default=0.81)
+    p.add_argument("--rank", type=int, default=64, help="skip path rank")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--decode-prompt", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=32, help="0: no decoding")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dense, routed = build_twins(
+        args.shape, args.retention, getattr(torch, args.dtype), args.rank
+    )
+    dense, routed = dense.to(args.device), routed.to(args.device)
+    vocab = dense.config.vocab_size
+    where = args.device if args.device != "cpu" else f"cpu, {args.threads} threads"
+    print(f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced, "
+          "batch 1")  # fmt: skip
+    results = [
+        measure_prefill(
+            dense, routed, torch.randint(0, vocab, (1, args.seq_len)), args.repeats
+        )
+    ]
+    if args.decode_tokens:
+        prompt = torch.randint(0, vocab, (1, args.decode_prompt))
+        results.append(
+            measure_decode(dense, routed, prompt, args.decode_tokens, args.repeats)
+        )
+    print(format_table(results))
+
+
+if __name__ == "__main__":
+    main()
