@@ -41,6 +41,6 @@ main: venv
 # results.json, the plots and the README's table. Without --render-only (and with
 # --max-hours) the same command computes the runs that are missing.
 results: venv
-	$(VENV)/bin/adadsf study --settings docs/results/study.yaml --render-only \
+	$(VENV)/bin/adadsf study --settings lab/shipped_study.yaml --render-only \
 	  --cache-dir docs/results/runs --output-dir docs/results
 	$(PY) -m adadsf_lab.readme_table --results docs/results/results.json

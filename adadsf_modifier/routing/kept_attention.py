@@ -517,9 +517,19 @@ class KeptQueries(torch.Tensor):
             return _attend(*args, **kwargs)
         if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
             return f"KeptQueries(seq_len={args[0].seq_len})"
-        if getattr(func, "__name__", "") == "__get__":  # .shape, .device, .dtype
+        if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.data_ptr:
+            # .shape, .device, .dtype; data_ptr: the wrapper's "did it move" test
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func is torch.Tensor.to:
+            # an offload wrapper (compressed-tensors, accelerate) moves every tensor
+            # argument of the attention module: the positions travel, the marker stays
+            marker = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                device = func(*args, **kwargs).device
+            if device == marker.index.device:
+                return marker
+            return KeptQueries(marker.index.to(device), marker.seq_len)
         raise RuntimeError(
             f"adadsf routing: the kept-queries attention marker reached {func!r}; it "
             "is only valid as the attn_mask of scaled_dot_product_attention (the "
@@ -540,6 +550,8 @@ def _attend(
     """``query [batch, heads, K, d]`` at ``attn_mask.index`` against the
     ``seq_len`` keys, causally: through a full-length causal call."""
     index, n = attn_mask.index, attn_mask.seq_len
+    if index.device != query.device:  # a wrapper moved the marker, not its positions
+        index = index.to(query.device)
     batch, heads, k, dim = query.shape
     if is_causal or key.shape[-2] != n:
         raise RuntimeError(

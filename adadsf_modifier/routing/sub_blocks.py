@@ -5,8 +5,9 @@ A pre-norm decoder layer (Llama, Qwen2, Mistral) is two residual sub-blocks::
     h   = x + attention(input_norm(x))        # the attention sub-block
     out = h + mlp(post_attention_norm(h))     # the MLP sub-block
 
-With ``route_target: attention`` (Router-Tuning / MindSkip, METHOD.md section 3) the
-router's selected tokens run the attention sub-block and the others keep ``h = x``;
+With ``route_target: attention`` (as in Router-Tuning and MindSkip, which route
+attention only) the router's selected tokens run the attention sub-block and the others
+keep ``h = x``;
 *every* token then runs the MLP sub-block. The attention sub-block is routed exactly
 like a whole layer (:func:`~adadsf_modifier.routing.routed_layer.run_routed`,
 :func:`~adadsf_modifier.routing.routed_layer.decode_step`): selected tokens attend among

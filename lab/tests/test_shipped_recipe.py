@@ -1,6 +1,6 @@
 """The AdaDSF recipes ship the configuration the shipped study measures: the modifier
 fields the study builds for its variant at the recipe's budget (from the study's own
-settings file, ``docs/results/study.yaml``) are the recipe's, field for field, so a
+settings file, ``lab/shipped_study.yaml``) are the recipe's, field for field, so a
 recipe cannot drift from what its numbers describe."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ SHIPPED_METHOD = "adadsf_ridge_kv_err"
 def _study_settings():
     from adadsf_lab.study.settings import StudySettings
 
-    data = yaml.safe_load((ROOT / "docs" / "results" / "study.yaml").read_text())
+    data = yaml.safe_load((ROOT / "lab" / "shipped_study.yaml").read_text())
     return StudySettings(**data)
 
 

@@ -72,7 +72,7 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
         "--settings",
         default=None,
         metavar="YAML",
-        help="a YAML mapping of study settings (e.g. docs/results/study.yaml, the "
+        help="a YAML mapping of study settings (e.g. lab/shipped_study.yaml, the "
         "shipped study's), read first; --methods/--budgets/--seeds and --set "
         "override it",
     )
