@@ -234,14 +234,20 @@ class AdaDSFModifier(
         self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]
         if self.importance == "loss":  # measured loss rise instead of the cosine
-            rises = loss_importance(model, [m for *_, m in targeted], calib,
-                                    self.importance_tokens)  # fmt: skip
+            rises = loss_importance(
+                model, [m for *_, m in targeted], calib, self.importance_tokens
+            )
             routed_sims = similarity_like(rises)
         elif self.importance == "skip_path_loss":  # ... of taking the skip path
             rises = skip_path_loss_importance(
-                model, [m for *_, m in targeted], calib, self.importance_tokens,
-                self.importance_fit_tokens, self.skip_path_rank, self.skip_path_ridge,
-            )  # fmt: skip
+                model,
+                [m for *_, m in targeted],
+                calib,
+                self.importance_tokens,
+                self.importance_fit_tokens,
+                self.skip_path_rank,
+                self.skip_path_ridge,
+            )
             routed_sims = similarity_like(rises)
         ratios = allocate(
             self.allocation,

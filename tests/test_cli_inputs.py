@@ -7,25 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error, refuse_heavy_work, run
 from tiny_models import save_tiny_model
 
 import adadsf_modifier.cli.commands as commands
-from adadsf_modifier.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "adadsf.yaml")
-RECORD = {"label": "dense", "model": "m", "routed": False, "routing_mode": None}
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    return code, capsys.readouterr().err
-
-
-def one_line_error(code: int, err: str) -> str:
-    assert code == 2
-    assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +24,7 @@ def dense_dir(tmp_path_factory):
 @pytest.fixture
 def no_heavy_work(monkeypatch):
     """Fail the test if a command gets past its checks."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("heavy work started before the arguments were checked")
-
-    for name in ("compress", "evaluate", "bench"):
-        monkeypatch.setattr(commands, name, refuse)
+    refuse_heavy_work(monkeypatch, commands, ("compress", "evaluate", "bench"))
 
 
 @pytest.mark.parametrize(

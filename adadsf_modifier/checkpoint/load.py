@@ -145,9 +145,17 @@ def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) 
         if entry.skip_path != "identity":
             skip = SkipPath(model.config.hidden_size, entry.skip_path_rank)
             skip.load_state_dict(_tensors_of(tensors, f"{entry.name}.skip_path."))
-        route_layer(layer, router, entry.retention_ratio, entry.index,
-                    spec.cache_kwarg, model.config, skip,
-                    entry.skipped_tokens_kv, entry.route_target)  # fmt: skip
+        route_layer(
+            layer,
+            router,
+            entry.retention_ratio,
+            entry.index,
+            spec.cache_kwarg,
+            model.config,
+            skip,
+            entry.skipped_tokens_kv,
+            entry.route_target,
+        )
         layer.router.to(dtype=dtype)
         if skip is not None:
             skip.to(dtype=dtype)

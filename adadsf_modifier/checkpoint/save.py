@@ -149,8 +149,10 @@ def _check_model_routers_unquantized(model: nn.Module, label: str) -> None:
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
-        kinds = ((".router", "router", ROUTER_HINT),
-                 (".skip_path", "skip path", SKIP_PATH_HINT))  # fmt: skip
+        kinds = (
+            (".router", "router", ROUTER_HINT),
+            (".skip_path", "skip path", SKIP_PATH_HINT),
+        )
         for part, what, hint in kinds:
             if part in name:
                 raise AdaDSFCheckpointError(

@@ -255,9 +255,13 @@ def _float_or_none(value: Any) -> float | None:
 
 def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> dict:
     entry: dict[str, Any] = {
-        "index": index, "name": name, "routed": False, "retention_ratio": 1.0,
-        "similarity": _float_or_none(similarity), "router_hidden_size": None,
-    }  # fmt: skip
+        "index": index,
+        "name": name,
+        "routed": False,
+        "retention_ratio": 1.0,
+        "similarity": _float_or_none(similarity),
+        "router_hidden_size": None,
+    }
     if isinstance(layer, RoutedLayer):
         threshold = getattr(layer, "causal_threshold", None)
         entry.update(

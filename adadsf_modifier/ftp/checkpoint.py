@@ -177,19 +177,36 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
     for j, entry in enumerate(meta["layers"]):
         name, layer = layers[int(entry["index"])]
         stats = LayerFeatureStats(
-            torch.zeros(hidden), entry["probe_bias"], entry["norm_eps"],
-            entry["score_mean"], entry["score_std"], torch.zeros(33),
-        )  # fmt: skip
-        router = FTPLayerRouter(mlp, stats, hidden, int(meta["position_scale"]),
-                                float(entry["retention"]), int(meta["keep_last"]),
-                                owner=j == 0)  # fmt: skip
+            torch.zeros(hidden),
+            entry["probe_bias"],
+            entry["norm_eps"],
+            entry["score_mean"],
+            entry["score_std"],
+            torch.zeros(33),
+        )
+        router = FTPLayerRouter(
+            mlp,
+            stats,
+            hidden,
+            int(meta["position_scale"]),
+            float(entry["retention"]),
+            int(meta["keep_last"]),
+            owner=j == 0,
+        )
         skip = None
         if entry.get("skip_path", "identity") != "identity":
             skip = SkipPath(hidden, entry.get("skip_path_rank"))
             _load_into(skip, tensors, f"{name}.skip_path.", f"{path}: skip path")
-        route_layer(layer, router, float(entry["retention_ratio"]), int(entry["index"]),
-                    spec.cache_kwarg, model.config, skip,
-                    bool(entry.get("skipped_tokens_kv", False)))  # fmt: skip
+        route_layer(
+            layer,
+            router,
+            float(entry["retention_ratio"]),
+            int(entry["index"]),
+            spec.cache_kwarg,
+            model.config,
+            skip,
+            bool(entry.get("skipped_tokens_kv", False)),
+        )
         router.float()  # saved in float32 (FTPModifier trains it in float32)
         layer.causal_threshold = entry["causal_threshold"]
         attach_context_hooks(layer)

@@ -254,9 +254,14 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
                 mlp = FTPRouterMLP(self.router_hidden_size)
             for j, ((i, _, layer), st) in enumerate(zip(targeted, stats)):
                 router = FTPLayerRouter(
-                    mlp, st, model.config.hidden_size, max_len, self.retention,
-                    self.keep_last_tokens, owner=j == 0,
-                )  # fmt: skip
+                    mlp,
+                    st,
+                    model.config.hidden_size,
+                    max_len,
+                    self.retention,
+                    self.keep_last_tokens,
+                    owner=j == 0,
+                )
                 route_layer(layer, router, self.retention, i, cache_kwarg, model.config)
                 done.append((i, None, layer))
                 self.configure_routed_layer(layer)  # skip path, skipped_tokens_kv
@@ -289,10 +294,15 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             layer.router.mode = "static"
         try:
             result = genetic_schedule(
-                evaluate, n, self.retention, self.resolved_min_retention,
-                population=self.ga_population, generations=self.ga_generations,
-                mutation=self.ga_mutation, seed=self.seed,
-            )  # fmt: skip
+                evaluate,
+                n,
+                self.retention,
+                self.resolved_min_retention,
+                population=self.ga_population,
+                generations=self.ga_generations,
+                mutation=self.ga_mutation,
+                seed=self.seed,
+            )
         finally:
             for layer in layers:
                 layer.router.mode = "learned"

@@ -47,8 +47,9 @@ def static_keep_mask(
         return real.clone()
     keep = tokens_to_keep_per_row(real, ratio)
     k_max = int(keep.max()) if keep.numel() else 0
-    out = torch.zeros(real.shape[0], real.shape[1] + 1, dtype=torch.bool,
-                      device=real.device)  # fmt: skip
+    out = torch.zeros(
+        real.shape[0], real.shape[1] + 1, dtype=torch.bool, device=real.device
+    )
     if k_max == 0:
         return out[:, :-1]
     index, valid = select_topk(static_scores(probe, real, keep_last), real, keep, k_max)

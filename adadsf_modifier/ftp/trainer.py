@@ -176,8 +176,12 @@ def train_router(
             loss.backward()
             optimizer.step()
             report.tokens += int(real.sum())
-            for name, value in (("total", loss), ("distill", d), ("sparsity", s),
-                                ("guide", g)):  # fmt: skip
+            for name, value in (
+                ("total", loss),
+                ("distill", d),
+                ("sparsity", s),
+                ("guide", g),
+            ):
                 getattr(report, name).append(float(value.detach()))
     report.seconds = time.perf_counter() - start
     logger.info(

@@ -195,8 +195,17 @@ def fit_skip_paths(
             fitted = layer in targets
             ys = []
             if fitted:
-                ys = _fit_layer(layer, xs, calls[i], rank, ridge, tokens, device,
-                                report, refit_routers)  # fmt: skip
+                ys = _fit_layer(
+                    layer,
+                    xs,
+                    calls[i],
+                    rank,
+                    ridge,
+                    tokens,
+                    device,
+                    report,
+                    refit_routers,
+                )
             if inputs == "dense" and fitted:
                 xs = ys
             else:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import RECORD, one_line_error, refuse_heavy_work, run
 from tiny_models import save_tiny_model
 
 import adadsf_lab.commands as commands
@@ -18,18 +19,6 @@ from adadsf_modifier.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "recipes" / "adadsf.yaml")
-RECORD = {"label": "dense", "model": "m", "routed": False, "routing_mode": None}
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    return code, capsys.readouterr().err
-
-
-def one_line_error(code: int, err: str) -> str:
-    assert code == 2
-    assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +29,9 @@ def dense_dir(tmp_path_factory):
 @pytest.fixture
 def no_heavy_work(monkeypatch):
     """Fail the test if a command gets past its checks."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("heavy work started before the arguments were checked")
-
-    for name in ("compress", "evaluate", "bench", "_main_job"):
-        monkeypatch.setattr(commands, name, refuse)
+    refuse_heavy_work(
+        monkeypatch, commands, ("compress", "evaluate", "bench", "_main_job")
+    )
 
 
 @pytest.mark.parametrize(

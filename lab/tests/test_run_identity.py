@@ -84,11 +84,18 @@ def _studies(code: Path, model: str, tmp: Path, *changes: str) -> list[list[str]
 def test_edits_keep_cached_runs_and_a_version_bump_recomputes_its_runs(
     tiny_dir, tmp_path
 ):
+    # the runs, computed here with the repository's code
+    namespace: dict = {}
+    exec(STUDY.split("model, out, cache")[0], namespace)
+    first: list[str] = []
+    run_study, fake_executor = namespace["run_study"], namespace["fake_executor"]
+    run_study(namespace["s"], tiny_dir, tmp_path / "out", tmp_path / "cache",
+              executor=fake_executor(first))  # fmt: skip
+    assert sorted(first) == ["main:dense@1/seed0", "main:ftp@0.8/seed0",
+                             "main:uniform@0.8/seed0"]  # fmt: skip
+    # a copy with its presentation and command line edited, in a new process (which
+    # reads the edited source): its keys are the same
     code = _copy_packages(tmp_path / "code")
-    (first,) = _studies(code, tiny_dir, tmp_path, "-")
-    assert first == ["main:dense@1/seed0", "main:ftp@0.8/seed0",
-                     "main:uniform@0.8/seed0"]  # fmt: skip
-    # presentation and command line edited (a new process reads the edited source)
     for rel in ("adadsf_lab/study/render.py", "adadsf_modifier/cli/__init__.py"):
         with (code / rel).open("a") as f:
             f.write("\n# an edit that changes no number\n")

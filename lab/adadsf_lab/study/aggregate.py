@@ -89,27 +89,67 @@ SUMMARY_METRICS = (
 
 PAPER_RESULTS: list[dict[str, Any]] = [
     # arXiv 2607.21291's reported numbers (single seed, no error bars)
-    {"setting": "GPT-NeoX-130M, WikiText-103 PPL", "method": "dense", "result": 17.9,
-     "normalized_flops": 1.000},
-    {"setting": "80% retention", "method": "MoD (uniform)", "result": 21.6,
-     "normalized_flops": 0.778},
-    {"setting": "80% retention", "method": "DLO", "result": 19.6,
-     "normalized_flops": 0.964},
-    {"setting": "80% retention", "method": "D-LLM", "result": 2019,
-     "normalized_flops": 0.886},
-    {"setting": "80% retention", "method": "AdaDSF", "result": 18.9,
-     "normalized_flops": 0.787},
-    {"setting": "70% retention", "method": "AdaDSF", "result": 19.9,
-     "normalized_flops": 0.680},
-    {"setting": "Qwen2.5-0.5B, mean of 6 commonsense tasks", "method": "dense",
-     "result": 51.7, "normalized_flops": 1.000},
-    {"setting": "Qwen2.5-0.5B", "method": "MoD", "result": 44.4,
-     "normalized_flops": 0.784},
-    {"setting": "Qwen2.5-0.5B", "method": "DLO", "result": 48.3,
-     "normalized_flops": 0.973},
-    {"setting": "Qwen2.5-0.5B", "method": "AdaDSF", "result": 49.1,
-     "normalized_flops": 0.785},
-]  # fmt: skip
+    {
+        "setting": "GPT-NeoX-130M, WikiText-103 PPL",
+        "method": "dense",
+        "result": 17.9,
+        "normalized_flops": 1.000,
+    },
+    {
+        "setting": "80% retention",
+        "method": "MoD (uniform)",
+        "result": 21.6,
+        "normalized_flops": 0.778,
+    },
+    {
+        "setting": "80% retention",
+        "method": "DLO",
+        "result": 19.6,
+        "normalized_flops": 0.964,
+    },
+    {
+        "setting": "80% retention",
+        "method": "D-LLM",
+        "result": 2019,
+        "normalized_flops": 0.886,
+    },
+    {
+        "setting": "80% retention",
+        "method": "AdaDSF",
+        "result": 18.9,
+        "normalized_flops": 0.787,
+    },
+    {
+        "setting": "70% retention",
+        "method": "AdaDSF",
+        "result": 19.9,
+        "normalized_flops": 0.680,
+    },
+    {
+        "setting": "Qwen2.5-0.5B, mean of 6 commonsense tasks",
+        "method": "dense",
+        "result": 51.7,
+        "normalized_flops": 1.000,
+    },
+    {
+        "setting": "Qwen2.5-0.5B",
+        "method": "MoD",
+        "result": 44.4,
+        "normalized_flops": 0.784,
+    },
+    {
+        "setting": "Qwen2.5-0.5B",
+        "method": "DLO",
+        "result": 48.3,
+        "normalized_flops": 0.973,
+    },
+    {
+        "setting": "Qwen2.5-0.5B",
+        "method": "AdaDSF",
+        "result": 49.1,
+        "normalized_flops": 0.785,
+    },
+]
 
 
 def _summary(runs: list[dict], tasks: list[str]) -> list[dict[str, Any]]:

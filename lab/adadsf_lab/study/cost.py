@@ -56,10 +56,24 @@ _GPU_SPEEDUP_GUESS = 30.0
 _REFERENCE_PARAMS = 135e6
 
 # Validation examples shipped per task, and lm-eval requests (choices) per example.
-TASK_SIZES = {"piqa": 1838, "arc_easy": 570, "arc_challenge": 299, "hellaswag": 10042,
-              "winogrande": 1267, "openbookqa": 500, "boolq": 3270}  # fmt: skip
-_TASK_CHOICES = {"piqa": 2, "arc_easy": 4, "arc_challenge": 4, "hellaswag": 4,
-                 "winogrande": 2, "openbookqa": 4, "boolq": 2}  # fmt: skip
+TASK_SIZES = {
+    "piqa": 1838,
+    "arc_easy": 570,
+    "arc_challenge": 299,
+    "hellaswag": 10042,
+    "winogrande": 1267,
+    "openbookqa": 500,
+    "boolq": 3270,
+}
+_TASK_CHOICES = {
+    "piqa": 2,
+    "arc_easy": 4,
+    "arc_challenge": 4,
+    "hellaswag": 4,
+    "winogrande": 2,
+    "openbookqa": 4,
+    "boolq": 2,
+}
 
 
 def planned_task_n(s: StudySettings) -> dict[str, int]:

@@ -57,8 +57,16 @@ def _draw(ax, rows: list[dict], x: str, y: str, style: dict) -> int:
         pts.sort()
         xs, ys, ex, ey = zip(*pts)
         color, marker = style[method]
-        ax.errorbar(xs, ys, xerr=ex, yerr=ey, color=color, marker=marker, capsize=3,
-                    label=labels[method])  # fmt: skip
+        ax.errorbar(
+            xs,
+            ys,
+            xerr=ex,
+            yerr=ey,
+            color=color,
+            marker=marker,
+            capsize=3,
+            label=labels[method],
+        )
     return len(by_method)
 
 
@@ -169,8 +177,13 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ok = run["method"] in _RATIO_METHODS and run["seed"] == 0
         if ok and ratios and run["budget"] == budget:
             color = style[run["method"]][0]
-            ax.step(range(len(ratios)), ratios, where="mid", label=run["method"],
-                    color=color)  # fmt: skip
+            ax.step(
+                range(len(ratios)),
+                ratios,
+                where="mid",
+                label=run["method"],
+                color=color,
+            )
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("retention ratio (fraction of tokens that run it)")
     ax.set_title(f"{model}\nper-layer ratios at budget {budget} (seed 0)")

@@ -304,8 +304,17 @@ def _speed(r: dict) -> list[str]:
             )
     if not rows:
         return []
-    head = ["method", "budget", "seed", "kind", "batch", "seq", "speedup", "ideal",
-            "ideal w/ lm_head"]  # fmt: skip
+    head = [
+        "method",
+        "budget",
+        "seed",
+        "kind",
+        "batch",
+        "seq",
+        "speedup",
+        "ideal",
+        "ideal w/ lm_head",
+    ]
     return [
         "## Measured speed (routed vs its dense twin, same checkpoint)",
         "",
