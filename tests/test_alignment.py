@@ -607,3 +607,20 @@ def test_align_fields_round_trip_through_yaml_recipe():
     keys = {"align_steps", "align_lr", "align_trainable", "align_grad_clip"}
     assert again.model_dump(include=keys) == mod.model_dump(include=keys)
     assert again.align_dataset is None
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [({"input_ids": [], "attention_mask": []}, "is empty"),
+     ({"input_ids": [[5, 6, 7]] * 2, "attention_mask": [[0, 0, 0]] * 2},
+      "no real token")],
+)  # fmt: skip
+def test_an_empty_or_padding_only_align_dataset_is_refused_at_construction(
+    rows, message
+):
+    from datasets import Dataset
+
+    with pytest.raises(ValidationError, match=message):
+        AdaDSFModifier(
+            retention=0.5, align_steps=2, align_dataset=Dataset.from_dict(rows)
+        )

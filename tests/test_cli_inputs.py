@@ -119,3 +119,29 @@ def test_calibration_problems_stop_before_the_model_loads(
         out = tmp_path / text.replace(" ", "_")
         err = one_line_error(*run(capsys, *argv, "--output-dir", out))
         assert f"calibration data: {text}" in err or text in err
+
+
+@pytest.mark.parametrize("command", ["compress", "eval", "bench"])
+def test_a_model_path_that_is_no_model_folder_is_one_line(
+    capsys, tmp_path, dense_dir, no_heavy_work, command, monkeypatch
+):
+    no_config = tmp_path / "empty"
+    no_config.mkdir()
+    a_file = tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"")
+    no_tokenizer = tmp_path / "no_tok"
+    no_tokenizer.mkdir()
+    config = (Path(dense_dir) / "config.json").read_text()
+    (no_tokenizer / "config.json").write_text(config)
+    monkeypatch.chdir(tmp_path)  # a bare file name is not taken for a hub id
+    option = "--routed" if command == "bench" else "--model"
+    extra = ["--output-dir", tmp_path / "out"] if command == "compress" else []
+    for path, message in (
+        (no_config, "has no config.json"),
+        (a_file, "is a file, not a model"),
+        ("weights.safetensors", "is a file, not a model"),
+        (no_tokenizer, "has no tokenizer"),
+    ):
+        err = one_line_error(*run(capsys, command, option, path, *extra))
+        assert message in err and str(path) in err
+    assert not (tmp_path / "out").exists()

@@ -140,6 +140,18 @@ class AlignmentFields(BaseModel):
                 "align_dataset must be an iterable of rows or batches with `input_ids` "
                 f"(e.g. a tokenized datasets.Dataset), got {type(v).__name__}"
             )
+        # refused here, not after the minutes of calibration and routing before the
+        # alignment first reads it
+        if hasattr(v, "__len__") and len(v) == 0:
+            raise ValueError(
+                "align_dataset is empty: the alignment has no row to train on"
+            )
+        if columns is not None and "attention_mask" in columns:
+            if not any(any(mask) for mask in v["attention_mask"]):
+                raise ValueError(
+                    "align_dataset holds no real token: every attention_mask is all "
+                    "zeros (padding only)"
+                )
         return v
 
     @model_validator(mode="after")

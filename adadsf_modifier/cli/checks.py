@@ -123,13 +123,34 @@ def require(module: str, what: str, install: str = EVAL_EXTRA) -> None:
         raise CLIError(f"{what} needs {module}, which is not installed: {install}")
 
 
+#: Files of which a model folder needs one for its tokenizer (every command reads text).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def check_model(name: str | None) -> str:
+    """The model the command loads: a local folder must be a Hugging Face model folder
+    with its tokenizer (checked here, before the minutes a load and a calibration
+    take, instead of failing in transformers with a traceback)."""
     from adadsf_modifier.evaluation import resolve_model
 
     try:
-        return resolve_model(name)
+        path = resolve_model(name)
     except FileNotFoundError as e:
         raise CLIError(str(e)) from e
+    if os.path.isfile(path):
+        raise CLIError(f"model path {path} is a file, not a model folder")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CLIError(
+                f"model folder {path} has no config.json: not a Hugging Face model "
+                "folder (save one with model.save_pretrained)"
+            )
+        if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            raise CLIError(
+                f"model folder {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+                "save it beside the model: tokenizer.save_pretrained(path)"
+            )
+    return path
 
 
 def check_parent(out: Path) -> None:
