@@ -77,9 +77,12 @@ def test_a_malformed_shard_index_names_the_file(saved, text, message):
 def test_a_routed_checkpoint_without_its_sidecar_is_not_taken_for_a_dense_model(
     saved, capsys
 ):
+    from tiny_models import tiny_tokenizer
+
     from adadsf_modifier.checkpoint import SIDECAR_NAME
     from adadsf_modifier.cli import main
 
+    tiny_tokenizer().save_pretrained(saved)  # a complete model folder otherwise
     (saved / SIDECAR_NAME).unlink()
     with pytest.raises(AdaDSFCheckpointError, match="routing data is missing"):
         adadsf_modifier.from_pretrained(saved)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from adadsf_modifier.cli.checks import (
@@ -162,8 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    # SIGTERM (a scheduler, `kill`, torchrun taking a failed job down) ends the command
+    # as an exception, so that what it wrote half-way (a results folder being built
+    # beside its destination) is removed on the way out, as after any other failure
+    previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         args = parser.parse_args(argv)
         args.func(args)
@@ -173,4 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"adadsf {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

@@ -179,3 +179,43 @@ def test_the_report_file_is_strict_json(tmp_path):
     report = build_report([{**RECORD, "ppl": float("nan")}])
     with pytest.raises(ValueError, match="not JSON compliant"):
         write_report(report, tmp_path)
+
+
+SLOW_RUN = """
+import sys, time
+import adadsf_lab.commands as commands
+from adadsf_modifier.cli import main
+
+def job(args, recipe, tasks, model_path, work, final):
+    (work / "checkpoint.bin").write_bytes(b"half")
+    print("WORKING", flush=True)
+    time.sleep(60)
+
+commands._main_job = job
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_run_stopped_by_sigterm_leaves_no_half_written_folder(tmp_path, dense_dir):
+    import os
+    import signal
+    import subprocess
+
+    out = tmp_path / "out"
+    argv = ["run", "--model", dense_dir, "--recipe", RECIPE, "--output-dir", out,
+            "--tasks", ""]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_RUN, *map(str, argv)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:  # log lines may come first
+            if line.strip() == "WORKING":
+                break
+        assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".new")]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
