@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, model_validator
 
-from adadsf_modifier.constraints import UnitInterval, constrained
+from adadsf_modifier.constraints import InputError, UnitInterval, constrained
 
 __all__ = [
     "Allocation",
@@ -204,7 +204,7 @@ def _layers_kept(retention: float, num_layers: int) -> int:
     """How many whole layers ``layer_drop`` keeps: ``floor(retention * L)``."""
     keep = int(math.floor(retention * num_layers + 1e-9))
     if keep < 1:
-        raise ValueError(
+        raise InputError(
             f"allocation: layer_drop at retention {retention} on {num_layers} routed "
             f"layer(s) would keep no layer (floor({retention} * {num_layers}) = 0); "
             f"the smallest retention it can meet is 1/{num_layers} = "
@@ -232,13 +232,13 @@ def layer_drop_ratios(similarities: Sequence[float], retention: float) -> list[f
 def explicit_ratios(values: Sequence[float], num_layers: int) -> list[float]:
     """A user-given ratio per routed layer, validated but used as given."""
     if len(values) != num_layers:
-        raise ValueError(
+        raise InputError(
             f"allocation: an explicit list needs one ratio per routed decoder layer "
             f"({num_layers}), got {len(values)}"
         )
     for i, v in enumerate(values):
         if not 0.0 < float(v) <= 1.0:
-            raise ValueError(
+            raise InputError(
                 f"allocation: ratio {v} for routed layer {i} is outside (0, 1]"
             )
     return [float(v) for v in values]

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BeforeValidator, ValidationError, Validatio
 
 __all__ = [
     "FiniteFloat",
+    "InputError",
     "NonNegativeInt",
     "NonNegativeFloat",
     "PositiveFloat",
@@ -25,6 +26,12 @@ __all__ = [
     "first_error",
     "one_of",
 ]
+
+
+class InputError(ValueError):
+    """An input the user gave that cannot work (a recipe field, the model, the data, a
+    checkpoint): what to change is in the message, so the command line reports it in
+    one line (exit 2) instead of a traceback. A ``ValueError``, as before."""
 
 
 def constrained(ok: Callable[[float], bool], requirement: str) -> AfterValidator:

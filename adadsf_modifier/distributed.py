@@ -26,6 +26,8 @@ from compressed_tensors.distributed import is_source_process as _ct_is_source
 from loguru import logger
 from torch import nn
 
+from adadsf_modifier.constraints import InputError
+
 __all__ = [
     "DistributedMismatchError",
     "RankPartition",
@@ -58,7 +60,7 @@ T = TypeVar("T")
 _QPARAM = re.compile(r"(weight|input|output)_(scale|zero_point|g_idx|global_scale)$")
 
 
-class DistributedMismatchError(ValueError):
+class DistributedMismatchError(InputError):
     """Ranks disagree on something that must be identical (model, settings, data)."""
 
 

@@ -44,6 +44,7 @@ from adadsf_modifier.allocation import (
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.checkpoint import attach_checkpoint_support
 from adadsf_modifier.constraints import (
+    InputError,
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
@@ -213,7 +214,7 @@ class AdaDSFModifier(
 
         calib = getattr(state.data, "calib", None) if state.data is not None else None
         if calib is None:
-            raise ValueError(
+            raise InputError(
                 "AdaDSFModifier needs calibration data: pass `dataset=` (and a "
                 "tokenizer) to oneshot"
             )
@@ -224,7 +225,7 @@ class AdaDSFModifier(
         except TypeError:
             n_batches = None
         if n_batches == 0:
-            raise ValueError("AdaDSFModifier: the calibration set is empty (0 batches)")
+            raise InputError("AdaDSFModifier: the calibration set is empty (0 batches)")
         self._check_teacher_cache(model, calib)
 
         # A quantization modifier later in the recipe must not quantize the routers:

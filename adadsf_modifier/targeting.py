@@ -7,6 +7,7 @@ from __future__ import annotations
 from compressed_tensors.utils import is_match
 from torch import nn
 
+from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing import RoutedLayer
 
 __all__ = ["check_not_routed", "targeted_layers"]
@@ -20,7 +21,7 @@ def check_not_routed(layers: Layers, who: str = "AdaDSFModifier") -> None:
     ``adadsf_modifier.from_pretrained``."""
     routed = [name for name, layer in layers if isinstance(layer, RoutedLayer)]
     if routed:
-        raise ValueError(
+        raise InputError(
             f"{who}: decoder layers {routed[:3]}"
             f"{' ...' if len(routed) > 3 else ''} are already routed (a second "
             "routing modifier in the recipe, oneshot run twice on one model, or a "
@@ -50,7 +51,7 @@ def targeted_layers(
             if is_match(n, m, targets, ignore=ignore)
         ]
     if not chosen:
-        raise ValueError(
+        raise InputError(
             f"{who}: targets={targets!r} / ignore={ignore!r} "
             f"match no decoder layer (first layer is `{layers[0][0]}`)"
         )

@@ -145,3 +145,26 @@ def test_a_model_path_that_is_no_model_folder_is_one_line(
         err = one_line_error(*run(capsys, command, option, path, *extra))
         assert message in err and str(path) in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [({"retention": 0.5, "targets": ["re:nothing.*"]}, "match no decoder layer"),
+     ({"retention": 1e-9}, "cannot reach a retention ratio")],
+)  # fmt: skip
+def test_a_modifier_error_inside_compress_is_one_line(
+    capsys, tmp_path, dense_dir, block, message
+):
+    import yaml
+
+    recipe = tmp_path / "recipe.yaml"
+    stage = {"AdaDSFModifier": {**block, "router_init_steps": 2}}
+    recipe.write_text(yaml.safe_dump({"sparsity_stage": {"sparsity_modifiers": stage}}))
+    argv = ["compress", "--model", dense_dir, "--recipe", recipe,
+            "--output-dir", tmp_path / "out", "--calibration-samples", "4",
+            "--seq-len", "16"]  # fmt: skip
+    code, err = run(capsys, *argv)
+    # the work had started (its log lines come first): the error is one line, last
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("adadsf compress: error:") and message in last

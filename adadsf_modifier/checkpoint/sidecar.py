@@ -68,6 +68,7 @@ from adadsf_modifier.checkpoint.sidecar_types import (
     SkipPathKind,
     Threshold,
 )
+from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing import RoutedLayer, decoder_layers
 from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.routing.sub_blocks import RouteTarget
@@ -104,7 +105,7 @@ METADATA_ATTR = "adadsf_metadata"
 :func:`~adadsf_modifier.checkpoint.from_pretrained`."""
 
 
-class AdaDSFCheckpointError(ValueError):
+class AdaDSFCheckpointError(InputError):
     """A checkpoint (or a model about to be saved) is not a valid AdaDSF checkpoint."""
 
 

@@ -43,6 +43,7 @@ from adadsf_modifier.cli.commands import (
     compress,
     evaluate,
 )
+from adadsf_modifier.constraints import InputError
 from adadsf_modifier.precision import DTYPES
 
 __all__ = [
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
-    except CLIError as e:
+    except (CLIError, InputError) as e:  # InputError: found by the modifier, the data
         print(f"adadsf {args.command}: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from adadsf_modifier.constraints import InputError
+
 __all__ = [
     "ArchitectureSpec",
     "SUPPORTED_ARCHITECTURES",
@@ -34,7 +36,7 @@ __all__ = [
 ROUTED_CLASS_MARKER = "_adadsf_routed_class"
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(InputError):
     """The model is not one whose decoder layers AdaDSF knows how to route."""
 
 

@@ -35,6 +35,7 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier import distributed
+from adadsf_modifier.constraints import InputError
 from adadsf_modifier.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 
-class ThresholdCalibrationError(ValueError):
+class ThresholdCalibrationError(InputError):
     """Causal thresholds cannot reproduce the layers' retention ratios on this data."""
 
 
