@@ -49,6 +49,8 @@ for n, change in enumerate(sys.argv[4:]):
     if change != "-":
         area, version = change.split("=")
         ALGORITHM_VERSIONS[area] = int(version)
+    plan = run_study(s, model, f"{out}{n}", cache, plan_only=True)["plan"]
+    print("PLAN", plan["cached"], sum(plan["runs"].values()))
     calls = []
     run_study(s, model, f"{out}{n}", cache, executor=fake_executor(calls))
     print("COMPUTED", sorted(calls))
@@ -68,7 +70,10 @@ def _copy_packages(root: Path) -> Path:
     return root
 
 
-def _studies(code: Path, model: str, tmp: Path, *changes: str) -> list[list[str]]:
+def _studies(
+    code: Path, model: str, tmp: Path, *changes: str
+) -> list[tuple[tuple[int, int], list[str]]]:
+    """Per study: ``((runs --plan found cached, runs planned), runs computed)``."""
     paths = [code, TESTS, TESTS.parents[1] / "tests"]  # + tiny_models
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
     done = subprocess.run(
@@ -78,7 +83,11 @@ def _studies(code: Path, model: str, tmp: Path, *changes: str) -> list[list[str]
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [x for x in done.stdout.splitlines() if x.startswith("COMPUTED")]
-    return [json.loads(x.removeprefix("COMPUTED ").replace("'", '"')) for x in lines]
+    plans = [x.split()[1:] for x in done.stdout.splitlines() if x.startswith("PLAN")]
+    computed = [
+        json.loads(x.removeprefix("COMPUTED ").replace("'", '"')) for x in lines
+    ]
+    return [((int(a), int(b)), c) for (a, b), c in zip(plans, computed, strict=True)]
 
 
 def test_edits_keep_cached_runs_and_a_version_bump_recomputes_its_runs(
@@ -99,10 +108,11 @@ def test_edits_keep_cached_runs_and_a_version_bump_recomputes_its_runs(
     for rel in ("adadsf_lab/study/render.py", "adadsf_modifier/cli/__init__.py"):
         with (code / rel).open("a") as f:
             f.write("\n# an edit that changes no number\n")
-    edited, ftp_bumped, routing_bumped = _studies(
+    (plan, edited), (_, ftp_bumped), (_, routing_bumped) = _studies(
         code, tiny_dir, tmp_path, "-", "ftp=2", "routing=2"
     )
     assert edited == []  # every run reused
+    assert plan == (3, 3)  # and `--plan` said so before it ran: 3 of 3 cached
     # FTP's code changed its numbers and its version was bumped: only FTP recomputes
     assert ftp_bumped == ["main:ftp@0.8/seed0"]
     # the routed forward changed: every routed run recomputes, dense does not

@@ -196,6 +196,29 @@ def _reference(records: list[dict], method: str) -> Callable[[float], dict | Non
     return ref
 
 
+def _walk(
+    settings: StudySettings, ctx: Context, runner: _Runner
+) -> tuple[Tuned, list, dict | None, list[dict]]:
+    """Every run of the study in its order, through ``runner`` (which computes it or
+    takes it from the cache): ``(tuned, tuning runs, dense run, other main runs)``."""
+    tuned, tuning = tune_on_validation(settings, ctx, runner)
+    dense, runs = None, []
+    if tuned is None:
+        runner.pending.append("all main runs (hyper-parameter tuning not finished)")
+        return Tuned.from_settings(settings, "pending"), tuning, dense, runs
+    for spec in main_specs(
+        settings, ctx, tuned, _reference(runs, settings.flops_reference)
+    ):
+        record = runner.run(spec)
+        if record is None:
+            continue
+        if spec.method == "dense":
+            dense = record
+        else:
+            runs.append(record)
+    return tuned, tuning, dense, runs
+
+
 def run_study(
     settings: StudySettings,
     model: str | None,
@@ -308,6 +331,15 @@ def run_study(
         plan["per_run_s"] = {
             m: method_seconds(settings, per_run, m)[0] for m in settings.methods
         }
+        # the same walk as a study's, computing nothing: which runs the cache holds
+        dry = _Runner(cache, None, total, None, 0, executor, {})
+        _walk(settings, ctx, dry)
+        dry.bar.close()
+        plan["cached"] = dry.cached
+        print(
+            f"adadsf study: {dry.cached} of {total} runs cached (reused as they are), "
+            f"{total - dry.cached} to compute"
+        )
         return {"plan": plan}
     env = RunEnv(model_path, device, tok, TokenStreams(tok))
     deadline = t0 + max_hours * 3600 if max_hours else None
@@ -323,22 +355,7 @@ def run_study(
         estimate=lambda spec: per_run[(spec.phase, spec.method, spec.budget)][0],
     )
     runner.lenient = render_only
-    tuned, tuning = tune_on_validation(settings, ctx, runner)
-    dense, runs = None, []
-    if tuned is not None:
-        for spec in main_specs(
-            settings, ctx, tuned, _reference(runs, settings.flops_reference)
-        ):
-            record = runner.run(spec)
-            if record is None:
-                continue
-            if spec.method == "dense":
-                dense = record
-            else:
-                runs.append(record)
-    else:
-        runner.pending.append("all main runs (hyper-parameter tuning not finished)")
-        tuned = Tuned.from_settings(settings, "pending")
+    tuned, tuning, dense, runs = _walk(settings, ctx, runner)
     runner.bar.close()
     # each option once, with the value it took: wrapper scripts repeat options
     meta = {
