@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from adadsf_modifier import distributed
-from adadsf_modifier.layer_capture import LayerCall, capture_layers, layer_call_hook
+from adadsf_modifier.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.routing.architectures import architecture_for_config
 from adadsf_modifier.utils import run_calibration_batches
 
@@ -84,25 +83,6 @@ class SimilarityAccumulator:
                 stack.enter_context(capture_layers(attns, self._stash_attention))
             stack.enter_context(capture_layers(layers, self._record))
             yield
-
-    def hooks_for(self, index: int, layer: nn.Module) -> list[tuple[nn.Module, Any]]:
-        """``[(module, hook)]`` to register with ``register_forward_hook(...,
-        with_kwargs=True)`` for decoder layer ``index``: the layer's hook, preceded
-        when a sub-block is routed by one on its attention module (for a caller that
-        manages its own hooks; :meth:`capturing` registers and removes them)."""
-        if self.route_target == "layer":
-            return [(layer, self.hook_for(index))]
-        attn = self._attention_of(layer)
-        return [
-            (attn, layer_call_hook(index, self._stash_attention)),
-            (layer, self.hook_for(index)),
-        ]
-
-    def hook_for(self, index: int):
-        """A ``register_forward_hook(..., with_kwargs=True)`` hook for decoder layer
-        ``index`` (with a sub-block routed, after :meth:`hooks_for`'s attention
-        hook)."""
-        return layer_call_hook(index, self._record)
 
     def _attention_of(self, layer: nn.Module) -> nn.Module:
         # decoder layers keep no config; their attention modules do

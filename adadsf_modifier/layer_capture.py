@@ -42,7 +42,6 @@ __all__ = [
     "OnLayerCall",
     "StopForward",
     "capture_layers",
-    "layer_call_hook",
 ]
 
 #: ``input``: the callback runs before the layer (a forward pre-hook) and sees its
@@ -106,10 +105,10 @@ class StopForward(Exception):
     caller runs the forward under ``contextlib.suppress(StopForward)``."""
 
 
-def layer_call_hook(
+def _hook(
     index: int, on_call: OnLayerCall, at: CaptureAt = "output", stop: bool = False
 ) -> Callable[..., Any]:
-    """The torch hook (register it with ``with_kwargs=True``) that hands each call of
+    """The torch hook (registered with ``with_kwargs=True``) that hands each call of
     one module to ``on_call`` as a :class:`LayerCall` of ``index``; with ``stop`` it
     then raises :class:`StopForward`. At the input the callback's return value is
     ignored: passes read a layer's arguments, they do not change them."""
@@ -153,7 +152,7 @@ def capture_layers(
     last = len(modules) - 1
     try:
         for i, module in enumerate(modules):
-            hook = layer_call_hook(i, on_call, at, stop_after_last and i == last)
+            hook = _hook(i, on_call, at, stop_after_last and i == last)
             register = (
                 module.register_forward_pre_hook
                 if at == "input"

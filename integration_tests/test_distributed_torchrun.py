@@ -98,13 +98,8 @@ def similarities(batches) -> list[float]:
     model = tiny_model("llama", 4, seed=0)
     _, layers = decoder_layers(model)
     acc = SimilarityAccumulator(len(layers))
-    handles = [
-        layer.register_forward_hook(acc.hook_for(i), with_kwargs=True)
-        for i, (_, layer) in enumerate(layers)
-    ]
-    run_calibration_batches(model.base_model, batches)
-    for h in handles:
-        h.remove()
+    with acc.capturing([layer for _, layer in layers]):
+        run_calibration_batches(model.base_model, batches)
     acc.all_reduce()
     return acc.similarities()
 
@@ -178,13 +173,8 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
     model, _ = routed_tiny()
     _, layers = decoder_layers(model)
     acc = SimilarityAccumulator(len(layers), sample_tokens=24, seed=0)
-    handles = [
-        layer.register_forward_hook(acc.hook_for(i), with_kwargs=True)
-        for i, (_, layer) in enumerate(layers)
-    ]
-    run_calibration_batches(model.base_model, mine)
-    for h in handles:
-        h.remove()
+    with acc.capturing([layer for _, layer in layers]):
+        run_calibration_batches(model.base_model, mine)
     reports = warm_start_routers(model, acc.local_sample, steps=5)
     res["warm_start"] = {
         "routers": trained(model, "routers"),

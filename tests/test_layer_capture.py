@@ -119,10 +119,12 @@ def test_capturing_equals_hooks_registered_by_hand():
     layers = layers_of(model)
     empty = hooks(layers)
     by_hand = SimilarityAccumulator(3, sample_tokens=8)
-    handles = [
-        m.register_forward_hook(h, with_kwargs=True)
+    handles = [  # plain torch hooks feeding the accumulator the same calls
+        layer.register_forward_hook(
+            lambda m, a, k, o, i=i: by_hand._record(LayerCall(i, m, a, k, o)),
+            with_kwargs=True,
+        )
         for i, layer in enumerate(layers)
-        for m, h in by_hand.hooks_for(i, layer)
     ]
     with torch.no_grad():
         model(**left_padded())

@@ -204,18 +204,15 @@ def test_calibration_similarity_is_that_of_the_routed_sub_block(target):
     model = tiny_model("llama", 3)
     _, layers = decoder_layers(model)
     acc = SimilarityAccumulator(3, sample_tokens=16, route_target=target)
-    handles = [
-        module.register_forward_hook(hook, with_kwargs=True)
-        for i, (_, layer) in enumerate(layers)
-        for module, hook in acc.hooks_for(i, layer)
-    ]
     ids, mask = left_padded(2, 10)
     calls = {}
-    for i, (_, layer) in enumerate(layers):
-        handles.append(layer.register_forward_hook(
-            lambda m, a, k, o, i=i: calls.__setitem__(i, (a, k, o)),
-            with_kwargs=True))  # fmt: skip
-    with torch.no_grad():
+    handles = [
+        layer.register_forward_hook(
+            lambda m, a, k, o, i=i: calls.__setitem__(i, (a, k, o)), with_kwargs=True
+        )
+        for i, (_, layer) in enumerate(layers)
+    ]
+    with acc.capturing([layer for _, layer in layers]), torch.no_grad():
         model(
             input_ids=ids,
             attention_mask=mask,

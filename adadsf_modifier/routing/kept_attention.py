@@ -522,14 +522,10 @@ class KeptQueries(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func is torch.Tensor.to:
-            # an offload wrapper (compressed-tensors, accelerate) moves every tensor
-            # argument of the attention module: the positions travel, the marker stays
-            marker = args[0]
-            with torch._C.DisableTorchFunctionSubclass():
-                device = func(*args, **kwargs).device
-            if device == marker.index.device:
-                return marker
-            return KeptQueries(marker.index.to(device), marker.seq_len)
+            # an offload wrapper (compressed-tensors) moves every tensor argument of
+            # the attention module, and copies the marker's attributes onto what it
+            # gets back: the marker stays as it is, :func:`_attend` moves the positions
+            return args[0]
         raise RuntimeError(
             f"adadsf routing: the kept-queries attention marker reached {func!r}; it "
             "is only valid as the attn_mask of scaled_dot_product_attention (the "
@@ -550,7 +546,7 @@ def _attend(
     """``query [batch, heads, K, d]`` at ``attn_mask.index`` against the
     ``seq_len`` keys, causally: through a full-length causal call."""
     index, n = attn_mask.index, attn_mask.seq_len
-    if index.device != query.device:  # a wrapper moved the marker, not its positions
+    if index.device != query.device:  # the queries were moved, the positions not
         index = index.to(query.device)
     batch, heads, k, dim = query.shape
     if is_causal or key.shape[-2] != n:
