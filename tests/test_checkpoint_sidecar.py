@@ -199,7 +199,9 @@ def test_sidecar_that_disagrees_with_config_json_is_refused_before_loading(ckpt)
 @pytest.mark.parametrize(
     ("content", "match"),
     [("{not json", "not valid JSON"), ('{"format": "other"}', "not an AdaDSF sidecar"),
-     ('{"format": "adadsf", "format_version": 99}', r"format_version 99.*\[1, 2, 3\]")],
+     ('{"format": "adadsf", "format_version": 99}', r"format_version 99.*\[1, 2, 3\]"),
+     ("", "is empty"), ("[" * 100_000 + "]" * 100_000, "nested"),
+     ('{"format": "adadsf", "modifier": ' + "[" * 200 + "]" * 200 + "}", "nested")],
 )  # fmt: skip
 def test_unreadable_sidecar(ckpt, content, match):
     (ckpt / SIDECAR_NAME).write_text(content)

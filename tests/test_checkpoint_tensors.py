@@ -64,8 +64,9 @@ def test_a_shard_outside_the_folder_is_refused(saved, tmp_path):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("{not json", "not readable JSON"), ('{"metadata": {}}', "no `weight_map`"),
-     ('{"weight_map": {"a": 3}}', "no `weight_map`")],
+    [("{not json", "not valid JSON"), ('{"metadata": {}}', "no `weight_map`"),
+     ('{"weight_map": {"a": 3}}', "no `weight_map`"), ("", "is empty"),
+     ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested")],
 )  # fmt: skip
 def test_a_malformed_shard_index_names_the_file(saved, text, message):
     (saved / INDEX).write_text(text)

@@ -7,6 +7,7 @@ versioned file saying which layers AdaDSF routed and how, or FTP's
 
 * :mod:`.kinds` -- the two kinds, their sidecar names, telling them apart on disk;
 * :mod:`.sidecar` -- the AdaDSF sidecar's pydantic schema; building, reading, writing;
+  the one reader of both kinds' sidecars (:func:`.sidecar.read_sidecar_file`);
 * :mod:`.tensors` -- reading and checking the router tensors from safetensors files;
 * :mod:`.save` -- the ``save_pretrained`` hook of both kinds: checks, atomic write,
   sidecar last, source rank only under ``torchrun``;

@@ -45,7 +45,7 @@ from adadsf_modifier.routing import (
     route_layer,
 )
 
-__all__ = ["from_pretrained", "load_adadsf", "load_base_model"]
+__all__ = ["from_pretrained", "load_adadsf", "load_base_model", "read_config"]
 
 
 def _any_topk_at_inference(layers: list[tuple[str, nn.Module]]) -> bool:
@@ -75,8 +75,10 @@ def _check_config(path: Path, sidecar: AdaDSFSidecar, config: Any) -> None:
             )
 
 
-def _read_config(path: Path, kwargs: dict[str, Any]) -> Any:
-    """``kwargs["config"]`` (removed from ``kwargs``), else ``PATH/config.json``."""
+def read_config(path: Path, kwargs: dict[str, Any]) -> Any:
+    """``kwargs["config"]`` (removed from ``kwargs``), else ``PATH/config.json``: read
+    before the weights, so that a sidecar is checked against the model it describes
+    (layer count, hidden size) before the base model loads."""
     from transformers import AutoConfig
 
     config = kwargs.pop("config", None)
@@ -111,7 +113,7 @@ def load_base_model(
     each kind.
     """
     path = Path(path)
-    config = _read_config(path, kwargs)
+    config = read_config(path, kwargs)
     base_cls = _causal_lm_class(path, config)
     return load_with_expected_extra_keys(
         base_cls, extra_keys, path, config=config, **kwargs
@@ -223,7 +225,7 @@ def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     """
     path = Path(path)
     sidecar = read_sidecar(path)
-    config = _read_config(path, kwargs)
+    config = read_config(path, kwargs)
     _check_config(path, sidecar, config)
     _causal_lm_class(path, config)  # an unsupported model type fails before any read
     router_tensors = read_router_tensors(path, sidecar)

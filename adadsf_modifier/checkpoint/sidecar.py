@@ -40,6 +40,11 @@ sidecar without ``route_target`` (any version) routes whole layers. The whole fi
 validated against :class:`AdaDSFSidecar` before any weight is read, so a bad value
 fails with the file and field named instead of after a long load or, worse, in the
 model's behaviour (a NaN threshold would keep no token but the first).
+
+:func:`read_sidecar_file` is the one reader of both kinds of sidecar (FTP's
+``ftp_routing.json`` too, with its own schema built on :class:`SidecarSchema` and the
+field types of :mod:`.sidecar_types`): text, JSON object, nesting, format, schema, each
+failure one :class:`AdaDSFCheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -62,6 +68,7 @@ from torch import nn
 from adadsf_modifier.atomic import write_text_durably
 from adadsf_modifier.checkpoint.sidecar_types import (
     FiniteFloat,
+    PositiveFloat,
     PositiveInt,
     Ratio,
     RoutingMode,
@@ -84,11 +91,16 @@ __all__ = [
     "AdaDSFCheckpointError",
     "AdaDSFSidecar",
     "LayerEntry",
+    "MAX_NESTING",
     "ModifierRecord",
+    "SidecarSchema",
     "adadsf_config",
+    "describe_validation_error",
     "package_version",
     "read_adadsf_config",
+    "read_json_object",
     "read_sidecar",
+    "read_sidecar_file",
     "sidecar_for_model",
     "write_sidecar",
 ]
@@ -123,13 +135,18 @@ def package_version() -> str:
 # ------------------------------------------------------------------------------------
 
 
-class _Schema(BaseModel):
+class SidecarSchema(BaseModel):
+    """The base of both kinds' sidecar schemas (this file's and FTP's)."""
+
     # strict: no "0.5" -> 0.5 or true -> 1 coercion; ignore: additive keys of a later
     # writer keep the format version readable.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class LayerEntry(_Schema):
+SchemaT = TypeVar("SchemaT", bound=SidecarSchema)
+
+
+class LayerEntry(SidecarSchema):
     """One decoder layer, in model order."""
 
     index: Annotated[int, Field(ge=0)]
@@ -138,7 +155,7 @@ class LayerEntry(_Schema):
     retention_ratio: Ratio
     similarity: FiniteFloat | None = None
     router_hidden_size: PositiveInt | None
-    router_eps: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    router_eps: PositiveFloat | None = None
     causal_threshold: Threshold = None
     routing_mode: RoutingMode | None = None
     skip_path: SkipPathKind = "identity"
@@ -165,14 +182,14 @@ class LayerEntry(_Schema):
         return self.skip_path != "identity" or self.skipped_tokens_kv
 
 
-class ModifierRecord(_Schema):
+class ModifierRecord(SidecarSchema):
     """The modifier that routed the model: its class name and recipe settings."""
 
     class_name: str = Field(alias="class")
     settings: dict[str, Any] = Field(default_factory=dict)
 
 
-class AdaDSFSidecar(_Schema):
+class AdaDSFSidecar(SidecarSchema):
     """The whole sidecar file (see the module docstring for the format)."""
 
     format: Literal[FORMAT_NAME]  # type: ignore[valid-type]
@@ -228,7 +245,7 @@ def _field(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _describe(error: ValidationError) -> str:
+def describe_validation_error(error: ValidationError) -> str:
     """One line naming every offending field, its problem and (scalars) its value."""
     parts = []
     for e in error.errors(include_url=False):
@@ -329,7 +346,7 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
     except ValidationError as e:
         raise AdaDSFCheckpointError(
             f"cannot save {type(model).__name__} as an AdaDSF checkpoint: "
-            f"{_describe(e)}"
+            f"{describe_validation_error(e)}"
         ) from None
 
 
@@ -342,6 +359,95 @@ def write_sidecar(folder: Path, sidecar: AdaDSFSidecar) -> None:
     """Write ``folder/adadsf_config.json`` (fsynced: it marks a complete checkpoint)."""
     text = json.dumps(sidecar.to_json_dict(), indent=2, allow_nan=False) + "\n"
     write_text_durably(folder / SIDECAR_NAME, text)
+
+
+MAX_NESTING = 32
+"""The deepest nesting of lists and objects a JSON file of a checkpoint may have: far
+above what this package writes (a sidecar or shard index is 2 to 5 levels deep), far
+below the depth at which Python's JSON reader, pydantic or a later ``json.dumps``
+exhausts the interpreter's recursion limit."""
+
+
+def _nesting(data: Any) -> int:
+    """How deep ``data``'s lists and objects nest (a scalar is 0), walked without
+    recursion; stops counting past :data:`MAX_NESTING`."""
+    deepest, stack = 0, [(data, 1)]
+    while stack and deepest <= MAX_NESTING:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
+    return deepest
+
+
+def read_json_object(file: Path, what: str) -> dict[str, Any]:
+    """``file``'s content, which must be one JSON object (``what`` says which file it
+    should be, for the messages).
+
+    Everything a user's file can do wrong here (unreadable, empty, not JSON, not an
+    object, nested without end, which would otherwise be a bare ``RecursionError``)
+    is one :class:`AdaDSFCheckpointError` naming the file.
+    """
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise AdaDSFCheckpointError(f"{file} cannot be read as text: {e}") from None
+    if not text.strip():
+        raise AdaDSFCheckpointError(f"{file} is empty: it should be {what}")
+    try:
+        data = json.loads(text)
+        too_deep = _nesting(data) > MAX_NESTING
+    except RecursionError:  # deeper than the JSON reader itself can follow
+        too_deep = True
+    except ValueError as e:
+        raise AdaDSFCheckpointError(f"{file} is not valid JSON: {e}") from None
+    if too_deep:
+        raise AdaDSFCheckpointError(
+            f"{file} is nested more than {MAX_NESTING} levels deep: it is not {what}"
+        )
+    if not isinstance(data, dict):
+        raise AdaDSFCheckpointError(f"{file} is not a JSON object: it should be {what}")
+    return data
+
+
+def read_sidecar_file(
+    file: Path,
+    schema: type[SchemaT],
+    label: str,
+    check_format: Callable[[Path, dict[str, Any]], None],
+) -> SchemaT:
+    """The one reader of both kinds' sidecars: the file as a JSON object
+    (:func:`read_json_object`), then ``check_format`` (the kind's format and version,
+    first, so that a newer file says "upgrade" instead of listing the fields it
+    changed), then the whole ``schema``. Nothing else is read: a bad file fails before
+    any weight loads.
+
+    :raises AdaDSFCheckpointError: naming the file, and for a schema error every
+        offending field
+    """
+    data = read_json_object(file, f"an {label} sidecar")
+    check_format(file, data)
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise AdaDSFCheckpointError(
+            f"{file}: invalid {label} sidecar: {describe_validation_error(e)}"
+        ) from None
+
+
+def _check_adadsf_format(file: Path, data: dict[str, Any]) -> None:
+    if data.get("format") != FORMAT_NAME:
+        raise AdaDSFCheckpointError(
+            f"{file} is not an AdaDSF sidecar (missing format: 'adadsf')"
+        )
+    version = data.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
+        raise AdaDSFCheckpointError(
+            f"unknown AdaDSF format_version {version!r} in {file}; this "
+            f"adadsf_modifier ({package_version()}) reads format_version "
+            f"{list(SUPPORTED_FORMAT_VERSIONS)}: upgrade adadsf_modifier"
+        )
 
 
 def read_sidecar(path: str | os.PathLike[str]) -> AdaDSFSidecar:
@@ -363,27 +469,7 @@ def read_sidecar(path: str | os.PathLike[str]) -> AdaDSFSidecar:
             "model with oneshot(..., output_dir=...) or model.save_pretrained(...) "
             "after AdaDSFModifier ran"
         )
-    try:
-        data = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdaDSFCheckpointError(f"{file} is not valid JSON: {e}") from e
-    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise AdaDSFCheckpointError(
-            f"{file} is not an AdaDSF sidecar (missing format: 'adadsf')"
-        )
-    version = data.get("format_version")
-    if version not in SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
-        raise AdaDSFCheckpointError(
-            f"unknown AdaDSF format_version {version!r} in {file}; this "
-            f"adadsf_modifier ({package_version()}) reads format_version "
-            f"{list(SUPPORTED_FORMAT_VERSIONS)}: upgrade adadsf_modifier"
-        )
-    try:
-        return AdaDSFSidecar.model_validate(data)
-    except ValidationError as e:
-        raise AdaDSFCheckpointError(
-            f"{file}: invalid AdaDSF sidecar: {_describe(e)}"
-        ) from None
+    return read_sidecar_file(file, AdaDSFSidecar, "AdaDSF", _check_adadsf_format)
 
 
 def read_adadsf_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Field types of the ``adadsf_config.json`` schema
-(:mod:`adadsf_modifier.checkpoint.sidecar`): thresholds that may be infinite but never
-NaN, ratios, and the literal option sets the routed layers accept."""
+"""Field types of the sidecar schemas (``adadsf_config.json`` in
+:mod:`adadsf_modifier.checkpoint.sidecar`, ``ftp_routing.json`` in
+:mod:`adadsf_modifier.ftp.checkpoint`): thresholds that may be infinite but never NaN,
+ratios, and the literal option sets the routed layers accept."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from adadsf_modifier.routing.skip_path import SKIP_PATHS
 
 __all__ = [
     "FiniteFloat",
+    "PositiveFloat",
     "PositiveInt",
     "Ratio",
     "RoutingMode",
@@ -49,6 +51,7 @@ Threshold = Annotated[
     PlainSerializer(_threshold_out, when_used="json"),
 ]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 PositiveInt = Annotated[int, Field(gt=0)]
 RoutingMode = Literal[ROUTING_MODES]  # type: ignore[valid-type]

@@ -9,7 +9,6 @@ before it is published.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from adadsf_modifier.checkpoint.sidecar import (
     AdaDSFCheckpointError,
     AdaDSFSidecar,
     LayerEntry,
+    read_json_object,
 )
 from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 from adadsf_modifier.routing import SkipPath, TokenRouter
@@ -59,11 +59,8 @@ def safetensors_files(path: Path) -> dict[str, Path]:
 def _weight_map(index: Path) -> dict[str, str]:
     """The index's ``weight_map`` ``{tensor name: shard file name}``, or a one-line
     error naming the file."""
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AdaDSFCheckpointError(f"{index} is not readable JSON: {err}") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    data = read_json_object(index, "a shard index")
+    weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):

@@ -17,36 +17,146 @@ back, sidecar last, one rename (an interrupted save leaves the previous folder a
 was), the source rank only under ``torchrun``. ``adadsf_modifier.from_pretrained``
 reloads FTP folders through :func:`load_ftp`. Not done: schema versioning beyond
 ``format``.
+
+The sidecar has a schema, :class:`FTPSidecar`, read by the same reader as AdaDSF's
+(:func:`adadsf_modifier.checkpoint.sidecar.read_sidecar_file`) with the same field
+types, and checked at the save too: a value the routed model cannot run with (a NaN
+threshold, a zero score deviation, a layer index twice or past the model) is refused in
+one line naming the file. :func:`load_ftp` checks the sidecar, then it against
+``config.json``, then reads the router tensors it implies (present, shapes, finite),
+all before the base model's weights load. Thresholds are written as AdaDSF's are
+(``"inf"`` / ``"-inf"``, strict JSON); files holding bare ``-Infinity`` tokens, as
+earlier versions wrote, still read.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
-from safetensors import safe_open
+from pydantic import Field, ValidationError, model_validator
 from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
 from adadsf_modifier.checkpoint import CheckpointKind, install_save_hook
 from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, register_loader
-from adadsf_modifier.checkpoint.load import load_base_model
-from adadsf_modifier.checkpoint.tensors import read_expected_tensors
-from adadsf_modifier.ftp.features import LayerFeatureStats
+from adadsf_modifier.checkpoint.load import load_base_model, read_config
+from adadsf_modifier.checkpoint.sidecar import (
+    AdaDSFCheckpointError,
+    SidecarSchema,
+    describe_validation_error,
+    package_version,
+    read_sidecar_file,
+)
+from adadsf_modifier.checkpoint.sidecar_types import (
+    FiniteFloat,
+    PositiveFloat,
+    PositiveInt,
+    Ratio,
+    SkipPathKind,
+    Threshold,
+)
+from adadsf_modifier.checkpoint.tensors import read_expected_tensors, safetensors_files
+from adadsf_modifier.ftp.features import NUM_QUANTILES, LayerFeatureStats
 from adadsf_modifier.ftp.router import (
     FTPLayerRouter,
     FTPRouterMLP,
     attach_context_hooks,
 )
-from adadsf_modifier.routing import SkipPath, decoder_layers, route_layer, routed_layers
+from adadsf_modifier.routing import (
+    SkipPath,
+    architecture_for_config,
+    decoder_layers,
+    route_layer,
+    routed_layers,
+)
 from adadsf_modifier.routing.skip_path import skip_path_of
 
-__all__ = ["FTP", "FTP_SIDECAR", "ftp_sidecar", "install_ftp_save_hook", "load_ftp"]
+__all__ = [
+    "FTP",
+    "FTP_SIDECAR",
+    "FTPLayerEntry",
+    "FTPSidecar",
+    "ftp_sidecar",
+    "install_ftp_save_hook",
+    "load_ftp",
+    "read_ftp_sidecar",
+]
 
 FTP_SIDECAR = FTP_SIDECAR_NAME
 _FORMAT = 1
+
+
+class FTPLayerEntry(SidecarSchema):
+    """One FTP-routed decoder layer: its ratio, threshold, router statistics and skip
+    path."""
+
+    index: Annotated[int, Field(ge=0)]
+    retention_ratio: Ratio
+    causal_threshold: Threshold
+    retention: Ratio
+    probe_bias: FiniteFloat
+    norm_eps: PositiveFloat
+    score_mean: FiniteFloat
+    # standardises the probe score: zero would make every feature infinite or clamped
+    score_std: PositiveFloat
+    skip_path: SkipPathKind = "identity"
+    skip_path_rank: PositiveInt | None = None
+    skipped_tokens_kv: bool = False
+
+    @model_validator(mode="after")
+    def _rank_needs_ridge(self) -> FTPLayerEntry:
+        if self.skip_path == "identity" and self.skip_path_rank is not None:
+            raise ValueError("skip_path_rank needs skip_path 'ridge'")
+        return self
+
+
+class FTPSidecar(SidecarSchema):
+    """The whole ``ftp_routing.json``: the shared router's sizes and one entry per
+    routed layer, in model order (the first owns the shared MLP's tensors)."""
+
+    format: Literal[_FORMAT]  # type: ignore[valid-type]
+    mlp_hidden: PositiveInt
+    position_scale: PositiveInt
+    keep_last: Annotated[int, Field(ge=0)]
+    layers: list[FTPLayerEntry]
+
+    @model_validator(mode="after")
+    def _layers_in_model_order(self) -> FTPSidecar:
+        if not self.layers:
+            raise ValueError("it lists no routed layer")
+        for j in range(1, len(self.layers)):
+            index, previous = self.layers[j].index, self.layers[j - 1].index
+            if index <= previous:
+                raise ValueError(
+                    f"layers[{j}] has index {index}, not above layers[{j - 1}]'s "
+                    f"{previous}: each routed layer is listed once, in model order"
+                )
+        return self
+
+
+def _check_ftp_format(file: Path, data: dict[str, Any]) -> None:
+    version = data.get("format")
+    if version != _FORMAT or isinstance(version, bool):
+        raise AdaDSFCheckpointError(
+            f"unsupported FTP sidecar format {version!r} in {file}; this "
+            f"adadsf_modifier ({package_version()}) reads format {_FORMAT}"
+        )
+
+
+def read_ftp_sidecar(path: str | Path) -> FTPSidecar:
+    """Read and fully validate ``PATH/ftp_routing.json``, without touching any weight
+    (the reader AdaDSF's sidecar goes through).
+
+    :raises AdaDSFCheckpointError: not JSON, unknown format, or any field off (the
+        message names the file and the field)
+    """
+    return read_sidecar_file(
+        Path(path) / FTP_SIDECAR, FTPSidecar, "FTP", _check_ftp_format
+    )
 
 
 def _ftp_layers(model: nn.Module) -> list[nn.Module]:
@@ -59,7 +169,7 @@ def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
     if not layers:
         raise ValueError("the model has no FTP-routed layers")
     first = layers[0].router
-    return {
+    data = {
         "format": _FORMAT,
         "mlp_hidden": first.router_hidden_size,
         "position_scale": first.position_scale,
@@ -68,7 +178,7 @@ def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
             {
                 "index": m.layer_index,
                 "retention_ratio": float(m.retention_ratio),
-                "causal_threshold": m.causal_threshold,
+                "causal_threshold": _float_or_none(m.causal_threshold),
                 "retention": m.router.retention,
                 "probe_bias": m.router.probe_bias,
                 "norm_eps": m.router.norm_eps,
@@ -79,6 +189,18 @@ def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
             for m in layers
         ],
     }
+    try:  # as a file being read: nothing is written that no reload would accept
+        sidecar = FTPSidecar.model_validate(data)
+    except ValidationError as e:
+        raise AdaDSFCheckpointError(
+            f"cannot save {type(model).__name__} as an FTP checkpoint: "
+            f"{describe_validation_error(e)}"
+        ) from None
+    return sidecar.model_dump(mode="json")
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _skip_entry(layer: nn.Module) -> dict[str, Any]:
@@ -108,7 +230,8 @@ def _save_record(model: nn.Module) -> dict[str, Any]:
 
 
 def _write_sidecar(folder: Path, record: dict[str, Any]) -> None:
-    write_text_durably(folder / FTP_SIDECAR, json.dumps(record["sidecar"], indent=2))
+    text = json.dumps(record["sidecar"], indent=2, allow_nan=False) + "\n"
+    write_text_durably(folder / FTP_SIDECAR, text)
 
 
 FTP = CheckpointKind(
@@ -131,15 +254,83 @@ def install_ftp_save_hook(model: nn.Module) -> None:
     install_save_hook(model, FTP)
 
 
-def _router_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Router and skip-path tensors (the ones transformers does not know about)."""
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                if ".router." in key or ".skip_path." in key:
-                    out[key] = f.get_tensor(key)
-    return out
+def _layer_names(path: Path, sidecar: FTPSidecar, config: Any) -> list[str]:
+    """Each listed layer's module name, once every index is checked against the
+    model ``config.json`` builds."""
+    spec = architecture_for_config(config)
+    count = int(config.num_hidden_layers)
+    for j, entry in enumerate(sidecar.layers):
+        if entry.index >= count:
+            raise AdaDSFCheckpointError(
+                f"{path / FTP_SIDECAR}: layers[{j}] has index {entry.index}, but "
+                f"config.json gives the model {count} decoder layers"
+            )
+    return [f"{spec.layers_path}.{entry.index}" for entry in sidecar.layers]
+
+
+def _new_router(
+    mlp: FTPRouterMLP, sidecar: FTPSidecar, j: int, hidden: int
+) -> FTPLayerRouter:
+    """Layer ``j``'s router as the sidecar describes it; its probe and rank table are
+    zeros until the saved tensors are loaded into it."""
+    entry = sidecar.layers[j]
+    stats = LayerFeatureStats(
+        torch.zeros(hidden),
+        entry.probe_bias,
+        entry.norm_eps,
+        entry.score_mean,
+        entry.score_std,
+        torch.zeros(NUM_QUANTILES),
+    )
+    return FTPLayerRouter(
+        mlp,
+        stats,
+        hidden,
+        sidecar.position_scale,
+        entry.retention,
+        sidecar.keep_last,
+        owner=j == 0,
+    )
+
+
+def _new_skip_path(entry: FTPLayerEntry, hidden: int) -> SkipPath | None:
+    if entry.skip_path == "identity":
+        return None
+    return SkipPath(hidden, entry.skip_path_rank)
+
+
+def _read_router_tensors(
+    path: Path, sidecar: FTPSidecar, names: list[str], hidden: int
+) -> dict[str, torch.Tensor]:
+    """The router and skip-path tensors the sidecar implies, read before the base
+    model: present, of the shapes its sizes give (built on the meta device: shapes
+    only), finite; and none the sidecar does not describe (a sidecar and weights of
+    different saves)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    with torch.device("meta"):
+        mlp = FTPRouterMLP(sidecar.mlp_hidden)
+        for j, (entry, name) in enumerate(zip(sidecar.layers, names)):
+            parts = {"router": _new_router(mlp, sidecar, j, hidden)}
+            skip = _new_skip_path(entry, hidden)
+            if skip is not None:
+                parts["skip_path"] = skip
+            for part, module in parts.items():
+                for key, value in module.state_dict().items():
+                    expected[f"{name}.{part}.{key}"] = tuple(value.shape)
+    tensors = read_expected_tensors(path, expected)
+    extra = sorted(
+        key
+        for key in safetensors_files(path)
+        if re.search(r"\.(router|skip_path)\.", key) and key not in expected
+    )
+    if extra:
+        what = "skip path" if ".skip_path." in extra[0] else "router"
+        raise AdaDSFCheckpointError(
+            f"{path} holds {what} tensor `{extra[0]}` (and {len(extra) - 1} more) "
+            f"that {FTP_SIDECAR} does not describe: the sidecar and the weights come "
+            "from different saves"
+        )
+    return tensors
 
 
 def _load_into(module: nn.Module, tensors: dict, prefix: str, what: str) -> None:
@@ -147,7 +338,7 @@ def _load_into(module: nn.Module, tensors: dict, prefix: str, what: str) -> None
     try:
         module.load_state_dict(own, strict=True)
     except RuntimeError as err:
-        raise ValueError(
+        raise AdaDSFCheckpointError(
             f"{what} tensors of `{prefix[:-1]}` do not match: "
             f"{str(err).splitlines()[-1].strip()}"
         ) from None
@@ -160,57 +351,44 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
     ``adadsf_modifier.from_pretrained`` calls this for a folder holding
     ``ftp_routing.json``; the base model loads as AdaDSF's does
     (``checkpoint.load_base_model``: compressed-tensors checkpoints included, the
-    router tensors expected rather than reported as unexpected keys)."""
+    router tensors expected rather than reported as unexpected keys). Before it
+    does, the sidecar is validated, checked against ``config.json`` and the router
+    tensors are read and checked, so a bad folder costs no model load.
+
+    :raises AdaDSFCheckpointError: a sidecar that is not valid (the file and field
+        named), a layer index the model does not have, a router or skip-path tensor
+        missing, mis-shaped, not finite, or not described by the sidecar
+    """
     path = Path(path)
-    sidecar_path = path / FTP_SIDECAR
-    if not sidecar_path.is_file():
+    if not (path / FTP_SIDECAR).is_file():
         raise FileNotFoundError(f"{path} has no {FTP_SIDECAR}: not an FTP checkpoint")
-    meta = json.loads(sidecar_path.read_text())
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"unsupported {FTP_SIDECAR} format {meta.get('format')!r}")
-    model = load_base_model(path, [r"\.(router|skip_path)\."], **kwargs)
+    sidecar = read_ftp_sidecar(path)
+    config = read_config(path, kwargs)
+    names = _layer_names(path, sidecar, config)
+    hidden = int(config.hidden_size)
+    tensors = _read_router_tensors(path, sidecar, names, hidden)
+    model = load_base_model(path, [r"\.(router|skip_path)\."], config=config, **kwargs)
     spec, layers = decoder_layers(model)
-    mlp = FTPRouterMLP(int(meta["mlp_hidden"]))
-    names = []
-    hidden = model.config.hidden_size
-    tensors = _router_tensors(path)
-    for j, entry in enumerate(meta["layers"]):
-        name, layer = layers[int(entry["index"])]
-        stats = LayerFeatureStats(
-            torch.zeros(hidden),
-            entry["probe_bias"],
-            entry["norm_eps"],
-            entry["score_mean"],
-            entry["score_std"],
-            torch.zeros(33),
-        )
-        router = FTPLayerRouter(
-            mlp,
-            stats,
-            hidden,
-            int(meta["position_scale"]),
-            float(entry["retention"]),
-            int(meta["keep_last"]),
-            owner=j == 0,
-        )
-        skip = None
-        if entry.get("skip_path", "identity") != "identity":
-            skip = SkipPath(hidden, entry.get("skip_path_rank"))
+    mlp = FTPRouterMLP(sidecar.mlp_hidden)
+    for j, (entry, name) in enumerate(zip(sidecar.layers, names)):
+        layer = model.get_submodule(name)
+        router = _new_router(mlp, sidecar, j, hidden)
+        skip = _new_skip_path(entry, hidden)
+        if skip is not None:
             _load_into(skip, tensors, f"{name}.skip_path.", f"{path}: skip path")
         route_layer(
             layer,
             router,
-            float(entry["retention_ratio"]),
-            int(entry["index"]),
+            entry.retention_ratio,
+            entry.index,
             spec.cache_kwarg,
             model.config,
             skip,
-            bool(entry.get("skipped_tokens_kv", False)),
+            entry.skipped_tokens_kv,
         )
         router.float()  # saved in float32 (FTPModifier trains it in float32)
-        layer.causal_threshold = entry["causal_threshold"]
+        layer.causal_threshold = entry.causal_threshold
         attach_context_hooks(layer)
-        names.append(name)
     for name in names:
         router = model.get_submodule(name).router
         _load_into(router, tensors, f"{name}.router.", f"{path}: router")

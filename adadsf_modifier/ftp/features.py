@@ -31,6 +31,7 @@ from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [
     "NUM_FEATURES",
+    "NUM_QUANTILES",
     "LayerFeatureStats",
     "check_probe_supported",
     "calibrate_features",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 NUM_FEATURES = 4
-_QUANTILES = 33
+NUM_QUANTILES = 33  # entries of a layer's rank table (its calibration CDF)
 
 
 @dataclass
@@ -53,7 +54,7 @@ class LayerFeatureStats:
     eps: float
     mean: float
     std: float
-    quantiles: torch.Tensor  # [_QUANTILES], float32, ascending
+    quantiles: torch.Tensor  # [NUM_QUANTILES], float32, ascending
 
 
 def check_probe_supported(layer: nn.Module, name: str) -> None:
@@ -178,7 +179,7 @@ def calibrate_features(
             col.probes.append((probe, bias, norm_eps(m.input_layernorm)))
         run_calibration_batches(base, batches, desc="FTP features (scores)")
     out = []
-    grid = torch.linspace(0, 1, _QUANTILES)
+    grid = torch.linspace(0, 1, NUM_QUANTILES)
     for i, (probe, bias, eps) in enumerate(col.probes):
         s = torch.cat(col.scores[i]).float()
         if s.numel() > col.sample:
