@@ -11,7 +11,8 @@ order), :mod:`.tuning` (hyper-parameters chosen on validation), :mod:`.run_cache
 :mod:`.hardware` (the machine a run was computed on), :mod:`.stats` (intervals, paired
 differences), :mod:`.targets` (the quality targets met or missed),
 :mod:`.task_resolution` (how finely task scores resolve), :mod:`.aggregate`
-(``results.json``), :mod:`.render` / :mod:`.plots` (Markdown, PNG), :mod:`.cost`
+(``results.json``), :mod:`.wall_clock` (test PPL against measured speedup: frontier
+and verdicts on speed), :mod:`.render` / :mod:`.plots` (Markdown, PNG), :mod:`.cost`
 (up-front estimate), :mod:`.study` (orchestration), :mod:`.argv` (the options, and a
 recorded command with each option once), :mod:`.command` (CLI).
 

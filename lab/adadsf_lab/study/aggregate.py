@@ -1,6 +1,7 @@
 """From finished run records to ``results.json``: per-method summaries with 95%
 intervals, paired comparisons and their verdicts. Everything the rendered
-``RESULTS.md`` shows is in this dict; nothing there is typed by hand."""
+``RESULTS.md`` shows is in this dict; nothing there is typed by hand. The wall-clock
+picture (frontier, verdicts on speed) is :mod:`.wall_clock`'s."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from adadsf_lab.study.stats import (
 )
 from adadsf_lab.study.targets import target_rows, target_sentence
 from adadsf_lab.study.task_resolution import task_resolution
+from adadsf_lab.study.wall_clock import wall_clock
 
 __all__ = [
     "COMPARISONS",
@@ -235,6 +237,7 @@ def build_results(
         (r.get("task_n") for r in runs if r.get("task_n")), {}
     )
     resolution = task_resolution(task_n, (dense or {}).get("tasks"))
+    summary = _summary(with_dense, tasks)
     return {
         "generator": "adadsf study",
         **meta,
@@ -243,10 +246,11 @@ def build_results(
         "tuning": tuning,
         "dense": dense,
         "runs": runs,
-        "summary": _summary(with_dense, tasks),
+        "summary": summary,
         "comparisons": comparisons,
         "verdicts": verdicts,
         "targets": targets,
+        "wall_clock": wall_clock(summary, with_dense, settings),
         "task_resolution": resolution,
         "paper": PAPER_RESULTS,
     }

@@ -1,4 +1,4 @@
-"""The study's three figures, drawn from ``results.json``'s summary (matplotlib, Agg).
+"""The study's four figures, drawn from ``results.json``'s summary (matplotlib, Agg).
 
 * ``results_ppl_vs_flops.png``: test perplexity (causal routing) against *measured*
   normalized FLOPs, one line per method over the budgets, 95% intervals as whiskers in
@@ -10,6 +10,10 @@
 * ``results_layer_ratios.png``: each method's per-layer retention ratios at the tuning
   budget (seed 0): AdaDSF's similarity allocation (the paper's and the shipped
   variant's) beside FTP's genetic schedule, uniform and layer removal.
+* ``results_ppl_vs_speed.png``: test perplexity against measured prefill and decode
+  speedup (batch 1), two panels, every method at every budget (each point labelled with
+  its budget), dense at (its PPL, 1.0x), and the Pareto frontier of lower PPL and higher
+  speedup (``results.json``'s ``wall_clock``, :mod:`.wall_clock`) as a staircase.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ PLOT_FILES = (
     "results_ppl_vs_flops.png",
     "results_acc_vs_speedup.png",
     "results_layer_ratios.png",
+    "results_ppl_vs_speed.png",
 )
 _RATIO_METHODS = (
     "adadsf",
@@ -122,6 +127,64 @@ def _draw_targets(ax, rows: list[dict]) -> None:
     ax.set_xlim(x_lo, x_hi)
 
 
+def _draw_speed(ax, points: list[dict], kind: str, style: dict) -> int:
+    """One panel of the wall-clock picture: each method's points joined from its
+    highest budget down (95% intervals as whiskers where there are several seeds), the
+    budget beside each point, and the frontier as a staircase: a point above and left of
+    it is dominated."""
+    x = f"{kind}_speedup"
+    by_method: dict[str, list[tuple[float, tuple]]] = {}
+    labels: dict[str, str] = {}
+    for p in points:
+        pt = _xy({"metrics": p}, x, "ppl_test")
+        if pt is None:
+            continue
+        by_method.setdefault(p["method"], []).append((-p["budget"], pt))
+        labels[p["method"]] = p["label"]
+        if not p["reference"]:
+            ax.annotate(
+                f"{p['budget']:g}",
+                pt[:2],
+                textcoords="offset points",
+                xytext=(4, -8),
+                fontsize=6,
+                color="0.35",
+            )
+    for method, pts in by_method.items():
+        xs, ys, ex, ey = zip(*(pt for _, pt in sorted(pts)))
+        color, marker = style[method]
+        ax.errorbar(
+            xs,
+            ys,
+            xerr=ex,
+            yerr=ey,
+            color=color,
+            marker=marker,
+            markersize=9 if method == "dense" else 6,
+            capsize=3,
+            label=labels[method],
+        )
+    front = sorted(
+        _xy({"metrics": p}, x, "ppl_test")[:2]
+        for p in points
+        if (p.get("frontier") or {}).get(kind)
+    )
+    if front:
+        xs, ys = zip(*front)
+        ax.step(
+            xs,
+            ys,
+            where="pre",
+            color="0.2",
+            linestyle="dashed",
+            linewidth=1.2,
+            label="Pareto frontier",
+            zorder=0,
+        )
+    ax.axvline(1.0, color="0.6", linewidth=0.8, linestyle="dotted")
+    return len(by_method)
+
+
 def _save(fig, path: Path) -> None:
     """Atomically: a reader never sees half a PNG."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -192,6 +255,32 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     paths.append(out_dir / PLOT_FILES[2])
+    _save(fig, paths[-1])
+    plt.close(fig)
+
+    wc = results.get("wall_clock") or {}
+    points = wc.get("points") or []
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.5), sharey=True)
+    for ax, kind in zip(axes, ("prefill", "decode"), strict=True):
+        n = _draw_speed(ax, points, kind, style)
+        ax.set_xlabel(
+            f"measured {kind} speedup vs the dense twin"
+            f" (batch {wc.get('batch_size', 1)})"
+        )
+        ax.set_title(kind)
+        if n:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("test perplexity (causal routing)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(
+        f"{model}\nperplexity vs measured speedup, every method and budget (95% CI"
+        " over seeds; lower right is better)"
+    )
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    paths.append(out_dir / PLOT_FILES[3])
     _save(fig, paths[-1])
     plt.close(fig)
     return paths

@@ -323,6 +323,143 @@ def _speed(r: dict) -> list[str]:
     ]
 
 
+def _speed_verdicts(r: dict) -> list[str]:
+    """The shipped method against healed layer removal on wall-clock, per budget."""
+    wc = r.get("wall_clock") or {}
+    if not wc.get("verdicts"):
+        return []
+    shipped, baseline = wc["shipped"], wc["baseline"]
+    return [
+        f"## Verdicts on wall-clock: {_label(shipped)} (`{shipped}`, the shipped"
+        f" method) against {_label(baseline)} (`{baseline}`)",
+        "",
+        "It *dominates* when its mean prefill and decode speedups over its dense twin"
+        f" (batch {wc['batch_size']}) are at least layer removal's and its test PPL is"
+        " lower by the paired difference over seeds, 95% interval below 0 (see"
+        " Wall-clock Pareto below); otherwise the sentence says by how much it misses"
+        " and which method, if any, dominates layer removal at that budget.",
+        "",
+        *[f"- {v['sentence']}" for v in wc["verdicts"]],
+        "",
+    ]
+
+
+def _frontier_mark(p: dict, kind: str) -> str:
+    on = (p.get("frontier") or {}).get(kind)
+    return "-" if on is None else ("**yes**" if on else "no")
+
+
+def _frontier_list(points: list[dict], kind: str) -> str:
+    on = [p for p in points if (p.get("frontier") or {}).get(kind)]
+    on.sort(key=lambda p: -p[f"{kind}_speedup"]["mean"])
+    return "; ".join(
+        f"{p['label']}"
+        + ("" if p["reference"] else f" at {p['budget']:g}")
+        + f" ({p[f'{kind}_speedup']['mean']:.3f}x, PPL {p['ppl_test']['mean']:.2f})"
+        for p in on
+    )
+
+
+def _timed_on(points: list[dict]) -> list[str]:
+    """Which CPU timed which points, when more than one did: each speedup is a ratio
+    measured within one run, but the ratio itself can differ between machines."""
+    by: dict[str, list[dict]] = {}
+    for p in points:
+        for cpu in p.get("timed_on") or []:
+            by.setdefault(cpu, []).append(p)
+    if len(by) < 2:
+        return []
+    most = max(by, key=lambda c: len(by[c]))
+    parts = [
+        f" Timed on {cpu}: "
+        + "; ".join(f"{p['label']} at {p['budget']:g}" for p in by[cpu])
+        + "."
+        for cpu in sorted(by)
+        if cpu != most
+    ]
+    return [
+        "Speed was timed on more than one machine (each speedup is routed against dense"
+        " within one run, but the ratio depends on the CPU)."
+        + "".join(parts)
+        + f" Every other point on {most}.",
+        "",
+    ]
+
+
+def _below_dense(points: list[dict]) -> list[str]:
+    below = [p for p in points if p.get("dominated_by_dense")]
+    if not below:
+        return []
+    names = "; ".join(f"{p['label']} at {p['budget']:g}" for p in below)
+    return [
+        "- dominated by the dense model itself (slower at both prefill and decode,"
+        f" higher mean test PPL): {names}"
+    ]
+
+
+def _wall_clock(r: dict) -> list[str]:
+    """Every method at every budget: test PPL beside measured speedups and FLOPs,
+    with frontier membership per kind."""
+    wc = r.get("wall_clock") or {}
+    points = wc.get("points") or []
+    if not any(
+        p["prefill_speedup"] and p["prefill_speedup"].get("n") and not p["reference"]
+        for p in points
+    ):
+        return []
+    order = list(METHODS)
+    points = sorted(
+        points,
+        key=lambda p: (
+            not p["reference"],
+            -p["budget"],
+            order.index(p["method"]) if p["method"] in order else len(order),
+        ),
+    )
+    s = r["settings"]
+    rows = [
+        [
+            "-" if p["reference"] else f"{p['budget']:g}",
+            p["label"],
+            str(len(p["seeds"])),
+            _mci(p["ppl_test"]),
+            "reference" if p["reference"] else str(len(p["timed_seeds"])),
+            _mci(p["prefill_speedup"], ".3f"),
+            _mci(p["decode_speedup"], ".3f"),
+            _mci(p["normalized_flops"], ".3f"),
+            _frontier_mark(p, "prefill"),
+            _frontier_mark(p, "decode"),
+        ]
+        for p in points
+    ]
+    head = (
+        "budget|method|seeds|PPL test|timed seeds|prefill x|decode x|FLOPs"
+        "|prefill frontier|decode frontier"
+    ).split("|")
+    return [
+        "## Wall-clock Pareto (test PPL against measured speedup)",
+        "",
+        "Every method at every budget: test PPL (mean ± 95% CI over seeds) beside its"
+        " measured speedup over its dense twin, timed side by side in the same run"
+        f" (batch {wc['batch_size']}; prefill of {s.get('speed_seq_len', '?')} tokens,"
+        f" decode of {s.get('decode_tokens', '?')} tokens after a"
+        f" {s.get('decode_prompt', '?')}-token prompt; mean over the timed seeds,"
+        " `timed seeds` of them) and measured normalized FLOPs. A point is on the"
+        " frontier when no other point, of any method or budget, has at least as low a"
+        " mean test PPL and at least as high a mean speedup and is better on one;"
+        " prefill and decode separately. The dense model is the point (its PPL,"
+        " 1.0x); `-`: not timed.",
+        "",
+        *_table(head, rows),
+        "",
+        *_timed_on(points),
+        f"- prefill frontier, fastest first: {_frontier_list(points, 'prefill')}",
+        f"- decode frontier, fastest first: {_frontier_list(points, 'decode')}",
+        *_below_dense(points),
+        "",
+    ]
+
+
 def _paper(r: dict) -> list[str]:
     rows = [
         [
@@ -388,10 +525,12 @@ def render_markdown(r: dict[str, Any]) -> str:
     ]
     if not r["verdicts"]:
         lines.insert(-1, "- no paired comparison is available yet")
+    lines += _speed_verdicts(r)
     lines += targets_markdown(r.get("targets") or []) + _setup(r) + _tuning(r)
     lines += ["## Results (mean ± 95% CI over seeds; test split)", ""]
     for b in budgets:
         lines += _budget_table(r, b)
+    lines += _wall_clock(r)
     lines += _tasks(r) + _comparisons(r) + _speed(r) + _paper(r)
     lines += [
         "## Plots",
@@ -399,6 +538,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"![PPL vs measured FLOPs]({PLOT_FILES[0]})",
         "",
         f"![accuracy vs measured speedup]({PLOT_FILES[1]})",
+        "",
+        f"![PPL vs measured prefill and decode speedup]({PLOT_FILES[3]})",
         "",
     ]
     if r.get("pending") or r.get("failed"):
