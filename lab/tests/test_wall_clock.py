@@ -137,7 +137,7 @@ def test_shipped_slower_misses_and_says_by_how_much():
     assert v["prefill_gap"] == pytest.approx(-0.4)
     assert v["decode_gap"] == pytest.approx(-0.4)
     s = v["sentence"]
-    assert ": misses: 0.400x slower at prefill, 0.400x slower at decode." in s
+    assert ": misses: prefill speedup 0.400 lower, decode speedup 0.400 lower." in s
     assert ": dominates" not in s
     assert "prefill 0.900x vs 1.300x, decode 0.800x vs 1.200x" in s
     d = v["ppl_diff"]
@@ -164,7 +164,7 @@ def test_shipped_faster_but_worse_ppl_misses_on_ppl_only():
     v = _verdict(_results(shipped=(1.4, 1.3), ppl_shift=+2.0))
     assert v["dominates"] is False
     assert ": misses: test PPL higher by 2.17." in v["sentence"]  # 2 + mean jitter
-    assert "slower" not in v["sentence"]
+    assert "lower" not in v["sentence"].split("Speedup")[0]
 
 
 def test_one_seed_cannot_establish_domination():

@@ -156,7 +156,7 @@ def _misses(a: dict, b: dict, diff: PairedDiff) -> list[str]:
     for k in KINDS:
         x, y = _mean(a[f"{k}_speedup"]), _mean(b[f"{k}_speedup"])
         if x < y:
-            out.append(f"{y - x:.3f}x slower at {k}")
+            out.append(f"{k} speedup {y - x:.3f} lower")
     if diff.ci95 is None:
         out.append("lower test PPL not established (1 seed)")
     elif not diff.significant:
