@@ -69,6 +69,7 @@ from adadsf_modifier.routing import (
 from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_routers
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
+from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
 
 __all__ = ["AdaDSFModifier"]
 
@@ -226,6 +227,7 @@ class AdaDSFModifier(
             n_batches = None
         if n_batches == 0:
             raise InputError("AdaDSFModifier: the calibration set is empty (0 batches)")
+        self._check_token_rows(model, calib)
         self._check_teacher_cache(model, calib)
 
         # A quantization modifier later in the recipe must not quantize the routers:
@@ -316,6 +318,20 @@ class AdaDSFModifier(
             f"[{', '.join(f'{s:.3f}' for s in sims)}]"
         )
         return sims
+
+    def _check_token_rows(self, model: torch.nn.Module, calib) -> None:
+        """Token ids inside the vocabulary and masks as long as their ids, in the
+        calibration batches and the ``align_dataset``: one pass over the ids now
+        instead of an ``IndexError`` inside calibration or, for the alignment's own
+        rows, after calibration and routing. On every rank, which agree to fail."""
+        vocab = vocabulary_size(model)
+        distributed.agree_on_errors(
+            lambda: check_token_rows(calib, vocab, "calibration batch")
+        )
+        if self.align_enabled and self.align_dataset is not None:
+            distributed.agree_on_errors(
+                lambda: check_token_rows(self.align_dataset, vocab, "align_dataset row")
+            )
 
     def _check_teacher_cache(self, model: torch.nn.Module, calib) -> None:
         """``align_teacher_cache``: its memory, checked before any heavy work."""

@@ -60,6 +60,7 @@ from adadsf_modifier.routing import (
 )
 from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
+from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
 
 __all__ = ["FTPModifier"]
 
@@ -188,6 +189,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             )
         if not batches:
             raise ValueError("FTPModifier: the calibration set is empty (0 batches)")
+        check_token_rows(batches, vocabulary_size(model), "calibration batch")
         held = self.validation_batches if self.schedule == "genetic" else 0
         if len(batches) <= held:
             raise ValueError(

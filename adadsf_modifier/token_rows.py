@@ -1,0 +1,90 @@
+"""The token rows a modifier is given (its calibration batches, ``align_dataset``),
+checked in one pass over the ids before any forward.
+
+A token id outside the model's embedding table (or negative) fails inside the
+embedding lookup as a bare ``IndexError``, and an attention mask whose length differs
+from its ids fails inside attention as a tensor size error, or, shorter, masks the
+wrong tokens without a word: minutes into calibration, or for ``align_dataset`` only
+once the alignment reads it, after calibration and routing. Checked here, each is one
+:class:`~adadsf_modifier.constraints.InputError` naming the row, before any work. One
+check for every kind of token input, so calibration, alignment and FTP agree on what a
+valid row is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from adadsf_modifier.constraints import InputError
+
+__all__ = ["check_token_rows", "vocabulary_size"]
+
+
+def vocabulary_size(model: nn.Module) -> int:
+    """How many token ids ``model`` can embed: its input embedding's rows (which may
+    exceed ``config.vocab_size`` when the table is padded)."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    return int(rows if rows is not None else model.config.vocab_size)
+
+
+def _tensor(value: Any, where: str, key: str) -> torch.Tensor:
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise InputError(
+            f"{where}: `{key}` is not a list of integers or a tensor ({err})"
+        ) from None
+
+
+def _check_item(item: Any, where: str, vocab_size: int) -> None:
+    if not isinstance(item, Mapping) or "input_ids" not in item:
+        found = sorted(item) if isinstance(item, Mapping) else type(item).__name__
+        raise InputError(f"{where}: needs an `input_ids` column, got {found}")
+    ids = _tensor(item["input_ids"], where, "input_ids")
+    if ids.numel() and (ids.is_floating_point() or ids.dtype == torch.bool):
+        raise InputError(f"{where}: input_ids must be integers, got {ids.dtype}")
+    mask = item.get("attention_mask")
+    if mask is not None:
+        mask = _tensor(mask, where, "attention_mask")
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise InputError(
+                f"{where}: attention_mask has shape {tuple(mask.shape)} but its "
+                f"input_ids {tuple(ids.shape)}: each row needs one mask entry per "
+                "token"
+            )
+    if not ids.numel():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InputError(
+            f"{where}: token id {bad} is outside the model's vocabulary (ids 0 to "
+            f"{vocab_size - 1}): tokenize the data with the model's own tokenizer"
+        )
+
+
+def check_token_rows(
+    source: Iterable[Mapping[str, Any]], vocab_size: int, what: str
+) -> int:
+    """Check every item of ``source`` (rows or batches with ``input_ids`` and
+    optionally ``attention_mask``); returns how many there were.
+
+    ``what`` names the source in messages (``"calibration batch"`` gives
+    ``"calibration batch 3: ..."``). A shuffling DataLoader draws its order from the
+    global RNG: the pass runs under a forked RNG, so the later passes see the order
+    they would without it.
+
+    :raises InputError: the first item without ``input_ids``, with ids that are not
+        integers, negative or past the vocabulary, or with an attention mask of another
+        shape than its ids
+    """
+    count = 0
+    with torch.random.fork_rng(devices=[]):
+        for count, item in enumerate(source, start=1):
+            _check_item(item, f"{what} {count - 1}", vocab_size)
+    return count
