@@ -32,6 +32,7 @@ __all__ = [
     "explicit_ratios",
     "allocate",
     "check_allocation",
+    "lowest_ratio_at_most",
 ]
 
 #: Names accepted by the modifier's ``allocation`` field (besides an explicit list of
@@ -254,6 +255,26 @@ def check_allocation(
         explicit_ratios(allocation, num_layers)
     elif allocation == "layer_drop":
         _layers_kept(retention, num_layers)
+
+
+def lowest_ratio_at_most(
+    allocation: str | Sequence[float], retention: float
+) -> float | None:
+    """A value the lowest routed ratio of ``allocation`` is known not to exceed before
+    any calibration, or ``None`` when it routes whole layers only (``layer_drop``:
+    ratios 0 and 1, nothing for a threshold to reach).
+
+    An explicit list's lowest ratio; otherwise the budget itself, since every other
+    allocation's ratios have ``retention`` as their mean, so the lowest of them is no
+    higher. Calibration rows too short for this value (see
+    ``routing.check_calibration_rows``) are too short for the allocated ratios too:
+    they can be refused before the dense calibration measures the similarities.
+    """
+    if not isinstance(allocation, str):
+        return min(float(v) for v in allocation)
+    if allocation == "layer_drop":
+        return None
+    return float(retention)
 
 
 def allocate(

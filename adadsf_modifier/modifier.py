@@ -40,6 +40,7 @@ from adadsf_modifier.allocation import (
     BudgetFields,
     allocate,
     check_allocation,
+    lowest_ratio_at_most,
 )
 from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.checkpoint import attach_checkpoint_support
@@ -58,6 +59,7 @@ from adadsf_modifier.importance import (
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 from adadsf_modifier.routing import (
     RouterRefit,
+    ThresholdCalibrationError,
     ThresholdReport,
     TokenRouter,
     calibrate_thresholds,
@@ -228,6 +230,7 @@ class AdaDSFModifier(
         if n_batches == 0:
             raise InputError("AdaDSFModifier: the calibration set is empty (0 batches)")
         self._check_token_rows(model, calib)
+        self._check_rows_reach_the_budget(calib)
         self._check_teacher_cache(model, calib)
 
         # A quantization modifier later in the recipe must not quantize the routers:
@@ -332,6 +335,24 @@ class AdaDSFModifier(
             distributed.agree_on_errors(
                 lambda: check_token_rows(self.align_dataset, vocab, "align_dataset row")
             )
+
+    def _check_rows_reach_the_budget(self, calib) -> None:
+        """A budget so small that a routed layer would keep no token but the one every
+        row always runs (``retention: 1e-9``) is refused before the dense calibration:
+        the rows are checked against the lowest ratio known now (the budget, or an
+        explicit list's lowest; the allocated ratios, which need the calibration's
+        similarities, are checked again after allocation). Reads the masks only."""
+        lowest = lowest_ratio_at_most(self.allocation, self.retention)
+        if lowest is None:
+            return
+        try:
+            check_calibration_rows([lowest], calib)
+        except ThresholdCalibrationError as err:
+            raise ThresholdCalibrationError(
+                f"AdaDSFModifier: retention={self.retention:g} with allocation "
+                f"{self.allocation!r} is too small for this calibration data (refused "
+                f"before calibration): {err}"
+            ) from None
 
     def _check_teacher_cache(self, model: torch.nn.Module, calib) -> None:
         """``align_teacher_cache``: its memory, checked before any heavy work."""

@@ -9,6 +9,7 @@ from adadsf_modifier.allocation import (
     check_allocation,
     clip_to_budget,
     layer_drop_ratios,
+    lowest_ratio_at_most,
     similarity_ratios,
 )
 from adadsf_modifier.routing.selection import tokens_to_keep
@@ -154,3 +155,47 @@ def test_layer_drop_never_exceeds_the_budget(retention, n):
 )
 def test_tokens_to_keep(r, n, k):
     assert tokens_to_keep(r, n) == k
+
+
+@pytest.mark.parametrize("allocation", ["similarity", "reversed", "random", "uniform"])
+@pytest.mark.parametrize("retention", [0.05, 0.5, 0.9])
+def test_the_lowest_ratio_never_exceeds_what_is_known_before_calibration(
+    allocation, retention
+):
+    bound = lowest_ratio_at_most(allocation, retention)
+    ratios = allocate(allocation, SIMS, retention, 0.05, 10.0, min(0.1, retention))
+    assert min(ratios) <= bound + 1e-12
+    assert lowest_ratio_at_most([0.5, 0.2, 1.0], retention) == 0.2
+    assert lowest_ratio_at_most("layer_drop", retention) is None  # whole layers
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(retention=1e-9), dict(retention=1e-9, allocation="uniform"),
+     dict(retention=0.5, allocation=[0.01, 0.99]), dict(retention=0.02)],
+    ids=["tiny_budget", "tiny_uniform", "explicit_tiny_ratio", "below_one_per_row"],
+)  # fmt: skip
+def test_a_budget_no_row_can_reach_is_refused_before_calibration(
+    tmp_path, monkeypatch, fields
+):
+    """Rows of 16 tokens always run their first token: no layer keeps less than 1/16,
+    so these budgets cannot be met; refused before the dense calibration, not after."""
+    import torch
+    from llmcompressor import oneshot
+    from tiny_models import save_tiny_model, token_dataset
+    from transformers import AutoModelForCausalLM
+
+    import adadsf_modifier.modifier as modifier_module
+    from adadsf_modifier import AdaDSFModifier
+    from adadsf_modifier.constraints import InputError
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dense calibration ran before the budget was checked")
+
+    monkeypatch.setattr(modifier_module, "run_calibration_batches", refuse)
+    path = save_tiny_model("llama", str(tmp_path / "m"), num_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with pytest.raises(InputError, match="refused before calibration.*cannot reach"):
+        oneshot(model=model, recipe=[AdaDSFModifier(**fields)],
+                dataset=token_dataset(4, 16), num_calibration_samples=4,
+                max_seq_length=16)  # fmt: skip
