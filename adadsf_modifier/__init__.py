@@ -3,14 +3,15 @@
 ``import adadsf_modifier`` registers :class:`AdaDSFModifier` with llm-compressor's
 ``ModifierFactory`` so YAML recipes (including the ``recipe.yaml`` saved next to a
 checkpoint) can name it, guards llm-compressor's recipe parser against recipes that
-name AdaDSFModifier but would silently apply none (see ``recipe_guard``), and makes
-ranks under ``torchrun`` wait for each other's quantization parameters after GPTQ
-(see ``qparam_sync``).
+name AdaDSFModifier but would silently apply none (see ``recipe_guard``), makes
+``oneshot`` refuse an ``output_dir`` it could not write before any work (see
+``destinations``), and makes ranks under ``torchrun`` wait for each other's
+quantization parameters after GPTQ (see ``qparam_sync``).
 """
 
 from llmcompressor.modifiers.factory import ModifierFactory
 
-from adadsf_modifier import qparam_sync, recipe_guard
+from adadsf_modifier import destinations, qparam_sync, recipe_guard
 from adadsf_modifier.checkpoint import AdaDSFCheckpointError, from_pretrained
 from adadsf_modifier.ftp import FTPModifier
 from adadsf_modifier.modifier import AdaDSFModifier
@@ -30,4 +31,5 @@ __version__ = "0.1.0"
 ModifierFactory.register("AdaDSFModifier", AdaDSFModifier)
 ModifierFactory.register("FTPModifier", FTPModifier)
 recipe_guard.install()
+destinations.install()
 qparam_sync.install()

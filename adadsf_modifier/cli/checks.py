@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from loguru import logger
 
 from adadsf_modifier.atomic import atomic_write_text
+from adadsf_modifier.destinations import check_destination
 from adadsf_modifier.utils import json_text
 
 EVAL_EXTRA = "pip install 'adadsf-modifier[eval]'"
@@ -165,11 +166,14 @@ def check_parent(out: Path) -> None:
 
 def check_output_dir(path: str, overwrite: bool, keep: Sequence[str] = ()) -> Path:
     """``keep``: for a folder that may hold other files, the only names that count as
-    an earlier output (all of them when empty)."""
+    an earlier output (all of them when empty). The folder must be writable where the
+    save writes it (:func:`~adadsf_modifier.destinations.check_destination`), checked
+    before the model loads."""
     out = Path(path)
     check_parent(out)
     if out.exists() and not out.is_dir():
         raise CLIError(f"output path exists and is not a directory: {out}")
+    check_destination(out, "folder", "--output-dir")
     if overwrite or not out.is_dir():
         return out
     taken = [out / n for n in keep if (out / n).exists()]
@@ -191,6 +195,7 @@ def check_output_file(path: str | None, overwrite: bool) -> Path | None:
         raise CLIError(f"output path is a directory, not a file: {out}")
     if out.exists() and not overwrite:
         raise CLIError(f"output file {out} exists (use --overwrite)")
+    check_destination(out, "file", "--output")
     return out
 
 

@@ -1,0 +1,127 @@
+"""Where an output goes, checked before the work that produces it.
+
+A compression or an evaluation runs for minutes to hours; a destination that cannot be
+written (an existing file where a folder is wanted, a path under a file, a read-only
+folder) used to fail only at the save, and the work was lost. Every output of this
+package is written through a temporary sibling renamed into place
+(:mod:`adadsf_modifier.atomic`), so what must be writable is the folder the destination
+lives in (or the nearest existing folder above it, where the rest will be created)
+and, for an existing folder that will be replaced, that folder too (renaming a folder
+rewrites its ``..`` entry). Writability is tried, not guessed: ``os.access`` first,
+then a file created exclusively and removed, which also catches what ``os.access``
+does not see (read-only mounts for root, some network filesystems).
+
+:func:`install` applies the check to ``oneshot(output_dir=...)``. llm-compressor gives
+its modifiers neither the output folder (its session holds the model, the recipe and
+the data, not the entrypoint's arguments) nor a hook before its work, so ``Oneshot``'s
+constructor is wrapped once, as :mod:`adadsf_modifier.recipe_guard` wraps the recipe
+parser: the destination is checked before the model loads and calibration starts.
+Targets llmcompressor 0.14.0.1 (``Oneshot.__init__(self, log_dir=None, **kwargs)``,
+``output_dir`` among the keywords); :func:`install` is idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from adadsf_modifier import distributed
+from adadsf_modifier.atomic import resolve_destination
+from adadsf_modifier.constraints import InputError
+
+__all__ = ["DestinationError", "check_destination", "install"]
+
+_MARK = "_adadsf_checks_output_dir"
+
+
+class DestinationError(InputError):
+    """An output cannot be written where the user asked for it."""
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_writable(folder: Path, shown: str, what: str) -> None:
+    """``folder`` accepts a new file: ``os.access``, then one created exclusively."""
+    reason = "no write permission"
+    if os.access(folder, os.W_OK | os.X_OK):
+        try:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".adadsf-write-check.")
+        except OSError as err:
+            reason = err.strerror or str(err)
+        else:
+            os.close(fd)
+            os.unlink(probe)
+            return
+    raise DestinationError(
+        f"{what} {shown} cannot be written: {folder} is not writable ({reason})"
+    )
+
+
+def check_destination(
+    path: str | os.PathLike[str], kind: Literal["folder", "file"], what: str
+) -> Path:
+    """Refuse ``path`` as the destination of a ``kind`` output unless it can be
+    written the way this package writes it; returns it as a ``Path``.
+
+    A folder destination that is a symbolic link is judged by its target (the atomic
+    save replaces the target); a file destination is the path itself (the atomic
+    write replaces a link, never follows it). ``what`` names the option in messages
+    (``"--output-dir"``, ``"output_dir"``).
+
+    :raises DestinationError: the path exists as the other kind, lies under a file, or
+        its folder (or the existing folder it replaces) is not writable
+    """
+    shown = os.fspath(path)
+    dest = (
+        resolve_destination(path) if kind == "folder" else Path(os.path.abspath(path))
+    )
+    if kind == "folder" and dest.exists() and not dest.is_dir():
+        raise DestinationError(f"{what} {shown} is a file, not a folder")
+    if kind == "file" and dest.is_dir():
+        raise DestinationError(f"{what} {shown} is a folder, not a file")
+    parent = _nearest_existing(dest.parent)
+    if not parent.is_dir():
+        raise DestinationError(
+            f"{what} {shown} cannot be created: {parent} is not a folder"
+        )
+    _check_writable(parent, shown, what)
+    if kind == "folder" and dest.is_dir():
+        _check_writable(dest, shown, what)
+    return Path(path)
+
+
+def _check_output_dir(output_dir: Any) -> None:
+    """``oneshot``'s ``output_dir``, on the rank that saves; every rank fails with it
+    (the others would otherwise wait for it in their first collective)."""
+
+    def check() -> None:
+        if distributed.is_source_process():
+            check_destination(output_dir, "folder", "output_dir")
+
+    distributed.agree_on_errors(check)
+
+
+def install() -> None:
+    """Wrap ``Oneshot.__init__`` (once per process) so that an unusable
+    ``output_dir`` is refused before the model loads."""
+    from llmcompressor.entrypoints.oneshot import Oneshot
+
+    if getattr(Oneshot.__init__, _MARK, False):
+        return
+    original = Oneshot.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("output_dir") is not None:
+            _check_output_dir(kwargs["output_dir"])
+        original(self, *args, **kwargs)
+
+    setattr(__init__, _MARK, True)
+    Oneshot.__init__ = __init__
