@@ -41,6 +41,7 @@ from loguru import logger
 __all__ = [
     "TEMP_TAG",
     "atomic_directory",
+    "atomic_write_bytes",
     "atomic_write_text",
     "give_files_folder_mode",
     "make_temp_dir",
@@ -242,8 +243,8 @@ def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one.
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one.
 
     The temporary file gets an unpredictable name, created exclusively, next to
     ``path``: a fixed name (``path.tmp``) could be a symbolic link planted by someone
@@ -252,8 +253,8 @@ def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -262,6 +263,11 @@ def atomic_write_text(path: Path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_text_durably(path: Path, text: str) -> None:

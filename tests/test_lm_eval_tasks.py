@@ -97,6 +97,17 @@ def test_subset_and_duplicates(tmp_path):
     assert list(write_local_task_configs(tmp_path / "one", "arc_easy")) == ["arc_easy"]
 
 
+def test_a_link_planted_at_a_task_config_is_replaced_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "piqa_local.yaml").symlink_to(victim)
+    written = write_local_task_configs(tmp_path / "out", ["piqa"])
+    assert victim.read_text() == "keep me"
+    assert not Path(written["piqa"]).is_symlink()
+    assert yaml.safe_load(Path(written["piqa"]).read_text())["task"] == "piqa_local"
+
+
 def test_unknown_task_is_rejected(tmp_path):
     with pytest.raises(
         ValueError, match="supported tasks: piqa, arc_easy, arc_challenge"

@@ -17,6 +17,8 @@ from typing import Any
 
 from loguru import logger
 
+from adadsf_modifier.atomic import atomic_write_text
+
 __all__ = ["BEGIN", "END", "ROWS", "block", "render_into"]
 
 BEGIN = "<!-- results-table: rendered by python -m adadsf_lab.readme_table -->"
@@ -103,7 +105,7 @@ def main() -> None:
     ap.add_argument("--readme", type=Path, default=Path("README.md"))
     args = ap.parse_args()
     results = json.loads(args.results.read_text())
-    args.readme.write_text(render_into(args.readme.read_text(), results))
+    atomic_write_text(args.readme, render_into(args.readme.read_text(), results))
     logger.info(f"{args.readme}: results table rendered from {args.results}")
 
 

@@ -7,12 +7,14 @@ saving cost.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from adadsf_modifier.atomic import atomic_write_bytes, atomic_write_text
 from adadsf_modifier.constraints import first_error
 
 REPORT_FILES = ("report.json", "report.png")
@@ -190,8 +192,10 @@ def plot_report(report: dict[str, Any], png: str | Path) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle("AdaDSF: quality vs cost (dense reference included)")
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    image = io.BytesIO()  # rendered first, then written atomically
+    fig.savefig(image, dpi=120, format="png")
     plt.close(fig)
+    atomic_write_bytes(Path(png), image.getvalue())
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
@@ -199,6 +203,6 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Pat
     out.mkdir(parents=True, exist_ok=True)
     js, png = (out / name for name in REPORT_FILES)
     # strict JSON: the inputs were checked, so a non-finite number here is a bug
-    js.write_text(json.dumps(report, indent=2, allow_nan=False))
+    atomic_write_text(js, json.dumps(report, indent=2, allow_nan=False))
     plot_report(report, png)
     return js, png

@@ -181,6 +181,23 @@ def test_the_report_file_is_strict_json(tmp_path):
         write_report(report, tmp_path)
 
 
+def test_the_report_files_are_written_atomically_not_through_planted_links(tmp_path):
+    """``adadsf report`` writes into a folder that already exists: a link planted at
+    ``report.json`` or ``report.png`` (or at their old temporary names) must not send
+    the write to its target; the files are replaced whole."""
+    from adadsf_lab.report import write_report
+
+    victims = {}
+    for name in ("report.json", "report.png", ".report.png.tmp"):
+        victims[name] = tmp_path / f"victim_{name.strip('.')}"
+        victims[name].write_text("keep me")
+        (tmp_path / name).symlink_to(victims[name])
+    js, png = write_report(build_report([RECORD]), tmp_path)
+    assert all(v.read_text() == "keep me" for v in victims.values())
+    assert not js.is_symlink() and json.loads(js.read_text())["rows"]
+    assert not png.is_symlink() and png.read_bytes().startswith(b"\x89PNG")
+
+
 SLOW_RUN = """
 import sys, time
 import adadsf_lab.commands as commands
