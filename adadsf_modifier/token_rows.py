@@ -77,14 +77,18 @@ def check_token_rows(
     ``what`` names the source in messages (``"calibration batch"`` gives
     ``"calibration batch 3: ..."``). A shuffling DataLoader draws its order from the
     global RNG: the pass runs under a forked RNG, so the later passes see the order
-    they would without it.
+    they would without it. A one-shot iterator (a generator), which this pass would
+    leave empty for the stage that reads it, is not checked (returns 0).
 
     :raises InputError: the first item without ``input_ids``, with ids that are not
         integers, negative or past the vocabulary, or with an attention mask of another
         shape than its ids
     """
     count = 0
-    with torch.random.fork_rng(devices=[]):
-        for count, item in enumerate(source, start=1):
+    with torch.random.fork_rng(devices=[]):  # iter() of a loader draws from it too
+        items = iter(source)
+        if items is source:
+            return count
+        for count, item in enumerate(items, start=1):
             _check_item(item, f"{what} {count - 1}", vocab_size)
     return count

@@ -106,3 +106,9 @@ def test_good_rows_pass_and_leave_the_global_rng_alone():
     )
     assert check_token_rows(loader, VOCAB, "calibration batch") == 2
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_one_shot_iterator_is_left_whole_for_the_stage_that_reads_it():
+    rows = ({"input_ids": [VOCAB + 1]} for _ in range(2))
+    assert check_token_rows(rows, VOCAB, "align_dataset row") == 0
+    assert len(list(rows)) == 2
