@@ -19,10 +19,12 @@ ALGORITHM_VERSIONS: dict[str, int] = {
     # forward, FLOPs recording: everything a routed model runs at inference
     "routing": 1,
     # AdaDSF's construction: calibration, importance, allocation (and layer removal),
-    # router warm start, skip-path fits, thresholds
-    "adadsf": 1,
-    # FTP's construction: features, shared router, genetic schedule, router training
-    "ftp": 1,
+    # router warm start, skip-path fits, thresholds (2: thresholds fitted in one
+    # walk of the decoder stack)
+    "adadsf": 2,
+    # FTP's construction: features, shared router, genetic schedule, router training,
+    # thresholds (2: as adadsf's)
+    "ftp": 2,
     # the alignment fine-tune: losses, schedule, teacher, data rows
     "alignment": 1,
     # measurement: perplexity, lm-eval glue, FLOPs counts, speed benchmark, text splits

@@ -70,6 +70,7 @@ from adadsf_modifier.routing import (
 )
 from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_routers
+from adadsf_modifier.stage_clock import StageClock
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
 from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
 
@@ -136,10 +137,8 @@ class AdaDSFModifier(
         keeps the random initialisation (the ablation)
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
-    :param threshold_passes: calibration passes fitting the causal-routing thresholds
-        before the first measurement (the first under top-k routing, the rest under
-        causal routing upstream); more follow until the kept fractions reach their
-        targets
+    :param threshold_passes: no effect (the causal thresholds are fitted in one walk
+        of the decoder stack); accepted so that recipes which set it still load
     :param importance*: what allocation ranks layers by, see ``ImportanceFields``
     :param skip_path*, skipped_tokens_kv, route_target: what skipped tokens get and
         skip (default: nothing, the whole layer, as in the paper), see
@@ -156,7 +155,7 @@ class AdaDSFModifier(
     ignore: list[str] = Field(default_factory=list)
     router_hidden_size: PositiveInt = 64
     seed: int = 0
-    threshold_passes: PositiveInt = 2
+    threshold_passes: PositiveInt | None = None
     router_init: Literal["similarity", "skip_error", "random"] = "similarity"
     router_init_steps: PositiveInt = 100
     router_init_tokens: PositiveInt = 2048
@@ -168,6 +167,7 @@ class AdaDSFModifier(
     _accumulator: SimilarityAccumulator | None = PrivateAttr(default=None)
     _teacher: torch.nn.Module | None = PrivateAttr(default=None)
     _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
+    _clock: StageClock = PrivateAttr(default_factory=StageClock)
 
     # ------------------------------------------------------------------ results
     def _ready(self, value: Any, name: str) -> Any:
@@ -204,6 +204,11 @@ class AdaDSFModifier(
         top-k."""
         return self._ready(self._threshold_report, "threshold_report")
 
+    @property
+    def stage_seconds(self) -> dict[str, float]:
+        """Wall-clock seconds of each construction stage, in the order they ran."""
+        return dict(self._clock.seconds)
+
     # ------------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
         model = state.model
@@ -237,23 +242,27 @@ class AdaDSFModifier(
         # fail now, not after calibration (see adadsf_modifier.recipe_checks).
         check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
         self.check_skip_path(model, [name for _, name, _ in targeted])
-        self._similarities = self._calibrate(model, layers, calib)
+        clock = self._clock
+        with clock.stage("calibration"):
+            self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]
         if self.importance == "loss":  # measured loss rise instead of the cosine
-            rises = loss_importance(
-                model, [m for *_, m in targeted], calib, self.importance_tokens
-            )
+            with clock.stage("importance"):
+                rises = loss_importance(
+                    model, [m for *_, m in targeted], calib, self.importance_tokens
+                )
             routed_sims = similarity_like(rises)
         elif self.importance == "skip_path_loss":  # ... of taking the skip path
-            rises = skip_path_loss_importance(
-                model,
-                [m for *_, m in targeted],
-                calib,
-                self.importance_tokens,
-                self.importance_fit_tokens,
-                self.skip_path_rank,
-                self.skip_path_ridge,
-            )
+            with clock.stage("importance"):
+                rises = skip_path_loss_importance(
+                    model,
+                    [m for *_, m in targeted],
+                    calib,
+                    self.importance_tokens,
+                    self.importance_fit_tokens,
+                    self.skip_path_rank,
+                    self.skip_path_ridge,
+                )
             routed_sims = similarity_like(rises)
         ratios = allocate(
             self.allocation,
@@ -282,15 +291,19 @@ class AdaDSFModifier(
             f"{sum(ratios) / len(ratios):.4f}, ratios "
             f"[{', '.join(f'{r:.3f}' for r in full)}]"
         )
-        self._warm_start_routers(model)
-        self.fit_skip_paths_of(model, calib, refit_routers=self._router_refit())
-        self._align(model, calib)
-        self.fit_skip_paths_of(model, calib, after_alignment=True)
+        with clock.stage("router warm start"):
+            self._warm_start_routers(model)
+        with clock.stage("skip paths"):
+            self.fit_skip_paths_of(model, calib, refit_routers=self._router_refit())
+        with clock.stage("alignment"):
+            self._align(model, calib)
+        with clock.stage("skip paths"):
+            self.fit_skip_paths_of(model, calib, after_alignment=True)
         # Causal routing (the eval-mode default) needs thresholds fitted to the final
         # routers.
-        self._threshold_report = calibrate_thresholds(
-            model, calib, passes=self.threshold_passes
-        )
+        with clock.stage("thresholds"):
+            self._threshold_report = calibrate_thresholds(model, calib)
+        logger.info(f"AdaDSF construction: {clock.summary()}")
         # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF
         # sidecar.
         attach_checkpoint_support(model, self)

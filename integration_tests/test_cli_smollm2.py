@@ -25,7 +25,6 @@ RECIPE = {
                 "align_batch_size": 2,
                 "align_seq_len": 64,
                 "router_init_steps": 20,
-                "threshold_passes": 1,
             }
         }
     },

@@ -75,7 +75,7 @@ def test_compress_writes_the_checkpoint_in_the_asked_precision(
 ):
     recipe = tmp_path / "recipe.yaml"
     block = {"retention": 0.8, "align_steps": 2, "align_batch_size": 2}
-    block |= {"align_seq_len": 16, "router_init_steps": 5, "threshold_passes": 1}
+    block |= {"align_seq_len": 16, "router_init_steps": 5}
     recipe.write_text(
         yaml.safe_dump(
             {"sparsity_stage": {"sparsity_modifiers": {"AdaDSFModifier": block}}}

@@ -25,7 +25,7 @@ from tiny_models import save_tiny_model, token_dataset
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(save_tiny_model("llama", "m", 2))
 modifier = adadsf_modifier.AdaDSFModifier(
-    retention=0.5, router_init_steps=2, threshold_passes=1
+    retention=0.5, router_init_steps=2
 )
 oneshot(model=model, recipe=[modifier], dataset=token_dataset(4, 8),
         num_calibration_samples=4, max_seq_length=8)

@@ -126,3 +126,25 @@ def test_causal_routing_without_a_threshold_names_the_layer():
     with pytest.raises(RuntimeError, match="layer 2 has no causal threshold"):
         with torch.no_grad():
             model(input_ids=torch.randint(4, 128, (1, 12)), use_cache=False)
+
+
+def test_thresholds_are_fitted_in_one_walk_of_the_layers():
+    """Each layer's threshold is fitted on inputs that are final (the layers below are
+    fitted first), so one walk is enough: every decoder layer but the top one runs on
+    every batch once, besides one pass-through call that records its arguments,
+    whatever the depth; the top one is fitted last and never needs to run."""
+    model = route_all(tiny_model("llama"), RATIOS)
+    batches = rows(8, 8)
+    runs = {}
+
+    def count(module, args, kwargs, output):
+        runs[module.layer_index] = runs.get(module.layer_index, 0) + 1
+
+    handles = [
+        m.register_forward_hook(count, with_kwargs=True) for m in routed_layers(model)
+    ]
+    report = calibrate_thresholds(model, batches)
+    for h in handles:
+        h.remove()
+    assert report.passes == 1
+    assert runs == {i: 2 * len(batches) for i in range(len(RATIOS) - 1)}

@@ -96,7 +96,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
         thresholds fitted per batch); :mod:`~adadsf_modifier.ftp.trainer`
     :param distill_weight, sparsity_weight, guide_weight, guide_steps: loss weights;
         the guide weight decays to 0 over ``guide_steps``
-    :param threshold_passes: causal-threshold fitting passes (see AdaDSF)
+    :param threshold_passes: no effect, as for :class:`AdaDSFModifier`
     :param seed: seeds the MLP's initialisation and the genetic search
     :param skip_path, skip_path_rank, skip_path_ridge, skip_path_tokens,
         skipped_tokens_kv: what a skipped token gets, as for :class:`AdaDSFModifier`
@@ -124,7 +124,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     sparsity_weight: NonNegativeFloat = 1.0
     guide_weight: NonNegativeFloat = 1.0
     guide_steps: NonNegativeInt = 10
-    threshold_passes: PositiveInt = 2
+    threshold_passes: PositiveInt | None = None
     seed: int = 0
 
     _ratios: list[float] | None = PrivateAttr(default=None)
@@ -222,9 +222,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             self.fit_skip_paths_of(model, train)  # the router trains with them in place
             self._train = train_router(model, train, self._train_config())
             self.fit_skip_paths_of(model, train)  # on what the trained router skips
-            self._thresholds = calibrate_thresholds(
-                model, train, passes=self.threshold_passes
-            )
+            self._thresholds = calibrate_thresholds(model, train)
             # every later save_pretrained (oneshot's output_dir too) writes the sidecar
             install_ftp_save_hook(model)
         except BaseException:

@@ -31,7 +31,6 @@ states and one layer's ``(h + 1)^2`` float64 statistics at a time.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,8 +41,13 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier import distributed
-from adadsf_modifier.layer_capture import LayerCall, StopForward, capture_layers
 from adadsf_modifier.routing.architectures import decoder_layers
+from adadsf_modifier.routing.layer_walk import (
+    LayerStep,
+    real_tokens_of,
+    router_scores,
+    walk_layers,
+)
 from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.routing.ridge import (
     RidgeFit,
@@ -54,12 +58,7 @@ from adadsf_modifier.routing.ridge import (
 from adadsf_modifier.routing.routed_layer import RoutedLayer
 from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
-from adadsf_modifier.utils import (
-    MODEL_INPUT_KEYS,
-    model_device,
-    real_token_mask,
-    tensors_to_device,
-)
+from adadsf_modifier.utils import model_device
 
 __all__ = ["RouterRefit", "SkipPathReport", "fit_skip_paths", "install_skip_paths"]
 
@@ -104,43 +103,6 @@ def install_skip_paths(model: nn.Module, rank: int | None) -> list[RoutedLayer]:
     return out
 
 
-def _layer_call(layer: nn.Module, x: torch.Tensor, call: tuple) -> torch.Tensor:
-    args, kwargs = call
-    out = layer(x, *args, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _record_calls(
-    model: nn.Module, layers: list[nn.Module], batches: list[Mapping[str, Any]]
-) -> tuple[list[torch.Tensor], list[list[tuple]]]:
-    """First decoder layer's input and every layer's other arguments, per batch.
-
-    Routed layers are switched to ratio 0 for this pass (they pass their input through)
-    and each forward stops at the last layer's input, so it costs about the dense
-    layers that are left: the arguments (masks, rotary embeddings, positions) do not
-    depend on what the layers compute.
-    """
-    firsts: list[torch.Tensor] = []
-    calls: list[list[tuple]] = [[] for _ in layers]
-
-    def record(call: LayerCall) -> None:
-        if call.index == 0:
-            firsts.append(call.hidden_states)
-        rest = {k: v for k, v in call.kwargs.items() if k != "hidden_states"}
-        calls[call.index].append((tuple(call.args[1:]), rest))
-
-    device = model_device(model)
-    with (
-        capture_layers(layers, record, at="input", stop_after_last=True),
-        routing_override(layers, retention_ratio=0.0),
-    ):
-        for batch in batches:
-            inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
-            with contextlib.suppress(StopForward):
-                model(**tensors_to_device(inputs, device), use_cache=False)
-    return firsts, calls
-
-
 @torch.no_grad()
 def fit_skip_paths(
     model: nn.Module,
@@ -183,35 +145,15 @@ def fit_skip_paths(
         return report
     batches = list(batches)
     _, named = decoder_layers(model)
-    layers = [m for _, m in named]
-    base = getattr(model, "base_model", model)
-    was_training = model.training
-    model.eval()
-    try:
-        xs, calls = _record_calls(base, layers, batches)
-        last = max(i for i, m in enumerate(layers) if m in targets)
-        device = model_device(model)
-        for i, layer in enumerate(layers[: last + 1]):
-            fitted = layer in targets
-            ys = []
-            if fitted:
-                ys = _fit_layer(
-                    layer,
-                    xs,
-                    calls[i],
-                    rank,
-                    ridge,
-                    tokens,
-                    device,
-                    report,
-                    refit_routers,
-                )
-            if inputs == "dense" and fitted:
-                xs = ys
-            else:
-                xs = [_layer_call(layer, x, c) for x, c in zip(xs, calls[i])]
-    finally:
-        model.train(was_training)
+    last = max(i for i, (_, m) in enumerate(named) if m in targets)
+    device = model_device(model)
+    walk = walk_layers(model, batches, last, desc="AdaDSF skip paths")
+    for step in walk:
+        if step.layer not in targets:
+            continue
+        ys = _fit_layer(step, rank, ridge, tokens, device, report, refit_routers)
+        if inputs == "dense":
+            step.outputs = ys
     logger.info(
         f"AdaDSF skip paths (rank {rank or 'full'}, {tokens} tokens, {inputs} "
         f"inputs, ridge {ridge}): R^2 [{', '.join(f'{r:.2f}' for r in report.r2)}]"
@@ -227,9 +169,7 @@ def fit_skip_paths(
 
 
 def _fit_layer(
-    layer: RoutedLayer,
-    xs: list[torch.Tensor],
-    calls: list[tuple],
+    step: LayerStep,
     rank: int | None,
     ridge: float | str,
     tokens: str,
@@ -237,10 +177,11 @@ def _fit_layer(
     report: SkipPathReport,
     refit: RouterRefit | None = None,
 ) -> list[torch.Tensor]:
-    """Fit ``layer``'s skip path on ``xs`` (and with ``refit``, its router, then the
-    map again); returns the dense layer's outputs."""
+    """Fit the step's layer's skip path on its inputs (and with ``refit``, its
+    router, then the map again); returns the dense layer's outputs."""
+    layer, xs, calls = step.layer, step.inputs, step.calls
     with routing_override([layer], retention_ratio=1.0):  # every token, no skip path
-        dense_out = [_layer_call(layer, x, call) for x, call in zip(xs, calls)]
+        dense_out = step.run()
     use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
     fit = _fit_map(layer, xs, calls, dense_out, rank, ridge, use_skipped, device)
     if refit is not None and layer.retention_ratio > 0.0:
@@ -304,20 +245,17 @@ def _fold_stats(
     folds = (RidgeStats(hidden, device), RidgeStats(hidden, device))
     rows_seen = 0
     for x, call, y in zip(xs, calls, ys):
-        mask, real = _real_tokens(x, call)
-        keep = real & ~layer.selected_mask(x, mask) if skipped_only else real
+        mask, real = real_tokens_of(x, call)
+        keep = real
+        if skipped_only:  # scored inside a layer call: see router_scores
+            scores = router_scores(layer, x, call)
+            keep = real & ~layer.selected_mask(x, mask, scores=scores)
         for fold, part in enumerate(ridge_folds(real, rows_seen)):
             folds[fold].add(x[part & keep], (y - x)[part & keep])
         rows_seen += x.shape[0]
     for one in folds:
         one.all_reduce()
     return folds
-
-
-def _real_tokens(x: torch.Tensor, call: tuple) -> tuple[Any, torch.Tensor]:
-    """``(attention_mask, real [batch, seq])`` of a recorded layer call on ``x``."""
-    mask = call[1].get("attention_mask")
-    return mask, real_token_mask(mask, x.shape[0], x.shape[1], x.device)
 
 
 def _skip_error_sample(
@@ -331,7 +269,7 @@ def _skip_error_sample(
     tokens that are free to skip (not forced to run), gathered over the ranks."""
     x_parts, err_parts = [], []
     for x, call, y in zip(xs, calls, ys):
-        _, real = _real_tokens(x, call)
+        _, real = real_tokens_of(x, call)
         forced = layer.forced_tokens(real)
         free = real if forced is None else real & ~forced
         xf = x[free]

@@ -7,20 +7,21 @@ so that the kept fraction of real calibration tokens, forced tokens included, is
 ratio that makes up the difference. Calibration rows too short for that (every token of
 a 1-token row is forced) are refused before any forward pass.
 
-Scores at layer ``i`` depend on how the layers before it routed, so the first pass runs
-top-k routing (the training-time behaviour) and each further pass re-fits every
-threshold under causal routing upstream. Fitting stops when every layer's measured
-kept fraction is within ``tolerance`` of its target (or as close as tied scores allow);
-that is reached after at most one pass per routed layer (layer ``j``'s inputs stop
-moving once the ``j`` layers above it have settled), else
-:class:`ThresholdCalibrationError` is raised. Cuts between tied scores go to the
-closest reachable count instead of dropping every tied token.
+Scores at layer ``i`` depend on how the layers below it route, so the thresholds are
+fitted bottom up in one walk of the decoder stack (:mod:`~adadsf_modifier.routing.\
+layer_walk`): layer ``i``'s threshold is fitted on the inputs the layers below give it
+under causal routing with their thresholds already final, then layer ``i`` runs under
+its own threshold to make the next layer's inputs. One walk costs about one forward
+pass and each layer's kept fraction is then what a forward of the finished model
+measures on the same data, so no pass repeats to let the thresholds settle. Cuts
+between tied scores go to the closest reachable count instead of dropping every tied
+token; a layer whose closest reachable count still misses its target by more than
+``tolerance`` raises :class:`ThresholdCalibrationError`.
 
-Under ``torchrun`` each rank scores its own partition; after every pass the ranks'
+Under ``torchrun`` each rank scores its own partition; at every layer the ranks'
 scores are gathered and their counts summed (an exact merge: every rank fits the
-thresholds on all ranks' scores), so thresholds, measurements and the decision to run
-another pass are identical on every rank and equal to one process over the union of
-the data.
+threshold on all ranks' scores), so thresholds and measurements are identical on every
+rank and equal to one process over the union of the data.
 """
 
 from __future__ import annotations
@@ -36,11 +37,16 @@ from torch import nn
 
 from adadsf_modifier import distributed
 from adadsf_modifier.constraints import InputError
-from adadsf_modifier.layer_capture import LayerCall, capture_layers
+from adadsf_modifier.routing.architectures import decoder_layers
+from adadsf_modifier.routing.layer_walk import (
+    LayerStep,
+    real_tokens_of,
+    router_scores,
+    walk_layers,
+)
 from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.routing.selection import threshold_beside_forced
-from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [
     "ThresholdCalibrationError",
@@ -68,7 +74,7 @@ class ThresholdReport:
     #: last pass's scores (one token is the granularity, tied scores coarsen it)
     reachable: list[float] = field(default_factory=list)
     num_tokens: int = 0
-    passes: int = 0  # calibration forwards run, the measuring one included
+    passes: int = 0  # walks of the decoder stack run (one; none for whole layers)
     #: |kept - target| allowed beyond what the scores' granularity forces
     tolerance: float = 0.0
 
@@ -122,74 +128,20 @@ def check_calibration_rows(
         )
 
 
-class _ScoreRecorder:
-    """Fed each routed layer's inputs (:meth:`record`): its non-forced real-token
-    scores and token counts, and (``measure``) its causal kept count and agreement
-    with top-k."""
-
-    def __init__(self, layers: list[RoutedLayer], measure: bool):
-        self.layers = layers
-        self.measure = measure
-        self.scores: dict[int, list[torch.Tensor]] = {id(m): [] for m in layers}
-        # per layer: [agree, kept, real tokens, forced tokens]
-        self.counts: dict[int, list[int]] = {id(m): [0, 0, 0, 0] for m in layers}
-
-    def record(self, call: LayerCall) -> None:
-        module, x, mask = call.module, call.hidden_states, call.attention_mask
-        real = call.real_tokens()
-        forced = module.forced_tokens(real)
-        free = real if forced is None else real & ~forced
-        scores = module.router(x).float()
-        self.scores[id(module)].append(scores[free].cpu())
-        counts = self.counts[id(module)]
-        counts[2] += int(real.sum())
-        counts[3] += 0 if forced is None else int(forced.sum())
-        if self.measure and 0.0 < module.retention_ratio < 1.0:
-            topk = module.selected_mask(x, mask, mode="topk", scores=scores)
-            causal = module.selected_mask(x, mask, mode="causal", scores=scores)
-            counts[0] += int(((causal == topk) & real).sum())
-            counts[1] += int(causal.sum())
-
-    def all_reduce(self) -> None:
-        """Under ``torchrun``: every rank's scores gathered, counts summed."""
-        if not distributed.is_distributed():
-            return
-        for key, scores in self.scores.items():
-            local = torch.cat(scores) if scores else torch.zeros(0)
-            self.scores[key] = [distributed.all_gather_variable(local)]
-            self.counts[key] = distributed.sum_across_ranks(self.counts[key])
-
-    def fit(self, layer: RoutedLayer) -> tuple[float, float]:
-        """``(threshold, kept fraction)``: the threshold at which ``layer`` keeps the
-        closest fraction to ``r`` of the real tokens seen (ties and the forced tokens
-        can make ``r`` itself unreachable), and that fraction."""
-        _, _, total, forced = self.counts[id(layer)]
-        ratio = float(layer.retention_ratio)
-        return threshold_beside_forced(
-            torch.cat(self.scores[id(layer)]), total, forced, ratio
-        )
-
-
 def calibrate_thresholds(
     model: nn.Module,
     batches: Iterable[Mapping[str, Any]],
-    passes: int = 2,
     tolerance: float = 0.02,
 ) -> ThresholdReport:
-    """Set ``causal_threshold`` on every routed layer of ``model``; returns what was
-    measured.
+    """Set ``causal_threshold`` on every routed layer of ``model`` in one bottom-up
+    walk of the decoder stack (see the module docstring); returns what was measured.
 
-    ``passes`` >= 1: fitting passes before the first measurement (pass 1 under top-k
-    routing, the rest under causal routing). Each measuring pass also re-fits, and more
-    follow (at most one per routed layer) until every layer's kept fraction of real
-    calibration tokens is within ``tolerance`` of its retention ratio, or as close as
-    its scores allow (a threshold moves whole tokens, and tied scores together; see
-    :attr:`ThresholdReport.reachable`). Raises :class:`ThresholdCalibrationError`
-    before any forward when the rows are too short to reach a target
-    (:func:`check_calibration_rows`), and after the last pass if a layer still misses.
+    Raises :class:`ThresholdCalibrationError` before any forward when the rows are too
+    short to reach a target (:func:`check_calibration_rows`), and after the walk if a
+    layer's kept fraction misses its retention ratio by more than ``tolerance`` and by
+    more than its scores allow (a threshold moves whole tokens, and tied scores
+    together; see :attr:`ThresholdReport.reachable`).
     """
-    if passes < 1:
-        raise ValueError(f"passes must be >= 1, got {passes}")
     layers = routed_layers(model)
     if not layers:
         raise ValueError("the model has no routed layers")
@@ -201,26 +153,19 @@ def calibrate_thresholds(
     )
     if all(not 0.0 < m.retention_ratio < 1.0 for m in layers):
         return _whole_layers_only(layers, tolerance)
-    base = getattr(model, "base_model", model)
-    limit = passes + len(layers)
-    for p in range(limit + 1):
-        mode = "topk" if p == 0 else "causal"
-        recorder = _ScoreRecorder(layers, measure=p >= passes)
-        with (
-            capture_layers(layers, recorder.record, at="input"),
-            routing_override(model, mode=mode),
-        ):
-            run_calibration_batches(base, batches, desc=f"AdaDSF thresholds ({mode})")
-        recorder.all_reduce()
-        fits = [recorder.fit(layer) for layer in layers]
-        if p >= passes:
-            report = _report(layers, recorder, p + 1, tolerance, fits)
-            if not _missed(report) or p == limit:
-                break
-        for layer, (threshold, _) in zip(layers, fits):
-            layer.causal_threshold = threshold
+    _, named = decoder_layers(model)
+    routed = {id(m) for m in layers}
+    last = max(i for i, (_, m) in enumerate(named) if id(m) in routed)
+    report = ThresholdReport(passes=1, tolerance=tolerance)
+    for step in walk_layers(model, batches, last, desc="AdaDSF thresholds"):
+        if id(step.layer) not in routed:
+            continue
+        _fit_threshold(step, report)
+        if step.index < last:
+            with routing_override([step.layer], mode="causal"):
+                step.outputs = step.run()
     logger.info(
-        f"AdaDSF causal thresholds ({report.passes} passes): kept fraction "
+        f"AdaDSF causal thresholds (one layer walk): kept fraction "
         f"[{', '.join(f'{k:.3f}' for k in report.kept_fraction)}] (targets "
         f"[{', '.join(f'{r:.3f}' for r in report.target_ratios)}]); top-k agreement "
         f"[{', '.join(f'{a:.3f}' for a in report.topk_agreement)}]"
@@ -229,15 +174,59 @@ def calibrate_thresholds(
     if missed:
         raise ThresholdCalibrationError(
             f"causal thresholds miss their targets by more than {report.tolerance:.3f} "
-            f"(and more than the scores allow) after {report.passes} passes on layers "
+            "(and more than the scores allow) on layers "
             + ", ".join(
                 f"{report.layer_indices[i]} (kept {report.kept_fraction[i]:.3f}, "
                 f"target {report.target_ratios[i]:.3f})"
                 for i in missed
             )
-            + ": the thresholds did not settle on this calibration set"
+            + ": too many tied router scores on this calibration set"
         )
     return report
+
+
+def _fit_threshold(step: LayerStep, report: ThresholdReport) -> None:
+    """Fit the step's layer's threshold on its inputs (every rank's), set it, and add
+    the layer's kept fraction and agreement with top-k under it to ``report``."""
+    layer = step.layer
+    ratio = float(layer.retention_ratio)
+    scored, free_scores = [], []
+    total = forced_count = 0
+    for x, call in zip(step.inputs, step.calls):
+        mask, real = real_tokens_of(x, call)
+        forced = layer.forced_tokens(real)
+        free = real if forced is None else real & ~forced
+        scores = router_scores(layer, x, call).float()
+        scored.append((x, mask, real, scores))
+        free_scores.append(scores[free].cpu())
+        total += int(real.sum())
+        forced_count += 0 if forced is None else int(forced.sum())
+    total, forced_count = distributed.sum_across_ranks([total, forced_count])
+    threshold, reachable = threshold_beside_forced(
+        distributed.all_gather_variable(torch.cat(free_scores)),
+        total,
+        forced_count,
+        ratio,
+    )
+    layer.causal_threshold = threshold
+    kept_fraction, agreement = ratio, 1.0
+    if 0.0 < ratio < 1.0 and total:
+        agree = kept = 0
+        for x, mask, real, scores in scored:
+            topk = layer.selected_mask(x, mask, mode="topk", scores=scores)
+            causal = layer.selected_mask(x, mask, mode="causal", scores=scores)
+            agree += int(((causal == topk) & real).sum())
+            kept += int(causal.sum())
+        agree, kept = distributed.sum_across_ranks([agree, kept])
+        kept_fraction, agreement = kept / total, agree / total
+    if not report.layer_indices:
+        report.num_tokens = total
+    report.layer_indices.append(layer.layer_index)
+    report.thresholds.append(float(threshold))
+    report.target_ratios.append(ratio)
+    report.kept_fraction.append(kept_fraction)
+    report.topk_agreement.append(agreement)
+    report.reachable.append(reachable)
 
 
 def _whole_layers_only(layers: list[RoutedLayer], tolerance: float) -> ThresholdReport:
@@ -255,25 +244,6 @@ def _whole_layers_only(layers: list[RoutedLayer], tolerance: float) -> Threshold
         report.reachable.append(ratio)
         report.topk_agreement.append(1.0)
     logger.info("AdaDSF causal thresholds: whole layers only, no calibration pass")
-    return report
-
-
-def _report(layers, recorder: _ScoreRecorder, passes: int, tolerance: float, fits):
-    report = ThresholdReport(num_tokens=recorder.counts[id(layers[0])][2])
-    report.passes = passes
-    report.tolerance = tolerance
-    for layer, (_, reachable) in zip(layers, fits):
-        report.reachable.append(reachable)
-        agree, kept, total, _ = recorder.counts[id(layer)]
-        report.layer_indices.append(layer.layer_index)
-        report.thresholds.append(float(layer.causal_threshold))
-        report.target_ratios.append(float(layer.retention_ratio))
-        if 0.0 < layer.retention_ratio < 1.0 and total:
-            report.kept_fraction.append(kept / total)
-            report.topk_agreement.append(agree / total)
-        else:
-            report.kept_fraction.append(float(layer.retention_ratio))
-            report.topk_agreement.append(1.0)
     return report
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from adadsf_modifier import distributed
 from adadsf_modifier.routing.routed_layer import routed_layers
@@ -172,7 +173,13 @@ def warm_start_routers(
     world, me = distributed.world_size(), distributed.rank()
     layers = [m for m in routed_layers(model) if 0.0 < m.retention_ratio < 1.0]
     mine: dict[int, WarmStartResult] = {}
-    for k, layer in enumerate(layers):
+    bar = tqdm(
+        layers,
+        desc="AdaDSF router warm start",
+        leave=False,
+        disable=not distributed.is_source_process(),
+    )
+    for k, layer in enumerate(bar):
         x, cos = sample(layer.layer_index, layer.router.fc1.in_features)
         x, cos = (
             distributed.all_gather_variable(x),

@@ -109,7 +109,12 @@ def test_edits_keep_cached_runs_and_a_version_bump_recomputes_its_runs(
         with (code / rel).open("a") as f:
             f.write("\n# an edit that changes no number\n")
     (plan, edited), (_, ftp_bumped), (_, routing_bumped) = _studies(
-        code, tiny_dir, tmp_path, "-", "ftp=2", "routing=2"
+        code,
+        tiny_dir,
+        tmp_path,
+        "-",
+        f"ftp={ALGORITHM_VERSIONS['ftp'] + 1}",
+        f"routing={ALGORITHM_VERSIONS['routing'] + 1}",
     )
     assert edited == []  # every run reused
     assert plan == (3, 3)  # and `--plan` said so before it ran: 3 of 3 cached

@@ -102,7 +102,6 @@ def modifier_fields(
         ignore=list(s.ignore),
         router_hidden_size=s.router_hidden_size,
         seed=seed,
-        threshold_passes=s.threshold_passes,
         router_init="similarity",
         router_init_steps=s.router_init_steps,
         router_init_tokens=s.router_init_tokens,
@@ -169,7 +168,6 @@ def _ftp_fields(
         retention=retention,
         ignore=list(s.ignore),
         seed=seed,
-        threshold_passes=s.threshold_passes,
         train_steps=s.align_steps,
         **extra,
     )

@@ -175,7 +175,8 @@ def estimate_run_seconds(
     train = 0.0
     rate = align_s_per_token
     if m.allocation is not None:
-        secs += s.calib_samples * s.calib_seq_len * fwd * (1 + s.threshold_passes)
+        # the dense calibration pass and the threshold walk
+        secs += s.calib_samples * s.calib_seq_len * fwd * 2
         per_token = _cpu_align_s_per_token(s) * scale if rate is None else rate
         if m.modifier == "ftp":
             tokens, other = _ftp_work(s, method, fwd)

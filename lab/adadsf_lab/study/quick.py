@@ -22,7 +22,6 @@ def quick_settings(**overrides: Any) -> StudySettings:
         calib_seq_len=128,
         router_init_steps=20,
         router_init_tokens=256,
-        threshold_passes=1,
         align_steps=2,
         align_batch_size=1,
         align_seq_len=64,

@@ -115,7 +115,6 @@ class StudySettings(BaseModel):
     router_hidden_size: PositiveInt = 64
     router_init_steps: PositiveInt = 100
     router_init_tokens: PositiveInt = 2048
-    threshold_passes: PositiveInt = 2
     # ---- alignment (the same budget for every aligned method)
     align_steps: NonNegativeInt = 200
     align_batch_size: PositiveInt = 8
