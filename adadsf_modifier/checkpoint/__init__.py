@@ -12,6 +12,11 @@ versioned file saying which layers AdaDSF routed and how, or FTP's
 * :mod:`.save` -- the ``save_pretrained`` hook of both kinds: checks, atomic write,
   sidecar last, source rank only under ``torchrun``;
 * :mod:`.load` -- :func:`from_pretrained` (either kind) and :func:`load_adadsf`;
+* :mod:`.routed_config` -- the routed architecture a checkpoint's ``config.json``
+  declares (``model_type: adadsf_routed``), so that no loader builds the dense-depth
+  model from it; the remote-code files its ``auto_map`` names;
+* :mod:`.auto_model` -- that architecture in transformers' Auto classes
+  (``AutoConfig`` / ``AutoModelForCausalLM`` load the routed model);
 * :mod:`._compat` -- workarounds for upstream behaviour, tagged with their versions.
 
 The atomic-directory work itself is shared with the evaluation asset cache, in
@@ -19,6 +24,10 @@ The atomic-directory work itself is shared with the evaluation asset cache, in
 lives next to the modifier, in :mod:`adadsf_modifier.recipe_checks` (re-exported here).
 """
 
+from adadsf_modifier.checkpoint.auto_model import (
+    AdaDSFRoutedForCausalLM,
+    register_auto_classes,
+)
 from adadsf_modifier.checkpoint.kinds import (
     FTP_SIDECAR_NAME,
     SIDECAR_NAMES,
@@ -26,6 +35,10 @@ from adadsf_modifier.checkpoint.kinds import (
     checkpoint_sidecar,
 )
 from adadsf_modifier.checkpoint.load import from_pretrained, load_adadsf
+from adadsf_modifier.checkpoint.routed_config import (
+    ROUTED_MODEL_TYPE,
+    AdaDSFRoutedConfig,
+)
 from adadsf_modifier.checkpoint.save import attach_checkpoint_support, install_save_hook
 from adadsf_modifier.checkpoint.sidecar import (
     FORMAT_NAME,
@@ -47,6 +60,8 @@ from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 
 __all__ = [
     "AdaDSFCheckpointError",
+    "AdaDSFRoutedConfig",
+    "AdaDSFRoutedForCausalLM",
     "AdaDSFSidecar",
     "CheckpointKind",
     "FORMAT_NAME",
@@ -55,6 +70,7 @@ __all__ = [
     "LayerEntry",
     "METADATA_ATTR",
     "ModifierRecord",
+    "ROUTED_MODEL_TYPE",
     "SIDECAR_NAME",
     "SIDECAR_NAMES",
     "SUPPORTED_FORMAT_VERSIONS",
@@ -67,6 +83,7 @@ __all__ = [
     "load_adadsf",
     "read_adadsf_config",
     "read_sidecar",
+    "register_auto_classes",
     "sidecar_for_model",
     "write_sidecar",
 ]

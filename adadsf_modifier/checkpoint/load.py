@@ -28,6 +28,10 @@ from adadsf_modifier.checkpoint.kinds import (
     LOADERS,
     checkpoint_sidecar,
 )
+from adadsf_modifier.checkpoint.routed_config import (
+    base_config_of,
+    declares_routed_architecture,
+)
 from adadsf_modifier.checkpoint.save import install_save_hook
 from adadsf_modifier.checkpoint.sidecar import (
     METADATA_ATTR,
@@ -78,7 +82,11 @@ def _check_config(path: Path, sidecar: AdaDSFSidecar, config: Any) -> None:
 def read_config(path: Path, kwargs: dict[str, Any]) -> Any:
     """``kwargs["config"]`` (removed from ``kwargs``), else ``PATH/config.json``: read
     before the weights, so that a sidecar is checked against the model it describes
-    (layer count, hidden size) before the base model loads."""
+    (layer count, hidden size) before the base model loads.
+
+    A routed config (``model_type: adadsf_routed``, what the save now writes, or what
+    ``AutoModelForCausalLM`` passes) gives its base config: the model that loads and is
+    routed again is the base architecture's."""
     from transformers import AutoConfig
 
     config = kwargs.pop("config", None)
@@ -86,7 +94,7 @@ def read_config(path: Path, kwargs: dict[str, Any]) -> Any:
         config = AutoConfig.from_pretrained(
             str(path), trust_remote_code=kwargs.get("trust_remote_code", False)
         )
-    return config
+    return base_config_of(config)
 
 
 def _causal_lm_class(path: Path, config: Any) -> type:
@@ -185,6 +193,8 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     """
     path = Path(path)
     sidecar = checkpoint_sidecar(path)
+    if sidecar is not None and not declares_routed_architecture(path):
+        _warn_dense_depth_config(path)
     if sidecar in LOADERS:
         return LOADERS[sidecar](path, **kwargs)
     if sidecar is None and path.is_dir():
@@ -195,6 +205,17 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
             "modifier ran"
         )
     return load_adadsf(path, **kwargs)
+
+
+def _warn_dense_depth_config(path: Path) -> None:
+    logger.warning(
+        f"AdaDSF: {path} was saved before routed checkpoints declared their "
+        "architecture: its config.json names the base model, so AutoModelForCausalLM, "
+        "pipeline() and lm-eval load it as the DENSE-DEPTH model (every layer on every "
+        "token). Loading it routed here; save it again "
+        "(adadsf_modifier.from_pretrained(path).save_pretrained(new_path)) to make "
+        "every loader build the routed model or refuse"
+    )
 
 
 def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:

@@ -13,7 +13,10 @@ that save:
 2. the inner save into a temporary sibling of the destination
    (:func:`adadsf_modifier.atomic.atomic_directory`), its ``recipe.yaml`` rewritten
    as the recipe that made the model, once
-   (:func:`~adadsf_modifier.checkpoint._compat.write_model_recipe`);
+   (:func:`~adadsf_modifier.checkpoint._compat.write_model_recipe`), and its
+   ``config.json`` as the routed architecture's, with the remote-code files its
+   ``auto_map`` names (:mod:`.routed_config`: a loader builds the routed model or
+   refuses, never the dense-depth one);
 3. the router tensors read back and checked (present, full precision, right shapes);
 4. files of an existing destination that a model save does not own (a tokenizer, a
    README) carried over; never a sidecar of either kind;
@@ -49,6 +52,10 @@ from adadsf_modifier.checkpoint._compat import (
     write_model_recipe,
 )
 from adadsf_modifier.checkpoint.kinds import SIDECAR_NAMES, CheckpointKind
+from adadsf_modifier.checkpoint.routed_config import (
+    CODE_FILES,
+    declare_routed_architecture,
+)
 from adadsf_modifier.checkpoint.sidecar import (
     METADATA_ATTR,
     AdaDSFCheckpointError,
@@ -200,6 +207,7 @@ def _write(
         with single_decompress_hook(model):
             inner(str(tmp), *args, **kwargs)
         write_model_recipe(model, tmp / "recipe.yaml")  # how it was made, once
+        declare_routed_architecture(tmp)  # every loader: routed, or a refusal
         kind.verify(tmp, sidecar)  # on disk, full precision, right shapes
         if dest.is_dir():
             _carry_over(dest, tmp)
@@ -253,7 +261,7 @@ def _save_from_source_rank(
 _MODEL_ARTIFACTS = re.compile(
     r"(.*\.safetensors|.*\.safetensors\.index\.json|.*\.bin|.*\.bin\.index\.json|"
     r"config\.json|generation_config\.json|recipe\.yaml|"
-    + "|".join(re.escape(name) for name in SIDECAR_NAMES)
+    + "|".join(re.escape(name) for name in (*SIDECAR_NAMES, *CODE_FILES))
     + r")"
 )
 
