@@ -251,3 +251,34 @@ def test_a_prompt_alone_equals_its_row_in_a_batch_with_skip_path_and_kv():
     gathers = [r for rs in recorder.records.values() for r in rs if r.path == "gather"]
     assert gathers and all(r.skip_path is not None for r in gathers)
     assert all(int(r.kept[0] + r.skip_path[0]) == 14 for r in gathers)
+
+
+def test_router_without_gradient_follows_every_change_of_its_parameters():
+    """Without a gradient a bfloat16 router keeps float32 copies of its small
+    parameters between calls; each way of changing them (in place, as an optimizer
+    step does; a state dict; a new dtype) must still change its scores to what a
+    freshly built router with those parameters gives, and they equal the scores with
+    a gradient (which never keeps copies)."""
+    torch.manual_seed(0)
+    router = TokenRouter(48, 8).to(torch.bfloat16)
+    x = torch.randn(2, 5, 48, dtype=torch.bfloat16)
+
+    def fresh_scores():
+        twin = TokenRouter(48, 8).to(router.fc1.weight.dtype)
+        twin.load_state_dict(router.state_dict())
+        return twin(x).detach()
+
+    with torch.no_grad():
+        assert torch.equal(router(x), fresh_scores())
+        router.fc2.weight.add_(0.5)  # in place: the version counter moves
+        router.fc1.bias.mul_(-1)
+        assert torch.equal(router(x), fresh_scores())
+        state = {k: v.clone() for k, v in router.state_dict().items()}
+        state["fc2.bias"] += 1.0
+        router.load_state_dict(state)
+        assert torch.equal(router(x), fresh_scores())
+        before = router(x)
+    assert torch.equal(router(x).detach(), before)  # with a gradient: the same
+    router.to(torch.float32)
+    with torch.no_grad():
+        assert torch.equal(router(x), fresh_scores())

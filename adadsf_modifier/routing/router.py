@@ -88,13 +88,38 @@ class TokenRouter(nn.Module):
         cost.
         """
         h = hidden_states
-        w1, b1, w2, b2 = self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias
+        w1 = self.fc1.weight
         if h.dtype != w1.dtype:
             h = h.to(w1.dtype)
+        b1, w2, b2 = self._float_tail()
         ms = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)
         inv_rms = torch.rsqrt(ms.square() / self.hidden_size + self.eps)
-        z = torch.addcmul(b1.float(), F.linear(h, w1).float(), inv_rms)
-        return F.linear(F.gelu(z), w2.float(), b2.float()).squeeze(-1)
+        z = torch.addcmul(b1, F.linear(h, w1).float(), inv_rms)
+        return F.linear(F.gelu(z), w2, b2).squeeze(-1)
+
+    def _float_tail(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``fc1``'s bias and ``fc2``'s weight and bias in float32.
+
+        Without a gradient, the float32 copies of low-precision parameters are kept
+        between calls (three fewer copies in every decoding step of every routed
+        layer) and made again when a parameter is replaced or changed in place (its
+        storage or version counter moves: ``.to()``, ``load_state_dict``, an optimizer
+        step). With a gradient they are made on each call, so the gradient reaches the
+        parameters.
+        """
+        params = (self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        if (
+            torch.is_grad_enabled()
+            or torch.compiler.is_compiling()  # the compiled graph fuses the casts
+            or all(p.dtype == torch.float32 for p in params)
+        ):
+            return tuple(p.float() for p in params)
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cached = self.__dict__.get("_float_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, tuple(p.detach().float() for p in params))
+            self.__dict__["_float_cache"] = cached
+        return cached[1]
 
 
 def gated(y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
