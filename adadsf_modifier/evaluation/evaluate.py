@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from adadsf_modifier.checkpoint import checkpoint_sidecar, from_pretrained
 from adadsf_modifier.constraints import NonNegativeFloat, PositiveFloat
 from adadsf_modifier.evaluation.assets import load_text_splits, resolve_model
+from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.evaluation.perplexity import perplexity, token_stream
 from adadsf_modifier.flops import stream_flops
 from adadsf_modifier.routing import routed_layers, set_routing_mode
@@ -41,6 +42,10 @@ class EvalRecord:
     normalized_flops: PositiveFloat = 1.0
     normalized_flops_with_lm_head: PositiveFloat = 1.0
     flops_tokens: int = 0
+    # the routed layers' kept share of those tokens, and the share their retention
+    # ratios plan (None for a dense model): the budget, held or not on this text
+    kept_fraction: NonNegativeFloat | None = None
+    retention_target: NonNegativeFloat | None = None
     seconds: NonNegativeFloat = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -125,5 +130,9 @@ def evaluate_model(
     record.normalized_flops = float(report.normalized)
     record.normalized_flops_with_lm_head = float(report.normalized_with_lm_head)
     record.flops_tokens = int(sum(report.seq_lens))
+    share = KeptShare(model)
+    share.add(report)
+    record.kept_fraction, record.retention_target = share.fraction, share.target
+    share.warn(f"{label} on the test split")
     record.seconds = time.perf_counter() - t0
     return record

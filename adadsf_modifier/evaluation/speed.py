@@ -20,7 +20,8 @@ from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
-from adadsf_modifier.constraints import PositiveFloat
+from adadsf_modifier.constraints import NonNegativeFloat, PositiveFloat
+from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.utils import model_device
 
@@ -49,6 +50,11 @@ class SpeedResult:
     flops_ideal: PositiveFloat  # 1 / normalized FLOPs (decoder layers + routers)
     flops_ideal_with_lm_head: PositiveFloat
     normalized_flops: PositiveFloat
+    # the routed layers' kept share of the timed tokens and the share their
+    # retention ratios plan: a decoding that runs more tokens than planned is slower
+    # for that reason, not for the routing's overhead
+    kept_fraction: NonNegativeFloat | None = None
+    retention_target: NonNegativeFloat | None = None
     dense_runs: list[float] = field(default_factory=list)
     routed_runs: list[float] = field(default_factory=list)
 
@@ -117,7 +123,9 @@ def measure_prefill(
         timed(dense), timed(routed), repeats, warmup, f"prefill b={b} n={n}"
     )
     report = normalized_flops(routed, {"input_ids": input_ids})
-    return _result("prefill", b, n, 0, d, r, report)
+    share = KeptShare(routed)
+    share.add(report)
+    return _result("prefill", b, n, 0, d, r, report, share)
 
 
 @torch.inference_mode()
@@ -149,11 +157,12 @@ def _decode_flops(
     """Replay the timed decoding (same tokens, so the same routing) and count its
     FLOPs."""
     cache = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
-    totals = _Totals(0, 0, 0)
+    totals = _Totals(0, 0, 0, KeptShare(model))
     for token in fed:
         rep = normalized_flops(
             model, {"input_ids": token, "past_key_values": cache, "use_cache": True}
         )
+        totals.share.add(rep)
         totals.dense += rep.dense
         totals.routed += rep.routed
         totals.lm_head += rep.dense_with_lm_head - rep.dense
@@ -185,7 +194,16 @@ def measure_decode(
         f"decode b={prompt.shape[0]}",
     )
     totals = _decode_flops(routed, prompt, fed)
-    return _result("decode", prompt.shape[0], prompt.shape[1], new_tokens, d, r, totals)
+    return _result(
+        "decode",
+        prompt.shape[0],
+        prompt.shape[1],
+        new_tokens,
+        d,
+        r,
+        totals,
+        totals.share,
+    )
 
 
 @dataclass
@@ -193,6 +211,7 @@ class _Totals:
     dense: int
     routed: int
     lm_head: int
+    share: KeptShare
 
     @property
     def normalized(self) -> float:
@@ -203,8 +222,9 @@ class _Totals:
         return (self.routed + self.lm_head) / (self.dense + self.lm_head)
 
 
-def _result(kind, b, n, new, d, r, report) -> SpeedResult:
+def _result(kind, b, n, new, d, r, report, share: KeptShare) -> SpeedResult:
     dm, rm = statistics.median(d), statistics.median(r)
+    share.warn(f"{kind} at batch {b}")
     return SpeedResult(
         kind=kind,
         batch_size=b,
@@ -216,6 +236,8 @@ def _result(kind, b, n, new, d, r, report) -> SpeedResult:
         flops_ideal=1.0 / report.normalized,
         flops_ideal_with_lm_head=1.0 / report.normalized_with_lm_head,
         normalized_flops=report.normalized,
+        kept_fraction=share.fraction,
+        retention_target=share.target,
         dense_runs=d,
         routed_runs=r,
     )
@@ -355,14 +377,22 @@ def _row(r: SpeedResult) -> str:
         f"{what} dense {r.dense_s * 1e3:9.2f} {unit:7s} routed "
         f"{r.routed_s * 1e3:9.2f} speedup {r.speedup:5.3f}x  FLOPs ideal "
         f"{r.flops_ideal:5.3f}x (with lm_head {r.flops_ideal_with_lm_head:5.3f}x)  "
-        f"achieved {r.fraction_of_ideal:5.2f} of ideal"
+        f"achieved {r.fraction_of_ideal:5.2f} of ideal  kept {_kept(r)}"
     )
+
+
+def _kept(r: SpeedResult) -> str:
+    """``"0.842 (target 0.810)"``: the routed layers' kept share and its target."""
+    if r.kept_fraction is None or r.retention_target is None:
+        return "-"
+    return f"{r.kept_fraction:.3f} (target {r.retention_target:.3f})"
 
 
 def format_table(results: list[SpeedResult]) -> str:
     head = (
         "| kind | batch | seq | dense | routed | speedup | FLOPs ideal "
-        "| ideal w/ lm_head | speedup / ideal |\n|---|---|---|---|---|---|---|---|---|"
+        "| ideal w/ lm_head | speedup / ideal | kept (target) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for r in results:
@@ -371,6 +401,6 @@ def format_table(results: list[SpeedResult]) -> str:
             f"| {r.kind} | {r.batch_size} | {r.seq_len} | {r.dense_s * 1e3:.2f} {unit} "
             f"| {r.routed_s * 1e3:.2f} {unit} | {r.speedup:.3f}x "
             f"| {r.flops_ideal:.3f}x | {r.flops_ideal_with_lm_head:.3f}x "
-            f"| {r.fraction_of_ideal:.2f} |"
+            f"| {r.fraction_of_ideal:.2f} | {_kept(r)} |"
         )
     return "\n".join([head, *rows])

@@ -14,7 +14,8 @@ to produce the next layer's inputs.
 With ``refit_routers`` (``router_init: skip_error``), each layer's router is refit,
 right after its map, to predict the relative error the fitted map makes on each token
 (``|layer(x) - (x + u(x))| / |x|``, :func:`~adadsf_modifier.routing.warm_start.\
-skip_error_target`), and the map is then refit on the tokens the new router skips:
+skip_error_target`), and the map is then refit on the tokens the new router skips (with
+the penalty chosen for the first map):
 the router learns which tokens the map cannot stand in for, on the inputs it will see
 (``benchmarks/oracle_router.py``: the similarity-trained router is no better than one
 ranking by absolute error, while relative error ranks best).
@@ -192,7 +193,12 @@ def _fit_layer(
         )
         distributed.broadcast_module(layer.router)  # the source rank's fit everywhere
         report.router_rank_corr.append(result.heldout_rank_corr)
-        fit = _fit_map(layer, xs, calls, dense_out, rank, ridge, use_skipped, device)
+        # the map again, on the tokens the new router skips, with the penalty chosen
+        # above: choosing it is most of a fit's cost, and the two sets of skipped
+        # tokens are of the same layer and mostly the same tokens
+        fit = _fit_map(
+            layer, xs, calls, dense_out, rank, fit.ridge, use_skipped, device
+        )
     report.layer_indices.append(layer.layer_index)
     report.tokens.append(fit.tokens)
     report.r2.append(fit.r2 if math.isfinite(fit.r2) else float("nan"))
