@@ -279,9 +279,13 @@ def test_sidecar_recipe_and_config(compressed):
     assert side["modifier"]["class"] == "AdaDSFModifier"
     for field, value in shipped.items():  # the verbatim recipe
         assert settings[field] == value, field
-    # llm-compressor rewrote config.json from the original model: nothing
-    # AdaDSF-specific there
-    assert "adadsf" not in (path / "config.json").read_text().lower()
+    # config.json declares the routed architecture (so that no loader builds the
+    # dense-depth model) over the base config, quantization_config kept; the routing
+    # data is the sidecar's alone
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "adadsf_routed"
+    assert config["base_model_type"] == "llama" and config["quantization_config"]
+    assert "layers" not in config
     # recipe.yaml is plain YAML (llm-compressor writes !!python tags that its own
     # safe_load rejects) and names all the modifiers
     recipe = Recipe.create_instance(str(path / "recipe.yaml"))
