@@ -271,3 +271,35 @@ def test_a_checkpoint_saved_before_loads_routed_warns_and_upgrades_on_save(
     model.save_pretrained(str(tmp_path / "new"))
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "new")
     torch.testing.assert_close(logits(again), reference, rtol=0, atol=0)
+
+
+def test_cli_eval_bench_and_report_on_new_and_old_checkpoints(checkpoints, tmp_path):
+    """``adadsf eval`` / ``bench`` (and the lab's ``report``, when installed) read a
+    checkpoint that declares the routed architecture and one saved before, alike."""
+    from adadsf_modifier.cli import main
+
+    old = _as_saved_before(checkpoints["adadsf"], tmp_path / "old")
+    records = []
+    for label, path in (("new", checkpoints["adadsf"]), ("old", old)):
+        out = tmp_path / f"eval_{label}.json"
+        argv = ["eval", "--model", path, "--no-ppl", "--ppl-tokens", 128,
+                "--dtype", "float32", "--label", label, "--output", out]  # fmt: skip
+        assert main([str(a) for a in argv]) == 0
+        record = json.loads(out.read_text())
+        assert record["routed"] is True and record["normalized_flops"] < 1.0
+        records.append(out)
+        bench = tmp_path / f"bench_{label}.json"
+        argv = ["bench", "--routed", path, "--seq-lens", 16, "--batch-sizes", 1,
+                "--repeats", 1, "--decode-tokens", 2, "--output", bench]  # fmt: skip
+        assert main([str(a) for a in argv]) == 0
+        assert json.loads(bench.read_text())["results"]
+    new, before = (json.loads(p.read_text()) for p in records)
+    assert new["normalized_flops"] == before["normalized_flops"]
+    try:
+        import adadsf_lab  # noqa: F401  (the report is the lab's command)
+    except ImportError:
+        return
+    argv = ["report", "--inputs", *records, "--speed", tmp_path / "bench_new.json",
+            "--output-dir", tmp_path / "report"]  # fmt: skip
+    assert main([str(a) for a in argv]) == 0
+    assert (tmp_path / "report" / "report.json").is_file()
