@@ -11,6 +11,13 @@
   so that the layer's ratio of the batch's real tokens runs (the first token of each
   row counted as running). For training that sees inference's decisions while the
   router, and so the right threshold, moves; like ``topk`` it needs the whole batch.
+- ``rank``: the ``p``-th real token of a row runs iff fewer than about ``r * p`` of
+  the row's earlier real tokens score at least as high at this layer: it is in the top
+  ``r`` of its row so far (:func:`~adadsf_modifier.routing.selection.choose_by_rank`).
+  No threshold: on text whose scores sit higher or lower than the calibration set's,
+  each layer still keeps about ``r`` of the tokens, where ``causal``'s fitted
+  thresholds drift. Causal as well (the row's past scores per layer are kept with the
+  KV cache), so prefill + incremental decoding equals one full forward. Opt-in.
 - ``auto`` (default): ``topk`` while training, ``causal`` in eval mode once a threshold
   has been calibrated (top-k before that).
 """
@@ -32,7 +39,7 @@ __all__ = [
     "get_routing_modes",
 ]
 
-ROUTING_MODES = ("auto", "topk", "causal", "quantile")
+ROUTING_MODES = ("auto", "topk", "causal", "quantile", "rank")
 
 
 def _routed(model: nn.Module):

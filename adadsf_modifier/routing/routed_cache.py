@@ -13,6 +13,15 @@ indices ``> q - w``. Compacted slots no longer sit at their index, so a windowed
 also keeps each slot's sequence index and masks the slots that left the window; whole
 steps whose slots every later query has left behind are dropped (no host sync: the
 bounds are known per step).
+
+Rank routing (:func:`~adadsf_modifier.routing.selection.choose_by_rank`) decides a new
+token against the router scores of its row's earlier tokens at the same layer, so those
+scores live with the layer's cache (:class:`RankScoresMixin`): on the
+:class:`RoutedCacheLayer` of a layer that caches only the tokens that ran, and on the
+model's own dense cache layer, its class swapped for a scored subclass
+(:func:`scored_cache_layer`), for a layer that caches every position
+(``skipped_tokens_kv``, or ``route_target: mlp``). Both follow the batch through
+``generate()``'s reorders.
 """
 
 from __future__ import annotations
@@ -24,10 +33,45 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["RoutedCacheLayer", "routed_cache_layer"]
+from adadsf_modifier.routing.selection import choose_by_rank
+
+__all__ = [
+    "RankScoresMixin",
+    "RoutedCacheLayer",
+    "rank_select",
+    "routed_cache_layer",
+    "scored_cache_layer",
+]
 
 
-class RoutedCacheLayer(DynamicLayer):
+class RankScoresMixin:
+    """The router scores of every position a cache layer has seen, for rank routing.
+
+    ``rank_scores [batch, positions]`` (padding NaN, so it never counts) and
+    ``rank_count [batch]`` (real tokens among them); both ``None`` until rank routing
+    first runs on the cache.
+    """
+
+    __slots__ = ()  # a dense layer's class is swapped in place: same layout
+    rank_scores: torch.Tensor | None = None
+    rank_count: torch.Tensor | None = None
+
+    def rank_length(self) -> int:
+        return 0 if self.rank_scores is None else int(self.rank_scores.shape[1])
+
+    def rank_rows(self, fn) -> None:
+        """Apply a batch-dim operation (reorder, repeat, select) to the scores."""
+        if self.rank_scores is not None:
+            self.rank_scores = fn(self.rank_scores)
+            self.rank_count = fn(self.rank_count)
+
+    def rank_crop(self, tokens_to_remove: int) -> None:
+        if self.rank_scores is not None and tokens_to_remove:
+            self.rank_scores = self.rank_scores[:, : -abs(tokens_to_remove)]
+            self.rank_count = (~self.rank_scores.isnan()).sum(1)
+
+
+class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
     """Compacted keys/values of selected tokens plus their validity and the true
     length."""
 
@@ -225,16 +269,19 @@ class RoutedCacheLayer(DynamicLayer):
         if self.num_slots:
             super().reorder_cache(beam_idx)
             self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self.rank_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.num_slots:
             super().batch_repeat_interleave(repeats)
             self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.rank_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.num_slots:
             super().batch_select_indices(indices)
             self._per_row(lambda t: t[indices, ...])
+        self.rank_rows(lambda t: t[indices, ...])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -287,3 +334,108 @@ def routed_cache_layer(
         sliding_window, is_sliding=type(current) is DynamicSlidingWindowLayer
     )
     return routed
+
+
+def _scored_class(base: type) -> type:
+    """``RankScored<Base>``: ``base`` (a dense cache layer class) also keeping rank
+    routing's scores through ``generate()``'s batch operations. Built with ``base`` as
+    its only base (the mixin's methods copied in): CPython swaps an object's class in
+    place only between classes of the same base chain."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        base.reorder_cache(self, beam_idx)
+        self.rank_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        base.batch_repeat_interleave(self, repeats)
+        self.rank_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        base.batch_select_indices(self, indices)
+        self.rank_rows(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        before = self.get_seq_length()
+        base.crop(self, tokens_to_remove)
+        self.rank_crop(before - self.get_seq_length())
+
+    def reset(self) -> None:
+        base.reset(self)
+        self.rank_scores = self.rank_count = None
+
+    namespace = {
+        name: value
+        for name, value in vars(RankScoresMixin).items()
+        if name
+        in ("rank_scores", "rank_count", "rank_length", "rank_rows", "rank_crop")
+    }
+    namespace.update(
+        __slots__=(),
+        __module__=__name__,
+        reorder_cache=reorder_cache,
+        batch_repeat_interleave=batch_repeat_interleave,
+        batch_select_indices=batch_select_indices,
+        crop=crop,
+        reset=reset,
+    )
+    return type(f"RankScored{base.__name__}", (base,), namespace)
+
+
+_SCORED_CLASSES: dict[type, type] = {}
+
+
+def scored_cache_layer(cache: Any, layer_idx: int) -> RankScoresMixin:
+    """The model's own (dense) cache layer ``layer_idx`` of ``cache``, able to keep
+    rank routing's scores: its class is swapped once for a subclass that carries them,
+    so its keys, values and everything transformers reads stay as they are."""
+    if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
+        raise TypeError(
+            "AdaDSF rank routing supports transformers' DynamicCache, got "
+            f"{type(cache).__name__}"
+        )
+    layers = cache.layers
+    replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
+    while len(layers) <= layer_idx:
+        layers.append(replicate())
+    current = layers[layer_idx]
+    if hasattr(current, "rank_rows"):  # a RoutedCacheLayer, or swapped before
+        return current
+    base = type(current)
+    if base not in (DynamicLayer, DynamicSlidingWindowLayer):
+        raise TypeError(
+            "AdaDSF rank routing needs a DynamicLayer or DynamicSlidingWindowLayer at "
+            f"cache layer {layer_idx}, found {base.__name__}"
+        )
+    cls = _SCORED_CLASSES.get(base)
+    if cls is None:
+        cls = _SCORED_CLASSES[base] = _scored_class(base)
+    current.__class__ = cls
+    return current
+
+
+def rank_select(
+    store: RankScoresMixin | None,
+    past_len: int,
+    scores: torch.Tensor,
+    real: torch.Tensor,
+    ratio: float,
+    keep_first: bool,
+) -> torch.Tensor:
+    """``[batch, Q]`` bool: the new tokens that run under rank routing
+    (:func:`~adadsf_modifier.routing.selection.choose_by_rank`), against the scores
+    ``store`` (a cache layer; ``None``: no cache) holds for the ``past_len`` positions
+    before them, which it then holds for these too."""
+    if store is None:
+        return choose_by_rank(scores, real, ratio, keep_first)[0]
+    if store.rank_length() != past_len:
+        raise RuntimeError(
+            f"AdaDSF rank routing needs the router scores of every earlier position "
+            f"at this layer; the cache has {past_len} positions and scores for "
+            f"{store.rank_length()} (it was filled in another routing mode): start a "
+            "new cache after switching to rank routing"
+        )
+    selected, keys, count = choose_by_rank(
+        scores, real, ratio, keep_first, store.rank_scores, store.rank_count
+    )
+    store.rank_scores, store.rank_count = keys, count
+    return selected

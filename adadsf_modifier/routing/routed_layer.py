@@ -56,12 +56,19 @@ from adadsf_modifier.routing.kept_attention import (
     skipped_kv,
     stored_keys,
 )
-from adadsf_modifier.routing.routed_cache import RoutedCacheLayer, routed_cache_layer
+from adadsf_modifier.routing.routed_cache import (
+    RoutedCacheLayer,
+    rank_select,
+    routed_cache_layer,
+    scored_cache_layer,
+)
 from adadsf_modifier.routing.router import TokenRouter, gated
 from adadsf_modifier.routing.selection import (
+    DecodeChoice,
     Selection,
     choose_decode_rows,
     choose_tokens,
+    decode_choice_of,
     gather_tokens,
     positions_of,
     scatter_tokens,
@@ -81,6 +88,7 @@ __all__ = [
     "decode_step",
     "decode_step_keeping_kv",
     "pass_through",
+    "route_by_rank",
     "route_layer",
     "routed_class_for",
     "routed_layers",
@@ -295,6 +303,11 @@ class RoutedLayer(nn.Module):
             return decode_step(
                 self, forward, x, scores, attention_mask, kwargs, cache_layer, impl
             )
+        if mode == "rank":
+            return route_by_rank(
+                self, forward, x, scores, attention_mask, kwargs, cache, cache_layer,
+                impl,
+            )  # fmt: skip
         real = real_token_mask(attention_mask, batch, q_len, x.device)
         if self.skipped_tokens_kv:
             has_past = stored_keys(cache, self.layer_index) > 0
@@ -520,9 +533,11 @@ def decode_step(
     kwargs: dict[str, Any],
     cache_layer: RoutedCacheLayer | None,
     impl: str,
+    choice: DecodeChoice | None = None,
 ) -> Any:
     """One new token per row (causal mode): only the rows whose token passes run
-    ``layer``.
+    ``layer``; ``choice``: the rows that run, when another rule (rank routing) has
+    decided them.
 
     ``forward`` is the original decoder layer's forward (bound). The rows that run are
     picked with one host sync (``index_select`` on the batch), their cached
@@ -535,9 +550,16 @@ def decode_step(
         cache_layer is None or cache_layer.seen_tokens == 0
     )
     rec = layer.routing_recorder
-    selected, rows, skip_rows, n, real = choose_decode_rows(
-        x, scores, attention_mask, first, layer.causal_threshold, layer.keep_first_token
-    )
+    if choice is None:
+        choice = choose_decode_rows(
+            x,
+            scores,
+            attention_mask,
+            first,
+            layer.causal_threshold,
+            layer.keep_first_token,
+        )
+    selected, rows, skip_rows, n, real = choice
     if n == 0:
         out, skipped = _skip_rows(layer, x, None, real, rec)
         if rec is not None:
@@ -603,6 +625,7 @@ def decode_step_keeping_kv(
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
     cache: Any,
+    choice: DecodeChoice | None = None,
 ) -> Any:
     """:func:`decode_step` for a layer whose skipped tokens keep their keys/values.
 
@@ -615,9 +638,16 @@ def decode_step_keeping_kv(
     idx = layer.layer_index
     first = layer.keep_first_token and stored_keys(cache, idx) == 0
     rec = layer.routing_recorder
-    selected, rows, skip_rows, n, real = choose_decode_rows(
-        x, scores, attention_mask, first, layer.causal_threshold, layer.keep_first_token
-    )
+    if choice is None:
+        choice = choose_decode_rows(
+            x,
+            scores,
+            attention_mask,
+            first,
+            layer.causal_threshold,
+            layer.keep_first_token,
+        )
+    selected, rows, skip_rows, n, real = choice
     spec = architecture_for_config(layer._adadsf_config)
     pe = kwargs.get("position_embeddings")
     if n == 0:
@@ -661,6 +691,69 @@ def decode_step_keeping_kv(
     if rows is not None:
         y = base.index_copy(0, rows, y)
     return (y, *rest) if rest is not None else y
+
+
+# -- rank routing ---------------------------------------------------------------------
+
+
+def route_by_rank(
+    layer: Any,
+    forward: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    cache: Any,
+    cache_layer: RoutedCacheLayer | None,
+    impl: str,
+) -> Any:
+    """Rank routing (:func:`~adadsf_modifier.routing.selection.choose_by_rank`): each
+    new token runs iff it is in the top ``retention_ratio`` of its row so far, against
+    the past scores its cache layer keeps (:func:`~adadsf_modifier.routing.\
+routed_cache.rank_select`); then the same paths as causal routing run the chosen
+    tokens (a decoding step's rows, or a prefill's compacted batch), and record them
+    the same way."""
+    batch, q_len, _ = x.shape
+    real = real_token_mask(attention_mask, batch, q_len, x.device)
+    idx = layer.layer_index
+    store, past_len = None, 0
+    if layer.skipped_tokens_kv and cache is not None:
+        check_dense_cache(cache, idx)
+        past_len = stored_keys(cache, idx)
+        store = scored_cache_layer(cache, idx)
+    elif cache_layer is not None:
+        past_len, store = cache_layer.seen_tokens, cache_layer
+    selected = rank_select(
+        store,
+        past_len,
+        scores,
+        real,
+        float(layer.retention_ratio),
+        bool(layer.keep_first_token),
+    )
+    if q_len == 1:
+        choice = decode_choice_of(
+            selected, None if attention_mask is None else real[:, 0]
+        )
+        if layer.skipped_tokens_kv:
+            return decode_step_keeping_kv(
+                layer, forward, x, scores, attention_mask, kwargs, cache, choice
+            )
+        return decode_step(
+            layer, forward, x, scores, attention_mask, kwargs, cache_layer, impl, choice
+        )
+    return run_routed(
+        layer,
+        forward,
+        x,
+        scores,
+        positions_of(selected),
+        real,
+        kwargs,
+        cache,
+        cache_layer,
+        impl,
+    )
 
 
 def _skip_rows(

@@ -17,7 +17,9 @@ compacted batch are :mod:`~adadsf_modifier.routing.kept_attention`'s.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -28,14 +30,20 @@ __all__ = [
     "DecodeChoice",
     "Selection",
     "batch_threshold",
+    "RANK_CHUNK_ELEMENTS",
+    "choose_by_rank",
     "choose_decode_rows",
     "choose_tokens",
+    "decode_choice_of",
     "cut_for_ratio",
     "flat_positions",
     "gather_position_embeddings",
     "gather_tokens",
     "keep_counts",
     "positions_of",
+    "rank_ahead",
+    "rank_quota",
+    "rank_tie_tolerance",
     "scatter_tokens",
     "select_by_mask",
     "select_topk",
@@ -84,9 +92,11 @@ def choose_tokens(
     """The :class:`Selection` ``(index, valid, k_max)`` of the tokens that run a layer
     keeping ``ratio`` of its real tokens, under routing ``mode``
     (:mod:`~adadsf_modifier.routing.modes`): ``topk`` (each row's ``K`` best scores),
-    ``causal`` (scores above the calibrated ``threshold``) or ``quantile`` (scores
-    above the threshold fitted on this batch). ``first`` (``[batch, seq]`` bool or
-    None): tokens that run whatever their score (in top-k they count toward ``K``).
+    ``causal`` (scores above the calibrated ``threshold``), ``quantile`` (scores
+    above the threshold fitted on this batch) or ``rank`` (each token in the top
+    ``ratio`` of its row so far, :func:`choose_by_rank`; here with no cached past).
+    ``first`` (``[batch, seq]`` bool or None): tokens that run whatever their score
+    (in top-k they count toward ``K``).
     ``index`` is None when nothing runs. ``owner`` names the layer in an error, called
     only then: a layer's index read on every call would make ``torch.compile``
     specialise on it and compile the routing once per layer, past its recompile limit
@@ -102,6 +112,8 @@ def choose_tokens(
             return Selection(None, None, 0)
         index, valid = select_topk(scores, real, keep, k_max)
         return Selection(index, valid, k_max)
+    if mode == "rank":  # ``first`` is set iff the first real token is kept
+        return positions_of(choose_by_rank(scores, real, ratio, first is not None)[0])
     if mode == "quantile":
         threshold = batch_threshold(scores, real, first, ratio)
     elif mode != "causal":
@@ -156,6 +168,160 @@ def choose_decode_rows(
         return DecodeChoice(selected, None, None, n, real)
     order = torch.argsort((~selected).to(torch.int8), stable=True)
     return DecodeChoice(selected, order[:n], order[n:], n, real)
+
+
+def decode_choice_of(selected: torch.Tensor, real: torch.Tensor | None) -> DecodeChoice:
+    """The :class:`DecodeChoice` of a decoding step whose rows that run are already
+    decided (``selected [batch, 1]`` bool, padding rows False; ``real [batch]`` or
+    None), with one host sync: what :func:`choose_decode_rows` returns for a
+    threshold, for rank routing's decision."""
+    batch = selected.shape[0]
+    selected = selected[:, 0]
+    if batch == 1:
+        return DecodeChoice(None, None, None, int(selected[0]), real)
+    n = int(selected.sum())  # the one host sync of this layer
+    if n in (0, batch):
+        return DecodeChoice(selected, None, None, n, real)
+    order = torch.argsort((~selected).to(torch.int8), stable=True)
+    return DecodeChoice(selected, order[:n], order[n:], n, real)
+
+
+# -- rank routing ----------------------------------------------------------------------
+
+#: Largest ``[batch, queries, keys]`` comparison :func:`rank_ahead` builds at once (bool
+#: elements); longer prefills compare a chunk of queries at a time.
+RANK_CHUNK_ELEMENTS = 1 << 24
+
+
+def rank_tie_tolerance(dtype: torch.dtype) -> float:
+    """Relative width within which two router scores are tied under rank routing.
+
+    The same hidden state scored alone (a decoding step) and inside a row (a prefill)
+    differs in its last bits: the router's matmul takes another kernel for one token
+    (measured up to 2.2e-7 on float32 scores of spread 0.2). Equal hidden states are
+    common (a repeated token that skipped the layers below), so a strict comparison
+    would rank such a pair one way in the full forward (equal) and either way when
+    decoding. Within the tolerance a pair is tied, and ties go to the earlier token,
+    which keeps that decision the same on both paths. 16-bit models feed the router's
+    first matmul in their own precision, whose one-ulp rounding flips are ~2^-8.
+    """
+    return 2.0**-14 if dtype in (torch.float32, torch.float64) else 2.0**-7
+
+
+@lru_cache(maxsize=256)
+def _quota_table(ratio: float, keep_first: bool, length: int) -> tuple[int, ...]:
+    """``quota[p]`` for ``p = 0 .. length`` (see :func:`rank_quota`), in float64 on
+    the host, so every device and path reads the same integers."""
+    quota, expected = [0], 0.0
+    for p in range(1, length + 1):
+        if p == 1 and keep_first:
+            c = 1
+        else:
+            # nearest integer, a half rounded down: the budget is a ceiling
+            c = min(max(math.ceil((ratio * p - expected) * p - 0.5), 0), p)
+        expected += c / p
+        quota.append(c)
+    return tuple(quota)
+
+
+_QUOTA_TENSORS: dict[tuple[float, bool, int, str], torch.Tensor] = {}
+
+
+def rank_quota(
+    ratio: float, keep_first: bool, length: int, device: torch.device
+) -> torch.Tensor:
+    """``[L + 1]`` int64, ``L >= length``: ``quota[p]``, how many of the first ``p``
+    real tokens of a row may be ahead of the ``p``-th for it to run (it runs iff fewer
+    are).
+
+    If scores arrive in random order, the ``p``-th token's rank among ``p`` is uniform,
+    so it runs with probability ``quota[p] / p`` and the expected count kept among the
+    first ``p`` tokens is ``E_p = sum quota[q] / q``. Each ``quota[p]`` is the integer
+    in ``[0, p]`` that brings ``E_p`` nearest to ``ratio * p`` (the lower one of two
+    as near): the kept fraction tracks
+    the ratio from the first tokens on (within ``1 / (2 p)`` tokens once reachable), a
+    plain ``ceil(ratio * p)`` would keep ~``ln(N) / (2 N)`` too many over ``N`` tokens.
+    The forced first token (``keep_first``: quota 1 at ``p = 1``) is paid back by the
+    tokens right after it (at ``ratio`` 0.5 the second token never runs). A fixed table
+    of ``(ratio, p)``, so prefill and decoding read the same quota.
+    """
+    size = 64
+    while size < length:
+        size *= 2
+    key = (float(ratio), bool(keep_first), size, str(device))
+    table = _QUOTA_TENSORS.get(key)
+    if table is None:
+        table = torch.tensor(
+            _quota_table(float(ratio), bool(keep_first), size),
+            dtype=torch.long,
+            device=device,
+        )
+        _QUOTA_TENSORS[key] = table
+    return table
+
+
+def rank_ahead(
+    scores: torch.Tensor, real: torch.Tensor, past: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ahead [batch, Q], keys [batch, S + Q])``: for each new token, how many
+    earlier real tokens of its row are ahead of it, and the row's scores so far.
+
+    ``scores [batch, Q]``: the new tokens' router scores; ``real [batch, Q]``;
+    ``past [batch, S]``: the scores of the row's earlier positions at this layer
+    (padding NaN). An earlier token ``s`` is ahead of ``t`` iff ``score_s >= score_t -
+    tol * max(1, |score_t|)`` (:func:`rank_tie_tolerance`: ties go to the earlier
+    token, as top-k breaks them). NaN compares false, so padding is never ahead and a
+    padding query counts none. Comparisons only, so a prefill and a decoding step
+    given the same scores decide the same; a long prefill compares
+    :data:`RANK_CHUNK_ELEMENTS` at a time.
+    """
+    batch, q_len = scores.shape
+    new = scores.masked_fill(~real, float("nan"))
+    keys = new if past is None else torch.cat([past.to(new.dtype), new], dim=1)
+    start = keys.shape[1] - q_len
+    tol = rank_tie_tolerance(scores.dtype)
+    floor = new - tol * new.abs().clamp(min=1.0)
+    if q_len == 1:  # a decoding step: the new token against the row's past
+        return (keys[:, :start] >= floor).sum(1, keepdim=True), keys
+    step = max(1, RANK_CHUNK_ELEMENTS // max(1, batch * keys.shape[1]))
+    counts = []
+    for q0 in range(0, q_len, step):
+        q1 = min(q_len, q0 + step)
+        width = start + q1
+        ahead = keys[:, None, :width] >= floor[:, q0:q1, None]
+        pos = torch.arange(width, device=scores.device)
+        query = torch.arange(start + q0, start + q1, device=scores.device)
+        ahead &= pos[None, :] < query[:, None]  # strictly earlier
+        counts.append(ahead.sum(-1))
+    return torch.cat(counts, dim=1), keys
+
+
+def choose_by_rank(
+    scores: torch.Tensor,
+    real: torch.Tensor,
+    ratio: float,
+    keep_first: bool,
+    past: torch.Tensor | None = None,
+    past_count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank routing: ``(selected [batch, Q], keys, count)``. The ``p``-th real token
+    of a row runs iff fewer than ``quota[p]`` (:func:`rank_quota`, about ``ratio * p``)
+    earlier real tokens of the row are ahead of it (:func:`rank_ahead`): it is in the
+    top ``ratio`` of its row so far. No threshold, so a shift of every score (text
+    unlike the calibration set) leaves the kept share where it was.
+
+    ``past`` / ``past_count [batch]``: the row's earlier scores at this layer (padding
+    NaN) and how many were real; ``keys`` / ``count`` are the same after these tokens,
+    for the cache to keep.
+    """
+    ahead, keys = rank_ahead(scores, real, past)
+    seen = real.long().cumsum(1)
+    count = seen[:, -1]
+    if past_count is not None:
+        seen = seen + past_count.unsqueeze(1)
+        count = count + past_count
+    quota = rank_quota(ratio, keep_first, keys.shape[1], scores.device)[seen]
+    return real & (ahead < quota), keys, count
 
 
 #: Absorbs float error in ``ratio * n`` (0.29 * 100 = 28.999999999999996 must keep 29).

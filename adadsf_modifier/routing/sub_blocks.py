@@ -34,8 +34,13 @@ import torch
 
 from adadsf_modifier.routing.architectures import architecture_for_config
 from adadsf_modifier.routing.kept_attention import stored_keys
+from adadsf_modifier.routing.routed_cache import rank_select, scored_cache_layer
 from adadsf_modifier.routing.router import gated
-from adadsf_modifier.routing.selection import gather_tokens, scatter_tokens
+from adadsf_modifier.routing.selection import (
+    gather_tokens,
+    positions_of,
+    scatter_tokens,
+)
 from adadsf_modifier.utils import real_token_mask
 
 __all__ = [
@@ -111,7 +116,8 @@ def route_mlp(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tens
     MLP's update (straight-through gate, :func:`~adadsf_modifier.routing.router.gated`).
     """
     cache = kwargs.get(layer.cache_kwarg)
-    has_past = stored_keys(cache, layer.layer_index) > 0  # before the attention adds
+    past_len = stored_keys(cache, layer.layer_index)  # before the attention adds
+    has_past = past_len > 0
     h = attention_block(layer)(x, **kwargs)
     batch, q_len = x.shape[:2]
     rec = layer.routing_recorder
@@ -128,7 +134,19 @@ def route_mlp(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tens
     mask = kwargs.get("attention_mask")
     real = real_token_mask(mask, batch, q_len, x.device)
     scores = layer.router(x)
-    index, valid, k_max = layer.select_tokens(scores, real, mode, has_past, mask)
+    if mode == "rank":  # the past scores live on the (dense) cache layer
+        store = None if cache is None else scored_cache_layer(cache, layer.layer_index)
+        selected = rank_select(
+            store,
+            past_len,
+            scores,
+            real,
+            float(layer.retention_ratio),
+            bool(layer.keep_first_token),
+        )
+        index, valid, k_max = positions_of(selected)
+    else:
+        index, valid, k_max = layer.select_tokens(scores, real, mode, has_past, mask)
     if k_max == 0:
         if rec is not None:
             rec.record(layer.layer_index, "skipped", batch=batch)

@@ -1,0 +1,314 @@
+"""Rank routing: each token runs a layer iff it is in the top ``r`` of its row so far.
+
+Against a brute-force reference, across cached decoding (plain and kv-keeping layers,
+left padding, batches), on text whose router scores moved away from the calibration
+set, and in the FLOPs count.
+"""
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from test_causal_routing import incremental_logits, left_padded
+from test_kept_attention_kv import keep_kv
+from test_routing import positions, route_all
+from tiny_models import tiny_model
+
+from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.routing import (
+    calibrate_thresholds,
+    get_routing_modes,
+    routed_layers,
+    selection,
+    set_routing_mode,
+)
+from adadsf_modifier.routing.selection import (
+    choose_by_rank,
+    rank_quota,
+    rank_tie_tolerance,
+)
+
+RATIOS = [0.8, 0.5, 1.0, 0.6]
+
+
+def rank_model(arch="llama", kv=False, ratios=RATIOS, seed=0):
+    model = route_all(tiny_model(arch, len(ratios), seed=seed), ratios)
+    if kv:
+        keep_kv(model, skip_rank=None)  # a full-rank random (ridge-shaped) skip path
+    model.eval()
+    set_routing_mode(model, "rank")
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+# -- the rule against a brute-force reference ------------------------------------------
+
+
+def reference_quota(ratio, keep_first, length):
+    """In exact arithmetic: the integer bringing E_p nearest r * p, the lower of two."""
+    ratio, expected = Fraction(ratio), Fraction(0)
+    quota = [0]
+    for p in range(1, length + 1):
+        if p == 1 and keep_first:
+            c = 1
+        else:
+            errs = [abs(expected + Fraction(c, p) - ratio * p) for c in range(p + 1)]
+            c = errs.index(min(errs))
+        expected += Fraction(c, p)
+        quota.append(c)
+    return quota
+
+
+def reference_rank(scores, real, ratio, keep_first):
+    """A Python loop over each row's tokens."""
+    tol = rank_tie_tolerance(scores.dtype)
+    batch, seq = scores.shape
+    quota = reference_quota(ratio, keep_first, seq)
+    out = torch.zeros(batch, seq, dtype=torch.bool)
+    for b in range(batch):
+        earlier, p = [], 0
+        for t in range(seq):
+            if not real[b, t]:
+                continue
+            s = float(scores[b, t])
+            floor = s - tol * max(1.0, abs(s))
+            p += 1
+            ahead = sum(1 for e in earlier if e >= floor)
+            out[b, t] = ahead < quota[p]
+            earlier.append(s)
+    return out
+
+
+def random_rows(seed, batch=3, seq=40):
+    g = torch.Generator().manual_seed(seed)
+    # few distinct values: many exact ties; plus near-ties inside the tolerance
+    scores = torch.randint(-4, 5, (batch, seq), generator=g).float() * 0.5
+    scores += (torch.rand(batch, seq, generator=g) < 0.2) * 1e-6
+    real = torch.ones(batch, seq, dtype=torch.bool)
+    real[1, :7] = False  # left padding
+    real[2, -5:] = False  # right padding
+    real[2, 10:12] = False  # padding inside a row (a packed batch)
+    return scores, real
+
+
+@pytest.mark.parametrize("ratio", [0.2, 0.5, 0.71, 0.9])
+@pytest.mark.parametrize("keep_first", [True, False])
+def test_rule_equals_a_brute_force_reference(ratio, keep_first):
+    for seed in range(3):
+        scores, real = random_rows(seed)
+        got, _, count = choose_by_rank(scores, real, ratio, keep_first)
+        assert torch.equal(got, reference_rank(scores, real, ratio, keep_first))
+        assert torch.equal(count, real.sum(1))
+
+
+def test_quota_table_tracks_the_ratio_and_pays_back_the_first_token():
+    for ratio in (0.13, 0.5, 0.77, 0.95):
+        for keep_first in (True, False):
+            table = rank_quota(ratio, keep_first, 300, torch.device("cpu")).tolist()
+            assert table[:301] == reference_quota(ratio, keep_first, 300)
+            expected = sum(c / p for p, c in enumerate(table[1:301], start=1))
+            assert abs(expected - ratio * 300) < 0.5
+    half = rank_quota(0.5, True, 8, torch.device("cpu")).tolist()
+    assert half[1] == 1 and half[2] == 0  # the forced sink is paid back at once
+
+
+def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(monkeypatch):
+    """The past carried as stored scores gives the decisions of the whole row, and a
+    prefill chunked over queries gives those of one comparison."""
+    monkeypatch.setattr(selection, "RANK_CHUNK_ELEMENTS", 50)
+    scores, real = random_rows(5, seq=30)
+    whole = reference_rank(scores, real, 0.6, True)
+    chunked, _, _ = choose_by_rank(scores, real, 0.6, True)
+    assert torch.equal(chunked, whole)
+    got, past, count = choose_by_rank(scores[:, :9], real[:, :9], 0.6, True)
+    parts = [got]
+    for t in range(9, 30):
+        got, past, count = choose_by_rank(
+            scores[:, t : t + 1], real[:, t : t + 1], 0.6, True, past, count
+        )
+        parts.append(got)
+    assert torch.equal(torch.cat(parts, 1), whole)
+    assert past.shape == (3, 30) and bool(past[~real].isnan().all())
+
+
+def test_ties_go_to_the_earlier_token_within_the_tolerance():
+    tol = rank_tie_tolerance(torch.float32)
+    # the second token equals the first up to matmul noise: the first stays ahead
+    scores = torch.tensor([[1.0, 1.0 + 0.5 * tol, 0.0]])
+    real = torch.ones_like(scores, dtype=torch.bool)
+    got, _, _ = choose_by_rank(scores, real, 0.8, True)
+    quota = rank_quota(0.8, True, 3, torch.device("cpu"))
+    assert quota[2] == 1  # the second token runs only if nothing earlier is ahead
+    assert not bool(got[0, 1])
+    beats = torch.tensor([[1.0, 1.0 + 4 * tol, 0.0]])
+    assert bool(choose_by_rank(beats, real, 0.8, True)[0][0, 1])
+
+
+# -- cached decoding equals one full forward -------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kv", [False, True])
+def test_cached_decoding_equals_full_forward(arch, kv):
+    model = rank_model(arch, kv)
+    assert set(get_routing_modes(model)) == {"rank"}
+    ids, mask = left_padded(2, 16)
+    ids[0, 9] = ids[0, 2]  # repeated tokens: equal scores at the first layer
+    ids[1, 12] = ids[1, 5]
+    with torch.no_grad():
+        full = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions(mask),
+            use_cache=False,
+        ).logits
+        inc, cache = incremental_logits(model, ids, mask, prefill=4)
+        chunked, _ = incremental_logits(model, ids, mask, prefill=5, chunk=3)
+        # a prefill of padding only: row 1's first real token arrives in decoding
+        late, _ = incremental_logits(model, ids, mask, prefill=3)
+    real = mask.bool()
+    for got in (inc, chunked, late):
+        torch.testing.assert_close(got[real], full[real], atol=1e-4, rtol=0)
+    assert cache.get_seq_length() == ids.shape[1]
+    for layer in routed_layers(model):
+        if layer.retention_ratio < 1.0:
+            store = cache.layers[layer.layer_index]
+            assert store.rank_scores.shape == (2, 16)
+            assert torch.equal(store.rank_count, real.sum(1))
+            if not kv:  # some tokens skipped: the routed cache holds fewer slots
+                assert store.num_slots < ids.shape[1]
+
+
+@pytest.mark.parametrize("kv", [False, True])
+def test_greedy_generate_with_and_without_cache_agree(kv):
+    model = rank_model("llama", kv)
+    ids, mask = left_padded(2, 8)
+    kw = dict(max_new_tokens=10, do_sample=False, attention_mask=mask)
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **kw)
+        uncached = model.generate(ids, use_cache=False, **kw)
+        beams = model.generate(ids, num_beams=2, num_return_sequences=2, **kw)
+    assert torch.equal(cached, uncached)
+    assert beams.shape == (4, 18)
+
+
+def test_a_cache_filled_in_another_mode_is_refused():
+    model = route_all(tiny_model("llama", 4), RATIOS)
+    g = torch.Generator().manual_seed(0)
+    calibrate_thresholds(
+        model, [{"input_ids": torch.randint(4, 128, (4, 16), generator=g)}]
+    )
+    model.eval()
+    ids, _ = left_padded(1, 8)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        set_routing_mode(model, "rank")
+        with pytest.raises(RuntimeError, match="start a\\s+new cache"):
+            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+# -- the ratio holds on shifted text ---------------------------------------------------
+
+
+def shift_routers(model, by):
+    with torch.no_grad():
+        for layer in routed_layers(model):
+            layer.router.fc2.bias += by
+
+
+def kept_per_layer(model, ids, prefill=None):
+    """Per routed layer at ``0 < r < 1``: kept / real tokens, over a prefill of the
+    whole rows (``prefill`` None) or over every decoding step after ``prefill``
+    tokens (teacher-forced, one step per token), counted by the FLOPs recorder."""
+    layers = [m.layer_index for m in routed_layers(model) if 0 < m.retention_ratio < 1]
+    kept = dict.fromkeys(layers, 0)
+    tokens = 0
+    with torch.no_grad():
+        if prefill is None:
+            rep = normalized_flops(model, {"input_ids": ids})
+            tokens = ids.numel()
+            for i in layers:
+                kept[i] += sum(rep.kept[i])
+        else:
+            cache = model(input_ids=ids[:, :prefill], use_cache=True).past_key_values
+            for t in range(prefill, ids.shape[1]):
+                rep = normalized_flops(
+                    model,
+                    {"input_ids": ids[:, t : t + 1], "past_key_values": cache,
+                     "use_cache": True},
+                )  # fmt: skip
+                tokens += ids.shape[0]
+                for i in layers:
+                    kept[i] += sum(rep.kept[i])
+    return {i: kept[i] / tokens for i in layers}
+
+
+@pytest.mark.parametrize("shift", [3.0, -3.0])
+def test_rank_routing_keeps_its_ratio_where_causal_thresholds_drift(shift):
+    ratios = [0.7, 0.5, 0.8, 0.6]
+    model = route_all(tiny_model("llama", 4, seed=1), ratios)
+    g = torch.Generator().manual_seed(0)
+    calibrate_thresholds(
+        model, [{"input_ids": torch.randint(4, 128, (8, 64), generator=g)}]
+    )
+    model.eval()
+    shift_routers(model, shift)  # every score moves: text unlike the calibration set
+    ids = torch.randint(4, 128, (4, 96), generator=g)
+    target = dict(enumerate(ratios))
+    causal_pre = kept_per_layer(model, ids)
+    causal_dec = kept_per_layer(model, ids, prefill=32)
+    for kept in (causal_pre, causal_dec):
+        drift = sum(abs(kept[i] - target[i]) for i in kept) / len(kept)
+        assert drift > 0.25, kept
+    set_routing_mode(model, "rank")
+    for kept in (kept_per_layer(model, ids), kept_per_layer(model, ids, prefill=32)):
+        for i, frac in kept.items():
+            assert abs(frac - target[i]) < 0.06, (i, frac, kept)
+
+
+# -- the FLOPs count sees what ran -----------------------------------------------------
+
+
+def test_flops_kept_counts_equal_the_tokens_that_changed():
+    """Identity skip path: a token ran a layer iff its hidden state changed there."""
+    model = rank_model("llama")
+    ids, mask = left_padded(2, 24)
+    changed: dict[int, torch.Tensor] = {}
+
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        out = output[0] if isinstance(output, tuple) else output
+        changed[module.layer_index] = (out != x).any(-1).sum(1)
+
+    handles = [
+        m.register_forward_hook(hook, with_kwargs=True) for m in routed_layers(model)
+    ]
+    try:
+        with torch.no_grad():
+            batch = {"input_ids": ids, "attention_mask": mask}
+            rep = normalized_flops(model, batch)
+            for layer in routed_layers(model):
+                if layer.retention_ratio < 1.0:
+                    i = layer.layer_index
+                    assert list(rep.kept[i]) == changed[i].tolist()
+                    assert 0 < sum(rep.kept[i]) < int(mask.sum())
+            cache = model(
+                input_ids=ids[:, :12], attention_mask=mask[:, :12], use_cache=True
+            ).past_key_values
+            for t in range(12, 24):
+                step = {
+                    "input_ids": ids[:, t : t + 1],
+                    "attention_mask": mask[:, : t + 1],
+                    "past_key_values": cache,
+                    "use_cache": True,
+                }
+                rep = normalized_flops(model, step)
+                for layer in routed_layers(model):
+                    if layer.retention_ratio < 1.0:
+                        i = layer.layer_index
+                        assert list(rep.kept[i]) == changed[i].tolist()
+    finally:
+        for h in handles:
+            h.remove()
+    assert math.isfinite(rep.normalized)
