@@ -332,3 +332,28 @@ def test_flops_kept_counts_equal_the_tokens_that_changed():
         for h in handles:
             h.remove()
     assert math.isfinite(rep.normalized)
+
+
+# -- the mode persists -----------------------------------------------------------------
+
+
+def test_rank_mode_persists_through_a_checkpoint(tmp_path):
+    """The sidecar stores each layer's mode (its schema takes the routing package's
+    modes), so a checkpoint saved in rank mode reloads in rank mode, same logits, and
+    keeps its KV cache for generate()."""
+    from test_checkpoint_save_load import inputs, routed_model
+
+    import adadsf_modifier
+
+    settings = [None, (0.5, None, "rank"), (0.6, None, "rank"), (0.4, None, "rank")]
+    model = routed_model("llama", settings)
+    ids, mask = inputs()
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask).logits
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    reloaded = adadsf_modifier.from_pretrained(tmp_path / "ckpt")
+    assert get_routing_modes(reloaded) == ["rank"] * 3
+    assert reloaded.generation_config.use_cache is not False
+    with torch.no_grad():
+        got = reloaded(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
