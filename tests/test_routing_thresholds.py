@@ -148,3 +148,20 @@ def test_thresholds_are_fitted_in_one_walk_of_the_layers():
         h.remove()
     assert report.passes == 1
     assert runs == {i: 2 * len(batches) for i in range(len(RATIOS) - 1)}
+
+
+def test_threshold_calibration_builds_no_autograd_graph():
+    """A gradient-free pass: a layer output that tracks gradients would keep every
+    layer's activations alive and cost the backward's bookkeeping on every call."""
+    model = route_all(tiny_model("llama"), RATIOS)
+    tracked = []
+
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        tracked.append(out.requires_grad)
+
+    handles = [m.register_forward_hook(hook) for m in routed_layers(model)]
+    calibrate_thresholds(model, rows(4, 8))
+    for h in handles:
+        h.remove()
+    assert tracked and not any(tracked)

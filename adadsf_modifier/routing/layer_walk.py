@@ -146,6 +146,9 @@ def walk_layers(
     After the caller's work on a step, the walk moves the hidden states up: the step's
     ``outputs`` if the caller set them, else the layer run on its inputs as it is then
     (fitted, in its current routing mode). The model is in eval mode during the walk.
+    The walk's own forwards run without a gradient; the caller's work between steps
+    runs in the caller's grad mode (a generator cannot set it for its consumer), so a
+    caller that runs layers there wraps its loop in ``torch.no_grad()``.
     """
     _, named = decoder_layers(model)
     layers = [m for _, m in named]

@@ -128,6 +128,7 @@ def check_calibration_rows(
         )
 
 
+@torch.no_grad()
 def calibrate_thresholds(
     model: nn.Module,
     batches: Iterable[Mapping[str, Any]],
