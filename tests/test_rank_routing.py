@@ -47,16 +47,19 @@ def rank_model(arch="llama", kv=False, ratios=RATIOS, seed=0):
 
 
 def reference_quota(ratio, keep_first, length):
-    """In exact arithmetic: the integer bringing E_p nearest r * p, the lower of two."""
+    """In exact arithmetic: the integer bringing E_p nearest r * p, the lower of two;
+    the forced first token is no rival."""
     ratio, expected = Fraction(ratio), Fraction(0)
     quota = [0]
     for p in range(1, length + 1):
         if p == 1 and keep_first:
-            c = 1
-        else:
-            errs = [abs(expected + Fraction(c, p) - ratio * p) for c in range(p + 1)]
-            c = errs.index(min(errs))
-        expected += Fraction(c, p)
+            quota.append(1)
+            expected = Fraction(1)
+            continue
+        n = p - 1 if keep_first else p
+        errs = [abs(expected + Fraction(c, n) - ratio * p) for c in range(n + 1)]
+        c = errs.index(min(errs))
+        expected += Fraction(c, n)
         quota.append(c)
     return quota
 
@@ -77,7 +80,8 @@ def reference_rank(scores, real, ratio, keep_first):
             p += 1
             ahead = sum(1 for e in earlier if e >= floor)
             out[b, t] = ahead < quota[p]
-            earlier.append(s)
+            if p > 1 or not keep_first:  # the forced first token is no rival
+                earlier.append(s)
     return out
 
 
@@ -108,7 +112,9 @@ def test_quota_table_tracks_the_ratio_and_pays_back_the_first_token():
         for keep_first in (True, False):
             table = rank_quota(ratio, keep_first, 300, torch.device("cpu")).tolist()
             assert table[:301] == reference_quota(ratio, keep_first, 300)
-            expected = sum(c / p for p, c in enumerate(table[1:301], start=1))
+            rivals = [p - 1 if keep_first else p for p in range(1, 301)]
+            rivals[0] = 1
+            expected = sum(c / n for n, c in zip(rivals, table[1:301]))
             assert abs(expected - ratio * 300) < 0.5
     half = rank_quota(0.5, True, 8, torch.device("cpu")).tolist()
     assert half[1] == 1 and half[2] == 0  # the forced sink is paid back at once
@@ -135,15 +141,17 @@ def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(monkeypatch
 
 def test_ties_go_to_the_earlier_token_within_the_tolerance():
     tol = rank_tie_tolerance(torch.float32)
-    # the second token equals the first up to matmul noise: the first stays ahead
-    scores = torch.tensor([[1.0, 1.0 + 0.5 * tol, 0.0]])
+    # the third token equals the second up to matmul noise: the second stays ahead
+    scores = torch.tensor([[9.0, 1.0, 1.0 + 0.5 * tol]])
     real = torch.ones_like(scores, dtype=torch.bool)
-    got, _, _ = choose_by_rank(scores, real, 0.8, True)
     quota = rank_quota(0.8, True, 3, torch.device("cpu"))
-    assert quota[2] == 1  # the second token runs only if nothing earlier is ahead
-    assert not bool(got[0, 1])
-    beats = torch.tensor([[1.0, 1.0 + 4 * tol, 0.0]])
-    assert bool(choose_by_rank(beats, real, 0.8, True)[0][0, 1])
+    assert quota[3] == 1  # the third token runs only if no rival is ahead of it
+    assert not bool(choose_by_rank(scores, real, 0.8, True)[0][0, 2])
+    beats = torch.tensor([[9.0, 1.0, 1.0 + 4 * tol]])
+    assert bool(choose_by_rank(beats, real, 0.8, True)[0][0, 2])
+    # the forced first token is no rival: a third token below it still runs
+    below_first = torch.tensor([[9.0, 1.0, 2.0]])
+    assert bool(choose_by_rank(below_first, real, 0.8, True)[0][0, 2])
 
 
 # -- cached decoding equals one full forward -------------------------------------------
@@ -177,8 +185,9 @@ def test_cached_decoding_equals_full_forward(arch, kv):
             store = cache.layers[layer.layer_index]
             assert store.rank_scores.shape == (2, 16)
             assert torch.equal(store.rank_count, real.sum(1))
-            if not kv:  # some tokens skipped: the routed cache holds fewer slots
-                assert store.num_slots < ids.shape[1]
+            if not kv:  # some tokens skipped: the routed cache holds fewer tokens
+                held = int(store.slot_valid(2, ids.device).sum())
+                assert 0 < held < int(real.sum())
 
 
 @pytest.mark.parametrize("target,kv", [("attention", False), ("attention", True),
@@ -274,7 +283,7 @@ def test_rank_routing_keeps_its_ratio_where_causal_thresholds_drift(shift):
     )
     model.eval()
     shift_routers(model, shift)  # every score moves: text unlike the calibration set
-    ids = torch.randint(4, 128, (4, 96), generator=g)
+    ids = torch.randint(4, 128, (6, 96), generator=g)
     target = dict(enumerate(ratios))
     causal_pre = kept_per_layer(model, ids)
     causal_dec = kept_per_layer(model, ids, prefill=32)
@@ -283,8 +292,11 @@ def test_rank_routing_keeps_its_ratio_where_causal_thresholds_drift(shift):
         assert drift > 0.25, kept
     set_routing_mode(model, "rank")
     for kept in (kept_per_layer(model, ids), kept_per_layer(model, ids, prefill=32)):
+        # a few hundred tokens a layer: each within sampling noise, their mean closer
         for i, frac in kept.items():
-            assert abs(frac - target[i]) < 0.06, (i, frac, kept)
+            assert abs(frac - target[i]) < 0.08, (i, frac, kept)
+        mean = sum(kept[i] - target[i] for i in kept) / len(kept)
+        assert abs(mean) < 0.03, kept
 
 
 # -- the FLOPs count sees what ran -----------------------------------------------------

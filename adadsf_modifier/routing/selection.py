@@ -215,11 +215,13 @@ def _quota_table(ratio: float, keep_first: bool, length: int) -> tuple[int, ...]
     quota, expected = [0], 0.0
     for p in range(1, length + 1):
         if p == 1 and keep_first:
-            c = 1
-        else:
-            # nearest integer, a half rounded down: the budget is a ceiling
-            c = min(max(math.ceil((ratio * p - expected) * p - 0.5), 0), p)
-        expected += c / p
+            quota.append(1)
+            expected = 1.0
+            continue
+        rivals = p - 1 if keep_first else p  # the forced first token does not rank
+        # nearest integer, a half rounded down: the budget is a ceiling
+        c = min(max(math.ceil((ratio * p - expected) * rivals - 0.5), 0), rivals)
+        expected += c / rivals
         quota.append(c)
     return tuple(quota)
 
@@ -230,20 +232,22 @@ _QUOTA_TENSORS: dict[tuple[float, bool, int, str], torch.Tensor] = {}
 def rank_quota(
     ratio: float, keep_first: bool, length: int, device: torch.device
 ) -> torch.Tensor:
-    """``[L + 1]`` int64, ``L >= length``: ``quota[p]``, how many of the first ``p``
-    real tokens of a row may be ahead of the ``p``-th for it to run (it runs iff fewer
-    are).
+    """``[L + 1]`` int64, ``L >= length``: ``quota[p]``, how many of its rivals may be
+    ahead of a row's ``p``-th real token for it to run (it runs iff fewer are). Its
+    rivals are the ``p`` real tokens so far, less the first one when ``keep_first``:
+    that token runs anyway (quota 1 at ``p = 1``) and, being the attention sink, scores
+    unlike any other (measured on SmolLM2: below every later token at most layers,
+    above all at two), so as a rival it would shift every later decision by one.
 
-    If scores arrive in random order, the ``p``-th token's rank among ``p`` is uniform,
-    so it runs with probability ``quota[p] / p`` and the expected count kept among the
-    first ``p`` tokens is ``E_p = sum quota[q] / q``. Each ``quota[p]`` is the integer
-    in ``[0, p]`` that brings ``E_p`` nearest to ``ratio * p`` (the lower one of two
-    as near): the kept fraction tracks
-    the ratio from the first tokens on (within ``1 / (2 p)`` tokens once reachable), a
-    plain ``ceil(ratio * p)`` would keep ~``ln(N) / (2 N)`` too many over ``N`` tokens.
-    The forced first token (``keep_first``: quota 1 at ``p = 1``) is paid back by the
-    tokens right after it (at ``ratio`` 0.5 the second token never runs). A fixed table
-    of ``(ratio, p)``, so prefill and decoding read the same quota.
+    If scores arrive in random order, the token's rank among its ``n_p`` rivals is
+    uniform, so it runs with probability ``quota[p] / n_p`` and the expected count kept
+    among the first ``p`` tokens is ``E_p = sum quota[q] / n_q``. Each ``quota[p]`` is
+    the integer in ``[0, n_p]`` that brings ``E_p`` nearest to ``ratio * p`` (the lower
+    of two as near): the kept fraction tracks the ratio from the first tokens on
+    (within ``1 / (2 n_p)`` tokens once reachable), where a plain ``ceil(ratio * p)``
+    keeps ~``ln(N) / (2 N)`` too many over ``N`` tokens, and the forced first token is
+    paid back by the tokens right after it (at ``ratio`` 0.5 the second never runs). A
+    fixed table of ``(ratio, p)``, so prefill and decoding read the same quota.
     """
     size = 64
     while size < length:
@@ -306,20 +310,23 @@ def choose_by_rank(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank routing: ``(selected [batch, Q], keys, count)``. The ``p``-th real token
     of a row runs iff fewer than ``quota[p]`` (:func:`rank_quota`, about ``ratio * p``)
-    earlier real tokens of the row are ahead of it (:func:`rank_ahead`): it is in the
-    top ``ratio`` of its row so far. No threshold, so a shift of every score (text
-    unlike the calibration set) leaves the kept share where it was.
+    earlier real tokens of the row (the forced first one aside) are ahead of it
+    (:func:`rank_ahead`): it is in the top ``ratio`` of its row so far. No
+    threshold, so a shift of every score (text unlike the calibration set) leaves the
+    kept share where it was.
 
     ``past`` / ``past_count [batch]``: the row's earlier scores at this layer (padding
     NaN) and how many were real; ``keys`` / ``count`` are the same after these tokens,
     for the cache to keep.
     """
-    ahead, keys = rank_ahead(scores, real, past)
     seen = real.long().cumsum(1)
     count = seen[:, -1]
     if past_count is not None:
         seen = seen + past_count.unsqueeze(1)
         count = count + past_count
+    # the forced first token is no rival (:func:`rank_quota`): stored as padding is
+    rivals = real & (seen != 1) if keep_first else real
+    ahead, keys = rank_ahead(scores, rivals, past)
     quota = rank_quota(ratio, keep_first, keys.shape[1], scores.device)[seen]
     return real & (ahead < quota), keys, count
 
