@@ -37,7 +37,7 @@ def warnings_during(fn):
         result = fn()
     finally:
         logger.remove(sink)
-    return result, [w for w in seen if "calibrated to keep" in w]
+    return result, [w for w in seen if "retention ratios plan" in w]
 
 
 def test_kept_share_is_what_the_routed_layers_ran_against_their_ratios():

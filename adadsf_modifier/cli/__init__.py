@@ -137,7 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=positive_int, default=None, help="examples per task")
     e.add_argument("--no-ppl", action="store_true")
     e.add_argument("--ppl-tokens", type=token_count, default=16384)
-    e.add_argument("--routing-mode", choices=["causal", "topk"], default="causal")
+    e.add_argument(
+        "--routing-mode",
+        choices=["causal", "rank", "topk"],
+        default="causal",
+        help="causal: the calibrated thresholds (what generate() uses by default); "
+        "rank: each token against its row's earlier scores, which holds each layer's "
+        "ratio on text unlike the calibration set; topk: each row's best tokens (not "
+        "causal: scoring only)",
+    )
     dtype(e)
     e.add_argument("--output", default=None, help="JSON file (default: stdout)")
     e.add_argument("--overwrite", action="store_true")

@@ -71,8 +71,10 @@ def warn_on_drift(kept: float | None, target: float | None, where: str) -> bool:
     more = "more" if kept > target else "fewer"
     logger.warning(
         f"{where}: the routed layers ran {kept:.3f} of their tokens, {more} than the "
-        f"{target:.3f} they were calibrated to keep: causal thresholds fitted on the "
-        "calibration text do not hold this budget on this text, so its compute (and "
-        "speed) is not the budget's"
+        f"{target:.3f} their retention ratios plan: on this text the routing does not "
+        "hold its budget, so its compute (and speed) is not the budget's. Causal "
+        "thresholds are fitted on the calibration text; routing mode 'rank' "
+        "(set_routing_mode(model, 'rank')) ranks each token against its own row's "
+        "earlier scores instead"
     )
     return True
