@@ -11,7 +11,11 @@ rewrites its ``..`` entry). Writability is tried, not guessed: ``os.access`` fir
 then a file created exclusively and removed, which also catches what ``os.access``
 does not see (read-only mounts for root, some network filesystems).
 
-:func:`install` applies the check to ``oneshot(output_dir=...)``. llm-compressor gives
+:func:`install` applies the check to ``oneshot(output_dir=...)``, and, once
+``oneshot`` has loaded the model, refuses a recipe that would quantize the routers or
+skip paths of a model that is routed already
+(:func:`~adadsf_modifier.recipe_checks.check_routed_model_keeps_routing`), also before
+any calibration. llm-compressor gives
 its modifiers neither the output folder (its session holds the model, the recipe and
 the data, not the entrypoint's arguments) nor a hook before its work, so ``Oneshot``'s
 constructor is wrapped once, as :mod:`adadsf_modifier.recipe_guard` wraps the recipe
@@ -28,9 +32,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
+from torch import nn
+
 from adadsf_modifier import distributed
 from adadsf_modifier.atomic import resolve_destination
 from adadsf_modifier.constraints import InputError
+from adadsf_modifier.recipe_checks import check_routed_model_keeps_routing
+from adadsf_modifier.routing import RoutedLayer
+from adadsf_modifier.routing.skip_path import skip_path_of
 
 __all__ = ["DestinationError", "check_destination", "install"]
 
@@ -108,6 +117,19 @@ def _check_output_dir(output_dir: Any) -> None:
     distributed.agree_on_errors(check)
 
 
+def _check_routed_model(model: Any, recipe: Any) -> None:
+    """:func:`~adadsf_modifier.recipe_checks.check_routed_model_keeps_routing` on the
+    model ``oneshot`` loaded (its routed layers and skip paths found here: the recipe
+    checks cannot import the routing, which imports them)."""
+    if not isinstance(model, nn.Module) or recipe is None:
+        return
+    routed = [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedLayer)]
+    skips = [s for _, m in routed if (s := skip_path_of(m)) is not None]
+    check_routed_model_keeps_routing(
+        model, recipe, [n for n, _ in routed], skips[0] if skips else None
+    )
+
+
 def install() -> None:
     """Wrap ``Oneshot.__init__`` (once per process) so that an unusable
     ``output_dir`` is refused before the model loads."""
@@ -122,6 +144,7 @@ def install() -> None:
         if kwargs.get("output_dir") is not None:
             _check_output_dir(kwargs["output_dir"])
         original(self, *args, **kwargs)
+        _check_routed_model(self.model, self.recipe)
 
     setattr(__init__, _MARK, True)
     Oneshot.__init__ = __init__

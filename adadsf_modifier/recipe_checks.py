@@ -65,6 +65,29 @@ def check_recipe_keeps_routers_unquantized(
     _refuse_matches(names, probe, "router", ROUTER_HINT, modifiers)
 
 
+def check_routed_model_keeps_routing(
+    model: nn.Module, recipe: Any, routed: Sequence[str], skip_probe: nn.Module | None
+) -> None:
+    """Refuse a recipe for an already routed ``model`` (``oneshot`` on a routed
+    checkpoint, or on the model a first ``oneshot`` returned) whose quantization
+    modifiers would reach its routers or skip paths.
+
+    Such a model has its routers before any modifier initialises, so the checks the
+    AdaDSF modifier makes when it routes never run; without this one, GPTQ would
+    calibrate the whole model and only the save would refuse. ``routed``: the names of
+    ``model``'s routed decoder layers; ``skip_probe``: one of their skip paths
+    (``None``: none has one).
+    """
+    if not routed:
+        return
+    from llmcompressor.recipe import Recipe
+
+    modifiers = Recipe.create_instance(recipe).modifiers
+    check_recipe_keeps_routers_unquantized(routed, modifiers)
+    if skip_probe is not None:
+        check_recipe_keeps_skip_paths_unquantized(routed, skip_probe, modifiers)
+
+
 def check_recipe_keeps_skip_paths_unquantized(
     layer_names: Sequence[str], probe: nn.Module, modifiers: Iterable[Any] | None = None
 ) -> None:

@@ -145,6 +145,29 @@ def test_second_oneshot_on_a_routed_checkpoint_keeps_the_routing(checkpoints):
         )
 
 
+def test_a_second_oneshot_that_would_quantize_the_routers_is_refused_first(
+    checkpoints, tmp_path, monkeypatch
+):
+    """A routed model has its routers before any modifier initialises: a recipe that
+    would quantize them is refused once oneshot has loaded the model, before GPTQ
+    calibrates anything (not at the save, after the work)."""
+    from llmcompressor.entrypoints.oneshot import Oneshot
+
+    started = []
+    monkeypatch.setattr(Oneshot, "__call__", lambda self: started.append(1))
+    for kind in ("adadsf", "ftp"):
+        with pytest.raises(ValueError, match="would quantize the AdaDSF router"):
+            oneshot(
+                model=str(checkpoints[kind]),
+                recipe=GPTQModifier(ignore=["lm_head"], **W8A8),
+                dataset=token_dataset(8, 16),
+                num_calibration_samples=8,
+                max_seq_length=16,
+                output_dir=str(tmp_path / "out"),
+            )
+    assert not started and not (tmp_path / "out").exists()
+
+
 def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "m"))
     return subprocess.run(
