@@ -52,7 +52,11 @@ def test_refit_routers_then_refits_each_map_on_the_tokens_the_new_router_skips()
     model = route_all(tiny_model("llama", 4), RATIOS)
     data = batches()
     before = _routers(model)
-    report = fit_skip_paths(model, data, rank=4, refit_routers=RouterRefit(64, 20))
+    # a fixed penalty: with "auto" the refit keeps the penalty chosen for the first
+    # map (choosing it is most of a fit's cost), where a plain fit would choose anew
+    report = fit_skip_paths(
+        model, data, rank=4, ridge=0.1, refit_routers=RouterRefit(64, 20)
+    )
     after = _routers(model)
     # every partly routed layer's router was refit (the removed layer has none to fit)
     assert sorted(after) == [1, 3] and len(report.router_rank_corr) == 2
@@ -61,11 +65,26 @@ def test_refit_routers_then_refits_each_map_on_the_tokens_the_new_router_skips()
     # the maps are those a plain fit gives with the refit routers: fit on the tokens
     # the *new* routers skip, on inputs routed by the refit layers below
     maps = _maps(model)
-    fit_skip_paths(model, data, rank=4)
+    fit_skip_paths(model, data, rank=4, ridge=0.1)
     for i, m in _maps(model).items():
         for k in m:
             torch.testing.assert_close(m[k], maps[i][k], atol=1e-6, rtol=1e-5)
     assert _routers(model).keys() == after.keys()
+
+
+def test_the_refit_map_keeps_the_penalty_chosen_for_the_first_one():
+    """With ``ridge: auto`` the penalty is chosen once per layer, on the tokens the
+    first router skips (what a plain fit chooses), and the map refit after the router
+    keeps it."""
+    import copy
+
+    torch.manual_seed(0)
+    model = route_all(tiny_model("llama", 4), RATIOS)
+    twin = copy.deepcopy(model)
+    data = batches()
+    plain = fit_skip_paths(twin, data, rank=4)
+    refit = fit_skip_paths(model, data, rank=4, refit_routers=RouterRefit(64, 20))
+    assert refit.ridge == plain.ridge
 
 
 def test_a_router_fit_to_the_skip_error_ranks_held_out_tokens_by_it():
