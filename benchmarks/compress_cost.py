@@ -20,6 +20,9 @@ nothing. Ratios only: absolute times on a shared CPU mean little.
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,7 +58,13 @@ def load_model(shape: str, dtype: torch.dtype) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(embedded_model_path(), dtype=dtype)
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA_1B, attn_implementation="sdpa")
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # oneshot re-reads the config from the model's name_or_path: give it a folder
+    folder = tempfile.mkdtemp(prefix="llama-1b-shape-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    config.save_pretrained(folder)
+    model.config.name_or_path = folder
+    return model
 
 
 def main(argv: list[str] | None = None) -> None:
