@@ -186,6 +186,10 @@ def test_run_key_is_stable_and_covers_every_field():
         fields
     )
     assert "initialized_" not in fields and "align_dataset" not in fields
+    # a field that no longer changes what a run computes is not part of its key, so
+    # the runs computed while it did something are still found
+    assert "threshold_passes" not in fields
+    assert "threshold_passes" not in modifier_fields(s, "ftp", 0.8, 0, TUNED)
 
 
 def test_method_fields():

@@ -25,6 +25,11 @@ _W8A8_FALLBACK = {
     "dampening_frac": 0.01,
 }
 _W8A8_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "adadsf_w8a8.yaml"
+#: Modifier fields that no longer change what a run computes (kept by the plug-in so
+#: recipes that set them still load), left out of a run's key: runs computed when they
+#: did something are then found by the render, and none is recomputed for them.
+_NO_EFFECT_FIELDS = {"threshold_passes"}
+
 _LIFECYCLE_FIELDS = {
     "index",
     "group",
@@ -128,7 +133,11 @@ def modifier_fields(
         kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
     kwargs.update(m.fields)
     dump = AdaDSFModifier(**kwargs).model_dump()
-    return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
+    return {
+        k: v
+        for k, v in dump.items()
+        if k not in _LIFECYCLE_FIELDS and k not in _NO_EFFECT_FIELDS
+    }
 
 
 def finetune_fields(
@@ -172,4 +181,8 @@ def _ftp_fields(
         **extra,
     )
     dump = FTPModifier(**kwargs).model_dump()
-    return {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
+    return {
+        k: v
+        for k, v in dump.items()
+        if k not in _LIFECYCLE_FIELDS and k not in _NO_EFFECT_FIELDS
+    }

@@ -18,12 +18,13 @@
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 from typing import Any
 
 from adadsf_lab.study.methods import METHODS
 from adadsf_lab.study.targets import PPL_TARGETS
+from adadsf_modifier.atomic import atomic_write_bytes
 
 __all__ = ["PLOT_FILES", "styles", "target_segments", "write_plots"]
 
@@ -186,10 +187,11 @@ def _draw_speed(ax, points: list[dict], kind: str, style: dict) -> int:
 
 
 def _save(fig, path: Path) -> None:
-    """Atomically: a reader never sees half a PNG."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    os.replace(tmp, path)
+    """Atomically, through an unpredictable temporary name (a reader never sees half a
+    PNG, and a link planted at a fixed name is never followed)."""
+    image = io.BytesIO()
+    fig.savefig(image, dpi=120, format="png")
+    atomic_write_bytes(path, image.getvalue())
 
 
 def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
