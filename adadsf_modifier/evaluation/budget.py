@@ -21,7 +21,7 @@ from torch import nn
 from adadsf_modifier.flops import FlopsReport
 from adadsf_modifier.routing import routed_layers
 
-__all__ = ["DRIFT_WARNING", "KeptShare", "warn_on_drift"]
+__all__ = ["DRIFT_WARNING", "KeptShare"]
 
 #: How far the kept share may part from the target before a warning (a few points:
 #: calibration rows themselves vary by about a point between held-out samples).
@@ -59,22 +59,18 @@ class KeptShare:
         return self.planned / self.offered if self.offered else None
 
     def warn(self, where: str) -> bool:
-        """:func:`warn_on_drift` of this share."""
-        return warn_on_drift(self.fraction, self.target, where)
-
-
-def warn_on_drift(kept: float | None, target: float | None, where: str) -> bool:
-    """Log a warning when ``kept`` parts from ``target`` by more than
-    :data:`DRIFT_WARNING`; returns whether it did."""
-    if kept is None or target is None or abs(kept - target) <= DRIFT_WARNING:
-        return False
-    more = "more" if kept > target else "fewer"
-    logger.warning(
-        f"{where}: the routed layers ran {kept:.3f} of their tokens, {more} than the "
-        f"{target:.3f} their retention ratios plan: on this text the routing does not "
-        "hold its budget, so its compute (and speed) is not the budget's. Causal "
-        "thresholds are fitted on the calibration text; routing mode 'rank' "
-        "(set_routing_mode(model, 'rank')) ranks each token against its own row's "
-        "earlier scores instead"
-    )
-    return True
+        """Log a warning when the kept share parts from its target by more than
+        :data:`DRIFT_WARNING`; returns whether it did."""
+        kept, target = self.fraction, self.target
+        if kept is None or target is None or abs(kept - target) <= DRIFT_WARNING:
+            return False
+        more = "more" if kept > target else "fewer"
+        logger.warning(
+            f"{where}: the routed layers ran {kept:.3f} of their tokens, {more} than "
+            f"the {target:.3f} their retention ratios plan: on this text the routing "
+            "does not hold its budget, so its compute (and speed) is not the budget's. "
+            "Causal thresholds are fitted on the calibration text; routing mode 'rank' "
+            "(set_routing_mode(model, 'rank')) ranks each token against its own row's "
+            "earlier scores instead"
+        )
+        return True

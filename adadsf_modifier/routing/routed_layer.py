@@ -733,7 +733,7 @@ routed_cache.rank_select`); then the same paths as causal routing run the chosen
     )
     if q_len == 1:
         choice = decode_choice_of(
-            selected, None if attention_mask is None else real[:, 0]
+            selected[:, 0], None if attention_mask is None else real[:, 0]
         )
         if layer.skipped_tokens_kv:
             return decode_step_keeping_kv(

@@ -158,25 +158,17 @@ def choose_decode_rows(
         selected = torch.ones_like(selected)
     elif late is not None:
         selected = selected | late
-    if batch == 1:
-        run = bool(selected[0] & real[0]) if real is not None else bool(selected[0])
-        return DecodeChoice(None, None, None, int(run), real)
     if real is not None:
         selected = selected & real
-    n = int(selected.sum())  # the one host sync of this layer
-    if n in (0, batch):
-        return DecodeChoice(selected, None, None, n, real)
-    order = torch.argsort((~selected).to(torch.int8), stable=True)
-    return DecodeChoice(selected, order[:n], order[n:], n, real)
+    return decode_choice_of(selected, real)
 
 
 def decode_choice_of(selected: torch.Tensor, real: torch.Tensor | None) -> DecodeChoice:
-    """The :class:`DecodeChoice` of a decoding step whose rows that run are already
-    decided (``selected [batch, 1]`` bool, padding rows False; ``real [batch]`` or
-    None), with one host sync: what :func:`choose_decode_rows` returns for a
-    threshold, for rank routing's decision."""
+    """The :class:`DecodeChoice` of a decoding step whose rows that run are decided
+    (``selected [batch]`` bool, padding rows False; ``real [batch]`` or None), with one
+    host sync: the rows to gather and to skip. Shared by the causal threshold
+    (:func:`choose_decode_rows`) and rank routing."""
     batch = selected.shape[0]
-    selected = selected[:, 0]
     if batch == 1:
         return DecodeChoice(None, None, None, int(selected[0]), real)
     n = int(selected.sum())  # the one host sync of this layer
