@@ -8,10 +8,12 @@ fraction forced, side by side with its dense twin.
 Random weights: a config-built model of the shape, every decoder layer but the first
 routed as the shipped recipe routes it (a rank-64 skip path, skipped tokens' keys and
 values kept), with random routers. Random routers rank nothing, so calibrated
-thresholds would not transfer; instead each layer's threshold is the quantile of its
-own scores on a sample of the benchmark's distribution that keeps ``--retention`` of
-the tokens (the kept fraction is forced, as the issue asks of a speed test at a shape
-whose routers were never trained). Prefill (one forward of ``--seq-len`` tokens) and
+thresholds would not transfer; instead the thresholds are calibrated (the plug-in's
+``calibrate_thresholds``, one bottom-up walk) on four random rows of 512 tokens, the
+benchmark's own distribution, so every routed layer keeps ``--retention`` of such
+tokens (the kept fraction is forced, as the issue asks of a speed test at a shape whose
+routers were never trained; the table's ``kept (target)`` column shows what the timed
+tokens really kept). Prefill (one forward of ``--seq-len`` tokens) and
 greedy decoding (``--decode-tokens`` steps after a ``--decode-prompt`` prompt) run in
 causal mode, timed by the plug-in's own ``measure_prefill`` / ``measure_decode`` (the
 twins interleaved, medians, the measured FLOPs of the same tokens): each speedup and
@@ -40,6 +42,7 @@ from adadsf_modifier.routing import (
     routed_layers,
     set_routing_mode,
 )
+from adadsf_modifier.routing.thresholds import calibrate_thresholds
 
 SHAPES = {
     "smollm2-135m": dict(
@@ -78,21 +81,14 @@ def build_twins(
         route_layer(layer, TokenRouter(hidden, 64), retention, index,
                     "past_key_values", config, skip_path=skip,
                     skipped_tokens_kv=True)  # fmt: skip
-    scores: dict[int, torch.Tensor] = {}
-    hooks = [
-        layer.router.register_forward_hook(
-            lambda m, a, out, i=layer.layer_index: scores.__setitem__(i, out.float())
-        )
-        for layer in routed_layers(routed)
-    ]
-    set_routing_mode(routed, "topk")  # the sample runs each layer at its ratio
-    with torch.no_grad():
-        routed(torch.randint(0, config.vocab_size, (1, 512)), use_cache=False)
-    for hook in hooks:
-        hook.remove()
-    for layer in routed_layers(routed):
-        s = scores[layer.layer_index].flatten()
-        layer.causal_threshold = float(torch.quantile(s, 1.0 - retention))
+    # every threshold fitted on the inputs the causal model gives its layer (the
+    # plug-in's own one-walk calibration), so a forward on this distribution keeps
+    # ``retention`` at every routed layer, not only on the sample's top-k inputs
+    sample = torch.randint(0, config.vocab_size, (4, 512))
+    calibrate_thresholds(
+        routed, [{"input_ids": row[None], "attention_mask": torch.ones_like(row[None])}
+                 for row in sample]
+    )  # fmt: skip
     set_routing_mode(routed, "causal")
     return dense, routed
 
