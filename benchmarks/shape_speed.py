@@ -39,7 +39,6 @@ from adadsf_modifier.routing import (
     TokenRouter,
     decoder_layers,
     route_layer,
-    routed_layers,
     set_routing_mode,
 )
 from adadsf_modifier.routing.thresholds import calibrate_thresholds
