@@ -132,3 +132,51 @@ def test_refit_needs_skipped_tokens_and_routed_inputs():
     model = route_all(tiny_model("llama", 2), [1.0, 0.5])
     with pytest.raises(ValueError, match="refitting the routers"):
         fit_skip_paths(model, batches(1), tokens="all", refit_routers=RouterRefit())
+
+
+def _padded_batches(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(3):
+        ids = torch.randint(4, 128, (3, 24), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0  # left padded
+        mask[2, -7:] = 0  # right padded
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_walk_outputs_made_from_the_dense_run_fit_the_same_maps_as_running_the_layer(
+    monkeypatch, arch, padded
+):
+    """With skipped tokens' keys/values kept, the skip-path walk makes the next layer's
+    inputs from the dense run (kept tokens' dense outputs, skipped ones' x + u(x))
+    instead of running the routed layer: every map and router it fits must be those
+    of the walk that runs the layer."""
+    import adadsf_modifier.routing.skip_fit as skip_fit
+
+    data = _padded_batches() if padded else batches()
+
+    def fitted(derive: bool):
+        torch.manual_seed(0)
+        model = route_all(tiny_model(arch, 4), RATIOS)
+        for layer in routed_layers(model):
+            layer.skipped_tokens_kv = True
+        with monkeypatch.context() as m:
+            if not derive:
+                m.setattr(skip_fit, "kept_tokens_run_densely", lambda layer: False)
+            fit_skip_paths(
+                model, data, rank=4, ridge="auto", refit_routers=RouterRefit(64, 20)
+            )
+        return _maps(model), _routers(model)
+
+    maps, routers = fitted(True)
+    ref_maps, ref_routers = fitted(False)
+    assert maps.keys() == ref_maps.keys() and len(maps) == 2
+    for i in maps:
+        for name in maps[i]:
+            torch.testing.assert_close(maps[i][name], ref_maps[i][name])
+        for name in routers[i]:
+            torch.testing.assert_close(routers[i][name], ref_routers[i][name])

@@ -24,9 +24,12 @@ Under ``torchrun`` the regression statistics are summed over the ranks and route
 refit on the gathered sample and broadcast, so every rank ends with the same maps and
 routers, fit on every partition.
 
-Cost: about two forward passes over the calibration data (each routed layer runs once
-densely for the targets and once routed), plus one cheap pass that only records every
-layer's keyword arguments (masks, rotary embeddings). Memory: one batch-set of hidden
+Cost: about one forward pass over the calibration data when skipped tokens keep their
+keys/values (each routed layer runs once densely for the targets; its kept tokens'
+routed outputs are those dense outputs, so the next layer's inputs are made from them,
+:func:`kept_tokens_run_densely`), two otherwise (once densely, once routed); plus one
+cheap pass that only records every layer's keyword arguments (masks, rotary
+embeddings) and a router pass per fit. Memory: one batch-set of hidden
 states and one layer's ``(h + 1)^2`` float64 statistics at a time.
 """
 
@@ -61,7 +64,13 @@ from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
 from adadsf_modifier.utils import model_device
 
-__all__ = ["RouterRefit", "SkipPathReport", "fit_skip_paths", "install_skip_paths"]
+__all__ = [
+    "RouterRefit",
+    "SkipPathReport",
+    "fit_skip_paths",
+    "install_skip_paths",
+    "kept_tokens_run_densely",
+]
 
 
 @dataclass
@@ -152,9 +161,18 @@ def fit_skip_paths(
     for step in walk:
         if step.layer not in targets:
             continue
-        ys = _fit_layer(step, rank, ridge, tokens, device, report, refit_routers)
+        from_dense = (
+            inputs == "routed"
+            and step.index < last  # the walk needs no outputs of the last layer
+            and kept_tokens_run_densely(step.layer)
+        )
+        ys, skipped = _fit_layer(
+            step, rank, ridge, tokens, device, report, refit_routers, from_dense
+        )
         if inputs == "dense":
             step.outputs = ys
+        elif from_dense:
+            step.outputs = _routed_from_dense(step, ys, skipped)
     logger.info(
         f"AdaDSF skip paths (rank {rank or 'full'}, {tokens} tokens, {inputs} "
         f"inputs, ridge {ridge}): R^2 [{', '.join(f'{r:.2f}' for r in report.r2)}]"
@@ -169,6 +187,22 @@ def fit_skip_paths(
     return report
 
 
+def kept_tokens_run_densely(layer: nn.Module) -> bool:
+    """Whether ``layer``'s routed output on a token it runs is its dense output.
+
+    So it is when the whole layer is routed and skipped tokens keep their keys and
+    values: a kept token then attends to every earlier real token, as in the dense
+    layer, through the same modules. The skip-path walk then makes the next layer's
+    inputs from the dense run it needs anyway for the targets (the kept tokens' dense
+    outputs, the skipped tokens' ``x + u(x)``) instead of running the layer again.
+    """
+    return (
+        isinstance(layer, RoutedLayer)
+        and bool(layer.skipped_tokens_kv)
+        and layer.route_target == "layer"
+    )
+
+
 def _fit_layer(
     step: LayerStep,
     rank: int | None,
@@ -177,14 +211,23 @@ def _fit_layer(
     device: torch.device,
     report: SkipPathReport,
     refit: RouterRefit | None = None,
-) -> list[torch.Tensor]:
+    want_skipped: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Fit the step's layer's skip path on its inputs (and with ``refit``, its
-    router, then the map again); returns the dense layer's outputs."""
+    router, then the map again); returns the dense layer's outputs and, per batch,
+    the real tokens its final router skips (``None`` unless the fit needed them or
+    ``want_skipped``)."""
     layer, xs, calls = step.layer, step.inputs, step.calls
     with routing_override([layer], retention_ratio=1.0):  # every token, no skip path
         dense_out = step.run()
     use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
-    fit = _fit_map(layer, xs, calls, dense_out, rank, ridge, use_skipped, device)
+    skipped = None
+    if use_skipped or want_skipped:
+        skipped = _skipped_tokens(layer, xs, calls)
+    fit = _fit_map(
+        layer, xs, calls, dense_out, rank, ridge, skipped if use_skipped else None,
+        device,
+    )  # fmt: skip
     if refit is not None and layer.retention_ratio > 0.0:
         x_s, err = _skip_error_sample(layer, xs, calls, dense_out, refit)
         target = skip_error_target(err)
@@ -196,14 +239,43 @@ def _fit_layer(
         # the map again, on the tokens the new router skips, with the penalty chosen
         # above: choosing it is most of a fit's cost, and the two sets of skipped
         # tokens are of the same layer and mostly the same tokens
+        skipped = _skipped_tokens(layer, xs, calls)
         fit = _fit_map(
-            layer, xs, calls, dense_out, rank, fit.ridge, use_skipped, device
-        )
+            layer, xs, calls, dense_out, rank, fit.ridge,
+            skipped if use_skipped else None, device,
+        )  # fmt: skip
     report.layer_indices.append(layer.layer_index)
     report.tokens.append(fit.tokens)
     report.r2.append(fit.r2 if math.isfinite(fit.r2) else float("nan"))
     report.ridge.append(fit.ridge)
-    return dense_out
+    return dense_out, skipped
+
+
+def _skipped_tokens(
+    layer: RoutedLayer, xs: list[torch.Tensor], calls: list[tuple]
+) -> list[torch.Tensor]:
+    """Per batch, ``[batch, seq]``: the real tokens ``layer``'s router skips (in the
+    layer's current routing mode; scored inside a layer call: see
+    :func:`~adadsf_modifier.routing.layer_walk.router_scores`)."""
+    out = []
+    for x, call in zip(xs, calls):
+        mask, real = real_tokens_of(x, call)
+        scores = router_scores(layer, x, call)
+        out.append(real & ~layer.selected_mask(x, mask, scores=scores))
+    return out
+
+
+def _routed_from_dense(
+    step: LayerStep, dense_out: list[torch.Tensor], skipped: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The routed layer's outputs, made from its dense ones (for a layer whose kept
+    tokens run densely, :func:`kept_tokens_run_densely`): ``x + u(x)`` on the skipped
+    tokens, the dense output elsewhere (padding leaves both layers unchanged)."""
+    skip_map = step.layer.skip_path
+    return [
+        torch.where(s.unsqueeze(-1), x + skip_map(x), y)
+        for x, y, s in zip(step.inputs, dense_out, skipped)
+    ]
 
 
 def _fit_map(
@@ -213,15 +285,16 @@ def _fit_map(
     ys: list[torch.Tensor],
     rank: int | None,
     ridge: float | str,
-    use_skipped: bool,
+    skipped: list[torch.Tensor] | None,
     device: torch.device,
 ) -> RidgeFit:
     """Fit and load ``layer``'s map from inputs ``xs`` and dense outputs ``ys``, on
-    the real tokens its router skips (``use_skipped``) or on all of them."""
+    the real tokens its router skips (``skipped``, per batch) or, ``None``, on all
+    of them."""
     hidden = xs[0].shape[-1]
     folds = None
-    if use_skipped:
-        folds = _fold_stats(layer, xs, calls, ys, device, skipped_only=True)
+    if skipped is not None:
+        folds = _fold_stats(xs, calls, ys, device, skipped)
         n_skipped = sum(f.n for f in folds)  # summed over the ranks: same choice
         if n_skipped < hidden:
             logger.warning(
@@ -231,31 +304,27 @@ def _fit_map(
             )
             folds = None
     if folds is None:
-        folds = _fold_stats(layer, xs, calls, ys, device, skipped_only=False)
+        folds = _fold_stats(xs, calls, ys, device)
     fit = fit_ridge_on_folds(folds, rank, ridge)
     layer.skip_path.load_fit(fit)
     return fit
 
 
 def _fold_stats(
-    layer: RoutedLayer,
     xs: list[torch.Tensor],
     calls: list[tuple],
     ys: list[torch.Tensor],
     device: torch.device,
-    skipped_only: bool,
+    skipped: list[torch.Tensor] | None = None,
 ) -> tuple[RidgeStats, RidgeStats]:
     """The two folds' regression statistics of the update ``y - x`` on ``x`` over the
-    real tokens (``skipped_only``: those the router skips), summed over the ranks."""
+    real tokens (with ``skipped``: those of them, per batch), summed over the ranks."""
     hidden = xs[0].shape[-1]
     folds = (RidgeStats(hidden, device), RidgeStats(hidden, device))
     rows_seen = 0
-    for x, call, y in zip(xs, calls, ys):
-        mask, real = real_tokens_of(x, call)
-        keep = real
-        if skipped_only:  # scored inside a layer call: see router_scores
-            scores = router_scores(layer, x, call)
-            keep = real & ~layer.selected_mask(x, mask, scores=scores)
+    for i, (x, call, y) in enumerate(zip(xs, calls, ys)):
+        _, real = real_tokens_of(x, call)
+        keep = real if skipped is None else skipped[i]
         for fold, part in enumerate(ridge_folds(real, rows_seen)):
             folds[fold].add(x[part & keep], (y - x)[part & keep])
         rows_seen += x.shape[0]
