@@ -56,7 +56,10 @@ from adadsf_modifier.importance import (
     similarity_like,
     skip_path_loss_importance,
 )
-from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
+from adadsf_modifier.recipe_checks import (
+    check_recipe_keeps_routers_unquantized,
+    session_recipe_of,
+)
 from adadsf_modifier.routing import (
     RouterRefit,
     ThresholdCalibrationError,
@@ -240,8 +243,9 @@ class AdaDSFModifier(
 
         # A quantization modifier later in the recipe must not quantize the routers:
         # fail now, not after calibration (see adadsf_modifier.recipe_checks).
-        check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
-        self.check_skip_path(model, [name for _, name, _ in targeted])
+        recipe = session_recipe_of(self)
+        check_recipe_keeps_routers_unquantized([n for _, n, _ in targeted], recipe)
+        self.check_skip_path(model, [name for _, name, _ in targeted], recipe)
         clock = self._clock
         with clock.stage("calibration"):
             self._similarities = self._calibrate(model, layers, calib)

@@ -37,6 +37,20 @@ SKIP_PATH_HINT = "add 're:.*skip_path.*' to the quantization modifier's `ignore`
 """How to fix a recipe that would quantize the skip paths."""
 
 
+def session_recipe_of(owner: Any) -> list[Any]:
+    """The modifiers of the active llm-compressor session's recipe if ``owner`` (a
+    modifier) is one of them, else none.
+
+    The session outlives ``oneshot``: it keeps the last recipe, including one whose
+    run was refused. A modifier applied directly (``apply_to``, outside ``oneshot``)
+    must not be judged by that stale recipe's quantization modifiers.
+    """
+    modifiers = _active_recipe_modifiers()
+    if modifiers is None or not any(m is owner for m in modifiers):
+        return []
+    return modifiers
+
+
 def _active_recipe_modifiers() -> list[Any] | None:
     try:
         from llmcompressor.core import active_session

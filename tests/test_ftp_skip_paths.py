@@ -188,3 +188,27 @@ def test_ridge_and_kv_cost_more_measured_flops_than_identity():
     identity, ridge_kv = reports
     assert identity.kept == ridge_kv.kept
     assert 0.0 < identity.normalized < ridge_kv.normalized
+
+
+def test_a_refused_oneshot_does_not_judge_a_later_direct_run(tmp_path):
+    """llm-compressor's session keeps the last recipe, even one whose run was refused;
+    a modifier applied directly afterwards (``apply_to``, no session of its own) must
+    not be refused for that stale recipe's quantization modifier."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from tiny_models import save_tiny_model, token_dataset
+    from transformers import AutoModelForCausalLM
+
+    from adadsf_modifier import AdaDSFModifier
+
+    path = save_tiny_model("llama", str(tmp_path / "tiny"))
+    recipe = [
+        AdaDSFModifier(retention=0.7, skip_path="ridge"),
+        GPTQModifier(targets=["re:.*skip_path$"], scheme="W8A16"),
+    ]
+    with pytest.raises(ValueError, match="would quantize the AdaDSF skip path"):
+        oneshot(model=AutoModelForCausalLM.from_pretrained(path), recipe=recipe,
+                dataset=token_dataset(4, 16), num_calibration_samples=4,
+                max_seq_length=16)  # fmt: skip
+    model, _ = ftp_model("llama", skip_path="ridge")
+    assert skip_paths(model)

@@ -48,7 +48,10 @@ from adadsf_modifier.ftp.trainer import (
     TrainRouting,
     train_router,
 )
-from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
+from adadsf_modifier.recipe_checks import (
+    check_recipe_keeps_routers_unquantized,
+    session_recipe_of,
+)
 from adadsf_modifier.routing import (
     SkipPathFields,
     ThresholdReport,
@@ -198,8 +201,9 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
                 "more for training (more samples or a smaller batch size)"
             )
         train, val = batches[: len(batches) - held], batches[len(batches) - held :]
-        check_recipe_keeps_routers_unquantized([name for _, name, _ in targeted])
-        self.check_skip_path(model, [name for _, name, _ in targeted])
+        recipe = session_recipe_of(self)
+        check_recipe_keeps_routers_unquantized([n for _, n, _ in targeted], recipe)
+        self.check_skip_path(model, [name for _, name, _ in targeted], recipe)
         check_calibration_rows([self.retention] * len(targeted), train)
 
         stats, max_len = calibrate_features(

@@ -89,10 +89,16 @@ class SkipPathFields(RouteTargetFields):
         the last skip-path fit (``None``: identity skip path, or not fitted yet)."""
         return self._skip_path_report
 
-    def check_skip_path(self, model: nn.Module, layer_names: Sequence[str]) -> None:
-        """Refuse, before any calibration, a rank the model cannot take, a later
-        quantization modifier that would quantize the skip paths, and a
-        ``route_target`` the model or these options cannot take."""
+    def check_skip_path(
+        self,
+        model: nn.Module,
+        layer_names: Sequence[str],
+        recipe: Sequence[Any] = (),
+    ) -> None:
+        """Refuse, before any calibration, a rank the model cannot take, a
+        quantization modifier of ``recipe`` (the modifiers of the recipe this one runs
+        in) that would quantize the skip paths, and a ``route_target`` the model or
+        these options cannot take."""
         self.check_route_target(model)
         refit = getattr(self, "router_init", None) == "skip_error"
         if refit and (self.skip_path, self.skip_path_tokens) != ("ridge", "skipped"):
@@ -109,7 +115,7 @@ class SkipPathFields(RouteTargetFields):
                 f"skip_path_rank must be below the hidden size {hidden} (null for full "
                 f"rank), got {rank}"
             )
-        check_recipe_keeps_skip_paths_unquantized(layer_names, SkipPath(1))
+        check_recipe_keeps_skip_paths_unquantized(layer_names, SkipPath(1), recipe)
 
     def configure_routed_layer(self, layer: nn.Module) -> None:
         """Give a freshly routed layer its skip path (zero, i.e. the identity, until
