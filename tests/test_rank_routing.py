@@ -27,6 +27,7 @@ from adadsf_modifier.routing import (
 from adadsf_modifier.routing.selection import (
     choose_by_rank,
     rank_quota,
+    rank_tie_ranks,
     rank_tie_tolerance,
 )
 
@@ -64,8 +65,15 @@ def reference_quota(ratio, keep_first, length):
     return quota
 
 
+def reference_tie_rank(k):
+    """Of ``k`` tied earlier rivals, how many count as ahead: ``floor(u_k (k + 1))``,
+    ``u_k = frac(k * 0.618...)`` in 32-bit fixed point (``2^32`` / golden ratio)."""
+    return (k * 0x9E3779B9 % 2**32) * (k + 1) >> 32
+
+
 def reference_rank(scores, real, ratio, keep_first):
-    """A Python loop over each row's tokens."""
+    """A Python loop over each row's tokens: rivals above the new token's tie band
+    count one each, the ``k`` within it ``reference_tie_rank(k)`` together."""
     tol = rank_tie_tolerance(scores.dtype)
     batch, seq = scores.shape
     quota = reference_quota(ratio, keep_first, seq)
@@ -76,10 +84,11 @@ def reference_rank(scores, real, ratio, keep_first):
             if not real[b, t]:
                 continue
             s = float(scores[b, t])
-            floor = s - tol * max(1.0, abs(s))
+            width = tol * max(1.0, abs(s))
             p += 1
-            ahead = sum(1 for e in earlier if e >= floor)
-            out[b, t] = ahead < quota[p]
+            ahead = sum(1 for e in earlier if e >= s + width)
+            tied = sum(1 for e in earlier if s - width <= e < s + width)
+            out[b, t] = ahead + reference_tie_rank(tied) < quota[p]
             if p > 1 or not keep_first:  # the forced first token is no rival
                 earlier.append(s)
     return out
@@ -139,19 +148,95 @@ def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(monkeypatch
     assert past.shape == (3, 30) and bool(past[~real].isnan().all())
 
 
-def test_ties_go_to_the_earlier_token_within_the_tolerance():
+def test_ties_within_the_tolerance_are_split_by_how_many_twins_came_before():
+    """A score within the tolerance of an earlier one ties it (matmul noise), one
+    beyond it does not; a token with ``k`` tied earlier rivals counts
+    ``floor(u_k (k + 1))`` of them as ahead, so ties go neither always to the earlier
+    token nor always to the later one."""
+    cpu = torch.device("cpu")
     tol = rank_tie_tolerance(torch.float32)
-    # the third token equals the second up to matmul noise: the second stays ahead
-    scores = torch.tensor([[9.0, 1.0, 1.0 + 0.5 * tol]])
-    real = torch.ones_like(scores, dtype=torch.bool)
-    quota = rank_quota(0.8, True, 3, torch.device("cpu"))
-    assert quota[3] == 1  # the third token runs only if no rival is ahead of it
-    assert not bool(choose_by_rank(scores, real, 0.8, True)[0][0, 2])
-    beats = torch.tensor([[9.0, 1.0, 1.0 + 4 * tol]])
-    assert bool(choose_by_rank(beats, real, 0.8, True)[0][0, 2])
+    real = torch.ones(1, 4, dtype=torch.bool)
+    quota = rank_quota(0.8, True, 4, cpu)
+    assert quota[3] == 1 and quota[4] == 2
+    # u_1 = 0.618: its 1 twin is ahead; u_2 = 0.236: neither of its 2 twins is
+    assert rank_tie_ranks(4, cpu)[:3].tolist() == [0, 1, 0]
+    exact = torch.tensor([[9.0, 1.0, 1.0, 1.0]])
+    noisy = torch.tensor([[9.0, 1.0, 1.0 + 0.25 * tol, 1.0 - 0.25 * tol]])
+    for scores in (exact, noisy):
+        got = choose_by_rank(scores, real, 0.8, True)[0]
+        # the third token's one twin is ahead (1 >= quota 1): it skips; the fourth's
+        # two are not (0 < quota 2): it runs, which ties to the earlier token denied
+        assert got[0].tolist() == [True, True, False, True]
+    # beyond the tolerance the scores alone decide: 1 + 4 tol beats the 1 before it,
+    # 1 - 4 tol has both ahead
+    apart = torch.tensor([[9.0, 1.0, 1.0 + 4 * tol, 1.0 - 4 * tol]])
+    assert choose_by_rank(apart, real, 0.8, True)[0][0].tolist() == [
+        True, True, True, False
+    ]  # fmt: skip
     # the forced first token is no rival: a third token below it still runs
     below_first = torch.tensor([[9.0, 1.0, 2.0]])
-    assert bool(choose_by_rank(below_first, real, 0.8, True)[0][0, 2])
+    assert bool(choose_by_rank(below_first, real[:, :3], 0.8, True)[0][0, 2])
+
+
+def test_untied_scores_decide_by_their_rank_alone_as_before():
+    """Scores 0.01 apart, none within the tolerance of another: a token runs iff
+    fewer than ``quota[p]`` earlier rivals score above it, as before ties were split."""
+    g = torch.Generator().manual_seed(7)
+    perms = [torch.randperm(200, generator=g) for _ in range(3)]
+    scores = torch.stack(perms).float() * 0.01 - 1.0
+    real = torch.ones_like(scores, dtype=torch.bool)
+    real[1, :9] = False
+    real[2, 50:53] = False
+    for ratio in (0.2, 0.5, 0.81):
+        for keep_first in (True, False):
+            quota = reference_quota(ratio, keep_first, 200)
+            expected = torch.zeros_like(real)
+            for b in range(3):
+                rivals, p = [], 0
+                for t in range(200):
+                    if real[b, t]:
+                        s, p = float(scores[b, t]), p + 1
+                        expected[b, t] = sum(e > s for e in rivals) < quota[p]
+                        if p > 1 or not keep_first:  # the forced first is no rival
+                            rivals.append(s)
+            got = choose_by_rank(scores, real, ratio, keep_first)[0]
+            assert torch.equal(got, expected), (ratio, keep_first)
+
+
+RUN_RATIOS = [0.1, 0.2, 0.33, 0.5, 0.71, 0.81, 0.9, 0.95]
+
+
+@pytest.mark.parametrize("keep_first", [True, False])
+def test_a_run_of_identical_scores_keeps_the_ratio(keep_first):
+    """400 identical scores (a repeated token, a degenerate stream) keep within 0.02
+    of the ratio; ties to the earlier token kept at most 0.025 of them at any of these
+    ratios. Left padding moves no decision."""
+    run = torch.ones(1, 400)
+    real = torch.ones_like(run, dtype=torch.bool)
+    padded = torch.cat([torch.zeros(1, 7), run], 1)
+    padded_real = torch.cat([torch.zeros(1, 7, dtype=torch.bool), real], 1)
+    for ratio in RUN_RATIOS:
+        got = choose_by_rank(run, real, ratio, keep_first)[0]
+        assert abs(float(got.float().mean()) - ratio) <= 0.02, ratio
+        moved = choose_by_rank(padded, padded_real, ratio, keep_first)[0]
+        assert torch.equal(moved[:, 7:], got) and not bool(moved[:, :7].any())
+
+
+@pytest.mark.parametrize("level", [1.0, 0.0, -1.0])
+@pytest.mark.parametrize("share", [0.3, 0.5])
+def test_a_repeated_score_among_varied_ones_keeps_the_ratio(level, share):
+    """Rows of 400 scores, ``share`` of them one repeated score (above, at or below
+    the others' median), the rest varied: over 8 rows the kept share is within 0.03 of
+    the ratio, each row within 0.08 (a row's own sampling noise). Ties to the earlier
+    token kept 0.08-0.41 too few on 8 of these 18 cases."""
+    g = torch.Generator().manual_seed(int(10 * share + level))
+    scores = torch.randn(8, 400, generator=g)
+    scores[torch.rand(8, 400, generator=g) < share] = level
+    real = torch.ones_like(scores, dtype=torch.bool)
+    for ratio in (0.2, 0.5, 0.81):
+        kept = choose_by_rank(scores, real, ratio, True)[0].float().mean(1)
+        assert abs(float(kept.mean()) - ratio) <= 0.03, (ratio, kept)
+        assert float((kept - ratio).abs().max()) <= 0.08, (ratio, kept)
 
 
 # -- cached decoding equals one full forward -------------------------------------------
@@ -188,6 +273,33 @@ def test_cached_decoding_equals_full_forward(arch, kv):
             if not kv:  # some tokens skipped: the routed cache holds fewer tokens
                 held = int(store.slot_valid(2, ids.device).sum())
                 assert 0 < held < int(real.sum())
+
+
+def test_decoding_a_repeated_token_keeps_the_ratio_where_scores_tie():
+    """Two rows each repeating one token (the second left-padded): every occurrence
+    enters the first routed layer with the same hidden state, so its scores all tie,
+    and the second layer sees two tied groups (the tokens that ran the first and those
+    that skipped it). Token-by-token decoding keeps within 0.05 of each ratio there,
+    decides as the full forward does (same kept counts, same logits); ties to the
+    earlier token kept 0.011 and 0.021 there."""
+    ratios = [0.5, 0.8, 1.0, 0.6]
+    model = rank_model("llama", ratios=ratios)
+    ids = torch.full((2, 96), 17)
+    ids[1] = 42
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                    use_cache=True)  # fmt: skip
+        inc, cache = incremental_logits(model, ids, mask, prefill=4)
+    torch.testing.assert_close(inc[real], out.logits[real], atol=1e-4, rtol=0)
+    for i in (0, 1):
+        whole = out.past_key_values.layers[i].slot_valid(2, ids.device).sum(1)
+        decoded = cache.layers[i].slot_valid(2, ids.device).sum(1)
+        assert torch.equal(decoded, whole)
+        kept = float(decoded.sum()) / int(real.sum())
+        assert abs(kept - ratios[i]) <= 0.05, (i, kept)
 
 
 @pytest.mark.parametrize("target,kv", [("attention", False), ("attention", True),

@@ -12,8 +12,9 @@
   row counted as running). For training that sees inference's decisions while the
   router, and so the right threshold, moves; like ``topk`` it needs the whole batch.
 - ``rank``: the ``p``-th real token of a row runs iff fewer than about ``r * p`` of
-  the row's earlier real tokens score at least as high at this layer: it is in the top
-  ``r`` of its row so far (:func:`~adadsf_modifier.routing.selection.choose_by_rank`).
+  the row's earlier real tokens score higher at this layer: it is in the top ``r`` of
+  its row so far (:func:`~adadsf_modifier.routing.selection.choose_by_rank`; tied
+  scores are split so that about ``r`` of a repeated token's occurrences run too).
   No threshold: on text whose scores sit higher or lower than the calibration set's,
   each layer still keeps about ``r`` of the tokens, where ``causal``'s fitted
   thresholds drift. Causal as well (the row's past scores per layer are kept with the

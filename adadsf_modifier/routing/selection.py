@@ -42,7 +42,9 @@ __all__ = [
     "keep_counts",
     "positions_of",
     "rank_ahead",
+    "RANK_TIE_STEP",
     "rank_quota",
+    "rank_tie_ranks",
     "rank_tie_tolerance",
     "scatter_tokens",
     "select_by_mask",
@@ -180,8 +182,9 @@ def decode_choice_of(selected: torch.Tensor, real: torch.Tensor | None) -> Decod
 
 # -- rank routing ----------------------------------------------------------------------
 
-#: Largest ``[batch, queries, keys]`` comparison :func:`rank_ahead` builds at once (bool
-#: elements); longer prefills compare a chunk of queries at a time.
+#: Largest ``[batch, queries, keys, 2]`` comparison (a tie band's two edges)
+#: :func:`rank_ahead` builds at once (bool elements); longer prefills compare a chunk of
+#: queries at a time.
 RANK_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -193,9 +196,10 @@ def rank_tie_tolerance(dtype: torch.dtype) -> float:
     (measured up to 2.2e-7 on float32 scores of spread 0.2). Equal hidden states are
     common (a repeated token that skipped the layers below), so a strict comparison
     would rank such a pair one way in the full forward (equal) and either way when
-    decoding. Within the tolerance a pair is tied, and ties go to the earlier token,
-    which keeps that decision the same on both paths. 16-bit models feed the router's
-    first matmul in their own precision, whose one-ulp rounding flips are ~2^-8.
+    decoding. Within the tolerance a pair is tied, and a new token's ties are split by
+    how many it has (:func:`choose_by_rank`), which keeps that decision the same on
+    both paths. 16-bit models feed the router's first matmul in their own precision,
+    whose one-ulp rounding flips are ~2^-8.
     """
     return 2.0**-14 if dtype in (torch.float32, torch.float64) else 2.0**-7
 
@@ -221,6 +225,15 @@ def _quota_table(ratio: float, keep_first: bool, length: int) -> tuple[int, ...]
 _QUOTA_TENSORS: dict[tuple[float, bool, int, str], torch.Tensor] = {}
 
 
+def _table_size(length: int) -> int:
+    """The last position rank routing's tables cover for rows of ``length``: a power of
+    two (at least 64), so a growing row rebuilds them a logarithmic number of times."""
+    size = 64
+    while size < length:
+        size *= 2
+    return size
+
+
 def rank_quota(
     ratio: float, keep_first: bool, length: int, device: torch.device
 ) -> torch.Tensor:
@@ -241,9 +254,7 @@ def rank_quota(
     paid back by the tokens right after it (at ``ratio`` 0.5 the second never runs). A
     fixed table of ``(ratio, p)``, so prefill and decoding read the same quota.
     """
-    size = 64
-    while size < length:
-        size *= 2
+    size = _table_size(length)
     key = (float(ratio), bool(keep_first), size, str(device))
     table = _QUOTA_TENSORS.get(key)
     if table is None:
@@ -256,39 +267,83 @@ def rank_quota(
     return table
 
 
+#: ``2^32`` over the golden ratio (Knuth's multiplicative hash): ``u_k = RANK_TIE_STEP
+#: * k mod 2^32``, over ``2^32``, is the Weyl sequence ``frac(0.618... * k)``, which
+#: spreads evenly over ``[0, 1)`` from its first terms on (:func:`rank_tie_ranks`).
+RANK_TIE_STEP = 0x9E3779B9
+
+_TIE_RANKS: dict[tuple[int, str], torch.Tensor] = {}
+_TIE_BANDS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+
+def rank_tie_ranks(length: int, device: torch.device) -> torch.Tensor:
+    """``[L + 1]`` int64, ``L >= length``: ``ranks[k] = floor(u_k * (k + 1))``, with
+    ``u_k = frac(RANK_TIE_STEP * k / 2^32)`` (:data:`RANK_TIE_STEP`): how many of its
+    ``k`` tied earlier rivals a new token counts as ahead of it
+    (:func:`choose_by_rank`), a rank among the ``k + 1`` twins spread evenly as ``k``
+    grows (``ranks[0]`` is 0: no tie, no change). In integers on the host, so every
+    path and device reads the same table."""
+    size = _table_size(length)
+    key = (size, str(device))
+    ranks = _TIE_RANKS.get(key)
+    if ranks is None:
+        k = torch.arange(size + 1, dtype=torch.long)
+        u = (k * RANK_TIE_STEP) & 0xFFFFFFFF  # exact in int64 while k < 2^31
+        ranks = _TIE_RANKS[key] = ((u * (k + 1)) >> 32).to(device)
+    return ranks
+
+
+def _tie_band(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[-tol, +tol]`` (:func:`rank_tie_tolerance`) in ``dtype`` on ``device``, made
+    once: scaled by ``max(1, |score|)`` and added to a score, a tie band's two edges."""
+    key = (dtype, str(device))
+    band = _TIE_BANDS.get(key)
+    if band is None:
+        tol = rank_tie_tolerance(dtype)
+        band = _TIE_BANDS[key] = torch.tensor([-tol, tol], dtype=dtype, device=device)
+    return band
+
+
 def rank_ahead(
     scores: torch.Tensor, real: torch.Tensor, past: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ahead [batch, Q], keys [batch, S + Q])``: for each new token, how many
-    earlier real tokens of its row are ahead of it, and the row's scores so far.
+    """``(counts [batch, Q, 2], keys [batch, S + Q])``: for each new token ``t``, how
+    many earlier real tokens of its row score at least the floor of its tie band
+    (``score_t - tol * max(1, |score_t|)``, :func:`rank_tie_tolerance`) and how many
+    at least its ceiling (``score_t + tol * max(1, |score_t|)``); and the row's scores
+    so far. The second count is the tokens ahead of ``t``, the difference the ones tied
+    with it (:func:`choose_by_rank` splits those).
 
     ``scores [batch, Q]``: the new tokens' router scores; ``real [batch, Q]``;
     ``past [batch, S]``: the scores of the row's earlier positions at this layer
-    (padding NaN). An earlier token ``s`` is ahead of ``t`` iff ``score_s >= score_t -
-    tol * max(1, |score_t|)`` (:func:`rank_tie_tolerance`: ties go to the earlier
-    token, as top-k breaks them). NaN compares false, so padding is never ahead and a
-    padding query counts none. Comparisons only, so a prefill and a decoding step
-    given the same scores decide the same; a long prefill compares
-    :data:`RANK_CHUNK_ELEMENTS` at a time.
+    (padding NaN). NaN compares false, so padding is never counted and a padding query
+    counts none. Comparisons only, so a prefill and a decoding step given the same
+    scores count the same; both edges in one comparison (a decoding step's ops are
+    those of one edge); a long prefill compares :data:`RANK_CHUNK_ELEMENTS` at a time.
     """
     batch, q_len = scores.shape
     new = scores.masked_fill(~real, float("nan"))
-    keys = new if past is None else torch.cat([past.to(new.dtype), new], dim=1)
+    if past is not None:
+        past = past.to(new.dtype)
+    keys = new if past is None else torch.cat([past, new], dim=1)
     start = keys.shape[1] - q_len
-    tol = rank_tie_tolerance(scores.dtype)
-    floor = new - tol * new.abs().clamp(min=1.0)
+    new = new.unsqueeze(-1)
+    # [batch, Q, 2]: the floor and the ceiling; the floor is ``score - tol * ...`` bit
+    # for bit (a power of two scales exactly), so untied tokens count as they did
+    edges = new + new.abs().clamp(min=1.0) * _tie_band(scores.dtype, scores.device)
     if q_len == 1:  # a decoding step: the new token against the row's past
-        return (keys[:, :start] >= floor).sum(1, keepdim=True), keys
-    step = max(1, RANK_CHUNK_ELEMENTS // max(1, batch * keys.shape[1]))
+        earlier = keys[:, :0] if past is None else past
+        return (earlier.unsqueeze(-1) >= edges).sum(1, keepdim=True), keys
+    step = max(1, RANK_CHUNK_ELEMENTS // max(1, 2 * batch * keys.shape[1]))
     counts = []
     for q0 in range(0, q_len, step):
         q1 = min(q_len, q0 + step)
         width = start + q1
-        ahead = keys[:, None, :width] >= floor[:, q0:q1, None]
+        above = keys[:, None, :width, None] >= edges[:, q0:q1, None, :]
         pos = torch.arange(width, device=scores.device)
         query = torch.arange(start + q0, start + q1, device=scores.device)
-        ahead &= pos[None, :] < query[:, None]  # strictly earlier
-        counts.append(ahead.sum(-1))
+        above &= (pos[None, :] < query[:, None])[:, :, None]  # strictly earlier
+        counts.append(above.sum(2))
     return torch.cat(counts, dim=1), keys
 
 
@@ -301,24 +356,49 @@ def choose_by_rank(
     past_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank routing: ``(selected [batch, Q], keys, count)``. The ``p``-th real token
-    of a row runs iff fewer than ``quota[p]`` (:func:`rank_quota`, about ``ratio * p``)
-    earlier real tokens of the row (the forced first one aside) are ahead of it
-    (:func:`rank_ahead`): it is in the top ``ratio`` of its row so far. No
-    threshold, so a shift of every score (text unlike the calibration set) leaves the
-    kept share where it was.
+    of a row runs iff ``ahead + ranks[tied] < quota[p]`` (:func:`rank_quota`, about
+    ``ratio * p``): ``ahead`` and ``tied`` count the earlier real tokens of the row (the
+    forced first one aside) that score above the new token's tie band and within it
+    (:func:`rank_ahead`), and ``ranks[k]`` (:func:`rank_tie_ranks`) is how many of ``k``
+    tied rivals it counts as ahead, ``floor(u_k (k + 1))`` for a fraction ``u_k`` of
+    ``[0, 1)``. Untied (``tied = 0``) that is ``ahead < quota[p]``: the token is in the
+    top ``ratio`` of its row so far. No threshold, so a shift of every score (text
+    unlike the calibration set) leaves the kept share where it was.
+
+    Why ties are split so: identical hidden states score identically (a repeated
+    token, a degenerate stream), and ties that went to the earlier token put every new
+    twin behind all its earlier ones, so a run of identical tokens kept almost none
+    after the first few (0.0075 of 400 at ratio 0.81, ``lab/NOTEBOOK.md`` §18) and the
+    budget did not hold. Counting a tie as half a rival (mid-rank) keeps all or none of
+    a long run (all of it at 0.81, none at 0.2). With ``u_k`` spread evenly (a Weyl
+    sequence) the new token's rank among itself and its ``k`` earlier twins is spread
+    evenly over ``0 .. k``, as a random tie-break would make it, so among tied scores
+    the kept share tends to the ratio (within 0.005 over 400 identical scores at every
+    ratio from 0.1 to 0.95). ``u`` is indexed by ``k``, the token's place among its
+    twins, not by its position: a fraction of the position, the same at every layer,
+    would replay one layer's split at the next (the twins that skipped a layer all drew
+    high fractions and lose most ties at the next one; a tiny model's repeated-token
+    stream kept 0.63 at ratio 0.8 there), and a fixed order of positions would need a
+    key per past token in the cache. ``k`` is a count the comparison gives anyway, so
+    a decoding step adds a subtraction, a lookup and an addition, padding moves no
+    decision, and prefill, chunked prefill and decoding decide alike.
 
     ``past`` / ``past_count [batch]``: the row's earlier scores at this layer (padding
     NaN) and how many were real; ``keys`` / ``count`` are the same after these tokens,
     for the cache to keep.
     """
-    seen = real.long().cumsum(1)
+    seen = real.long()
+    if seen.shape[1] > 1:  # a decoding step's one column is its own sum
+        seen = seen.cumsum(1)
     count = seen[:, -1]
     if past_count is not None:
         seen = seen + past_count.unsqueeze(1)
         count = count + past_count
     # the forced first token is no rival (:func:`rank_quota`): stored as padding is
     rivals = real & (seen != 1) if keep_first else real
-    ahead, keys = rank_ahead(scores, rivals, past)
+    counts, keys = rank_ahead(scores, rivals, past)
+    at_floor, ahead = counts.unbind(-1)
+    ahead = ahead + rank_tie_ranks(keys.shape[1], scores.device)[at_floor - ahead]
     quota = rank_quota(ratio, keep_first, keys.shape[1], scores.device)[seen]
     return real & (ahead < quota), keys, count
 
