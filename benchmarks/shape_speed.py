@@ -4,6 +4,7 @@ fraction forced, side by side with its dense twin.
     python benchmarks/shape_speed.py                        # SmolLM2-135M's shape
     python benchmarks/shape_speed.py --shape llama-3.2-1b   # Llama-3.2-1B's shape
     python benchmarks/shape_speed.py --retention 0.6 --decode-tokens 0
+    python benchmarks/shape_speed.py --decode-batch 1 8      # batch-8 decoding too
 
 Random weights: a config-built model of the shape, every decoder layer but the first
 routed as the shipped recipe routes it (a rank-64 skip path, skipped tokens' keys and
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=32, help="0: no decoding")
+    p.add_argument(
+        "--decode-batch", type=int, nargs="+", default=[1],
+        help="rows decoded together (one timed decode per value)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -112,15 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     dense, routed = dense.to(args.device), routed.to(args.device)
     vocab = dense.config.vocab_size
     where = args.device if args.device != "cpu" else f"cpu, {args.threads} threads"
-    print(f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced, "
-          "batch 1")  # fmt: skip
+    print(f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced")
     results = [
         measure_prefill(
             dense, routed, torch.randint(0, vocab, (1, args.seq_len)), args.repeats
         )
     ]
-    if args.decode_tokens:
-        prompt = torch.randint(0, vocab, (1, args.decode_prompt))
+    for batch in args.decode_batch if args.decode_tokens else []:
+        prompt = torch.randint(0, vocab, (batch, args.decode_prompt))
         results.append(
             measure_decode(dense, routed, prompt, args.decode_tokens, args.repeats)
         )
