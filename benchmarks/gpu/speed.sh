@@ -2,7 +2,8 @@
 # The speed grid on a lent GPU machine, in one call after setup.sh (call 1, see README.md
 # here; it only needs the wheels: no model weights, the shapes are config-built): the
 # shipped variant's routed layer against its dense twin at SmolLM2-135M's and
-# Llama-3.2-1B's shapes, the kept fraction forced, prefill and batch-1 decode, bfloat16.
+# Llama-3.2-1B's shapes, the kept fraction forced, prefill and decode at batch 1 and 8,
+# bfloat16.
 # Usage: bash benchmarks/gpu/speed.sh   (writes $OUT/speed_grid.txt)
 set -uo pipefail
 PY=${PY:-python3}
@@ -15,7 +16,7 @@ for shape in smollm2-135m llama-3.2-1b; do
     for seq in 1024 4096; do
       $PY benchmarks/shape_speed.py --shape "$shape" --retention "$retention" \
         --seq-len "$seq" --decode-tokens $([ "$seq" = 1024 ] && echo 64 || echo 0) \
-        --repeats 7 --device cuda 2>&1 | grep -v WARNING
+        --decode-batch 1 8 --repeats 7 --device cuda 2>&1 | grep -v WARNING
     done
   done
 done | tee "$OUT/speed_grid.txt"
