@@ -266,7 +266,10 @@ _MODEL_ARTIFACTS = re.compile(
 )
 
 
-def _link_or_copy(src: str, dst: str) -> None:
+def link_or_copy(src: str, dst: str) -> None:
+    """``dst`` as a hard link to ``src`` (a checkpoint's weights are not rewritten, and
+    the folder they came from stays as it was), a copy across filesystems. Whoever
+    changes such a file afterwards must replace it, not write into it."""
     try:
         os.link(src, dst)  # same filesystem: free, and leaves the old folder untouched
     except OSError:
@@ -285,6 +288,6 @@ def _carry_over(old: Path, new: Path) -> None:
         if entry.is_symlink():
             os.symlink(os.readlink(entry), target)
         elif entry.is_dir():
-            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+            shutil.copytree(entry, target, symlinks=True, copy_function=link_or_copy)
         else:
-            _link_or_copy(str(entry), str(target))
+            link_or_copy(str(entry), str(target))

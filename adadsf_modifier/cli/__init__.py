@@ -3,6 +3,7 @@
     adadsf compress --recipe recipes/adadsf_w8a8.yaml --output-dir out/sparse
     adadsf eval --model out/sparse --tasks piqa,arc_easy --limit 50 --output out/s.json
     adadsf bench --routed out/sparse --output out/speed.json
+    adadsf calibrate --routed out/sparse --text my_text.txt --output-dir out/mine
 
 The lab (``lab/``, package ``adadsf-lab``) adds ``run`` (the main job: compress, eval,
 bench, report), ``report`` and ``study`` through the ``adadsf.commands`` entry-point
@@ -37,7 +38,9 @@ from adadsf_modifier.cli.checks import (
 )
 from adadsf_modifier.cli.commands import (
     bench,
+    calibrate,
     cmd_bench,
+    cmd_calibrate,
     cmd_compress,
     cmd_eval,
     compress,
@@ -56,6 +59,7 @@ __all__ = [
     "add_model_argument",
     "bench",
     "build_parser",
+    "calibrate",
     "compress",
     "evaluate",
     "main",
@@ -167,6 +171,32 @@ def build_parser() -> argparse.ArgumentParser:
     dtype(b)
     b.add_argument("--output", default=None)
     b.add_argument("--overwrite", action="store_true")
+
+    k = add(
+        sub,
+        "calibrate",
+        "refit a routed checkpoint's thresholds on your own text (weights untouched)",
+        cmd_calibrate,
+    )
+    k.add_argument(
+        "--routed",
+        type=model_name,
+        required=True,
+        help="AdaDSF checkpoint directory (e.g. `adadsf compress` output)",
+    )
+    k.add_argument(
+        "--text", nargs="+", required=True, help="UTF-8 text file(s) of your traffic"
+    )
+    k.add_argument(
+        "--output-dir",
+        required=True,
+        help="the recalibrated checkpoint (the --routed folder with --overwrite: "
+        "in place)",
+    )
+    k.add_argument("--rows", type=positive_int, default=64)
+    k.add_argument("--seq-len", type=positive_int, default=512)
+    dtype(k)
+    k.add_argument("--overwrite", action="store_true")
 
     for entry in importlib.metadata.entry_points(group=COMMAND_GROUP):
         entry.load()(sub)

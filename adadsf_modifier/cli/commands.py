@@ -22,7 +22,7 @@ from adadsf_modifier.cli.checks import (
     write_json,
 )
 
-__all__ = ["bench", "compress", "evaluate"]
+__all__ = ["bench", "calibrate", "compress", "evaluate", "text_rows"]
 
 
 def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
@@ -243,4 +243,96 @@ def bench(
         "dtype": dtype_name(torch_dtype),
         "results": [r.as_dict() for r in results],
         "table": table,
+    }
+
+
+def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    routed_path = check_model(args.routed)
+    check_routed(routed_path)
+    from adadsf_modifier.checkpoint import SIDECAR_NAME, checkpoint_sidecar
+
+    if checkpoint_sidecar(routed_path) != SIDECAR_NAME:
+        raise CLIError(
+            f"{routed_path} is an FTP checkpoint: `adadsf calibrate` refits the "
+            "thresholds of AdaDSF checkpoints (adadsf_config.json) only"
+        )
+    in_place = Path(args.output_dir).resolve() == Path(routed_path).resolve()
+    out = check_output_dir(args.output_dir, args.overwrite or in_place)
+    if in_place and not args.overwrite:
+        raise CLIError(
+            f"--output-dir is the checkpoint itself ({out}): pass --overwrite to "
+            "replace its thresholds in place"
+        )
+    texts = [read_text_file(path) for path in args.text]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(routed_path)
+    rows = text_rows(tok, texts, args.rows, args.seq_len)
+    return calibrate(routed_path, rows, out, args.dtype)
+
+
+def read_text_file(path: str) -> str:
+    """A UTF-8 text file's content, or a one-line reason it cannot be used."""
+    file = Path(path)
+    if not file.is_file():
+        raise CLIError(f"--text {path}: no such file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"--text {path}: not UTF-8 text ({e.reason})") from e
+    except OSError as e:
+        raise CLIError(f"--text {path}: cannot be read ({e.strerror})") from e
+    if not text.strip():
+        raise CLIError(f"--text {path}: the file holds no text")
+    return text
+
+
+def text_rows(tokenizer: Any, texts: Sequence[str], rows: int, seq_len: int):
+    """Up to ``rows`` consecutive rows of ``seq_len`` tokens of ``texts`` joined with a
+    blank line (as the calibration set and perplexity join documents), without
+    special tokens: ``[n, seq_len]`` ids. Fewer rows than asked when the text is
+    shorter (logged); none is an error, before the model loads."""
+    import torch
+
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    n = min(rows, len(ids) // seq_len)
+    if n == 0:
+        raise CLIError(
+            f"--text holds {len(ids)} tokens, fewer than one row of --seq-len "
+            f"{seq_len}: give more text or a shorter --seq-len"
+        )
+    if n < rows:
+        logger.warning(
+            f"--text holds {len(ids)} tokens: {n} rows of {seq_len}, not --rows {rows}"
+        )
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def calibrate(
+    routed_path: str, rows: Any, out: Path, dtype: str = "float32"
+) -> dict[str, Any]:
+    """Refit ``routed_path``'s thresholds on ``rows`` into ``out``
+    (:func:`adadsf_modifier.recalibration.recalibrate_checkpoint`)."""
+    from adadsf_modifier.precision import dtype_name, resolve_dtype
+    from adadsf_modifier.recalibration import recalibrate_checkpoint
+
+    torch_dtype = resolve_dtype(dtype)
+    report = recalibrate_checkpoint(routed_path, rows, out, dtype=torch_dtype)
+    print(
+        f"kept share of the text's tokens at the routed layers: "
+        f"{report.kept_before:.3f} with the old thresholds, {report.kept_after:.3f} "
+        f"now (target {report.target:.3f}); checkpoint: {out}"
+    )
+    return {
+        "model": routed_path,
+        "output_dir": str(out),
+        "dtype": dtype_name(torch_dtype),
+        "rows": report.rows,
+        "tokens": report.tokens,
+        "kept_before": report.kept_before,
+        "kept_after": report.kept_after,
+        "target": report.target,
+        "layers": report.layer_indices,
+        "old_thresholds": report.old_thresholds,
+        "new_thresholds": report.new_thresholds,
     }

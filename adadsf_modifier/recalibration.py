@@ -1,0 +1,152 @@
+"""Refit a saved AdaDSF checkpoint's causal thresholds on a deployment's own text.
+
+Causal routing keeps a token at a layer when its router score passes the layer's
+threshold, and the thresholds were fitted on the calibration set: on text unlike it
+more (or fewer) tokens pass, and the compute budget drifts (``lab/NOTEBOOK.md`` §18).
+The thresholds are the only part of a routed model fitted to the text's distribution
+that needs no training, so a deployment can refit them on its own text in about two
+forward passes (:func:`~adadsf_modifier.routing.thresholds.calibrate_thresholds`, one
+bottom-up walk), without touching a weight: :func:`recalibrate_checkpoint` loads the
+checkpoint, refits every routed layer's threshold on the given rows and writes a new
+checkpoint whose files are the old ones (hard links where the filesystem allows) but for
+the sidecar, in which only ``causal_threshold`` changed. The kept share of the rows is
+measured before and after, so the command can say how far the old thresholds were off.
+
+AdaDSF checkpoints only: FTP's routers read the position and the retention ratio, and
+its thresholds live in its own sidecar; refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from adadsf_modifier.atomic import atomic_directory
+from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, checkpoint_sidecar
+from adadsf_modifier.checkpoint.load import from_pretrained
+from adadsf_modifier.checkpoint.save import link_or_copy
+from adadsf_modifier.checkpoint.sidecar import (
+    SIDECAR_NAME,
+    AdaDSFCheckpointError,
+    read_sidecar,
+    write_sidecar,
+)
+from adadsf_modifier.evaluation.budget import KeptShare
+from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.routing import calibrate_thresholds, routed_layers
+
+__all__ = ["Recalibration", "recalibrate_checkpoint"]
+
+
+@dataclass
+class Recalibration:
+    """What :func:`recalibrate_checkpoint` changed and measured: per routed layer (in
+    layer order) its index, old and new threshold; the routed layers' kept share of the
+    rows' real tokens under the old and the new thresholds, beside the share their
+    retention ratios plan (``target``)."""
+
+    layer_indices: list[int] = field(default_factory=list)
+    old_thresholds: list[float | None] = field(default_factory=list)
+    new_thresholds: list[float | None] = field(default_factory=list)
+    kept_before: float = math.nan
+    kept_after: float = math.nan
+    target: float = math.nan
+    rows: int = 0
+    tokens: int = 0
+
+
+def recalibrate_checkpoint(
+    source: str | os.PathLike[str],
+    rows: torch.Tensor,
+    dest: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    tolerance: float = 0.02,
+) -> Recalibration:
+    """Refit ``source``'s causal thresholds on ``rows`` (``[n, seq]`` token ids, every
+    token real) and write the checkpoint to ``dest`` (``source`` itself replaces it in
+    place; either way atomically: a failure leaves ``dest`` as it was).
+
+    :raises AdaDSFCheckpointError: ``source`` is not an AdaDSF checkpoint (an FTP one
+        is refused with that said)
+    :raises ThresholdCalibrationError: the rows cannot reach a layer's ratio (too
+        short, or too many tied scores), before anything is written
+    """
+    source = Path(source)
+    kind = checkpoint_sidecar(source)
+    if kind != SIDECAR_NAME:
+        what = (
+            f"an FTP checkpoint ({FTP_SIDECAR_NAME})"
+            if kind is not None
+            else f"not an AdaDSF checkpoint (no {SIDECAR_NAME})"
+        )
+        raise AdaDSFCheckpointError(
+            f"{source} is {what}: recalibrating thresholds needs an AdaDSF checkpoint"
+        )
+    sidecar = read_sidecar(source)  # validated before the weights load
+    model = from_pretrained(source, dtype=dtype).eval()
+    batches = [
+        {"input_ids": row[None], "attention_mask": torch.ones_like(row[None])}
+        for row in rows
+    ]
+
+    def kept() -> KeptShare:
+        share = KeptShare(model)
+        for batch in batches:
+            share.add(normalized_flops(model, batch))
+        return share
+
+    before = kept()
+    layers = {m.layer_index: m for m in routed_layers(model)}
+    old = {i: m.causal_threshold for i, m in layers.items()}
+    calibrate_thresholds(model, batches, tolerance=tolerance)
+    after = kept()
+    entries = []
+    for entry in sidecar.layers:
+        if entry.routed and entry.index in layers:
+            entry = entry.model_copy(
+                update={"causal_threshold": layers[entry.index].causal_threshold}
+            )
+        entries.append(entry)
+    updated = sidecar.model_copy(update={"layers": entries})
+    _write_beside(source, Path(dest), updated)
+    report = Recalibration(
+        layer_indices=sorted(layers),
+        old_thresholds=[old[i] for i in sorted(layers)],
+        new_thresholds=[layers[i].causal_threshold for i in sorted(layers)],
+        kept_before=_or_nan(before.fraction),
+        kept_after=_or_nan(after.fraction),
+        target=_or_nan(before.target),
+        rows=int(rows.shape[0]),
+        tokens=int(rows.numel()),
+    )
+    logger.info(
+        f"AdaDSF thresholds refit on {report.rows} x {rows.shape[1]} tokens: kept "
+        f"share {report.kept_before:.3f} -> {report.kept_after:.3f} (target "
+        f"{report.target:.3f}); written to {dest}"
+    )
+    return report
+
+
+def _write_beside(source: Path, dest: Path, sidecar) -> None:
+    """``dest``: every file of ``source`` (hard-linked where possible: the weights are
+    not rewritten), its sidecar replaced by ``sidecar``, published atomically."""
+    with atomic_directory(dest) as tmp:
+        for entry in source.iterdir():
+            if entry.name == SIDECAR_NAME:
+                continue  # written anew below, never through a shared link
+            target = tmp / entry.name
+            if entry.is_dir():
+                shutil.copytree(entry, target, copy_function=link_or_copy)
+            else:
+                link_or_copy(str(entry), str(target))
+        write_sidecar(tmp, sidecar)  # last: the completeness marker
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)

@@ -1,0 +1,190 @@
+"""Refitting a saved checkpoint's causal thresholds on a deployment's own text
+(``adadsf calibrate``, ``checkpoint.recalibrate``): the budget holds on text of another
+distribution than the calibration set's, and nothing but the thresholds changes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import one_line_error, refuse_heavy_work, run
+from tiny_models import tiny_model, tiny_tokenizer
+
+import adadsf_modifier
+import adadsf_modifier.cli
+from adadsf_modifier.checkpoint import SIDECAR_NAME, attach_checkpoint_support
+from adadsf_modifier.evaluation.budget import KeptShare
+from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.recalibration import recalibrate_checkpoint
+from adadsf_modifier.routing import (
+    TokenRouter,
+    calibrate_thresholds,
+    decoder_layers,
+    route_layer,
+)
+
+RATIOS = [None, 0.6, 0.5, 0.7]
+
+
+def rows_of(low: int, high: int, n: int = 24, length: int = 32, seed: int = 0):
+    """``n`` rows of token ids drawn from ``[low, high)``: a "text distribution"."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (n, length), generator=g)
+
+
+def batches(rows: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    return [
+        {"input_ids": r[None], "attention_mask": torch.ones_like(r[None])} for r in rows
+    ]
+
+
+def kept_share(model, rows: torch.Tensor) -> tuple[float, float]:
+    share = KeptShare(model)
+    for batch in batches(rows):
+        share.add(normalized_flops(model, batch))
+    return share.fraction, share.target
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """A tiny routed llama whose thresholds were calibrated on ids 4-11, saved."""
+    model = tiny_model("llama", 4)
+    spec, layers = decoder_layers(model)
+    torch.manual_seed(1)
+    for i, ((_, layer), ratio) in enumerate(zip(layers, RATIOS)):
+        if ratio is not None:
+            router = TokenRouter(model.config.hidden_size, 16)
+            route_layer(layer, router, ratio, i, spec.cache_kwarg, model.config)
+    calibrate_thresholds(model, batches(rows_of(4, 12)))
+    attach_checkpoint_support(model, similarities=[0.9, 0.8, 0.7, 0.95])
+    path = tmp_path / "routed"
+    model.eval().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
+
+
+def test_refit_thresholds_hold_the_budget_on_text_unlike_the_calibration_set(
+    checkpoint, tmp_path
+):
+    """Thresholds fitted on one distribution miss the budget on another; refit on
+    rows of the other, the reloaded checkpoint keeps its target share on *held-out*
+    rows of it, and the source checkpoint is left as it was."""
+    shifted_fit = rows_of(100, 103, n=64, seed=1)
+    shifted_test = rows_of(100, 103, n=64, seed=2)
+    old = adadsf_modifier.from_pretrained(checkpoint).eval()
+    before, target = kept_share(old, shifted_test)
+    assert abs(before - target) > 0.05  # the drift this is about
+    source_files = digests(checkpoint)
+
+    dest = tmp_path / "mine"
+    report = recalibrate_checkpoint(checkpoint, shifted_fit, dest)
+
+    new = adadsf_modifier.from_pretrained(dest).eval()
+    after, target_after = kept_share(new, shifted_test)
+    assert target_after == pytest.approx(target)
+    assert abs(after - target) <= 0.02, (before, after, target)
+    assert report.kept_after == pytest.approx(target, abs=0.02)
+    assert report.kept_before == pytest.approx(kept_share(old, shifted_fit)[0])
+    assert digests(checkpoint) == source_files  # the source is untouched
+
+
+def test_only_the_thresholds_change(checkpoint, tmp_path):
+    """Weights and every other file are the source's; the sidecar differs only in
+    the routed layers' ``causal_threshold``, which are what the model now uses."""
+    dest = tmp_path / "mine"
+    report = recalibrate_checkpoint(checkpoint, rows_of(100, 103, seed=1), dest)
+    old_files, new_files = digests(checkpoint), digests(dest)
+    assert old_files.keys() == new_files.keys()
+    for name in old_files:
+        if name != SIDECAR_NAME:
+            assert old_files[name] == new_files[name], name
+    old = json.loads((checkpoint / SIDECAR_NAME).read_text())
+    new = json.loads((dest / SIDECAR_NAME).read_text())
+    changed = []
+    for a, b in zip(old.pop("layers"), new.pop("layers")):
+        if a["causal_threshold"] != b["causal_threshold"]:
+            changed.append(a["index"])
+        a.pop("causal_threshold"), b.pop("causal_threshold")
+        assert a == b
+    assert old == new
+    assert changed == report.layer_indices == [1, 2, 3]
+    model = adadsf_modifier.from_pretrained(dest)
+    assert [m.causal_threshold for m in adadsf_modifier.routed_layers(model)] == (
+        pytest.approx(report.new_thresholds)
+    )
+
+
+def test_in_place_replaces_the_thresholds_atomically(checkpoint):
+    report = recalibrate_checkpoint(checkpoint, rows_of(100, 103, seed=1), checkpoint)
+    model = adadsf_modifier.from_pretrained(checkpoint)
+    assert [m.causal_threshold for m in adadsf_modifier.routed_layers(model)] == (
+        pytest.approx(report.new_thresholds)
+    )
+    assert report.old_thresholds != report.new_thresholds
+    assert not [p for p in checkpoint.parent.iterdir() if ".adadsf-" in p.name]
+
+
+def test_cli_refits_from_text_files(checkpoint, tmp_path, capsys):
+    text = tmp_path / "traffic.txt"
+    text.write_text(" ".join(f"w{100 + i % 3}" for i in range(400)))
+    dest = tmp_path / "mine"
+    code = adadsf_modifier.cli.main(
+        ["calibrate", "--routed", str(checkpoint), "--text", str(text),
+         "--output-dir", str(dest), "--rows", "8", "--seq-len", "32"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "kept share" in out and (dest / SIDECAR_NAME).is_file()
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "no such file"),
+        ("empty", "holds no text"),
+        ("binary", "not UTF-8"),
+        ("short", "fewer than one row"),
+        ("in_place", "pass --overwrite"),
+        ("taken", "exists and is not empty"),
+    ],
+)
+def test_cli_refuses_bad_input_before_loading(
+    checkpoint, tmp_path, capsys, monkeypatch, case, message
+):
+    import adadsf_modifier.recalibration as recalibrate
+
+    refuse_heavy_work(monkeypatch, recalibrate, ["recalibrate_checkpoint"])
+    text = tmp_path / "traffic.txt"
+    text.write_text("w1 w2 w3 " * 100)
+    dest = tmp_path / "mine"
+    if case == "missing":
+        text = tmp_path / "nope.txt"
+    elif case == "empty":
+        text.write_text("  \n")
+    elif case == "binary":
+        text.write_bytes(b"\xff\xfe\x00abc")
+    elif case == "short":
+        text.write_text("w1 w2")
+    elif case == "in_place":
+        dest = checkpoint
+    elif case == "taken":
+        dest.mkdir()
+        (dest / "x").write_text("x")
+    before = digests(checkpoint)
+    code, err = run(
+        capsys, "calibrate", "--routed", checkpoint, "--text", text,
+        "--output-dir", dest, "--seq-len", "64",
+    )  # fmt: skip
+    assert message in one_line_error(code, err), err
+    assert digests(checkpoint) == before
