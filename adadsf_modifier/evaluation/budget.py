@@ -69,8 +69,9 @@ class KeptShare:
             f"{where}: the routed layers ran {kept:.3f} of their tokens, {more} than "
             f"the {target:.3f} their retention ratios plan: on this text the routing "
             "does not hold its budget, so its compute (and speed) is not the budget's. "
-            "Causal thresholds are fitted on the calibration text; routing mode 'rank' "
-            "(set_routing_mode(model, 'rank')) ranks each token against its own row's "
-            "earlier scores instead"
+            "Causal thresholds are fitted on the calibration text: `adadsf calibrate "
+            "--routed CKPT --text YOUR_TEXT --output-dir OUT` refits them on text like "
+            "yours, and routing mode 'rank' (set_routing_mode(model, 'rank')) ranks "
+            "each token against its own row's earlier scores instead"
         )
         return True
