@@ -1,4 +1,4 @@
-"""Refit a saved AdaDSF checkpoint's causal thresholds on a deployment's own text.
+"""Refit a saved routed checkpoint's causal thresholds on a deployment's own text.
 
 Causal routing keeps a token at a layer when its router score passes the layer's
 threshold, and the thresholds were fitted on the calibration set: on text unlike it
@@ -12,12 +12,13 @@ checkpoint whose files are the old ones (hard links where the filesystem allows)
 the sidecar, in which only ``causal_threshold`` changed. The kept share of the rows is
 measured before and after, so the command can say how far the old thresholds were off.
 
-AdaDSF checkpoints only: FTP's routers read the position and the retention ratio, and
-its thresholds live in its own sidecar; refused with a message saying so.
+Both kinds of checkpoint: AdaDSF's (``adadsf_config.json``) and FTP's
+(``ftp_routing.json``), whose thresholds are a field of their sidecars' layer entries.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from adadsf_modifier.atomic import atomic_directory
+from adadsf_modifier.atomic import atomic_directory, write_text_durably
 from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, checkpoint_sidecar
 from adadsf_modifier.checkpoint.load import from_pretrained
 from adadsf_modifier.checkpoint.save import link_or_copy
@@ -35,13 +36,16 @@ from adadsf_modifier.checkpoint.sidecar import (
     SIDECAR_NAME,
     AdaDSFCheckpointError,
     read_sidecar,
-    write_sidecar,
 )
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.ftp.checkpoint import read_ftp_sidecar
 from adadsf_modifier.routing import calibrate_thresholds, routed_layers
 
 __all__ = ["Recalibration", "recalibrate_checkpoint"]
+
+#: Each kind's sidecar reader (validated; the thresholds are a field of its layers).
+_SIDECARS = {SIDECAR_NAME: read_sidecar, FTP_SIDECAR_NAME: read_ftp_sidecar}
 
 
 @dataclass
@@ -72,23 +76,18 @@ def recalibrate_checkpoint(
     token real) and write the checkpoint to ``dest`` (``source`` itself replaces it in
     place; either way atomically: a failure leaves ``dest`` as it was).
 
-    :raises AdaDSFCheckpointError: ``source`` is not an AdaDSF checkpoint (an FTP one
-        is refused with that said)
+    :raises AdaDSFCheckpointError: ``source`` is not a checkpoint this package writes
     :raises ThresholdCalibrationError: the rows cannot reach a layer's ratio (too
         short, or too many tied scores), before anything is written
     """
     source = Path(source)
     kind = checkpoint_sidecar(source)
-    if kind != SIDECAR_NAME:
-        what = (
-            f"an FTP checkpoint ({FTP_SIDECAR_NAME})"
-            if kind is not None
-            else f"not an AdaDSF checkpoint (no {SIDECAR_NAME})"
-        )
+    if kind not in _SIDECARS:
         raise AdaDSFCheckpointError(
-            f"{source} is {what}: recalibrating thresholds needs an AdaDSF checkpoint"
+            f"{source} is not a routed checkpoint (no {SIDECAR_NAME} nor "
+            f"{FTP_SIDECAR_NAME}): recalibrating thresholds needs one"
         )
-    sidecar = read_sidecar(source)  # validated before the weights load
+    sidecar = _SIDECARS[kind](source)  # validated before the weights load
     model = from_pretrained(source, dtype=dtype).eval()
     batches = [
         {"input_ids": row[None], "attention_mask": torch.ones_like(row[None])}
@@ -107,14 +106,17 @@ def recalibrate_checkpoint(
     calibrate_thresholds(model, batches, tolerance=tolerance)
     after = kept()
     entries = []
-    for entry in sidecar.layers:
-        if entry.routed and entry.index in layers:
+    for entry in sidecar.layers:  # FTP's sidecar lists its routed layers only
+        if getattr(entry, "routed", True) and entry.index in layers:
             entry = entry.model_copy(
                 update={"causal_threshold": layers[entry.index].causal_threshold}
             )
         entries.append(entry)
     updated = sidecar.model_copy(update={"layers": entries})
-    _write_beside(source, Path(dest), updated)
+    text = json.dumps(
+        updated.model_dump(mode="json", by_alias=True), indent=2, allow_nan=False
+    )
+    _write_beside(source, Path(dest), kind, text + "\n")
     report = Recalibration(
         layer_indices=sorted(layers),
         old_thresholds=[old[i] for i in sorted(layers)],
@@ -133,19 +135,20 @@ def recalibrate_checkpoint(
     return report
 
 
-def _write_beside(source: Path, dest: Path, sidecar) -> None:
+def _write_beside(source: Path, dest: Path, sidecar_name: str, text: str) -> None:
     """``dest``: every file of ``source`` (hard-linked where possible: the weights are
-    not rewritten), its sidecar replaced by ``sidecar``, published atomically."""
+    not rewritten), its sidecar ``sidecar_name`` replaced by ``text``, published
+    atomically."""
     with atomic_directory(dest) as tmp:
         for entry in source.iterdir():
-            if entry.name == SIDECAR_NAME:
+            if entry.name == sidecar_name:
                 continue  # written anew below, never through a shared link
             target = tmp / entry.name
             if entry.is_dir():
                 shutil.copytree(entry, target, copy_function=link_or_copy)
             else:
                 link_or_copy(str(entry), str(target))
-        write_sidecar(tmp, sidecar)  # last: the completeness marker
+        write_text_durably(tmp / sidecar_name, text)  # last: the completeness marker
 
 
 def _or_nan(value: float | None) -> float:

@@ -188,3 +188,32 @@ def test_cli_refuses_bad_input_before_loading(
     )  # fmt: skip
     assert message in one_line_error(code, err), err
     assert digests(checkpoint) == before
+
+
+def test_an_ftp_checkpoint_gets_its_thresholds_refit_too(tmp_path):
+    """FTP's sidecar keeps its thresholds in its layer entries: refit, everything else
+    in it and every weight file as they were, and the reload uses the new ones."""
+    from test_ftp_routing import ftp_model
+
+    from adadsf_modifier.ftp import FTP_SIDECAR
+
+    model, _ = ftp_model("llama")
+    source = tmp_path / "ftp"
+    model.save_pretrained(source)
+    dest = tmp_path / "mine"
+    report = recalibrate_checkpoint(source, rows_of(100, 103, n=32, seed=1), dest)
+    old_files, new_files = digests(source), digests(dest)
+    assert {n for n in old_files if old_files[n] != new_files[n]} == {FTP_SIDECAR}
+    old = json.loads((source / FTP_SIDECAR).read_text())
+    new = json.loads((dest / FTP_SIDECAR).read_text())
+    moved = [
+        a["index"]
+        for a, b in zip(old["layers"], new["layers"])
+        if a.pop("causal_threshold") != b.pop("causal_threshold")
+    ]
+    assert old == new and moved
+    again = adadsf_modifier.from_pretrained(dest)
+    assert [m.causal_threshold for m in adadsf_modifier.routed_layers(again)] == (
+        pytest.approx(report.new_thresholds)
+    )
+    assert report.kept_after == pytest.approx(report.target, abs=0.03)

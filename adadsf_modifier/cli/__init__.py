@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--routed",
         type=model_name,
         required=True,
-        help="AdaDSF checkpoint directory (e.g. `adadsf compress` output)",
+        help="AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)",
     )
     k.add_argument(
         "--text", nargs="+", required=True, help="UTF-8 text file(s) of your traffic"

@@ -249,13 +249,6 @@ def bench(
 def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     routed_path = check_model(args.routed)
     check_routed(routed_path)
-    from adadsf_modifier.checkpoint import SIDECAR_NAME, checkpoint_sidecar
-
-    if checkpoint_sidecar(routed_path) != SIDECAR_NAME:
-        raise CLIError(
-            f"{routed_path} is an FTP checkpoint: `adadsf calibrate` refits the "
-            "thresholds of AdaDSF checkpoints (adadsf_config.json) only"
-        )
     in_place = Path(args.output_dir).resolve() == Path(routed_path).resolve()
     out = check_output_dir(args.output_dir, args.overwrite or in_place)
     if in_place and not args.overwrite:
