@@ -4,13 +4,20 @@ Causal routing keeps a token at a layer when its router score passes the layer's
 threshold, and the thresholds were fitted on the calibration set: on text unlike it
 more (or fewer) tokens pass, and the compute budget drifts (``lab/NOTEBOOK.md`` §18).
 The thresholds are the only part of a routed model fitted to the text's distribution
-that needs no training, so a deployment can refit them on its own text in about two
-forward passes (:func:`~adadsf_modifier.routing.thresholds.calibrate_thresholds`, one
-bottom-up walk), without touching a weight: :func:`recalibrate_checkpoint` loads the
-checkpoint, refits every routed layer's threshold on the given rows and writes a new
-checkpoint whose files are the old ones (hard links where the filesystem allows) but for
-the sidecar, in which only ``causal_threshold`` changed. The kept share of the rows is
-measured before and after, so the command can say how far the old thresholds were off.
+that needs no training, so a deployment can refit them on its own text without
+touching a weight: :func:`recalibrate_checkpoint` loads the checkpoint, refits every
+routed layer's threshold on the given rows in one bottom-up walk
+(:func:`~adadsf_modifier.routing.thresholds.calibrate_thresholds`) and writes a new
+checkpoint whose weight files are the old ones (hard links where the filesystem
+allows: a tool that later rewrites a weight file in place would change both), its other
+files copies, and its sidecar the old one with only ``causal_threshold`` changed. The
+rows' kept share is measured before and after the refit (in sample: the thresholds are
+fitted to those rows), so the command can say how far the old thresholds were off; in
+all about three forward passes over the rows.
+
+Every routed layer must route causally (stored mode ``auto`` or ``causal``): a layer in
+``rank`` or ``topk`` mode reads no threshold, and a threshold above it would be fitted
+on inputs it will not see. One process: under ``torchrun`` it is refused.
 
 Both kinds of checkpoint: AdaDSF's (``adadsf_config.json``) and FTP's
 (``ftp_routing.json``), whose thresholds are a field of their sidecars' layer entries.
@@ -21,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +36,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
+from adadsf_modifier import distributed
 from adadsf_modifier.atomic import atomic_directory, write_text_durably
 from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, checkpoint_sidecar
 from adadsf_modifier.checkpoint.load import from_pretrained
@@ -37,12 +46,19 @@ from adadsf_modifier.checkpoint.sidecar import (
     AdaDSFCheckpointError,
     read_sidecar,
 )
+from adadsf_modifier.constraints import InputError
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.ftp.checkpoint import read_ftp_sidecar
 from adadsf_modifier.routing import calibrate_thresholds, routed_layers
+from adadsf_modifier.routing.thresholds import check_calibration_rows
 
-__all__ = ["Recalibration", "recalibrate_checkpoint"]
+__all__ = ["Recalibration", "check_destination_apart", "recalibrate_checkpoint"]
+
+#: Stored routing modes in which an evaluated layer reads its causal threshold.
+_CAUSAL = (None, "auto", "causal")
+#: Weight files, shared with the source by hard links.
+_WEIGHTS = re.compile(r".*\.(safetensors|bin)")
 
 #: Each kind's sidecar reader (validated; the thresholds are a field of its layers).
 _SIDECARS = {SIDECAR_NAME: read_sidecar, FTP_SIDECAR_NAME: read_ftp_sidecar}
@@ -77,10 +93,16 @@ def recalibrate_checkpoint(
     place; either way atomically: a failure leaves ``dest`` as it was).
 
     :raises AdaDSFCheckpointError: ``source`` is not a checkpoint this package writes
+    :raises InputError: a layer that reads no threshold (``rank`` / ``topk`` mode), a
+        destination inside the checkpoint or holding it, or ``torchrun``
     :raises ThresholdCalibrationError: the rows cannot reach a layer's ratio (too
-        short, or too many tied scores), before anything is written
+        short: before the weights load; too many tied scores: before anything is
+        written)
     """
-    source = Path(source)
+    source, dest = Path(source), Path(dest)
+    if distributed.is_distributed():
+        raise InputError("recalibrating a checkpoint runs in one process, not torchrun")
+    check_destination_apart(source, dest)
     kind = checkpoint_sidecar(source)
     if kind not in _SIDECARS:
         raise AdaDSFCheckpointError(
@@ -88,11 +110,21 @@ def recalibrate_checkpoint(
             f"{FTP_SIDECAR_NAME}): recalibrating thresholds needs one"
         )
     sidecar = _SIDECARS[kind](source)  # validated before the weights load
-    model = from_pretrained(source, dtype=dtype).eval()
+    routed = [e for e in sidecar.layers if getattr(e, "routed", True)]
+    fixed = [e for e in routed if getattr(e, "routing_mode", None) not in _CAUSAL]
+    if fixed:
+        raise InputError(
+            f"layer {fixed[0].index} of {source} routes in mode "
+            f"{fixed[0].routing_mode!r}, which reads no threshold: only checkpoints "
+            "whose layers route causally (mode auto or causal) have thresholds to refit"
+        )
     batches = [
         {"input_ids": row[None], "attention_mask": torch.ones_like(row[None])}
         for row in rows
     ]
+    # rows too short for a ratio are refused before the weights load
+    check_calibration_rows([e.retention_ratio for e in routed], batches, tolerance)
+    model = from_pretrained(source, dtype=dtype).eval()
 
     def kept() -> KeptShare:
         share = KeptShare(model)
@@ -116,7 +148,7 @@ def recalibrate_checkpoint(
     text = json.dumps(
         updated.model_dump(mode="json", by_alias=True), indent=2, allow_nan=False
     )
-    _write_beside(source, Path(dest), kind, text + "\n")
+    _write_beside(source, dest, kind, text + "\n")
     report = Recalibration(
         layer_indices=sorted(layers),
         old_thresholds=[old[i] for i in sorted(layers)],
@@ -135,19 +167,35 @@ def recalibrate_checkpoint(
     return report
 
 
+def check_destination_apart(source: Path, dest: Path) -> None:
+    """Refuse a destination inside the checkpoint (the copy would copy its own
+    temporary folder) or holding it (replacing it would delete the checkpoint); the
+    checkpoint itself is fine (replaced in place)."""
+    a, b = source.resolve(), dest.resolve()
+    if a != b and (a in b.parents or b in a.parents):
+        where = "inside" if a in b.parents else "a folder holding"
+        raise InputError(
+            f"the destination {dest} is {where} the checkpoint {source}: write the "
+            "recalibrated checkpoint beside it, or onto it to replace it in place"
+        )
+
+
 def _write_beside(source: Path, dest: Path, sidecar_name: str, text: str) -> None:
-    """``dest``: every file of ``source`` (hard-linked where possible: the weights are
-    not rewritten), its sidecar ``sidecar_name`` replaced by ``text``, published
+    """``dest``: ``source``'s weight files hard-linked where possible (not rewritten),
+    its other files copied (a later in-place edit of a config or tokenizer file must
+    not reach the source), its sidecar ``sidecar_name`` replaced by ``text``, published
     atomically."""
     with atomic_directory(dest) as tmp:
         for entry in source.iterdir():
             if entry.name == sidecar_name:
-                continue  # written anew below, never through a shared link
+                continue  # written anew below
             target = tmp / entry.name
             if entry.is_dir():
-                shutil.copytree(entry, target, copy_function=link_or_copy)
-            else:
+                shutil.copytree(entry, target)
+            elif _WEIGHTS.fullmatch(entry.name):
                 link_or_copy(str(entry), str(target))
+            else:
+                shutil.copy2(entry, target)
         write_text_durably(tmp / sidecar_name, text)  # last: the completeness marker
 
 

@@ -59,10 +59,16 @@ SHAPES = {
 
 
 def build_twins(
-    shape: str, retention: float, dtype: torch.dtype, rank: int, seed: int = 0
+    shape: str,
+    retention: float,
+    dtype: torch.dtype,
+    rank: int,
+    seed: int = 0,
+    device: str = "cpu",
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """``(dense, routed)`` with identical weights; the routed twin's thresholds keep
-    ``retention`` of a random sample's tokens at every routed layer."""
+    """``(dense, routed)`` with identical weights, on ``device``; the routed twin's
+    thresholds keep ``retention`` of a random sample's tokens at every routed layer
+    (fitted there, on the scores the timed runs compute)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         **SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=True,
@@ -84,6 +90,7 @@ def build_twins(
     # every threshold fitted on the inputs the causal model gives its layer (the
     # plug-in's own one-walk calibration), so a forward on this distribution keeps
     # ``retention`` at every routed layer, not only on the sample's top-k inputs
+    dense, routed = dense.to(device), routed.to(device)
     sample = torch.randint(0, config.vocab_size, (4, 512))
     calibrate_thresholds(
         routed, [{"input_ids": row[None], "attention_mask": torch.ones_like(row[None])}
@@ -112,9 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dense, routed = build_twins(
-        args.shape, args.retention, getattr(torch, args.dtype), args.rank
-    )
-    dense, routed = dense.to(args.device), routed.to(args.device)
+        args.shape, args.retention, getattr(torch, args.dtype), args.rank,
+        device=args.device,
+    )  # fmt: skip
     vocab = dense.config.vocab_size
     where = args.device if args.device != "cpu" else f"cpu, {args.threads} threads"
     print(f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced")

@@ -15,6 +15,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 import adadsf_modifier
 import adadsf_modifier.cli
+import adadsf_modifier.recalibration
 from adadsf_modifier.checkpoint import SIDECAR_NAME, attach_checkpoint_support
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import normalized_flops
@@ -157,6 +158,8 @@ def test_cli_refits_from_text_files(checkpoint, tmp_path, capsys):
         ("short", "fewer than one row"),
         ("in_place", "pass --overwrite"),
         ("taken", "exists and is not empty"),
+        ("inside", "is inside the checkpoint"),
+        ("holding", "is a folder holding the checkpoint"),
     ],
 )
 def test_cli_refuses_bad_input_before_loading(
@@ -181,6 +184,10 @@ def test_cli_refuses_bad_input_before_loading(
     elif case == "taken":
         dest.mkdir()
         (dest / "x").write_text("x")
+    elif case == "inside":
+        dest = checkpoint / "mine"
+    elif case == "holding":
+        dest = checkpoint.parent
     before = digests(checkpoint)
     code, err = run(
         capsys, "calibrate", "--routed", checkpoint, "--text", text,
@@ -217,3 +224,37 @@ def test_an_ftp_checkpoint_gets_its_thresholds_refit_too(tmp_path):
         pytest.approx(report.new_thresholds)
     )
     assert report.kept_after == pytest.approx(report.target, abs=0.03)
+
+
+def test_a_layer_that_reads_no_threshold_is_refused_before_loading(
+    checkpoint, tmp_path, monkeypatch
+):
+    """A checkpoint saved in rank mode routes without thresholds: nothing to refit,
+    and a threshold above such a layer would be fitted on inputs it never sees."""
+    from adadsf_modifier.constraints import InputError
+    from adadsf_modifier.routing import set_routing_mode
+
+    model = adadsf_modifier.from_pretrained(checkpoint)
+    set_routing_mode(model, "rank")
+    ranked = tmp_path / "ranked"
+    model.save_pretrained(ranked)
+    monkeypatch.setattr(
+        adadsf_modifier.recalibration, "from_pretrained", lambda *a, **k: 1 / 0
+    )
+    with pytest.raises(InputError, match="mode 'rank', which reads no threshold"):
+        recalibrate_checkpoint(ranked, rows_of(100, 103), tmp_path / "mine")
+
+
+def test_weights_are_shared_and_other_files_are_copies(checkpoint, tmp_path):
+    """The copy's weight files are the source's (hard links, not rewritten); its
+    config and tokenizer files are its own, so editing them leaves the source as it
+    was."""
+    dest = tmp_path / "mine"
+    recalibrate_checkpoint(checkpoint, rows_of(100, 103, seed=1), dest)
+    weights = [p.name for p in checkpoint.iterdir() if p.suffix == ".safetensors"]
+    assert weights
+    for name in weights:
+        assert (dest / name).stat().st_ino == (checkpoint / name).stat().st_ino
+    before = (checkpoint / "config.json").read_text()
+    (dest / "config.json").write_text("{}")
+    assert (checkpoint / "config.json").read_text() == before

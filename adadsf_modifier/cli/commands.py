@@ -21,6 +21,7 @@ from adadsf_modifier.cli.checks import (
     default_recipe,
     write_json,
 )
+from adadsf_modifier.constraints import InputError
 
 __all__ = ["bench", "calibrate", "compress", "evaluate", "text_rows"]
 
@@ -249,6 +250,12 @@ def bench(
 def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     routed_path = check_model(args.routed)
     check_routed(routed_path)
+    from adadsf_modifier.recalibration import check_destination_apart
+
+    try:
+        check_destination_apart(Path(routed_path), Path(args.output_dir))
+    except InputError as e:
+        raise CLIError(str(e)) from e
     in_place = Path(args.output_dir).resolve() == Path(routed_path).resolve()
     out = check_output_dir(args.output_dir, args.overwrite or in_place)
     if in_place and not args.overwrite:
@@ -280,14 +287,27 @@ def read_text_file(path: str) -> str:
     return text
 
 
+#: Characters per token a text file is read up to, times the tokens needed: far above
+#: what tokenizers average on prose or code (3-6), so the cap only spares tokenizing a
+#: huge file whose tail would go unused.
+CHARS_PER_TOKEN_CAP = 16
+
+
 def text_rows(tokenizer: Any, texts: Sequence[str], rows: int, seq_len: int):
-    """Up to ``rows`` consecutive rows of ``seq_len`` tokens of ``texts`` joined with a
-    blank line (as the calibration set and perplexity join documents), without
-    special tokens: ``[n, seq_len]`` ids. Fewer rows than asked when the text is
-    shorter (logged); none is an error, before the model loads."""
+    """Up to ``rows`` consecutive rows of ``seq_len`` tokens of ``texts``, in order,
+    each followed by a blank line (as the calibration set joins documents), without
+    special tokens: ``[n, seq_len]`` ids. Only as much text as the rows need is
+    tokenized. Fewer rows than asked when the text is shorter (logged); none is an
+    error, before the model loads."""
     import torch
 
-    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    needed = rows * seq_len
+    ids: list[int] = []
+    for text in texts:
+        part = text[: needed * CHARS_PER_TOKEN_CAP] + "\n\n"
+        ids.extend(tokenizer(part, add_special_tokens=False)["input_ids"])
+        if len(ids) >= needed:
+            break
     n = min(rows, len(ids) // seq_len)
     if n == 0:
         raise CLIError(
@@ -313,8 +333,10 @@ def calibrate(
     report = recalibrate_checkpoint(routed_path, rows, out, dtype=torch_dtype)
     print(
         f"kept share of the text's tokens at the routed layers: "
-        f"{report.kept_before:.3f} with the old thresholds, {report.kept_after:.3f} "
-        f"now (target {report.target:.3f}); checkpoint: {out}"
+        f"{report.kept_before:.3f} before, {report.kept_after:.3f} after the refit "
+        f"(target {report.target:.3f}; on the rows the thresholds were fitted to); "
+        f"checkpoint: {out} (its weight files are hard links to those of "
+        f"{routed_path} where the filesystem allows)"
     )
     return {
         "model": routed_path,
