@@ -126,6 +126,13 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     require("matplotlib", "the report plot", LAB_INSTALL)
     out = check_output_dir(args.output_dir, args.overwrite)
     model_path = check_model(args.model)
+    minutes = expected_minutes(args, recipe, tasks, model_path)
+    print(
+        f"adadsf run: expected to take about {minutes:.0f} min on a 2-core CPU like "
+        "the project's (the study's cost model, adadsf_lab/study/cost.py; more where "
+        "other work shares the cores)",
+        flush=True,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     work = sibling_dir(out, ".new")
     try:
@@ -140,6 +147,47 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     print("\n" + summary_table(report))
     print(f"\nwall-clock {minutes:.1f} min; report: {js}  plot: {png}")
     return report
+
+
+def expected_minutes(
+    args: argparse.Namespace, recipe: str, tasks: list[str], model_path: str
+) -> float:
+    """The main job's wall-clock in minutes by the study's cost model: the shipped
+    W8A8 arm's run (compression, perplexity, tasks), the dense model's evaluation and
+    the speed benchmark, at this job's sizes and the recipe's alignment."""
+    from llmcompressor.recipe import Recipe
+
+    from adadsf_lab.study.cost import bench_seconds, estimate_run_seconds, model_params
+    from adadsf_lab.study.settings import StudySettings
+    from adadsf_modifier import AdaDSFModifier
+    from adadsf_modifier.precision import dtype_name, resolve_dtype
+
+    align = {}
+    for mod in Recipe.create_instance(recipe).modifiers:
+        if isinstance(mod, AdaDSFModifier):
+            align = {
+                "align_steps": mod.align_steps,
+                "align_batch_size": mod.align_batch_size,
+                "align_seq_len": mod.align_seq_len,
+            }
+    settings = StudySettings(
+        dtype=dtype_name(resolve_dtype(args.dtype)),
+        calib_samples=args.calibration_samples,
+        calib_seq_len=args.seq_len,
+        ppl_tokens=args.ppl_tokens,
+        tasks=tuple(tasks),
+        task_limit=args.limit,
+        speed=False,
+        **align,
+    )
+    params = model_params(model_path)
+    seconds = sum(
+        estimate_run_seconds(settings, "main", method, params, "cpu")
+        for method in ("adadsf_ridge_kv_err_w8a8", "dense")
+    ) + bench_seconds(
+        params, args.bench_seq_lens, (1,), args.bench_repeats, 128, args.decode_tokens
+    )
+    return seconds / 60
 
 
 def _main_job(

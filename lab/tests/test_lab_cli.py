@@ -236,3 +236,37 @@ def test_run_stopped_by_sigterm_leaves_no_half_written_folder(tmp_path, dense_di
     finally:
         proc.kill()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_run_prints_its_expected_time_before_any_work(
+    capsys, tmp_path, dense_dir, monkeypatch
+):
+    """The main job says up front how long it should take (the study's cost model at
+    its sizes): an aligned recipe costs more than the same without alignment, and a
+    tiny model less than one of SmolLM2's size."""
+    import argparse
+
+    sizes = argparse.Namespace(
+        dtype="float32", calibration_samples=128, seq_len=512, ppl_tokens=16384,
+        limit=50, bench_seq_lens=[256, 1024], bench_repeats=3, decode_tokens=32,
+    )  # fmt: skip
+    unaligned = tmp_path / "no_align.yaml"
+    unaligned.write_text(
+        Path(RECIPE).read_text().replace("align_steps: 100", "align_steps: 0")
+    )
+    smollm2 = str(tmp_path / "not-a-folder")  # unreadable config: SmolLM2's size
+    aligned = commands.expected_minutes(sizes, RECIPE, ["piqa"], smollm2)
+    assert commands.expected_minutes(sizes, str(unaligned), ["piqa"], smollm2) < (
+        aligned
+    )
+    assert commands.expected_minutes(sizes, RECIPE, ["piqa"], dense_dir) < aligned
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped after the estimate")
+
+    monkeypatch.setattr(commands, "_main_job", stop)
+    argv = ["run", "--model", dense_dir, "--recipe", RECIPE, "--output-dir",
+            tmp_path / "out", "--tasks", ""]  # fmt: skip
+    with pytest.raises(RuntimeError, match="stopped after the estimate"):
+        main([str(a) for a in argv])
+    assert "expected to take about" in capsys.readouterr().out

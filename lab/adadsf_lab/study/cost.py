@@ -24,6 +24,7 @@ from adadsf_lab.study.settings import StudySettings
 
 __all__ = [
     "TASK_SIZES",
+    "bench_seconds",
     "cpu_align_seconds",
     "estimate_run_seconds",
     "measured_align_rate",
@@ -205,17 +206,44 @@ def estimate_run_seconds(
             secs += _LM_EVAL_OVERHEAD_S + reqs * per_request * scale
         if s.speed and m.allocation is not None and not m.quantize:
             share = min(s.speed_seeds, s.seeds) / s.seeds
-            speed = 10.0 * scale
-            for b in s.speed_batch_sizes:
-                speed += (s.speed_repeats + 1) * 2 * b * s.speed_seq_len * fwd
-                step = _CPU_DECODE_STEP_S.get(b, 0.04 + 0.005 * b) * scale
-                reps = max(7, s.speed_repeats) + 1
-                speed += reps * 2 * (s.decode_prompt * b * fwd + s.decode_tokens * step)
-            secs += share * speed
+            secs += share * bench_seconds(
+                params,
+                (s.speed_seq_len,),
+                s.speed_batch_sizes,
+                s.speed_repeats,
+                s.decode_prompt,
+                s.decode_tokens,
+                decode_repeats=max(7, s.speed_repeats),
+            )
     if device == "cuda":
         secs = _RUN_OVERHEAD_S + (secs - _RUN_OVERHEAD_S) / _GPU_SPEEDUP_GUESS
         train = train if rate is not None else train / _GPU_SPEEDUP_GUESS
     return secs + train
+
+
+def bench_seconds(
+    params: float,
+    seq_lens: Iterable[int],
+    batch_sizes: Iterable[int],
+    repeats: int,
+    decode_prompt: int,
+    decode_tokens: int,
+    decode_repeats: int | None = None,
+) -> float:
+    """Estimated CPU seconds of timing a routed model against its dense twin (both
+    run ``repeats + 1`` times, a warm-up included): a prefill per sequence length and
+    batch size, and greedy decoding after a ``decode_prompt``-token prompt per batch
+    size (``decode_repeats`` times, default ``repeats``)."""
+    scale = params / _REFERENCE_PARAMS
+    fwd = _CPU_FORWARD_S_PER_TOKEN * scale
+    reps = (repeats if decode_repeats is None else decode_repeats) + 1
+    secs = 10.0 * scale
+    for b in batch_sizes:
+        for n in seq_lens:
+            secs += (repeats + 1) * 2 * b * n * fwd
+        step = _CPU_DECODE_STEP_S.get(b, 0.04 + 0.005 * b) * scale
+        secs += reps * 2 * (decode_prompt * b * fwd + decode_tokens * step)
+    return secs
 
 
 def _rescaled(record: dict, tokens: int) -> float:
