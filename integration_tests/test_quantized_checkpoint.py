@@ -543,3 +543,30 @@ def test_saving_a_model_with_a_quantized_router_is_refused(compressed, tmp_path)
     ):
         model.save_pretrained(str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
+
+
+def test_recalibrating_a_w8a8_checkpoint_changes_only_its_thresholds(
+    compressed, tmp_path
+):
+    """``adadsf calibrate`` on a GPTQ W8A8 checkpoint: the quantized weights are the
+    source's files, the sidecar differs only in thresholds, and the reload (still
+    quantized) routes by the new ones."""
+    from adadsf_modifier.recalibration import recalibrate_checkpoint
+
+    source = compressed[("llama", "w8a8")]["path"]
+    before = snapshot(source)
+    rows = torch.randint(100, 103, (48, 32), generator=torch.Generator().manual_seed(3))
+    dest = tmp_path / "mine"
+    report = recalibrate_checkpoint(source, rows, dest)
+    after = snapshot(dest)
+    assert snapshot(source) == before
+    assert {n for n in before if before[n] != after.get(n)} == {SIDECAR_NAME}
+    old = json.loads((source / SIDECAR_NAME).read_text())["layers"]
+    new = json.loads((dest / SIDECAR_NAME).read_text())["layers"]
+    for a, b in zip(old, new):
+        a.pop("causal_threshold"), b.pop("causal_threshold")
+        assert a == b
+    model = adadsf_modifier.from_pretrained(dest)
+    layers = [m for m in model.modules() if isinstance(m, RoutedLayer)]
+    assert [m.causal_threshold for m in layers] == pytest.approx(report.new_thresholds)
+    assert report.kept_after == pytest.approx(report.target, abs=0.03)
