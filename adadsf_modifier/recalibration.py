@@ -11,9 +11,9 @@ routed layer's threshold on the given rows in one bottom-up walk
 checkpoint whose weight files are the old ones (hard links where the filesystem
 allows: a tool that later rewrites a weight file in place would change both), its other
 files copies, and its sidecar the old one with only ``causal_threshold`` changed. The
-rows' kept share is measured before and after the refit (in sample: the thresholds are
-fitted to those rows), so the command can say how far the old thresholds were off; in
-all about three forward passes over the rows.
+rows' kept share is measured before the refit (one forward) and read off the walk
+after it (in sample: the thresholds are fitted to those rows), so the command can say
+how far the old thresholds were off; in all about two forward passes over the rows.
 
 Every routed layer must route causally (stored mode ``auto`` or ``causal``): a layer in
 ``rank`` or ``topk`` mode reads no threshold, and a threshold above it would be fitted
@@ -126,17 +126,16 @@ def recalibrate_checkpoint(
     check_calibration_rows([e.retention_ratio for e in routed], batches, tolerance)
     model = from_pretrained(source, dtype=dtype).eval()
 
-    def kept() -> KeptShare:
-        share = KeptShare(model)
-        for batch in batches:
-            share.add(normalized_flops(model, batch))
-        return share
-
-    before = kept()
+    before = KeptShare(model)
+    for batch in batches:
+        before.add(normalized_flops(model, batch))
     layers = {m.layer_index: m for m in routed_layers(model)}
     old = {i: m.causal_threshold for i, m in layers.items()}
-    calibrate_thresholds(model, batches, tolerance=tolerance)
-    after = kept()
+    fit = calibrate_thresholds(model, batches, tolerance=tolerance)
+    # every routed layer is offered every (real) token of the rows, so the share a
+    # forward of the refit model would count on them is the mean of the walk's
+    # per-layer kept fractions (which are what such a forward measures)
+    kept_after = sum(fit.kept_fraction) / len(fit.kept_fraction)
     entries = []
     for entry in sidecar.layers:  # FTP's sidecar lists its routed layers only
         if getattr(entry, "routed", True) and entry.index in layers:
@@ -153,9 +152,9 @@ def recalibrate_checkpoint(
         layer_indices=sorted(layers),
         old_thresholds=[old[i] for i in sorted(layers)],
         new_thresholds=[layers[i].causal_threshold for i in sorted(layers)],
-        kept_before=_or_nan(before.fraction),
-        kept_after=_or_nan(after.fraction),
-        target=_or_nan(before.target),
+        kept_before=before.fraction,
+        kept_after=kept_after,
+        target=before.target,
         rows=int(rows.shape[0]),
         tokens=int(rows.numel()),
     )
@@ -197,7 +196,3 @@ def _write_beside(source: Path, dest: Path, sidecar_name: str, text: str) -> Non
             else:
                 shutil.copy2(entry, target)
         write_text_durably(tmp / sidecar_name, text)  # last: the completeness marker
-
-
-def _or_nan(value: float | None) -> float:
-    return math.nan if value is None else float(value)

@@ -546,19 +546,10 @@ def decode_step(
     sliding window.
     """
     batch = x.shape[0]
-    first = layer.keep_first_token and (
-        cache_layer is None or cache_layer.seen_tokens == 0
-    )
     rec = layer.routing_recorder
     if choice is None:
-        choice = choose_decode_rows(
-            x,
-            scores,
-            attention_mask,
-            first,
-            layer.causal_threshold,
-            layer.keep_first_token,
-        )
+        opens = cache_layer is None or cache_layer.seen_tokens == 0
+        choice = _threshold_choice(layer, x, scores, attention_mask, opens)
     selected, rows, skip_rows, n, real = choice
     if n == 0:
         out, skipped = _skip_rows(layer, x, None, real, rec)
@@ -636,17 +627,10 @@ def decode_step_keeping_kv(
     """
     batch = x.shape[0]
     idx = layer.layer_index
-    first = layer.keep_first_token and stored_keys(cache, idx) == 0
     rec = layer.routing_recorder
     if choice is None:
-        choice = choose_decode_rows(
-            x,
-            scores,
-            attention_mask,
-            first,
-            layer.causal_threshold,
-            layer.keep_first_token,
-        )
+        opens = stored_keys(cache, idx) == 0
+        choice = _threshold_choice(layer, x, scores, attention_mask, opens)
     selected, rows, skip_rows, n, real = choice
     spec = architecture_for_config(layer._adadsf_config)
     pe = kwargs.get("position_embeddings")
@@ -753,6 +737,26 @@ routed_cache.rank_select`); then the same paths as causal routing run the chosen
         cache,
         cache_layer,
         impl,
+    )
+
+
+def _threshold_choice(
+    layer: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    opens_cache: bool,
+) -> DecodeChoice:
+    """The decoding step's rows by the layer's causal threshold
+    (:func:`~adadsf_modifier.routing.selection.choose_decode_rows`); ``opens_cache``:
+    the step is the first the layer's cache sees, so its first token is forced."""
+    return choose_decode_rows(
+        x,
+        scores,
+        attention_mask,
+        layer.keep_first_token and opens_cache,
+        layer.causal_threshold,
+        layer.keep_first_token,
     )
 
 
