@@ -75,44 +75,32 @@ class TokenRouter(nn.Module):
         return self.flops_for(tokens, self.hidden_size, self.router_hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq, hidden] -> [batch, seq]`` router logits (float32 for stable
-        top-k).
+        """``[batch, seq, hidden] -> [batch, seq]`` router logits, computed in float32
+        (for a stable top-k and thresholds that mean the same in every dtype).
 
-        Written with few fused ops: a decoding step calls the router of every layer
-        for a single token, where the cost is per-op dispatch, not arithmetic. The
-        normalisation is applied after ``fc1`` (``W1 (h / rms(h)) = (W1 h) / rms(h)``,
-        with ``rms`` from a float32 ``vector_norm``, and the rest of the small MLP in
-        float32): in bfloat16 on CPU a separate ``rms_norm`` over the full hidden state
-        costs far more than the ``fc1`` matmul it feeds (``lab/NOTEBOOK.md`` §4.1), so
-        normalising ``fc1``'s small output instead removes the router's largest
-        cost.
+        Written with few ops: a decoding step calls the router of every layer for a
+        single token, where the cost is per-op dispatch, not arithmetic. The whole MLP
+        runs in float32 whatever the model's dtype: on CPU a one-row bfloat16 matmul
+        costs several times its float32 twin, and a float32 ``rms_norm`` of one row is
+        one cheap op, so the float32 router is both the faster and the more exact one
+        at decode; in a prefill its matmul is a small share of a layer's.
         """
-        h = hidden_states
-        w1 = self.fc1.weight
-        if h.dtype != w1.dtype:
-            h = h.to(w1.dtype)
-        b1, w2, b2 = self._float_tail()
-        ms = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)
-        inv_rms = torch.rsqrt(ms.square() / self.hidden_size + self.eps)
-        z = torch.addcmul(b1, F.linear(h, w1).float(), inv_rms)
-        return F.linear(F.gelu(z), w2, b2).squeeze(-1)
+        w1, b1, w2, b2 = self._float_params()
+        h = F.rms_norm(hidden_states.float(), (self.hidden_size,), eps=self.eps)
+        return F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2).squeeze(-1)
 
-    def _float_tail(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``fc1``'s bias and ``fc2``'s weight and bias in float32.
+    def _float_params(self) -> tuple[torch.Tensor, ...]:
+        """``fc1``'s and ``fc2``'s weights and biases in float32.
 
         Without a gradient, the float32 copies of low-precision parameters are kept
-        between calls (three fewer copies in every decoding step of every routed
-        layer) and made again when a parameter is replaced or changed in place (its
-        storage or version counter moves: ``.to()``, ``load_state_dict``, an optimizer
-        step). With a gradient they are made on each call, so the gradient reaches the
+        between calls (four fewer copies in every decoding step of every routed layer)
+        and made again when a parameter is replaced or changed in place (its storage
+        or version counter moves: ``.to()``, ``load_state_dict``, an optimizer step).
+        With a gradient they are made on each call, so the gradient reaches the
         parameters.
         """
-        params = (self.fc1.bias, self.fc2.weight, self.fc2.bias)
-        if (
-            torch.is_grad_enabled()
-            or torch.compiler.is_compiling()  # the compiled graph fuses the casts
-            or all(p.dtype == torch.float32 for p in params)
-        ):
+        params = (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return tuple(p.float() for p in params)
         key = tuple((p.data_ptr(), p._version) for p in params)
         cached = self.__dict__.get("_float_cache")

@@ -1,0 +1,104 @@
+"""A decoding step's bounds: the routed twin with every token running and with every
+token skipping, beside the dense twin and the routed twin as calibrated.
+
+``every token runs`` (thresholds at -inf) is the dense model plus the routing's own
+cost (router, the decision's host sync, bookkeeping); ``every token skips`` (+inf) is
+the floor a step reaches when no layer but the first runs (each skipped token still
+computes its keys/values and skip path). A mode whose decisions are shared by a
+batch's rows runs each step at one of these two costs, so at kept share ``r`` its step
+costs about ``r * runs + (1 - r) * skips`` -- the bound such a mode could reach at
+batch 8 without building it.
+
+Config-shaped twins with random weights, the shipped structure and thresholds fitted
+to keep ``--retention`` (``shape_speed.build_twins``); greedy steps after a prompt of
+128 tokens, the four variants interleaved, medians.
+
+    OMP_NUM_THREADS=2 python benchmarks/decode_bounds.py --shape smollm2-135m --batch 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+from shape_speed import SHAPES, build_twins
+
+from adadsf_modifier.routing import routed_layers
+
+
+@contextmanager
+def thresholds_at(model: torch.nn.Module, value: float | None):
+    """Every routed layer's causal threshold set to ``value`` (``None``: unchanged)."""
+    layers = routed_layers(model)
+    saved = [layer.causal_threshold for layer in layers]
+    if value is not None:
+        for layer in layers:
+            layer.causal_threshold = value
+    try:
+        yield
+    finally:
+        for layer, threshold in zip(layers, saved):
+            layer.causal_threshold = threshold
+
+
+@torch.inference_mode()
+def step_seconds(model: torch.nn.Module, batch: int, steps: int, prompt: int) -> float:
+    """Mean seconds of a greedy decoding step after an untimed prompt."""
+    ids = torch.randint(0, 1000, (batch, prompt))
+    out = model(ids, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--retention", type=float, default=0.81)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dense, routed = build_twins(args.shape, args.retention, torch.bfloat16, 64)
+    variants = {
+        "dense": (dense, None),
+        "routed": (routed, None),
+        "every token runs": (routed, float("-inf")),
+        "every token skips": (routed, float("inf")),
+    }
+    print(f"{args.shape}, bfloat16, {args.threads} threads, retention "
+          f"{args.retention} forced")  # fmt: skip
+    for batch in args.batch:
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, (model, threshold) in variants.items():
+                with thresholds_at(model, threshold):
+                    times[name].append(
+                        step_seconds(model, batch, args.steps, args.prompt)
+                    )
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        shared = args.retention * medians["every token runs"] + (
+            1 - args.retention
+        ) * medians["every token skips"]
+        cells = [
+            f"{name} {m * 1e3:.1f} ms ({medians['dense'] / m:.3f}x)"
+            for name, m in medians.items()
+        ]
+        print(f"batch {batch}: " + ", ".join(cells))
+        print(
+            f"  a shared-decision mode's bound at {args.retention}: "
+            f"{shared * 1e3:.1f} ms ({medians['dense'] / shared:.3f}x dense)"
+        )
+
+
+if __name__ == "__main__":
+    main()
