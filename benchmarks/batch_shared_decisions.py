@@ -30,10 +30,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
-from budget_drift import text_streams
 from loguru import logger
 
 import adadsf_modifier
+from adadsf_lab.study.measure import TokenStreams
 from adadsf_modifier.routing import routed_layers, set_routing_mode
 
 
@@ -116,7 +116,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = adadsf_modifier.from_pretrained(args.checkpoint, dtype=torch.float32)
     model.eval()
-    stream = text_streams(tokenizer, args.rows * args.seq_len)["test (prose)"]
+    stream = TokenStreams(tokenizer).text("test (prose)", args.rows * args.seq_len)
     rows = stream[: args.rows * args.seq_len].view(args.rows, args.seq_len)
     generator = torch.Generator().manual_seed(args.seed)
     variants = {

@@ -13,7 +13,7 @@ Config-shaped twins with random weights, the shipped structure and thresholds fi
 to keep ``--retention`` (``shape_speed.build_twins``); greedy steps after a prompt of
 128 tokens, the four variants interleaved, medians.
 
-    OMP_NUM_THREADS=2 python benchmarks/decode_bounds.py --shape smollm2-135m --batch 1 8
+    OMP_NUM_THREADS=2 python benchmarks/decode_bounds.py --batch 1 8
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def main() -> None:
                         step_seconds(model, batch, args.steps, args.prompt)
                     )
         medians = {name: statistics.median(t) for name, t in times.items()}
-        shared = args.retention * medians["every token runs"] + (
-            1 - args.retention
-        ) * medians["every token skips"]
+        shared = (
+            args.retention * medians["every token runs"]
+            + (1 - args.retention) * medians["every token skips"]
+        )
         cells = [
             f"{name} {m * 1e3:.1f} ms ({medians['dense'] / m:.3f}x)"
             for name, m in medians.items()

@@ -6,7 +6,11 @@ from loguru import logger
 from test_causal_routing import RATIOS, causal_model
 
 from adadsf_modifier.evaluation.budget import KeptShare
-from adadsf_modifier.evaluation.speed import measure_decode, measure_prefill
+from adadsf_modifier.evaluation.speed import (
+    decode_kept_share,
+    measure_decode,
+    measure_prefill,
+)
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.routing import routed_layers
 
@@ -70,3 +74,24 @@ def test_a_budget_that_does_not_hold_on_the_text_is_reported_and_warned_about():
         lambda: measure_decode(dense, model, prompt, 3, 1, 0)
     )
     assert decode.kept_fraction == 1.0 and loud
+
+
+def test_decode_kept_share_counts_the_decoding_steps_as_the_speed_benchmark_does():
+    """Without timing anything, the same share the benchmark reports for the same
+    greedy steps; thresholds letting every token through or none move it to 1, or to
+    the share of layers at ratio 1 (they run every token whatever their threshold;
+    the prompt's own prefill, where the first token is forced, is not counted)."""
+    dense, _ = causal_model()
+    model, _ = causal_model()
+    prompt = torch.randint(4, 128, (2, 10), generator=torch.Generator().manual_seed(7))
+    share = decode_kept_share(model, prompt, 4)
+    timed = measure_decode(dense, model, prompt, 4, 1, 0)
+    assert share.fraction == timed.kept_fraction
+    assert share.target == timed.retention_target < 1.0
+    layers = routed_layers(model)
+    full = sum(m.retention_ratio >= 1.0 for m in layers) / len(layers)
+    assert 0.0 < full < 1.0
+    for value, kept in ((float("-inf"), 1.0), (float("inf"), full)):
+        for layer in layers:
+            layer.causal_threshold = value
+        assert decode_kept_share(model, prompt, 4).fraction == kept

@@ -29,6 +29,7 @@ __all__ = [
     "SpeedResult",
     "measure_prefill",
     "measure_decode",
+    "decode_kept_share",
     "run_speed_benchmark",
     "check_speed_grid",
     "format_table",
@@ -167,6 +168,19 @@ def _decode_flops(
         totals.routed += rep.routed
         totals.lm_head += rep.dense_with_lm_head - rep.dense
     return totals
+
+
+def decode_kept_share(
+    model: nn.Module, prompt: torch.Tensor, new_tokens: int
+) -> KeptShare:
+    """The routed layers' kept share over ``new_tokens`` greedy decoding steps after
+    ``prompt`` (``[batch, len]``; the prompt's own prefill not counted), each step
+    counted as :func:`measure_decode` counts it, without timing anything: what a
+    check of the budget on some text needs beside the prefill's share (from
+    :func:`~adadsf_modifier.flops.stream_flops`)."""
+    prompt = prompt.to(model_device(model))
+    _, fed = _decode_loop(model, prompt, new_tokens)
+    return _decode_flops(model, prompt, fed).share
 
 
 def measure_decode(

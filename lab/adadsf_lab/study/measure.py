@@ -1,4 +1,5 @@
-"""Measurements of one model for the study: perplexity, FLOPs, lm-eval tasks, speed.
+"""Measurements of one model for the study: perplexity, FLOPs, lm-eval tasks, speed,
+and the budget on each offline text.
 
 Every number comes from the project's public evaluation code; this module only decides
 which text each measurement sees: the validation split for choosing hyper-parameters,
@@ -18,21 +19,62 @@ from torch import nn
 
 # Project APIs used here (one place, so a module move needs one edit).
 from adadsf_modifier.evaluation import load_text_splits, perplexity
+from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
-from adadsf_modifier.evaluation.speed import load_pair, run_speed_benchmark
+from adadsf_modifier.evaluation.speed import (
+    decode_kept_share,
+    load_pair,
+    run_speed_benchmark,
+)
 from adadsf_modifier.flops import stream_flops
 from adadsf_modifier.routing import routed_layers, routing_mode
 
 __all__ = [
+    "BUDGET_TEXTS",
+    "BUDGET_MODES",
     "TokenStreams",
+    "budget_sizes",
+    "measure_budget_per_text",
     "measure_flops",
     "measure_perplexity",
     "measure_speed",
     "measure_tasks",
+    "routes_tokens",
     "task_mean",
 ]
 
 _MARGIN = 64  # extra tokens so the cut never falls on a document boundary's merge
+
+#: The offline texts a routed model's budget is checked on: a split of
+#: ``load_text_splits`` cut to the documents of some sources. The test split's prose
+#: (BoolQ passages, LAMBADA) and its Shakespeare differ from each other more than
+#: either differs from the calibration split, which mixes all three sources.
+BUDGET_TEXTS: dict[str, tuple[str, Any]] = {
+    "test (prose)": ("test", lambda source: source != "shakespeare"),
+    "test (Shakespeare)": ("test", lambda source: source == "shakespeare"),
+    "calibration": ("calibration", lambda source: True),
+}
+
+
+def budget_sizes(seq_len: int) -> dict[str, int]:
+    """Sizes of the check on each text, from the length of the study's FLOPs rows
+    (512 by default): a prefill of 4 rows of ``seq_len`` tokens, then 4 prompts of
+    ``seq_len / 8`` tokens (the tokens after those) decoded greedily for ``seq_len /
+    16`` steps (2048, 64 and 32 by default; a quick study's short rows shrink them).
+    Derived, not a setting of its own, so that adding the check left every cached
+    run's key as it was."""
+    return {
+        "tokens": 4 * seq_len,
+        "seq_len": seq_len,
+        "prompts": 4,
+        "prompt_len": max(seq_len // 8, 1),
+        "new_tokens": max(seq_len // 16, 1),
+    }
+
+
+#: Routing modes the check runs: the calibrated thresholds, and rank routing (each
+#: token against its own row's earlier scores, which needs no threshold).
+BUDGET_MODES = ("causal", "rank")
 
 
 class TokenStreams:
@@ -49,10 +91,19 @@ class TokenStreams:
 
     def get(self, split: str, tokens: int) -> torch.Tensor:
         """The first ``tokens`` tokens of ``split`` (fewer if the split is shorter)."""
-        have = self._streams.get(split)
+        return self._get(split, split, lambda source: True, tokens)
+
+    def text(self, name: str, tokens: int) -> torch.Tensor:
+        """The first ``tokens`` tokens of the :data:`BUDGET_TEXTS` text ``name``."""
+        split, keep = BUDGET_TEXTS[name]
+        return self._get(name, split, keep, tokens)
+
+    def _get(self, key: str, split: str, keep: Any, tokens: int) -> torch.Tensor:
+        have = self._streams.get(key)
         if have is not None and (have[0].numel() >= tokens or have[1]):
             return have[0][:tokens]
-        docs = load_text_splits()[split]["text"]
+        rows = load_text_splits()[split]
+        docs = [t for t, src in zip(rows["text"], rows["source"]) if keep(src)]
         take = 8
         while True:
             text = "\n\n".join(docs[:take])
@@ -61,12 +112,18 @@ class TokenStreams:
                 break
             take *= 2
         stream = torch.tensor(ids, dtype=torch.long)
-        self._streams[split] = (stream, take >= len(docs))
+        self._streams[key] = (stream, take >= len(docs))
         if stream.numel() < tokens:
             logger.warning(
-                f"{split} split has only {stream.numel()} tokens, {tokens} requested"
+                f"{key} text has only {stream.numel()} tokens, {tokens} requested"
             )
         return stream[:tokens]
+
+
+def routes_tokens(model: nn.Module) -> bool:
+    """Whether some routed layer runs only part of its tokens (not layer removal's
+    all-or-nothing layers, whose budget cannot drift)."""
+    return any(0.0 < float(m.retention_ratio) < 1.0 for m in routed_layers(model))
 
 
 def _in_mode(model: nn.Module, mode: str):
@@ -112,6 +169,42 @@ def measure_flops(
         "normalized_with_lm_head": float(report.normalized_with_lm_head),
         "tokens": int(sum(report.seq_lens)),
     }
+
+
+def measure_budget_per_text(
+    model: nn.Module,
+    streams: TokenStreams,
+    batch: int,
+    sizes: dict[str, int],
+    modes: tuple[str, ...] = BUDGET_MODES,
+) -> dict[str, Any]:
+    """The routed layers' kept share in prefill and in decoding, beside the share
+    their retention ratios plan, on each :data:`BUDGET_TEXTS` text in each of
+    ``modes`` (``sizes``: the keys of :func:`budget_sizes`; ``batch`` prefill rows per
+    forward): whether the budget a user asks for holds on text unlike the calibration
+    set's. ``{"sizes": ..., "texts": {text: {mode: {prefill_kept, decode_kept,
+    target}}}}``; a text too short for ``sizes`` is left out."""
+    z = dict(sizes)
+    need = z["tokens"] + z["prompts"] * z["prompt_len"]
+    texts: dict[str, Any] = {}
+    for name in BUDGET_TEXTS:
+        stream = streams.text(name, need)
+        if stream.numel() < need:
+            continue  # TokenStreams warned; a shorter text is not checked
+        prompts = stream[z["tokens"] : need].view(z["prompts"], z["prompt_len"])
+        for mode in modes:
+            with _in_mode(model, mode):
+                prefill = KeptShare(model)
+                prefill.add(
+                    stream_flops(model, stream[: z["tokens"]], z["seq_len"], batch)
+                )
+                decode = decode_kept_share(model, prompts, z["new_tokens"])
+            texts.setdefault(name, {})[mode] = {
+                "prefill_kept": prefill.fraction,
+                "decode_kept": decode.fraction,
+                "target": prefill.target,
+            }
+    return {"sizes": z, "texts": texts}
 
 
 def measure_tasks(

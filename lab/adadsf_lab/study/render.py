@@ -460,6 +460,55 @@ def _wall_clock(r: dict) -> list[str]:
     ]
 
 
+def _budget_per_text(r: dict) -> list[str]:
+    """Issue 52's question: the kept share on each offline text, beside the plan."""
+    b = r.get("budget_per_text") or {}
+    if not b.get("rows"):
+        return []
+    within, z = b["holds_within"], b["rows"][0]["sizes"]
+    head = ["method", "budget", "mode", "text", "seeds", "planned", "prefill kept",
+            "decode kept"]  # fmt: skip
+    rows = [
+        [
+            _label(x["method"]),
+            f"{x['budget']:g}",
+            x["mode"],
+            x["text"],
+            str(len(x["seeds"])),
+            _num(x["target"], ".3f"),
+            _mci(x["prefill_kept"], ".3f"),
+            _mci(x["decode_kept"], ".3f"),
+        ]
+        for x in b["rows"]
+    ]
+    held = [
+        f"- {_label(h['method'])} at {h['budget']:g}, {h['mode']} routing: "
+        + ("holds" if h["holds"] else "does not hold")
+        + f" within {within:g}; largest gap {h['gap']:+.3f} ({h['phase'].split('_')[0]}"
+        f" on {h['text']})"
+        for h in b["held"]
+    ]
+    return [
+        "## Budget per text (kept share of the routed layers' tokens against the plan)",
+        "",
+        "Every routed run checks, on each offline text and in both routing modes, the "
+        "share of the real tokens reaching its routed layers that ran them (prefill: "
+        f"{z['tokens']} tokens in rows of {z['seq_len']}; decoding: {z['prompts']} "
+        f"prompts of {z['prompt_len']} tokens, {z['new_tokens']} greedy steps, every "
+        "step counted), beside the share its retention ratios plan (`planned`); mean ± "
+        "95% CI over the seeds that ran the check (runs computed before it have none). "
+        "`causal`: the thresholds calibrated on the calibration split; `rank`: each "
+        "token against its own row's earlier router scores. The budget holds on a text "
+        f"when both shares are within {within:g} of the plan.",
+        "",
+        *_table(head, rows),
+        "",
+        *held,
+        *[f"- {x['verdict']}" for x in b.get("rank_vs_causal", [])],
+        "",
+    ]
+
+
 def _paper(r: dict) -> list[str]:
     rows = [
         [
@@ -531,7 +580,8 @@ def render_markdown(r: dict[str, Any]) -> str:
     for b in budgets:
         lines += _budget_table(r, b)
     lines += _wall_clock(r)
-    lines += _tasks(r) + _comparisons(r) + _speed(r) + _paper(r)
+    lines += _tasks(r) + _comparisons(r) + _speed(r) + _budget_per_text(r)
+    lines += _paper(r)
     lines += [
         "## Plots",
         "",

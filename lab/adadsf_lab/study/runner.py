@@ -20,10 +20,13 @@ from loguru import logger
 
 from adadsf_lab.study.measure import (
     TokenStreams,
+    budget_sizes,
+    measure_budget_per_text,
     measure_flops,
     measure_perplexity,
     measure_speed,
     measure_tasks,
+    routes_tokens,
     task_mean,
 )
 from adadsf_lab.study.methods import METHODS
@@ -229,6 +232,15 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
         if routed
         else res["ppl"]
     )
+    if routes_tokens(model):
+        # issue 52: does the budget hold on other text, and what does rank routing
+        # (which needs no threshold) cost in quality on the same run
+        record["ppl_test_rank"] = measure_perplexity(
+            model, test, ml, stride, "rank", bs
+        )["ppl"]
+        record["budget_per_text"] = measure_budget_per_text(
+            model, env.streams, ev["flops_batch"], budget_sizes(ev["flops_seq_len"])
+        )
     if not routed:
         record["normalized_flops_topk"] = record["normalized_flops"]
         record["normalized_flops_with_lm_head_topk"] = record[
