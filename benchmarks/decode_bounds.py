@@ -44,16 +44,25 @@ def thresholds_at(model: torch.nn.Module, value: float | None):
             layer.causal_threshold = threshold
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
-def step_seconds(model: torch.nn.Module, batch: int, steps: int, prompt: int) -> float:
+def step_seconds(
+    model: torch.nn.Module, batch: int, steps: int, prompt: int, device: str
+) -> float:
     """Mean seconds of a greedy decoding step after an untimed prompt."""
-    ids = torch.randint(0, 1000, (batch, prompt))
+    ids = torch.randint(0, 1000, (batch, prompt), device=device)
     out = model(ids, use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         out = model(token, past_key_values=cache, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    _sync(device)
     return (time.perf_counter() - start) / steps
 
 
@@ -65,17 +74,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dense, routed = build_twins(args.shape, args.retention, torch.bfloat16, 64)
+    dense, routed = build_twins(
+        args.shape, args.retention, torch.bfloat16, 64, device=args.device
+    )
     variants = {
         "dense": (dense, None),
         "routed": (routed, None),
         "every token runs": (routed, float("-inf")),
         "every token skips": (routed, float("inf")),
     }
-    print(f"{args.shape}, bfloat16, {args.threads} threads, retention "
+    print(f"{args.shape}, bfloat16, {args.device}, {args.threads} threads, retention "
           f"{args.retention} forced")  # fmt: skip
     for batch in args.batch:
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -83,7 +97,7 @@ def main() -> None:
             for name, (model, threshold) in variants.items():
                 with thresholds_at(model, threshold):
                     times[name].append(
-                        step_seconds(model, batch, args.steps, args.prompt)
+                        step_seconds(model, batch, args.steps, args.prompt, args.device)
                     )
         medians = {name: statistics.median(t) for name, t in times.items()}
         shared = (

@@ -3,8 +3,8 @@
 # here; it only needs the wheels: no model weights, the shapes are config-built): the
 # shipped variant's routed layer against its dense twin at SmolLM2-135M's and
 # Llama-3.2-1B's shapes, the kept fraction forced, prefill and decode at batch 1 and 8,
-# bfloat16.
-# Usage: bash benchmarks/gpu/speed.sh   (writes $OUT/speed_grid.txt)
+# bfloat16; then each shape's decoding bounds (benchmarks/decode_bounds.py).
+# Usage: bash benchmarks/gpu/speed.sh   (writes $OUT/speed_grid.txt, decode_bounds.txt)
 set -uo pipefail
 PY=${PY:-python3}
 STAGE=${STAGE:-/tmp/adadsf_gpu}
@@ -20,3 +20,9 @@ for shape in smollm2-135m llama-3.2-1b; do
     done
   done
 done | tee "$OUT/speed_grid.txt"
+# a decoding step's bounds (every token running / skipping) and what a mode sharing
+# decisions across a batch's rows could reach (lab/NOTEBOOK.md section 25)
+for shape in smollm2-135m llama-3.2-1b; do
+  $PY benchmarks/decode_bounds.py --shape "$shape" --batch 1 8 --steps 32 \
+    --repeats 7 --device cuda 2>&1 | grep -v WARNING
+done | tee "$OUT/decode_bounds.txt"
