@@ -47,8 +47,8 @@ _MARGIN = 64  # extra tokens so the cut never falls on a document boundary's mer
 
 #: The offline texts a routed model's budget is checked on: a split of
 #: ``load_text_splits`` cut to the documents of some sources. The test split's prose
-#: (BoolQ passages, LAMBADA) and its Shakespeare differ from each other more than
-#: either differs from the calibration split, which mixes all three sources.
+#: (BoolQ passages, LAMBADA) and its Shakespeare are unlike each other; the
+#: calibration split, which the thresholds were fitted on, mixes all three sources.
 BUDGET_TEXTS: dict[str, tuple[str, Any]] = {
     "test (prose)": ("test", lambda source: source != "shakespeare"),
     "test (Shakespeare)": ("test", lambda source: source == "shakespeare"),
