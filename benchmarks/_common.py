@@ -7,7 +7,8 @@ import random
 import shutil
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -84,3 +85,21 @@ def interleaved(
         for k in order:
             times[k].append(fns[k]())
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+@contextmanager
+def thresholds_at(model: torch.nn.Module, value: float | None) -> Iterator[None]:
+    """Every routed layer's causal threshold set to ``value`` (``None``: unchanged;
+    ``-inf``: every token runs, ``+inf``: only forced ones do), restored after."""
+    from adadsf_modifier.routing import routed_layers
+
+    layers = routed_layers(model)
+    saved = [layer.causal_threshold for layer in layers]
+    try:
+        if value is not None:
+            for layer in layers:
+                layer.causal_threshold = value
+        yield
+    finally:
+        for layer, threshold in zip(layers, saved):
+            layer.causal_threshold = threshold

@@ -11,7 +11,7 @@ batch 8 without building it.
 
 Config-shaped twins with random weights, the shipped structure and thresholds fitted
 to keep ``--retention`` (``shape_speed.build_twins``); greedy steps after a prompt of
-128 tokens, the four variants interleaved, medians.
+128 tokens, the four variants interleaved in a shuffled order, medians.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_bounds.py --batch 1 8
 """
@@ -19,29 +19,11 @@ to keep ``--retention`` (``shape_speed.build_twins``); greedy steps after a prom
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from contextlib import contextmanager
 
 import torch
+from _common import interleaved, thresholds_at
 from shape_speed import SHAPES, build_twins
-
-from adadsf_modifier.routing import routed_layers
-
-
-@contextmanager
-def thresholds_at(model: torch.nn.Module, value: float | None):
-    """Every routed layer's causal threshold set to ``value`` (``None``: unchanged)."""
-    layers = routed_layers(model)
-    saved = [layer.causal_threshold for layer in layers]
-    if value is not None:
-        for layer in layers:
-            layer.causal_threshold = value
-    try:
-        yield
-    finally:
-        for layer, threshold in zip(layers, saved):
-            layer.causal_threshold = threshold
 
 
 def _sync(device: str) -> None:
@@ -92,14 +74,19 @@ def main() -> None:
     print(f"{args.shape}, bfloat16, {args.device}, {args.threads} threads, retention "
           f"{args.retention} forced")  # fmt: skip
     for batch in args.batch:
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.repeats):
-            for name, (model, threshold) in variants.items():
+
+        def timed(model, threshold, batch=batch):
+            def run() -> float:
                 with thresholds_at(model, threshold):
-                    times[name].append(
-                        step_seconds(model, batch, args.steps, args.prompt, args.device)
+                    return step_seconds(
+                        model, batch, args.steps, args.prompt, args.device
                     )
-        medians = {name: statistics.median(t) for name, t in times.items()}
+
+            return run
+
+        medians = interleaved(
+            {name: timed(*variant) for name, variant in variants.items()}, args.repeats
+        )
         shared = (
             args.retention * medians["every token runs"]
             + (1 - args.retention) * medians["every token skips"]

@@ -29,22 +29,6 @@ import torch
 
 
 @contextmanager
-def _thresholds(model, value):
-    from adadsf_modifier.routing import routed_layers
-
-    layers = routed_layers(model)
-    saved = [layer.causal_threshold for layer in layers]
-    try:
-        if value is not None:
-            for layer in layers:
-                layer.causal_threshold = value
-        yield
-    finally:
-        for layer, thr in zip(layers, saved):
-            layer.causal_threshold = thr
-
-
-@contextmanager
 def _stub_routers(model, enabled):
     from adadsf_modifier.routing import routed_layers
 
@@ -83,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
     import tempfile
 
-    from _common import build_routed_checkpoint
+    from _common import build_routed_checkpoint, thresholds_at
     from transformers import AutoTokenizer
 
     from adadsf_modifier.evaluation import load_text_splits, resolve_model
@@ -115,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             times["dense"].append(_decode_loop(dense, prompt, args.tokens)[0])
             for name, thr, stub in settings:
-                with _thresholds(routed, thr), _stub_routers(routed, stub):
+                with thresholds_at(routed, thr), _stub_routers(routed, stub):
                     times[name].append(_decode_loop(routed, prompt, args.tokens)[0])
         med = {k: statistics.median(v) for k, v in times.items()}
         print(

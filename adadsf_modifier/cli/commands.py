@@ -256,13 +256,14 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
         check_destination_apart(Path(routed_path), Path(args.output_dir))
     except InputError as e:
         raise CLIError(str(e)) from e
-    in_place = Path(args.output_dir).resolve() == Path(routed_path).resolve()
-    out = check_output_dir(args.output_dir, args.overwrite or in_place)
-    if in_place and not args.overwrite:
+    if Path(args.output_dir).resolve() == Path(routed_path).resolve() and not (
+        args.overwrite
+    ):
         raise CLIError(
-            f"--output-dir is the checkpoint itself ({out}): pass --overwrite to "
-            "replace its thresholds in place"
+            f"--output-dir is the checkpoint itself ({routed_path}): pass --overwrite "
+            "to replace its thresholds in place"
         )
+    out = check_output_dir(args.output_dir, args.overwrite)
     texts = [read_text_file(path) for path in args.text]
     from transformers import AutoTokenizer
 
