@@ -17,8 +17,9 @@ __all__ = ["ALGORITHM_VERSIONS"]
 ALGORITHM_VERSIONS: dict[str, int] = {
     # the routed layer (prefill, decode, KV cache), token choice, skip paths, routers'
     # forward, FLOPs recording: everything a routed model runs at inference (2: the
-    # router's MLP in float32, normalised before fc1)
-    "routing": 2,
+    # router's MLP in float32, normalised before fc1; 3: rank routing keeps each row's
+    # count of tokens that ran in a band around the ratio)
+    "routing": 3,
     # AdaDSF's construction: calibration, importance, allocation (and layer removal),
     # router warm start, skip-path fits, thresholds (2: thresholds fitted in one
     # walk of the decoder stack)

@@ -25,7 +25,9 @@ from adadsf_modifier.routing import (
     set_routing_mode,
 )
 from adadsf_modifier.routing.selection import (
+    RANK_SLACK,
     choose_by_rank,
+    clamped_counts,
     rank_quota,
     rank_tie_ranks,
     rank_tie_tolerance,
@@ -71,15 +73,29 @@ def reference_tie_rank(k):
     return (k * 0x9E3779B9 % 2**32) * (k + 1) >> 32
 
 
-def reference_rank(scores, real, ratio, keep_first):
+def reference_band(ratio, keep_first, p):
+    """The fewest and the most of a row's first ``p`` real tokens that may have run:
+    ``r p`` (the decimal ratio, exactly) within the slack, rounded inwards, within
+    ``0 .. p``; the forced first token always runs."""
+    centre = Fraction(str(ratio)) * p
+    low = max(0, math.ceil(centre - RANK_SLACK))
+    high = min(p, math.floor(centre + RANK_SLACK))
+    if keep_first and p >= 1:
+        low, high = max(low, 1), max(high, 1)
+    return low, high
+
+
+def reference_rank(scores, real, ratio, keep_first, banded=True):
     """A Python loop over each row's tokens: rivals above the new token's tie band
-    count one each, the ``k`` within it ``reference_tie_rank(k)`` together."""
+    count one each, the ``k`` within it ``reference_tie_rank(k)`` together; a token
+    runs iff it ranks in, unless that takes the row's count out of
+    ``reference_band``."""
     tol = rank_tie_tolerance(scores.dtype)
     batch, seq = scores.shape
     quota = reference_quota(ratio, keep_first, seq)
     out = torch.zeros(batch, seq, dtype=torch.bool)
     for b in range(batch):
-        earlier, p = [], 0
+        earlier, p, kept = [], 0, 0
         for t in range(seq):
             if not real[b, t]:
                 continue
@@ -88,7 +104,12 @@ def reference_rank(scores, real, ratio, keep_first):
             p += 1
             ahead = sum(1 for e in earlier if e >= s + width)
             tied = sum(1 for e in earlier if s - width <= e < s + width)
-            out[b, t] = ahead + reference_tie_rank(tied) < quota[p]
+            ranks_in = ahead + reference_tie_rank(tied) < quota[p]
+            low, high = reference_band(ratio, keep_first, p)
+            if banded:
+                ranks_in = min(high, max(low, kept + ranks_in)) > kept
+            out[b, t] = ranks_in
+            kept += int(out[b, t])
             if p > 1 or not keep_first:  # the forced first token is no rival
                 earlier.append(s)
     return out
@@ -111,9 +132,10 @@ def random_rows(seed, batch=3, seq=40):
 def test_rule_equals_a_brute_force_reference(ratio, keep_first):
     for seed in range(3):
         scores, real = random_rows(seed)
-        got, _, count = choose_by_rank(scores, real, ratio, keep_first)
+        got, state = choose_by_rank(scores, real, ratio, keep_first)
         assert torch.equal(got, reference_rank(scores, real, ratio, keep_first))
-        assert torch.equal(count, real.sum(1))
+        assert torch.equal(state.count, real.sum(1))
+        assert torch.equal(state.kept, got.sum(1))
 
 
 def test_quota_table_tracks_the_ratio_and_pays_back_the_first_token():
@@ -135,17 +157,18 @@ def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(monkeypatch
     monkeypatch.setattr(selection, "RANK_CHUNK_ELEMENTS", 50)
     scores, real = random_rows(5, seq=30)
     whole = reference_rank(scores, real, 0.6, True)
-    chunked, _, _ = choose_by_rank(scores, real, 0.6, True)
+    chunked, _ = choose_by_rank(scores, real, 0.6, True)
     assert torch.equal(chunked, whole)
-    got, past, count = choose_by_rank(scores[:, :9], real[:, :9], 0.6, True)
+    got, past = choose_by_rank(scores[:, :9], real[:, :9], 0.6, True)
     parts = [got]
     for t in range(9, 30):
-        got, past, count = choose_by_rank(
-            scores[:, t : t + 1], real[:, t : t + 1], 0.6, True, past, count
+        got, past = choose_by_rank(
+            scores[:, t : t + 1], real[:, t : t + 1], 0.6, True, past
         )
         parts.append(got)
     assert torch.equal(torch.cat(parts, 1), whole)
-    assert past.shape == (3, 30) and bool(past[~real].isnan().all())
+    assert past.scores.shape == (3, 30) and bool(past.scores[~real].isnan().all())
+    assert torch.equal(past.kept, whole.sum(1))
 
 
 def test_ties_within_the_tolerance_are_split_by_how_many_twins_came_before():
@@ -180,7 +203,8 @@ def test_ties_within_the_tolerance_are_split_by_how_many_twins_came_before():
 
 def test_untied_scores_decide_by_their_rank_alone_as_before():
     """Scores 0.01 apart, none within the tolerance of another: a token runs iff
-    fewer than ``quota[p]`` earlier rivals score above it, as before ties were split."""
+    fewer than ``quota[p]`` earlier rivals score above it (as before ties were split)
+    and its row's count stays in its band."""
     g = torch.Generator().manual_seed(7)
     perms = [torch.randperm(200, generator=g) for _ in range(3)]
     scores = torch.stack(perms).float() * 0.01 - 1.0
@@ -192,15 +216,64 @@ def test_untied_scores_decide_by_their_rank_alone_as_before():
             quota = reference_quota(ratio, keep_first, 200)
             expected = torch.zeros_like(real)
             for b in range(3):
-                rivals, p = [], 0
+                rivals, p, kept = [], 0, 0
                 for t in range(200):
                     if real[b, t]:
                         s, p = float(scores[b, t]), p + 1
-                        expected[b, t] = sum(e > s for e in rivals) < quota[p]
+                        ranks_in = sum(e > s for e in rivals) < quota[p]
+                        low, high = reference_band(ratio, keep_first, p)
+                        expected[b, t] = min(high, max(low, kept + ranks_in)) > kept
+                        kept += int(expected[b, t])
                         if p > 1 or not keep_first:  # the forced first is no rival
                             rivals.append(s)
             got = choose_by_rank(scores, real, ratio, keep_first)[0]
             assert torch.equal(got, expected), (ratio, keep_first)
+
+
+@pytest.mark.parametrize("trend", [0.05, -0.05])
+def test_the_band_holds_the_ratio_where_scores_drift_along_the_row(trend):
+    """Scores that rise along the row (later tokens have more context and outrank
+    the early ones) carry the rank alone past the ratio, most in a continuation after
+    a short prompt; falling ones below it. In its band no prefix of any row strays
+    from ``r p`` by more than the slack, and a 32-token continuation, decoded one
+    token at a time, keeps the ratio within 0.02."""
+    g = torch.Generator().manual_seed(3)
+    rows, prompt, steps, ratio = 64, 64, 32, 0.81
+    length = prompt + steps
+    scores = torch.randn(rows, length, generator=g) + trend * torch.arange(length)
+    real = torch.ones_like(scores, dtype=torch.bool)
+    alone = reference_rank(scores, real, ratio, True, banded=False)
+    assert abs(float(alone[:, prompt:].float().mean()) - ratio) > 0.1
+    got, state = choose_by_rank(scores[:, :prompt], real[:, :prompt], ratio, True)
+    parts = [got]
+    for t in range(prompt, length):  # decoding, one token at a time
+        got, state = choose_by_rank(
+            scores[:, t : t + 1], real[:, t : t + 1], ratio, True, state
+        )
+        parts.append(got)
+    kept = torch.cat(parts, 1)
+    assert torch.equal(kept, reference_rank(scores, real, ratio, True))
+    band = torch.tensor([reference_band(ratio, True, p) for p in range(1, length + 1)])
+    count = kept.long().cumsum(1)
+    assert bool(((band[:, 0] <= count) & (count <= band[:, 1])).all())
+    assert abs(float(kept[:, prompt:].float().mean()) - ratio) <= 0.02
+
+
+def test_clamped_counts_equal_a_loop_over_the_tokens():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        batch, q_len = 3, int(torch.randint(1, 70, (1,), generator=g))
+        steps = torch.randint(0, 2, (batch, q_len), generator=g)
+        low = torch.randint(0, 3, (batch, q_len), generator=g).cumsum(1)
+        high = low + torch.randint(0, 4, (batch, q_len), generator=g)
+        start = torch.randint(0, 5, (batch,), generator=g)
+        expected = torch.zeros_like(steps)
+        for b in range(batch):
+            c = int(start[b])
+            for q in range(q_len):
+                c = min(int(high[b, q]), max(int(low[b, q]), c + int(steps[b, q])))
+                expected[b, q] = c
+        assert torch.equal(clamped_counts(steps, low, high, start), expected)
 
 
 RUN_RATIOS = [0.1, 0.2, 0.33, 0.5, 0.71, 0.81, 0.9, 0.95]
@@ -268,8 +341,8 @@ def test_cached_decoding_equals_full_forward(arch, kv):
     for layer in routed_layers(model):
         if layer.retention_ratio < 1.0:
             store = cache.layers[layer.layer_index]
-            assert store.rank_scores.shape == (2, 16)
-            assert torch.equal(store.rank_count, real.sum(1))
+            assert store.rank_state.scores.shape == (2, 16)
+            assert torch.equal(store.rank_state.count, real.sum(1))
             if not kv:  # some tokens skipped: the routed cache holds fewer tokens
                 held = int(store.slot_valid(2, ids.device).sum())
                 assert 0 < held < int(real.sum())
@@ -318,7 +391,33 @@ def test_sub_block_routing_cached_decoding_equals_full_forward(target, kv):
     torch.testing.assert_close(chunked[real], full[real], atol=1e-4, rtol=0)
     for layer in routed_layers(model):
         if layer.retention_ratio < 1.0:
-            assert cache.layers[layer.layer_index].rank_scores.shape == (2, 13)
+            assert cache.layers[layer.layer_index].rank_state.scores.shape == (2, 13)
+
+
+def test_decoding_after_a_crop_decides_as_without_it():
+    """A cache cropped back (assisted decoding does it) forgets the cropped positions'
+    scores and recounts how many of the rest ran, so decoding on from it gives the
+    full forward's logits, and the state equals that of a cache never cropped."""
+    model = rank_model("llama", kv=True, ratios=[0.8, 0.3, 1.0, 0.4])
+    ids, mask = left_padded(2, 20)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                     use_cache=False).logits  # fmt: skip
+        _, cache = incremental_logits(model, ids, mask, prefill=6)
+        fresh = {i: cache.layers[i].rank_state for i in (0, 1, 3)}
+        cache.crop(12)
+        assert cache.layers[1].rank_state.kept is None
+        out = model(input_ids=ids[:, 12:], attention_mask=mask,
+                    position_ids=positions(mask)[:, 12:], past_key_values=cache,
+                    use_cache=True)  # fmt: skip
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real[:, 12:]], full[:, 12:][real[:, 12:]],
+                               atol=1e-4, rtol=0)  # fmt: skip
+    for i, before in fresh.items():
+        after = cache.layers[i].rank_state
+        assert torch.equal(after.count, before.count)
+        assert torch.equal(after.kept, before.kept)
+        assert torch.equal(after.scores.isnan(), before.scores.isnan())
 
 
 @pytest.mark.parametrize("kv", [False, True])

@@ -14,11 +14,15 @@
 - ``rank``: the ``p``-th real token of a row runs iff fewer than about ``r * p`` of
   the row's earlier real tokens score higher at this layer: it is in the top ``r`` of
   its row so far (:func:`~adadsf_modifier.routing.selection.choose_by_rank`; tied
-  scores are split so that about ``r`` of a repeated token's occurrences run too).
+  scores are split so that about ``r`` of a repeated token's occurrences run too),
+  unless the count of the row's tokens that ran the layer would leave a band of
+  :data:`~adadsf_modifier.routing.selection.RANK_SLACK` tokens around ``r * p``
+  (scores rise along a row, and without the band a continuation outran its share).
   No threshold: on text whose scores sit higher or lower than the calibration set's,
-  each layer still keeps about ``r`` of the tokens, where ``causal``'s fitted
-  thresholds drift. Causal as well (the row's past scores per layer are kept with the
-  KV cache), so prefill + incremental decoding equals one full forward. Opt-in.
+  each layer still keeps ``r`` of every row's tokens within the band, where
+  ``causal``'s fitted thresholds drift. Causal as well (the row's past scores and
+  count per layer are kept with the KV cache), so prefill + incremental decoding
+  equals one full forward. Opt-in.
 - ``auto`` (default): ``topk`` while training, ``causal`` in eval mode once a threshold
   has been calibrated (top-k before that).
 """

@@ -33,7 +33,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from adadsf_modifier.routing.selection import choose_by_rank
+from adadsf_modifier.routing.selection import (
+    RankState,
+    choose_by_rank,
+    replay_rank_kept,
+)
 
 __all__ = [
     "RankScoresMixin",
@@ -45,30 +49,30 @@ __all__ = [
 
 
 class RankScoresMixin:
-    """The router scores of every position a cache layer has seen, for rank routing.
-
-    ``rank_scores [batch, positions]`` (padding NaN, so it never counts) and
-    ``rank_count [batch]`` (real tokens among them); both ``None`` until rank routing
-    first runs on the cache.
+    """Rank routing's :class:`~adadsf_modifier.routing.selection.RankState` of every
+    position a cache layer has seen: the router scores, how many were real, how many
+    ran. ``None`` until rank routing first runs on the cache.
     """
 
     __slots__ = ()  # a dense layer's class is swapped in place: same layout
-    rank_scores: torch.Tensor | None = None
-    rank_count: torch.Tensor | None = None
+    rank_state: RankState | None = None
 
     def rank_length(self) -> int:
-        return 0 if self.rank_scores is None else int(self.rank_scores.shape[1])
+        return 0 if self.rank_state is None else int(self.rank_state.scores.shape[1])
 
     def rank_rows(self, fn) -> None:
-        """Apply a batch-dim operation (reorder, repeat, select) to the scores."""
-        if self.rank_scores is not None:
-            self.rank_scores = fn(self.rank_scores)
-            self.rank_count = fn(self.rank_count)
+        """Apply a batch-dim operation (reorder, repeat, select) to the state."""
+        state = self.rank_state
+        if state is not None:
+            kept = None if state.kept is None else fn(state.kept)
+            self.rank_state = RankState(fn(state.scores), fn(state.count), kept)
 
     def rank_crop(self, tokens_to_remove: int) -> None:
-        if self.rank_scores is not None and tokens_to_remove:
-            self.rank_scores = self.rank_scores[:, : -abs(tokens_to_remove)]
-            self.rank_count = (~self.rank_scores.isnan()).sum(1)
+        """Forget the last positions; how many of those left ran is recounted by the
+        next rank decision (:func:`rank_select`), which knows the layer's ratio."""
+        if self.rank_state is not None and tokens_to_remove:
+            scores = self.rank_state.scores[:, : -abs(tokens_to_remove)]
+            self.rank_state = RankState(scores, (~scores.isnan()).sum(1), None)
 
 
 class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
@@ -361,13 +365,12 @@ def _scored_class(base: type) -> type:
 
     def reset(self) -> None:
         base.reset(self)
-        self.rank_scores = self.rank_count = None
+        self.rank_state = None
 
     namespace = {
         name: value
         for name, value in vars(RankScoresMixin).items()
-        if name
-        in ("rank_scores", "rank_count", "rank_length", "rank_rows", "rank_crop")
+        if name in ("rank_state", "rank_length", "rank_rows", "rank_crop")
     }
     namespace.update(
         __slots__=(),
@@ -434,8 +437,8 @@ def rank_select(
             f"{store.rank_length()} (it was filled in another routing mode): start a "
             "new cache after switching to rank routing"
         )
-    selected, keys, count = choose_by_rank(
-        scores, real, ratio, keep_first, store.rank_scores, store.rank_count
-    )
-    store.rank_scores, store.rank_count = keys, count
+    state = store.rank_state
+    if state is not None and state.kept is None:  # cropped since the last decision
+        state = replay_rank_kept(state, ratio, keep_first)
+    selected, store.rank_state = choose_by_rank(scores, real, ratio, keep_first, state)
     return selected

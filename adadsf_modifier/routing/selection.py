@@ -42,6 +42,11 @@ __all__ = [
     "keep_counts",
     "positions_of",
     "rank_ahead",
+    "RANK_SLACK",
+    "RankState",
+    "rank_band",
+    "clamped_counts",
+    "replay_rank_kept",
     "RANK_TIE_STEP",
     "rank_quota",
     "rank_tie_ranks",
@@ -267,6 +272,77 @@ def rank_quota(
     return table
 
 
+#: How far a row's count of tokens that ran a layer may stray from ``ratio * p`` under
+#: rank routing (:func:`rank_band`), in tokens: room for the rank to choose which
+#: tokens run, small enough that a short decoding continuation cannot spend much more
+#: or less than its share.
+RANK_SLACK = 4
+
+
+@lru_cache(maxsize=256)
+def _band_table(
+    ratio: float, keep_first: bool, length: int, slack: int
+) -> tuple[tuple[int, int], ...]:
+    """``(low[p], high[p])`` for ``p = 0 .. length`` (see :func:`rank_band`)."""
+    band = []
+    for p in range(length + 1):
+        low = max(0, math.ceil(ratio * p - slack - _KEEP_EPS))
+        high = min(p, math.floor(ratio * p + slack + _KEEP_EPS))
+        if keep_first and p >= 1:
+            low, high = max(low, 1), max(high, 1)
+        band.append((low, high))
+    return tuple(band)
+
+
+_BAND_TENSORS: dict[tuple[float, bool, int, int, str], torch.Tensor] = {}
+
+
+def rank_band(
+    ratio: float, keep_first: bool, length: int, device: torch.device
+) -> torch.Tensor:
+    """``[L + 1, 2]`` int64, ``L >= length``: the fewest and the most of a row's first
+    ``p`` real tokens that may have run a layer under rank routing, ``ratio * p``
+    less and plus :data:`RANK_SLACK` (rounded inwards, within ``0 .. p``; the forced
+    first token always runs). Consecutive bounds move by at most one, so a token can
+    always keep its row inside. Integers from the host, as :func:`rank_quota`'s, so
+    every path reads the same table."""
+    size = _table_size(length)
+    key = (float(ratio), bool(keep_first), RANK_SLACK, size, str(device))
+    table = _BAND_TENSORS.get(key)
+    if table is None:
+        table = torch.tensor(
+            _band_table(float(ratio), bool(keep_first), size, RANK_SLACK),
+            dtype=torch.long,
+            device=device,
+        )
+        _BAND_TENSORS[key] = table
+    return table
+
+
+def clamped_counts(
+    steps: torch.Tensor, low: torch.Tensor, high: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """``[batch, Q]``: ``c_q = clamp(c_{q-1} + steps_q, low_q, high_q)`` from ``c_0 =
+    start [batch]``, every ``q`` at once. Each position's map ``c -> min(high,
+    max(low, c + step))`` is one of a family closed under composition (``g . f`` is
+    ``(clamp(low_f + step_g, low_g, high_g), clamp(high_f + step_g, low_g, high_g),
+    step_f + step_g)``), so an inclusive scan of the maps (``log2 Q`` rounds of a few
+    element-wise ops) gives every prefix's map, applied to ``start`` at the end: the
+    counts one token at a time would give, without a loop over the tokens."""
+    bounds = torch.stack([low, high])  # [2, batch, Q]
+    q_len, shift = steps.shape[1], 1
+    while shift < q_len:
+        later_low, later_high = low[:, shift:], high[:, shift:]
+        composed = (bounds[:, :, :-shift] + steps[:, shift:]).clamp(
+            later_low, later_high
+        )
+        bounds = torch.cat([bounds[:, :, :shift], composed], 2)
+        steps = torch.cat([steps[:, :shift], steps[:, :-shift] + steps[:, shift:]], 1)
+        low, high = bounds.unbind(0)
+        shift *= 2
+    return (start.unsqueeze(1) + steps).clamp(low, high)
+
+
 #: ``2^32`` over the golden ratio (Knuth's multiplicative hash): ``u_k = RANK_TIE_STEP
 #: * k mod 2^32``, over ``2^32``, is the Weyl sequence ``frac(0.618... * k)``, which
 #: spreads evenly over ``[0, 1)`` from its first terms on (:func:`rank_tie_ranks`).
@@ -305,7 +381,7 @@ def _tie_band(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def rank_ahead(
-    scores: torch.Tensor, real: torch.Tensor, past: torch.Tensor | None = None
+    new: torch.Tensor, past: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts [batch, Q, 2], keys [batch, S + Q])``: for each new token ``t``, how
     many earlier real tokens of its row score at least the floor of its tie band
@@ -314,15 +390,16 @@ def rank_ahead(
     so far. The second count is the tokens ahead of ``t``, the difference the ones tied
     with it (:func:`choose_by_rank` splits those).
 
-    ``scores [batch, Q]``: the new tokens' router scores; ``real [batch, Q]``;
-    ``past [batch, S]``: the scores of the row's earlier positions at this layer
-    (padding NaN). NaN compares false, so padding is never counted and a padding query
-    counts none. Comparisons only, so a prefill and a decoding step given the same
-    scores count the same; both edges in one comparison (a decoding step's ops are
-    those of one edge); a long prefill compares :data:`RANK_CHUNK_ELEMENTS` at a time.
+    ``new [batch, Q]``: the new tokens' router scores as the row keeps them (padding
+    NaN, a token that is no rival ``-inf``); ``past [batch, S]``: the same of the row's
+    earlier positions at this layer. NaN compares false and ``-inf`` is never at least
+    a finite edge, so neither is ever counted, and a padding query counts none.
+    Comparisons only, so a prefill and a decoding step given the same scores count the
+    same; both edges in one comparison (a decoding step's ops are those of one edge); a
+    long prefill compares :data:`RANK_CHUNK_ELEMENTS` at a time.
     """
-    batch, q_len = scores.shape
-    new = scores.masked_fill(~real, float("nan"))
+    batch, q_len = new.shape
+    scores = new
     if past is not None:
         past = past.to(new.dtype)
     keys = new if past is None else torch.cat([past, new], dim=1)
@@ -347,23 +424,51 @@ def rank_ahead(
     return torch.cat(counts, dim=1), keys
 
 
+class RankState(NamedTuple):
+    """What rank routing keeps of a row's past at one layer, with its KV cache.
+
+    ``scores [batch, positions]``: the router scores of the row's positions so far
+    (padding NaN, the forced first token ``-inf``: neither is any token's rival, and a
+    crop can still count the real ones); ``count [batch]``: the real tokens among them;
+    ``kept [batch]``: how many of those ran the layer (``None`` after a crop, until
+    :func:`replay_rank_kept` recounts it).
+    """
+
+    scores: torch.Tensor
+    count: torch.Tensor
+    kept: torch.Tensor | None
+
+
 def choose_by_rank(
     scores: torch.Tensor,
     real: torch.Tensor,
     ratio: float,
     keep_first: bool,
-    past: torch.Tensor | None = None,
-    past_count: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank routing: ``(selected [batch, Q], keys, count)``. The ``p``-th real token
-    of a row runs iff ``ahead + ranks[tied] < quota[p]`` (:func:`rank_quota`, about
-    ``ratio * p``): ``ahead`` and ``tied`` count the earlier real tokens of the row (the
-    forced first one aside) that score above the new token's tie band and within it
-    (:func:`rank_ahead`), and ``ranks[k]`` (:func:`rank_tie_ranks`) is how many of ``k``
-    tied rivals it counts as ahead, ``floor(u_k (k + 1))`` for a fraction ``u_k`` of
-    ``[0, 1)``. Untied (``tied = 0``) that is ``ahead < quota[p]``: the token is in the
-    top ``ratio`` of its row so far. No threshold, so a shift of every score (text
-    unlike the calibration set) leaves the kept share where it was.
+    past: RankState | None = None,
+) -> tuple[torch.Tensor, RankState]:
+    """Rank routing: ``(selected [batch, Q], state)``. The ``p``-th real token of a
+    row is a candidate iff ``ahead + ranks[tied] < quota[p]`` (:func:`rank_quota`,
+    about ``ratio * p``): ``ahead`` and ``tied`` count the earlier real tokens of the
+    row (the forced first one aside) that score above the new token's tie band and
+    within it (:func:`rank_ahead`), and ``ranks[k]`` (:func:`rank_tie_ranks`) is how
+    many of ``k`` tied rivals it counts as ahead, ``floor(u_k (k + 1))`` for a fraction
+    ``u_k`` of ``[0, 1)``. Untied (``tied = 0``) that is ``ahead < quota[p]``: the
+    token is in the top ``ratio`` of its row so far. A candidate runs, and any other
+    token skips, unless that would take the count of the row's tokens that ran out of
+    its band (:func:`rank_band`: ``ratio * p`` within :data:`RANK_SLACK` tokens, for
+    every prefix ``p``): at the band's top a candidate skips, at its bottom a token
+    runs. No threshold, so a shift of every score (text unlike the calibration set)
+    leaves the kept share where it was.
+
+    Why the band: the rank alone holds the share only if scores arrive in random order
+    along the row. They do not: later tokens score higher at most layers (more
+    context; ``lab/NOTEBOOK.md`` §18), so a new token outranks most early ones, and a
+    decoding continuation kept up to 0.07 more than the ratio (§26). A ceiling alone
+    holds that, but cuts off only the count's upward wanderings, so rows then kept
+    less than the ratio (down to -0.045 over a continuation, §27). Inside the band the
+    rank alone decides. A prefill takes the counts from :func:`clamped_counts`, a
+    decoding step from the row's kept count; both give the decisions of one token at
+    a time.
 
     Why ties are split so: identical hidden states score identically (a repeated
     token, a degenerate stream), and ties that went to the earlier token put every new
@@ -383,24 +488,47 @@ def choose_by_rank(
     a decoding step adds a subtraction, a lookup and an addition, padding moves no
     decision, and prefill, chunked prefill and decoding decide alike.
 
-    ``past`` / ``past_count [batch]``: the row's earlier scores at this layer (padding
-    NaN) and how many were real; ``keys`` / ``count`` are the same after these tokens,
-    for the cache to keep.
+    ``past``: the row's :class:`RankState` before these tokens (``None``: none);
+    ``state``: the same after them, for the cache to keep.
     """
     seen = real.long()
     if seen.shape[1] > 1:  # a decoding step's one column is its own sum
         seen = seen.cumsum(1)
     count = seen[:, -1]
-    if past_count is not None:
-        seen = seen + past_count.unsqueeze(1)
-        count = count + past_count
-    # the forced first token is no rival (:func:`rank_quota`): stored as padding is
-    rivals = real & (seen != 1) if keep_first else real
-    counts, keys = rank_ahead(scores, rivals, past)
+    if past is not None:
+        seen = seen + past.count.unsqueeze(1)
+        count = count + past.count
+    new = scores.masked_fill(~real, float("nan"))
+    if keep_first:  # the forced first token is no rival (:func:`rank_quota`)
+        new = new.masked_fill(seen == 1, float("-inf"))
+    counts, keys = rank_ahead(new, None if past is None else past.scores)
     at_floor, ahead = counts.unbind(-1)
     ahead = ahead + rank_tie_ranks(keys.shape[1], scores.device)[at_floor - ahead]
     quota = rank_quota(ratio, keep_first, keys.shape[1], scores.device)[seen]
-    return real & (ahead < quota), keys, count
+    candidate = real & (ahead < quota)
+    low, high = rank_band(ratio, keep_first, keys.shape[1], scores.device)[seen].unbind(
+        -1
+    )
+    kept_before = (
+        torch.zeros_like(count) if past is None or past.kept is None else past.kept
+    )
+    if candidate.shape[1] == 1:  # a decoding step: run iff it must, or may and ranks
+        before = kept_before.unsqueeze(1)
+        selected = real & (candidate | (before < low)) & (before < high)
+        return selected, RankState(keys, count, kept_before + selected[:, 0])
+    kept = clamped_counts(candidate.long(), low, high, kept_before)
+    selected = kept > torch.cat([kept_before.unsqueeze(1), kept[:, :-1]], 1)
+    return selected, RankState(keys, count, kept[:, -1])
+
+
+def replay_rank_kept(state: RankState, ratio: float, keep_first: bool) -> RankState:
+    """``state`` with ``kept`` recounted from its scores (after a crop): the stored
+    scores decide again exactly as they did token by token (:func:`choose_by_rank`
+    compares scores only), the forced first token (``-inf``) running again."""
+    real = ~state.scores.isnan()
+    scores = state.scores.masked_fill(state.scores == float("-inf"), 0.0)
+    _, replayed = choose_by_rank(scores, real, ratio, keep_first)
+    return RankState(state.scores, state.count, replayed.kept)
 
 
 #: Absorbs float error in ``ratio * n`` (0.29 * 100 = 28.999999999999996 must keep 29).
