@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import math
 import random
 import shutil
 import statistics
@@ -103,3 +104,21 @@ def thresholds_at(model: torch.nn.Module, value: float | None) -> Iterator[None]
     finally:
         for layer, threshold in zip(layers, saved):
             layer.causal_threshold = threshold
+
+
+def row_perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> float:
+    """Teacher-forced perplexity over every predicted token of ``rows [n, seq]``, in
+    forwards of ``batch`` rows (each row a sequence of its own, no cache)."""
+    nll, count = 0.0, 0
+    for start in range(0, rows.shape[0], batch):
+        ids = rows[start : start + batch]
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        nll += float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                ids[:, 1:].reshape(-1),
+                reduction="sum",
+            )
+        )
+        count += ids[:, 1:].numel()
+    return math.exp(nll / count)

@@ -25,11 +25,11 @@ differ only in which tokens run. Float32, perplexity over every predicted token.
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
+from _common import row_perplexity
 from loguru import logger
 
 import adadsf_modifier
@@ -81,22 +81,6 @@ def every_token_runs(model: torch.nn.Module, enabled: bool):
 
 
 @torch.inference_mode()
-def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> float:
-    nll, count = 0.0, 0
-    for start in range(0, rows.shape[0], batch):
-        ids = rows[start : start + batch]
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll += float(
-            torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                ids[:, 1:].reshape(-1),
-                reduction="sum",
-            )
-        )
-        count += ids[:, 1:].numel()
-    return math.exp(nll / count)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a routed checkpoint folder")
@@ -134,7 +118,7 @@ def main() -> None:
             scores_as(model, None if dense else transform),
             every_token_runs(model, dense),
         ):
-            results[name] = perplexity(model, rows, args.batch)
+            results[name] = row_perplexity(model, rows, args.batch)
         logger.info(f"{name}: PPL {results[name]:.2f}")
     print(f"{args.rows} rows of {args.seq_len} test-prose tokens, batches of "
           f"{args.batch}, float32")  # fmt: skip

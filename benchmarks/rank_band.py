@@ -1,0 +1,151 @@
+"""How wide should rank routing's band be? Budget per text and perplexity per slack.
+
+Rank routing (``routing/selection.py`` ``choose_by_rank``) runs a token that ranks in
+the top ``r`` of its row so far, unless the row's count of tokens that ran the layer
+would leave ``r * p`` +- ``RANK_SLACK`` tokens. A narrow band holds the budget on
+short continuations; a wide one leaves the router more of the choice. For each
+``--slacks`` value (``none``: no band, the rank alone) this measures, on one routed
+checkpoint in float32:
+
+- the kept share on every offline text, prefill and decoding, in rank mode (the
+  study's check, ``adadsf_lab.study.measure.measure_budget_per_text``, at the study's
+  sizes for ``--seq-len 512``);
+- teacher-forced perplexity on ``--rows`` rows of ``--ppl-len`` test-prose tokens, and
+  the kept share on those rows.
+
+A narrower band keeps fewer tokens than the rank alone where scores rise along the
+row, and fewer tokens cost perplexity by themselves, so ``--offsets`` also runs the
+rank alone with every routed layer's ratio lowered by each offset: perplexity against
+kept share without the band, the line to read the banded rows against.
+
+    python benchmarks/rank_band.py /tmp/rank_ckpt --slacks none 1 2 4 6 8 \
+        --offsets 0.01 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import contextmanager
+
+import torch
+from _common import row_perplexity
+from loguru import logger
+
+import adadsf_modifier
+from adadsf_lab.study.measure import TokenStreams, budget_sizes, measure_budget_per_text
+from adadsf_modifier.evaluation.budget import KeptShare
+from adadsf_modifier.flops import stream_flops
+from adadsf_modifier.routing import routed_layers, selection, set_routing_mode
+
+NO_BAND = 1 << 30  # a slack no row reaches: the rank alone decides
+
+
+@contextmanager
+def band_slack(slack: int):
+    """Rank routing's band at ``slack`` tokens for the length of the block (the
+    plug-in's constant, set and restored; its tables rebuilt)."""
+    before = selection.RANK_SLACK
+    selection.RANK_SLACK = slack
+    selection._BAND_TENSORS.clear()
+    try:
+        yield
+    finally:
+        selection.RANK_SLACK = before
+        selection._BAND_TENSORS.clear()
+
+
+@contextmanager
+def ratios_lowered(model: torch.nn.Module, offset: float):
+    """Every partly routed layer's retention ratio lowered by ``offset``."""
+    layers = [m for m in routed_layers(model) if 0 < m.retention_ratio < 1]
+    before = [m.retention_ratio for m in layers]
+    for m in layers:
+        m.retention_ratio -= offset
+    try:
+        yield
+    finally:
+        for m, r in zip(layers, before):
+            m.retention_ratio = r
+
+
+def measure(model, streams, rows, args) -> dict:
+    got = measure_budget_per_text(
+        model, streams, args.batch, budget_sizes(args.seq_len), ("rank",)
+    )
+    ppl = row_perplexity(model, rows, args.batch)
+    share = KeptShare(model)
+    share.add(stream_flops(model, rows.reshape(-1), args.ppl_len, args.batch))
+    texts = {name: modes["rank"] for name, modes in got["texts"].items()}
+    gap = max(
+        abs(r[k] - r["target"])
+        for r in texts.values()
+        for k in ("prefill_kept", "decode_kept")
+    )
+    return {
+        "ppl": ppl,
+        "ppl_rows_kept": share.fraction,
+        "largest_gap": gap,
+        "texts": texts,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a routed checkpoint folder")
+    parser.add_argument("--slacks", nargs="+", default=["none", "2", "4", "8"])
+    parser.add_argument("--offsets", nargs="*", type=float, default=[0.01, 0.02])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--ppl-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    model = adadsf_modifier.from_pretrained(args.checkpoint, dtype=torch.float32)
+    model.eval()
+    set_routing_mode(model, "rank")
+    streams = TokenStreams(tokenizer)
+    n = args.rows * args.ppl_len
+    rows = streams.text("test (prose)", n)[:n].view(args.rows, args.ppl_len)
+    variants = [(s, 0.0) for s in args.slacks] + [("none", o) for o in args.offsets]
+    results = {}
+    with torch.inference_mode():
+        for slack, offset in variants:
+            name = f"slack {slack}" + (f", ratios -{offset}" if offset else "")
+            with (
+                band_slack(NO_BAND if slack == "none" else int(slack)),
+                ratios_lowered(model, offset),
+            ):
+                results[name] = measure(model, streams, rows, args)
+            logger.info(f"{name}: {results[name]}")
+    first = next(iter(results.values()))
+    texts = list(first["texts"])
+    target = first["texts"][texts[0]]["target"]
+    print(
+        f"rank routing, float32; PPL on {args.rows} x {args.ppl_len} test-prose "
+        f"tokens; kept share prefill / decode per text (target {target:.3f})"
+    )
+    head = f"{'variant':<24} {'PPL':>7} {'kept':>6} {'gap':>6}"
+    print(head + "".join(f"  {t:>20}" for t in texts))
+    for name, r in results.items():
+        cells = "".join(
+            f"  {r['texts'][t]['prefill_kept']:>11.3f} / "
+            f"{r['texts'][t]['decode_kept']:.3f}"
+            for t in texts
+        )
+        row = f"{r['ppl']:>7.2f} {r['ppl_rows_kept']:>6.3f} {r['largest_gap']:>6.3f}"
+        print(f"{name:<24} {row}{cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
