@@ -259,6 +259,31 @@ def test_the_band_holds_the_ratio_where_scores_drift_along_the_row(trend):
     assert abs(float(kept[:, prompt:].float().mean()) - ratio) <= 0.02
 
 
+@pytest.mark.parametrize("past_len", [0, 37, 130])
+def test_counts_of_earlier_rivals_equal_comparing_every_pair(monkeypatch, past_len):
+    """The blocked count (binary search in whole earlier blocks, pairs in the own
+    block) gives every pair's comparison's integers: ties, NaN padding, the ``-inf``
+    first token, rows longer than a block and not a multiple of it, a cached past, and
+    queries taken a chunk at a time."""
+    g = torch.Generator().manual_seed(past_len)
+    batch, width = 3, 300
+    keys = torch.randint(-6, 7, (batch, width), generator=g).float() * 0.25
+    keys[0, :20] = float("nan")  # left padding
+    keys[1, 150:160] = float("nan")  # padding inside the row
+    keys[0, 20] = keys[1, 0] = keys[2, 0] = float("-inf")  # forced first tokens
+    band = torch.tensor([-1e-3, 1e-3])
+    edges = keys.unsqueeze(-1) + keys.abs().clamp(min=1.0).unsqueeze(-1) * band
+    pos = torch.arange(width)
+    pairs = (keys[:, None, :, None] >= edges[:, :, None, :]) & (
+        pos[None, :] < pos[:, None]
+    )[None, :, :, None]
+    expected = pairs.sum(2).masked_fill(edges.isnan() | (edges == -math.inf), 0)
+    for chunk in (1 << 24, 700):
+        monkeypatch.setattr(selection, "RANK_CHUNK_ELEMENTS", chunk)
+        got = selection._count_earlier(keys, edges[:, past_len:], past_len)
+        assert torch.equal(got, expected[:, past_len:]), chunk
+
+
 def test_clamped_counts_equal_a_loop_over_the_tokens():
     g = torch.Generator().manual_seed(0)
     for _ in range(50):

@@ -187,10 +187,15 @@ def decode_choice_of(selected: torch.Tensor, real: torch.Tensor | None) -> Decod
 
 # -- rank routing ----------------------------------------------------------------------
 
-#: Largest ``[batch, queries, keys, 2]`` comparison (a tie band's two edges)
-#: :func:`rank_ahead` builds at once (bool elements); longer prefills compare a chunk of
-#: queries at a time.
+#: Most elements of per-query work (searches and comparisons, a tie band's two edges)
+#: :func:`rank_ahead` builds at once; longer prefills count a chunk of queries at a
+#: time.
 RANK_CHUNK_ELEMENTS = 1 << 24
+
+#: Positions per block when a prefill counts each token's earlier rivals
+#: (:func:`_count_earlier`): the keys of whole earlier blocks are counted by binary
+#: search, those of the token's own block one by one.
+RANK_BLOCK = 64
 
 
 def rank_tie_tolerance(dtype: torch.dtype) -> float:
@@ -411,17 +416,52 @@ def rank_ahead(
     if q_len == 1:  # a decoding step: the new token against the row's past
         earlier = keys[:, :0] if past is None else past
         return (earlier.unsqueeze(-1) >= edges).sum(1, keepdim=True), keys
-    step = max(1, RANK_CHUNK_ELEMENTS // max(1, 2 * batch * keys.shape[1]))
+    return _count_earlier(keys, edges, start), keys
+
+
+def _count_earlier(keys: torch.Tensor, edges: torch.Tensor, start: int) -> torch.Tensor:
+    """``[batch, Q, 2]``: for the queries at positions ``start .. start + Q - 1`` of
+    rows ``keys [batch, W]``, how many strictly earlier keys are at least each of their
+    ``edges [batch, Q, 2]``, in ``O(W log W + W * RANK_BLOCK)`` work rather than all
+    ``W^2 / 2`` pairs: the keys are cut into blocks of :data:`RANK_BLOCK` positions and
+    each block sorted once; a query counts the blocks wholly before its own by a binary
+    search in each, and its own block's earlier keys one by one. The same integers as
+    comparing every pair (NaN keys are never counted, as no comparison with them holds;
+    a query whose edge is NaN or ``-inf``, padding or the forced first token, has no
+    earlier real key and counts none). A long prefill takes :data:`RANK_CHUNK_ELEMENTS`
+    elements of queries at a time."""
+    batch, width = keys.shape
+    q_len = edges.shape[1]
+    size = RANK_BLOCK
+    n_blocks = -(-width // size)
+    device = keys.device
+    blocks = keys.new_full((batch, n_blocks * size), -math.inf)  # NaN, padding: -inf
+    blocks[:, :width] = keys.nan_to_num(
+        nan=-math.inf, posinf=math.inf, neginf=-math.inf
+    )
+    blocks = blocks.view(batch, n_blocks, size)
+    ordered = blocks.sort(-1).values
+    inside = torch.arange(size, device=device)
+    step = max(1, RANK_CHUNK_ELEMENTS // max(1, 2 * batch * (n_blocks + size)))
     counts = []
     for q0 in range(0, q_len, step):
         q1 = min(q_len, q0 + step)
-        width = start + q1
-        above = keys[:, None, :width, None] >= edges[:, q0:q1, None, :]
-        pos = torch.arange(width, device=scores.device)
-        query = torch.arange(start + q0, start + q1, device=scores.device)
-        above &= (pos[None, :] < query[:, None])[:, :, None]  # strictly earlier
-        counts.append(above.sum(2))
-    return torch.cat(counts, dim=1), keys
+        e = edges[:, q0:q1]  # [batch, c, 2]
+        pos = torch.arange(start + q0, start + q1, device=device)
+        own = torch.div(pos, size, rounding_mode="floor")  # each query's block
+        # the blocks wholly before the query's: keys >= edge, by binary search
+        wanted = e.reshape(batch, 1, -1).expand(batch, n_blocks, e.shape[1] * 2)
+        below = torch.searchsorted(ordered, wanted.contiguous())
+        at_least = (size - below).view(batch, n_blocks, -1, 2)
+        before = torch.arange(n_blocks, device=device)[:, None] < own[None, :]
+        full = (at_least * before[None, :, :, None]).sum(1)
+        # the query's own block: its strictly earlier keys, one by one
+        mine = blocks[:, own]  # [batch, c, size]
+        earlier = (own[:, None] * size + inside[None, :]) < pos[:, None]
+        above = (mine[..., None] >= e[:, :, None, :]) & earlier[None, :, :, None]
+        counts.append(full + above.sum(2))
+    counts = torch.cat(counts, dim=1)
+    return counts.masked_fill(edges.isnan() | (edges == -math.inf), 0)
 
 
 class RankState(NamedTuple):
@@ -512,10 +552,10 @@ def choose_by_rank(
     kept_before = (
         torch.zeros_like(count) if past is None or past.kept is None else past.kept
     )
-    if candidate.shape[1] == 1:  # a decoding step: run iff it must, or may and ranks
+    if candidate.shape[1] == 1:  # a decoding step: one clamp of the row's count
         before = kept_before.unsqueeze(1)
-        selected = real & (candidate | (before < low)) & (before < high)
-        return selected, RankState(keys, count, kept_before + selected[:, 0])
+        kept = (before + candidate).clamp_(low, high)
+        return kept > before, RankState(keys, count, kept[:, 0])
     kept = clamped_counts(candidate.long(), low, high, kept_before)
     selected = kept > torch.cat([kept_before.unsqueeze(1), kept[:, :-1]], 1)
     return selected, RankState(keys, count, kept[:, -1])
