@@ -106,6 +106,7 @@ def thresholds_at(model: torch.nn.Module, value: float | None) -> Iterator[None]
             layer.causal_threshold = threshold
 
 
+@torch.inference_mode()
 def row_perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> float:
     """Teacher-forced perplexity over every predicted token of ``rows [n, seq]``, in
     forwards of ``batch`` rows (each row a sequence of its own, no cache)."""

@@ -80,7 +80,6 @@ def every_token_runs(model: torch.nn.Module, enabled: bool):
             layer.retention_ratio = ratio
 
 
-@torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a routed checkpoint folder")

@@ -113,7 +113,13 @@ def main() -> None:
     set_routing_mode(model, "rank")
     streams = TokenStreams(tokenizer)
     n = args.rows * args.ppl_len
-    rows = streams.text("test (prose)", n)[:n].view(args.rows, args.ppl_len)
+    stream = streams.text("test (prose)", n)
+    if stream.numel() < n:
+        parser.error(f"test prose has {stream.numel()} tokens, --rows x --ppl-len {n}")
+    rows = stream[:n].view(args.rows, args.ppl_len)
+    lowest = min(m.retention_ratio for m in routed_layers(model) if m.retention_ratio)
+    if any(o >= lowest for o in args.offsets):
+        parser.error(f"every offset must be below the lowest routed ratio {lowest}")
     variants = [(s, 0.0) for s in args.slacks] + [("none", o) for o in args.offsets]
     results = {}
     with torch.inference_mode():

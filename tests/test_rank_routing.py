@@ -122,6 +122,7 @@ def random_rows(seed, batch=3, seq=40):
     scores += (torch.rand(batch, seq, generator=g) < 0.2) * 1e-6
     real = torch.ones(batch, seq, dtype=torch.bool)
     real[1, :7] = False  # left padding
+    real[0, 1:4] = False  # padding right after the first real token
     real[2, -5:] = False  # right padding
     real[2, 10:12] = False  # padding inside a row (a packed batch)
     return scores, real
@@ -151,24 +152,28 @@ def test_quota_table_tracks_the_ratio_and_pays_back_the_first_token():
     assert half[1] == 1 and half[2] == 0  # the forced sink is paid back at once
 
 
-def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(monkeypatch):
+@pytest.mark.parametrize("keep_first", [True, False])
+def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(
+    monkeypatch, keep_first
+):
     """The past carried as stored scores gives the decisions of the whole row, and a
     prefill chunked over queries gives those of one comparison."""
     monkeypatch.setattr(selection, "RANK_CHUNK_ELEMENTS", 50)
     scores, real = random_rows(5, seq=30)
-    whole = reference_rank(scores, real, 0.6, True)
-    chunked, _ = choose_by_rank(scores, real, 0.6, True)
+    whole = reference_rank(scores, real, 0.6, keep_first)
+    chunked, _ = choose_by_rank(scores, real, 0.6, keep_first)
     assert torch.equal(chunked, whole)
-    got, past = choose_by_rank(scores[:, :9], real[:, :9], 0.6, True)
+    got, past = choose_by_rank(scores[:, :9], real[:, :9], 0.6, keep_first)
     parts = [got]
     for t in range(9, 30):
         got, past = choose_by_rank(
-            scores[:, t : t + 1], real[:, t : t + 1], 0.6, True, past
+            scores[:, t : t + 1], real[:, t : t + 1], 0.6, keep_first, past
         )
         parts.append(got)
     assert torch.equal(torch.cat(parts, 1), whole)
     assert past.scores.shape == (3, 30) and bool(past.scores[~real].isnan().all())
     assert torch.equal(past.kept, whole.sum(1))
+    assert torch.equal(past.count, real.sum(1))
 
 
 def test_ties_within_the_tolerance_are_split_by_how_many_twins_came_before():
@@ -425,12 +430,13 @@ def test_decoding_after_a_crop_decides_as_without_it():
     full forward's logits, and the state equals that of a cache never cropped."""
     model = rank_model("llama", kv=True, ratios=[0.8, 0.3, 1.0, 0.4])
     ids, mask = left_padded(2, 20)
+    mask[0, 1:4] = 0  # padding right after a row's first real token
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                      use_cache=False).logits  # fmt: skip
         _, cache = incremental_logits(model, ids, mask, prefill=6)
         fresh = {i: cache.layers[i].rank_state for i in (0, 1, 3)}
-        cache.crop(12)
+        cache.crop(-8)  # the last 8 of 20 positions
         assert cache.layers[1].rank_state.kept is None
         out = model(input_ids=ids[:, 12:], attention_mask=mask,
                     position_ids=positions(mask)[:, 12:], past_key_values=cache,
@@ -443,6 +449,20 @@ def test_decoding_after_a_crop_decides_as_without_it():
         assert torch.equal(after.count, before.count)
         assert torch.equal(after.kept, before.kept)
         assert torch.equal(after.scores.isnan(), before.scores.isnan())
+
+
+def test_a_cache_cropped_to_nothing_starts_over():
+    model = rank_model("llama", kv=True)
+    ids, mask = left_padded(2, 12)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                     use_cache=False).logits  # fmt: skip
+        _, cache = incremental_logits(model, ids[:, :5], mask[:, :5], prefill=3)
+        cache.crop(-5)  # every position
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], full[real], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kv", [False, True])

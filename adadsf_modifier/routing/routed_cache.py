@@ -33,11 +33,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from adadsf_modifier.routing.selection import (
-    RankState,
-    choose_by_rank,
-    replay_rank_kept,
-)
+from adadsf_modifier.routing.selection import RankState, choose_by_rank
 
 __all__ = [
     "RankScoresMixin",
@@ -69,10 +65,13 @@ class RankScoresMixin:
 
     def rank_crop(self, tokens_to_remove: int) -> None:
         """Forget the last positions; how many of those left ran is recounted by the
-        next rank decision (:func:`rank_select`), which knows the layer's ratio."""
+        next rank decision (:func:`~adadsf_modifier.routing.selection.choose_by_rank`),
+        which knows the layer's ratio."""
         if self.rank_state is not None and tokens_to_remove:
             scores = self.rank_state.scores[:, : -abs(tokens_to_remove)]
             self.rank_state = RankState(scores, (~scores.isnan()).sum(1), None)
+            if scores.shape[1] == 0:  # nothing left: as if rank routing never ran
+                self.rank_state = None
 
 
 class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
@@ -437,8 +436,7 @@ def rank_select(
             f"{store.rank_length()} (it was filled in another routing mode): start a "
             "new cache after switching to rank routing"
         )
-    state = store.rank_state
-    if state is not None and state.kept is None:  # cropped since the last decision
-        state = replay_rank_kept(state, ratio, keep_first)
-    selected, store.rank_state = choose_by_rank(scores, real, ratio, keep_first, state)
+    selected, store.rank_state = choose_by_rank(
+        scores, real, ratio, keep_first, store.rank_state
+    )
     return selected

@@ -422,9 +422,10 @@ def rank_ahead(
 def _count_earlier(keys: torch.Tensor, edges: torch.Tensor, start: int) -> torch.Tensor:
     """``[batch, Q, 2]``: for the queries at positions ``start .. start + Q - 1`` of
     rows ``keys [batch, W]``, how many strictly earlier keys are at least each of their
-    ``edges [batch, Q, 2]``, in ``O(W log W + W * RANK_BLOCK)`` work rather than all
-    ``W^2 / 2`` pairs: the keys are cut into blocks of :data:`RANK_BLOCK` positions and
-    each block sorted once; a query counts the blocks wholly before its own by a binary
+    ``edges [batch, Q, 2]``, in about ``W^2 / RANK_BLOCK`` binary searches of
+    ``log2 RANK_BLOCK`` steps plus ``W * RANK_BLOCK`` comparisons, rather than ``W^2``
+    comparisons: the keys are cut into blocks of :data:`RANK_BLOCK` positions and each
+    block sorted once; a query counts the blocks wholly before its own by a binary
     search in each, and its own block's earlier keys one by one. The same integers as
     comparing every pair (NaN keys are never counted, as no comparison with them holds;
     a query whose edge is NaN or ``-inf``, padding or the forced first token, has no
@@ -442,24 +443,31 @@ def _count_earlier(keys: torch.Tensor, edges: torch.Tensor, start: int) -> torch
     blocks = blocks.view(batch, n_blocks, size)
     ordered = blocks.sort(-1).values
     inside = torch.arange(size, device=device)
-    step = max(1, RANK_CHUNK_ELEMENTS // max(1, 2 * batch * (n_blocks + size)))
+    # int32 searches and a float copy of the edges per block: 4-byte elements
+    step = max(1, RANK_CHUNK_ELEMENTS // max(1, 8 * batch * (n_blocks + size)))
     counts = []
     for q0 in range(0, q_len, step):
         q1 = min(q_len, q0 + step)
         e = edges[:, q0:q1]  # [batch, c, 2]
         pos = torch.arange(start + q0, start + q1, device=device)
         own = torch.div(pos, size, rounding_mode="floor")  # each query's block
-        # the blocks wholly before the query's: keys >= edge, by binary search
-        wanted = e.reshape(batch, 1, -1).expand(batch, n_blocks, e.shape[1] * 2)
-        below = torch.searchsorted(ordered, wanted.contiguous())
-        at_least = (size - below).view(batch, n_blocks, -1, 2)
-        before = torch.arange(n_blocks, device=device)[:, None] < own[None, :]
-        full = (at_least * before[None, :, :, None]).sum(1)
         # the query's own block: its strictly earlier keys, one by one
         mine = blocks[:, own]  # [batch, c, size]
         earlier = (own[:, None] * size + inside[None, :]) < pos[:, None]
         above = (mine[..., None] >= e[:, :, None, :]) & earlier[None, :, :, None]
-        counts.append(full + above.sum(2))
+        found = above.sum(2)
+        # the blocks wholly before the query's own (at most those before the last
+        # query's, known on the host): keys >= edge, by binary search
+        searched = (start + q1 - 1) // size
+        if searched:
+            wanted = e.reshape(batch, 1, -1).expand(batch, searched, e.shape[1] * 2)
+            below = torch.searchsorted(
+                ordered[:, :searched], wanted.contiguous(), out_int32=True
+            ).view(batch, searched, -1, 2)
+            before = torch.arange(searched, device=device)[:, None] < own[None, :]
+            below.masked_fill_(~before[None, :, :, None], size)  # counts none
+            found += (size - below).sum(1)
+        counts.append(found)
     counts = torch.cat(counts, dim=1)
     return counts.masked_fill(edges.isnan() | (edges == -math.inf), 0)
 
@@ -531,6 +539,8 @@ def choose_by_rank(
     ``past``: the row's :class:`RankState` before these tokens (``None``: none);
     ``state``: the same after them, for the cache to keep.
     """
+    if past is not None and past.kept is None:  # cropped since the last decision
+        past = replay_rank_kept(past, ratio, keep_first)
     seen = real.long()
     if seen.shape[1] > 1:  # a decoding step's one column is its own sum
         seen = seen.cumsum(1)
@@ -538,9 +548,10 @@ def choose_by_rank(
     if past is not None:
         seen = seen + past.count.unsqueeze(1)
         count = count + past.count
-    new = scores.masked_fill(~real, float("nan"))
+    new = scores
     if keep_first:  # the forced first token is no rival (:func:`rank_quota`)
         new = new.masked_fill(seen == 1, float("-inf"))
+    new = new.masked_fill(~real, float("nan"))  # padding after it included
     counts, keys = rank_ahead(new, None if past is None else past.scores)
     at_floor, ahead = counts.unbind(-1)
     ahead = ahead + rank_tie_ranks(keys.shape[1], scores.device)[at_floor - ahead]
@@ -549,9 +560,7 @@ def choose_by_rank(
     low, high = rank_band(ratio, keep_first, keys.shape[1], scores.device)[seen].unbind(
         -1
     )
-    kept_before = (
-        torch.zeros_like(count) if past is None or past.kept is None else past.kept
-    )
+    kept_before = torch.zeros_like(count) if past is None else past.kept
     if candidate.shape[1] == 1:  # a decoding step: one clamp of the row's count
         before = kept_before.unsqueeze(1)
         kept = (before + candidate).clamp_(low, high)
@@ -565,9 +574,9 @@ def replay_rank_kept(state: RankState, ratio: float, keep_first: bool) -> RankSt
     """``state`` with ``kept`` recounted from its scores (after a crop): the stored
     scores decide again exactly as they did token by token (:func:`choose_by_rank`
     compares scores only), the forced first token (``-inf``) running again."""
-    real = ~state.scores.isnan()
-    scores = state.scores.masked_fill(state.scores == float("-inf"), 0.0)
-    _, replayed = choose_by_rank(scores, real, ratio, keep_first)
+    if state.scores.shape[1] == 0:
+        return RankState(state.scores, state.count, torch.zeros_like(state.count))
+    _, replayed = choose_by_rank(state.scores, ~state.scores.isnan(), ratio, keep_first)
     return RankState(state.scores, state.count, replayed.kept)
 
 
