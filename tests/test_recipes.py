@@ -67,3 +67,25 @@ def test_the_variant_recipe_builds_fitted_skip_paths_and_keeps_keys_values(tmp_p
     for layer in layers:
         assert skip_path_of(layer) is not None and layer.skipped_tokens_kv
         assert layer.causal_threshold is not None
+
+
+def test_the_layer_removal_recipe_removes_whole_layers_and_heals(tmp_path):
+    path = save_tiny_model("llama", str(tmp_path / "llama"), num_layers=5)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    data = yaml.safe_load((RECIPES / "layer_removal.yaml").read_text())
+    block = data["sparsity_stage"]["sparsity_modifiers"]["AdaDSFModifier"]
+    block["align_steps"] = 2  # CPU time only
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = oneshot(
+        model=model,
+        dataset=token_dataset(8, 16),
+        recipe=yaml.safe_dump(data),
+        num_calibration_samples=8,
+        max_seq_length=16,
+    )
+    ratios = [layer.retention_ratio for layer in routed_layers(model)]
+    assert len(ratios) == 4  # layer 0 stays
+    assert sorted(ratios) == [0.0, 1.0, 1.0, 1.0]  # floor(0.83 x 4) = 3 kept whole
+    healed = [n for n, p in model.named_parameters() if n in before and not
+              torch.equal(p, before[n])]  # fmt: skip
+    assert any(".mlp." in n for n in healed)  # the kept layers' weights trained

@@ -43,3 +43,32 @@ def test_the_shipped_recipe_is_the_variant_the_study_runs():
     for field, value in measured.items():
         if field not in block and field in defaults and field != "seed":
             assert defaults[field] == value, field
+
+
+def test_the_layer_removal_recipe_is_the_study_s_healed_layer_removal():
+    """``recipes/layer_removal.yaml`` trains as the study's "layer removal + healing"
+    arm (its rates fixed by ``tune_rates``), field for field; its retention is its own
+    (the study matches that arm's FLOPs to the shipped variant's, the recipe states a
+    ratio that keeps as many whole layers on SmolLM2)."""
+    from dataclasses import replace
+
+    from adadsf_lab.study.plan import fixed_rates
+
+    s = _study_settings()
+    data = yaml.safe_load((ROOT / "recipes" / "layer_removal.yaml").read_text())
+    block = data["sparsity_stage"]["sparsity_modifiers"]["AdaDSFModifier"]
+    rates = fixed_rates(s, "layer_drop_healed")
+    assert rates is not None
+    tuned = replace(single_candidate(s), per_method={"layer_drop_healed": rates})
+    measured = modifier_fields(s, "layer_drop_healed", block["retention"], 0, tuned)
+    for field, value in block.items():
+        if field == "seed":
+            continue
+        assert field in measured, f"{field}: not a field the study sets"
+        assert measured[field] == value, field
+    # every layer runs all of its tokens or none: no rule picks tokens while healing
+    idle = {"seed", "align_routing"}
+    defaults = AdaDSFModifier(**block).model_dump(include=set(measured))
+    for field, value in measured.items():
+        if field not in block and field in defaults and field not in idle:
+            assert defaults[field] == value, field
