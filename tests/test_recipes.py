@@ -48,20 +48,29 @@ def test_the_paper_recipe_is_the_paper_s_adadsf():
     assert mod.align_steps == 0
 
 
-def test_the_variant_recipe_builds_fitted_skip_paths_and_keeps_keys_values(tmp_path):
-    path = save_tiny_model("llama", str(tmp_path / "llama"), num_layers=3)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    data = yaml.safe_load((RECIPES / "adadsf.yaml").read_text())
-    block = data["sparsity_stage"]["sparsity_modifiers"]["AdaDSFModifier"]
-    block["align_steps"] = 2  # CPU time only
-    block["skip_path_rank"] = 8  # below the tiny model's hidden size (32)
-    model = oneshot(
+def compress_tiny(tmp_path, name: str, num_layers: int, model=None, **fields):
+    """A tiny Llama through ``oneshot`` with the shipped recipe ``name``, its
+    ``AdaDSFModifier`` block changed by ``fields`` and 2 alignment steps (CPU time
+    only)."""
+    if model is None:
+        path = save_tiny_model("llama", str(tmp_path / "llama"), num_layers=num_layers)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    data = yaml.safe_load((RECIPES / name).read_text())
+    data["sparsity_stage"]["sparsity_modifiers"]["AdaDSFModifier"].update(
+        align_steps=2, **fields
+    )
+    return oneshot(
         model=model,
         dataset=token_dataset(8, 16),
         recipe=yaml.safe_dump(data),
         num_calibration_samples=8,
         max_seq_length=16,
     )
+
+
+def test_the_variant_recipe_builds_fitted_skip_paths_and_keeps_keys_values(tmp_path):
+    # a skip-path rank below the tiny model's hidden size (32)
+    model = compress_tiny(tmp_path, "adadsf.yaml", 3, skip_path_rank=8)
     layers = routed_layers(model)
     assert len(layers) == 2  # layer 0 stays dense
     for layer in layers:
@@ -72,17 +81,8 @@ def test_the_variant_recipe_builds_fitted_skip_paths_and_keeps_keys_values(tmp_p
 def test_the_layer_removal_recipe_removes_whole_layers_and_heals(tmp_path):
     path = save_tiny_model("llama", str(tmp_path / "llama"), num_layers=5)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    data = yaml.safe_load((RECIPES / "layer_removal.yaml").read_text())
-    block = data["sparsity_stage"]["sparsity_modifiers"]["AdaDSFModifier"]
-    block["align_steps"] = 2  # CPU time only
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model = oneshot(
-        model=model,
-        dataset=token_dataset(8, 16),
-        recipe=yaml.safe_dump(data),
-        num_calibration_samples=8,
-        max_seq_length=16,
-    )
+    model = compress_tiny(tmp_path, "layer_removal.yaml", 5, model=model)
     ratios = [layer.retention_ratio for layer in routed_layers(model)]
     assert len(ratios) == 4  # layer 0 stays
     assert sorted(ratios) == [0.0, 1.0, 1.0, 1.0]  # floor(0.83 x 4) = 3 kept whole
