@@ -176,6 +176,51 @@ def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(
     assert torch.equal(past.count, real.sum(1))
 
 
+@pytest.mark.parametrize("keep_first", [True, False])
+@pytest.mark.parametrize("ratio", [0.3, 0.81])
+def test_one_row_s_decoding_steps_decided_on_the_host_equal_the_rule(keep_first, ratio):
+    """A decoding step of one row on the CPU takes the host path (its integers in
+    Python, two comparisons over the past): token by token it decides as the
+    brute-force reference and as the tensor path on the same rows, padding, ties and
+    near-ties included, and leaves the same state."""
+    scores, real = random_rows(11, seq=60)
+    whole = reference_rank(scores, real, ratio, keep_first)
+    for row in range(scores.shape[0]):
+        s, r = scores[row : row + 1], real[row : row + 1]
+        got, past = choose_by_rank(s[:, :1], r[:, :1], ratio, keep_first)
+        parts = [got]
+        for t in range(1, s.shape[1]):
+            assert selection._host_step(s[:, t : t + 1])
+            got, past = choose_by_rank(
+                s[:, t : t + 1], r[:, t : t + 1], ratio, keep_first, past
+            )
+            parts.append(got)
+        assert torch.equal(torch.cat(parts, 1)[0], whole[row])
+        _, tensor_path = choose_by_rank(s, r, ratio, keep_first)
+        assert torch.equal(past.count, tensor_path.count)
+        assert torch.equal(past.kept, tensor_path.kept)
+        assert torch.equal(past.scores.isnan(), tensor_path.scores.isnan())
+        finite = tensor_path.scores.isfinite()
+        assert torch.equal(past.scores[finite], tensor_path.scores[finite])
+
+
+def test_a_score_exactly_at_a_band_edge_counts_alike_in_prefill_and_on_the_host():
+    """The tie band's edges are float32 arithmetic on both paths: an earlier score
+    equal to a later token's float32 floor edge (which lies below the exact one here)
+    is tied with it in a prefill and in a host decoding step alike."""
+    later = torch.tensor(3.3046653270721436)
+    floor = later + later.abs().clamp(min=1.0) * -rank_tie_tolerance(torch.float32)
+    assert float(floor) < float(later) * (1 - rank_tie_tolerance(torch.float32))
+    scores = torch.tensor([[9.0, 5.0, float(floor), float(later)]])
+    real = torch.ones_like(scores, dtype=torch.bool)
+    # at 0.7 the fourth token may have fewer than 2 rivals ahead: 5.0 is one, and its
+    # tied twin counts as a second (ranks[1] = 1), so it skips; untied it would run
+    prefill, _ = choose_by_rank(scores, real, 0.7, True)
+    _, past = choose_by_rank(scores[:, :3], real[:, :3], 0.7, True)
+    step, _ = choose_by_rank(scores[:, 3:], real[:, 3:], 0.7, True, past)
+    assert not bool(prefill[0, 3]) and not bool(step[0, 0])
+
+
 def test_ties_within_the_tolerance_are_split_by_how_many_twins_came_before():
     """A score within the tolerance of an earlier one ties it (matmul noise), one
     beyond it does not; a token with ``k`` tied earlier rivals counts
@@ -376,6 +421,21 @@ def test_cached_decoding_equals_full_forward(arch, kv):
             if not kv:  # some tokens skipped: the routed cache holds fewer tokens
                 held = int(store.slot_valid(2, ids.device).sum())
                 assert 0 < held < int(real.sum())
+
+
+@pytest.mark.parametrize("kv", [False, True])
+def test_one_row_s_cached_decoding_equals_full_forward(kv):
+    """Batch 1: the decoding steps take the host path."""
+    model = rank_model("llama", kv, ratios=[0.8, 0.4, 1.0, 0.6])
+    ids, mask = left_padded(1, 24)
+    ids[0, 15] = ids[0, 4]  # a repeated token
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        inc, cache = incremental_logits(model, ids, mask, prefill=3)
+    torch.testing.assert_close(inc, full, atol=1e-4, rtol=0)
+    for layer in routed_layers(model):
+        if 0 < layer.retention_ratio < 1:
+            assert int(cache.layers[layer.layer_index].rank_state.count[0]) == 24
 
 
 def test_decoding_a_repeated_token_keeps_the_ratio_where_scores_tie():

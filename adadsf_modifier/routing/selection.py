@@ -541,6 +541,8 @@ def choose_by_rank(
     """
     if past is not None and past.kept is None:  # cropped since the last decision
         past = replay_rank_kept(past, ratio, keep_first)
+    if past is not None and _host_step(scores):
+        return _rank_step_on_host(scores, real, ratio, keep_first, past)
     seen = real.long()
     if seen.shape[1] > 1:  # a decoding step's one column is its own sum
         seen = seen.cumsum(1)
@@ -568,6 +570,64 @@ def choose_by_rank(
     kept = clamped_counts(candidate.long(), low, high, kept_before)
     selected = kept > torch.cat([kept_before.unsqueeze(1), kept[:, :-1]], 1)
     return selected, RankState(keys, count, kept[:, -1])
+
+
+def _host_step(scores: torch.Tensor) -> bool:
+    """A decoding step of one row on the CPU, float32 scores: :func:`choose_by_rank`
+    decides it with host integers (:func:`_rank_step_on_host`)."""
+    return (
+        scores.shape[0] == 1
+        and scores.shape[1] == 1
+        and scores.device.type == "cpu"
+        and scores.dtype == torch.float32
+    )
+
+
+def _rank_step_on_host(
+    scores: torch.Tensor,
+    real: torch.Tensor,
+    ratio: float,
+    keep_first: bool,
+    past: RankState,
+) -> tuple[torch.Tensor, RankState]:
+    """:func:`choose_by_rank` for one row's decoding step on the CPU, the same decision
+    from the same tables with the integers on the host: every op of the tensor path
+    is a dispatch of a few microseconds on one element, ~30 of them a routed layer a
+    step, where this takes two comparisons over the row's past and a few tensors for
+    the cache. The tie band's edges are float32 arithmetic as the tensor path's
+    (numpy float32 rounds alike), compared with the same float32 scores."""
+    import numpy as np
+
+    count, kept = int(past.count[0]), int(past.kept[0])
+    if not bool(real[0, 0]):  # padding: stored NaN, never runs
+        nan = torch.full_like(scores, float("nan"))
+        keys = torch.cat([past.scores, nan], 1)
+        return torch.zeros_like(real), RankState(keys, past.count, past.kept)
+    seen = count + 1
+    stored = scores
+    value = np.float32(scores.item())
+    if keep_first and seen == 1:  # the forced first token is no rival
+        stored = torch.full_like(scores, float("-inf"))
+        value = np.float32(-np.inf)
+    tol = np.float32(rank_tie_tolerance(torch.float32))
+    with np.errstate(invalid="ignore"):  # -inf + inf: NaN, as in the tensor path
+        width = max(abs(value), np.float32(1.0))
+        floor, ceiling = value + width * -tol, value + width * tol
+        earlier = past.scores[0].numpy()
+        at_floor = int(np.count_nonzero(earlier >= floor))
+        ahead = int(np.count_nonzero(earlier >= ceiling))
+    tied = at_floor - ahead
+    ahead += ((tied * RANK_TIE_STEP) & 0xFFFFFFFF) * (tied + 1) >> 32
+    size = _table_size(past.scores.shape[1] + 1)
+    candidate = ahead < _quota_table(float(ratio), bool(keep_first), size)[seen]
+    low, high = _band_table(float(ratio), bool(keep_first), size, RANK_SLACK)[seen]
+    now = min(high, max(low, kept + int(candidate)))
+    state = RankState(
+        torch.cat([past.scores, stored], 1),
+        torch.tensor([seen], device=scores.device),
+        torch.tensor([now], device=scores.device),
+    )
+    return torch.tensor([[now > kept]], device=scores.device), state
 
 
 def replay_rank_kept(state: RankState, ratio: float, keep_first: bool) -> RankState:
