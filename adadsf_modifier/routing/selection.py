@@ -22,6 +22,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from adadsf_modifier.utils import first_real_tokens, real_token_mask
@@ -596,8 +597,6 @@ def _rank_step_on_host(
     step, where this takes two comparisons over the row's past and a few tensors for
     the cache. The tie band's edges are float32 arithmetic as the tensor path's
     (numpy float32 rounds alike), compared with the same float32 scores."""
-    import numpy as np
-
     count, kept = int(past.count[0]), int(past.kept[0])
     if not bool(real[0, 0]):  # padding: stored NaN, never runs
         nan = torch.full_like(scores, float("nan"))
