@@ -685,3 +685,32 @@ def test_rank_mode_persists_through_a_checkpoint(tmp_path):
     with torch.no_grad():
         got = reloaded(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, reference, rtol=0, atol=0)
+
+
+def test_eval_and_bench_measure_a_rank_checkpoint_in_rank_mode(tmp_path):
+    """``adadsf eval`` and ``adadsf bench`` keep the modes a checkpoint was saved in
+    unless ``--routing-mode`` says otherwise, and their records name the mode."""
+    import json
+
+    from test_checkpoint_save_load import routed_model
+    from tiny_models import tiny_tokenizer
+
+    from adadsf_modifier.cli import main
+
+    settings = [None, (0.5, None, "rank"), (0.6, None, "rank"), (0.4, None, "rank")]
+    path = tmp_path / "ckpt"
+    routed_model("llama", settings).save_pretrained(str(path))
+    tiny_tokenizer().save_pretrained(str(path))
+    runs = {
+        "eval": ["eval", "--model", path, "--no-ppl", "--ppl-tokens", 64],
+        "eval-topk": ["eval", "--model", path, "--no-ppl", "--ppl-tokens", 64,
+                      "--routing-mode", "topk"],
+        "bench": ["bench", "--routed", path, "--seq-lens", 16, "--batch-sizes", 1,
+                  "--repeats", 1, "--decode-tokens", 2],
+    }  # fmt: skip
+    modes = {}
+    for name, argv in runs.items():
+        out = tmp_path / f"{name}.json"
+        assert main([str(a) for a in [*argv, "--output", out]]) == 0
+        modes[name] = json.loads(out.read_text())["routing_mode"]
+    assert modes == {"eval": "rank", "eval-topk": "topk", "bench": "rank"}

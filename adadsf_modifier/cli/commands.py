@@ -156,7 +156,7 @@ def evaluate(
     limit: int | None,
     ppl: bool,
     ppl_tokens: int | None,
-    routing_mode: str,
+    routing_mode: str | None,
     name: str | None = None,
     dtype: str = "float32",
 ) -> dict[str, Any]:
@@ -192,6 +192,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         args.decode_tokens,
         args.threads,
         args.dtype,
+        args.routing_mode,
     )
     write_json(out, result)
     return result
@@ -205,9 +206,11 @@ def bench(
     decode_tokens: int,
     threads: int | None = None,
     dtype: str = "float32",
+    routing_mode: str | None = None,
 ) -> dict[str, Any]:
-    """Routed checkpoint vs the same checkpoint with routing removed (identical
-    weights), both loaded in ``dtype``."""
+    """Routed checkpoint (its layers in ``routing_mode``; ``None``: as saved) vs the
+    same checkpoint with routing removed (identical weights), both loaded in
+    ``dtype``."""
     import torch
     from transformers import AutoTokenizer
 
@@ -218,12 +221,16 @@ def bench(
         run_speed_benchmark,
     )
     from adadsf_modifier.precision import dtype_name, resolve_dtype
+    from adadsf_modifier.routing import routing_modes_of, set_routing_mode
 
     if threads:
         torch.set_num_threads(threads)
     torch_dtype = resolve_dtype(dtype, "cpu")
     tok = AutoTokenizer.from_pretrained(routed_path)
     dense, routed = load_pair(routed_path, dtype=torch_dtype)
+    if routing_mode is not None:
+        set_routing_mode(routed, routing_mode)
+    routed.eval()
     text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     results = run_speed_benchmark(
@@ -242,6 +249,7 @@ def bench(
         "threads": torch.get_num_threads(),
         "device": "cpu",
         "dtype": dtype_name(torch_dtype),
+        "routing_mode": routing_modes_of(routed),
         "results": [r.as_dict() for r in results],
         "table": table,
     }

@@ -22,7 +22,7 @@ from adadsf_modifier.evaluation.assets import load_text_splits, resolve_model
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.evaluation.perplexity import perplexity, token_stream
 from adadsf_modifier.flops import stream_flops
-from adadsf_modifier.routing import routed_layers, set_routing_mode
+from adadsf_modifier.routing import routed_layers, routing_modes_of, set_routing_mode
 
 __all__ = ["EvalRecord", "load_for_eval", "evaluate_model"]
 
@@ -79,18 +79,20 @@ def evaluate_model(
     ppl_stride: int = 256,
     tasks: tuple[str, ...] | list[str] = (),
     limit: int | None = None,
-    routing_mode: str = "causal",
+    routing_mode: str | None = None,
     flops_seq_len: int = 512,
 ) -> EvalRecord:
     """Evaluate on the held-out *test* split (perplexity), lm-eval tasks and a FLOPs
     probe.
 
-    Routed models are evaluated in ``routing_mode`` (``causal`` is what ``generate()``
-    uses). Normalized FLOPs are counted on the perplexity's test tokens (the first
-    ``ppl_max_tokens``), in rows of ``flops_seq_len``, as the model routes them (1.0
-    for a dense model): causal routing keeps a share of tokens that depends on the text,
-    so a few rows can miss by points (``lab/NOTEBOOK.md`` §12). Counting them
-    costs one forward over those tokens, also with ``ppl=False``.
+    Routed models are evaluated in ``routing_mode``; ``None`` keeps the modes their
+    layers are in (a loaded checkpoint's: those it was saved in, ``causal`` unless it
+    was saved otherwise), and the record names them. Normalized FLOPs are counted on
+    the perplexity's test tokens (the first ``ppl_max_tokens``), in rows of
+    ``flops_seq_len``, as the model routes them (1.0 for a dense model): causal routing
+    keeps a share of tokens that depends on the text, so a few rows can miss by points
+    (``lab/NOTEBOOK.md`` §12). Counting them costs one forward over those tokens, also
+    with ``ppl=False``.
     """
     if ppl_max_tokens is not None and ppl_max_tokens < 2:
         raise ValueError(
@@ -98,14 +100,14 @@ def evaluate_model(
         )
     t0 = time.perf_counter()
     routed = bool(routed_layers(model))
-    if routed:
+    if routed and routing_mode is not None:
         set_routing_mode(model, routing_mode)
     model.eval()
     record = EvalRecord(
         label=label,
         model=model_name,
         routed=routed,
-        routing_mode=routing_mode if routed else None,
+        routing_mode=routing_modes_of(model) if routed else None,
     )
     test_ids = token_stream(tokenizer, load_text_splits()["test"]["text"], None)
     test_ids = test_ids[:ppl_max_tokens]

@@ -16,6 +16,7 @@ from adadsf_modifier.routing.modes import (
     ROUTING_MODES,
     get_routing_modes,
     routing_mode,
+    routing_modes_of,
     routing_override,
     set_routing_mode,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "RoutedCacheLayer",
     "ROUTING_MODES",
     "get_routing_modes",
+    "routing_modes_of",
     "routing_mode",
     "routing_override",
     "set_routing_mode",

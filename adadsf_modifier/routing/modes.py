@@ -42,6 +42,7 @@ __all__ = [
     "routing_mode",
     "routing_override",
     "get_routing_modes",
+    "routing_modes_of",
 ]
 
 ROUTING_MODES = ("auto", "topk", "causal", "quantile", "rank")
@@ -85,6 +86,12 @@ def set_routing_mode(model: nn.Module, mode: str) -> None:
     _check_thresholds(layers, mode)
     for layer in layers:
         layer.routing_mode = mode
+
+
+def routing_modes_of(model: nn.Module) -> str:
+    """The mode every routed layer of ``model`` resolves to, or the distinct ones
+    joined by commas (``"causal,rank"``): how a record names what it measured."""
+    return ",".join(sorted(set(get_routing_modes(model))))
 
 
 def get_routing_modes(model: nn.Module) -> list[str]:
