@@ -14,11 +14,12 @@ thresholds would not transfer; instead the thresholds are calibrated (the plug-i
 benchmark's own distribution, so every routed layer keeps ``--retention`` of such
 tokens (the kept fraction is forced, as the issue asks of a speed test at a shape whose
 routers were never trained; the table's ``kept (target)`` column shows what the timed
-tokens really kept). Prefill (one forward of ``--seq-len`` tokens) and
-greedy decoding (``--decode-tokens`` steps after a ``--decode-prompt`` prompt) run in
-causal mode, timed by the plug-in's own ``measure_prefill`` / ``measure_decode`` (the
-twins interleaved, medians, the measured FLOPs of the same tokens): each speedup and
-the fraction of the FLOPs ideal it reaches. Ratios only: absolute times on a shared CPU
+tokens really kept). Prefill (one forward of ``--seq-len`` tokens) and greedy decoding
+(``--decode-tokens`` steps after a ``--decode-prompt`` prompt) run in causal mode
+(``--routing-mode rank``: rank routing, which needs no threshold), timed by the
+plug-in's own ``measure_prefill`` / ``measure_decode`` (the twins interleaved, medians,
+the measured FLOPs of the same tokens): each speedup and the fraction of the FLOPs ideal
+it reaches. Ratios only: absolute times on a shared CPU
 mean little.
 """
 
@@ -116,15 +117,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--routing-mode", choices=["causal", "rank"], default="causal",
+        help="rank: each token against its row's earlier scores, the row's count held "
+        "in its band (no threshold; the kept share is the ratio's by construction)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dense, routed = build_twins(
         args.shape, args.retention, getattr(torch, args.dtype), args.rank,
         device=args.device,
     )  # fmt: skip
+    set_routing_mode(routed, args.routing_mode)
     vocab = dense.config.vocab_size
     where = args.device if args.device != "cpu" else f"cpu, {args.threads} threads"
-    print(f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced")
+    print(
+        f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced, "
+        f"{args.routing_mode} routing"
+    )
     results = [
         measure_prefill(
             dense, routed, torch.randint(0, vocab, (1, args.seq_len)), args.repeats

@@ -463,7 +463,7 @@ def _count_earlier(keys: torch.Tensor, edges: torch.Tensor, start: int) -> torch
         if searched:
             wanted = e.reshape(batch, 1, -1).expand(batch, searched, e.shape[1] * 2)
             below = torch.searchsorted(
-                ordered[:, :searched], wanted.contiguous(), out_int32=True
+                ordered[:, :searched].contiguous(), wanted.contiguous(), out_int32=True
             ).view(batch, searched, -1, 2)
             before = torch.arange(searched, device=device)[:, None] < own[None, :]
             below.masked_fill_(~before[None, :, :, None], size)  # counts none
