@@ -551,13 +551,13 @@ def test_bad_model_path_fails_before_work(tmp_path, capsys):
     assert err.count("\n") == 1
 
 
-def quick_run(tiny_dir, tmp_path, method: str, setting: str) -> dict:
+def quick_run(tiny_dir, tmp_path, method: str, setting: str, *more: str) -> dict:
     """The one run of ``method`` in a quick, untuned study beside dense, with one
-    more ``--set``; fails on any failed run."""
+    more ``--set`` (and ``more`` arguments); fails on any failed run."""
     out, cache = tmp_path / "docs", tmp_path / "cache"
     argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(cache), "--output-dir",
             str(out), "--methods", f"dense,{method}", "--budgets", "0.8", "--seeds",
-            "1", *TINY, "--set", "tune=false", "--set", setting]  # fmt: skip
+            "1", *TINY, "--set", "tune=false", "--set", setting, *more]  # fmt: skip
     assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
     assert not res["failed"], res["failed"]
@@ -574,7 +574,21 @@ def test_ftp_runs_in_the_study_with_the_shared_settings(tiny_dir, tmp_path):
 
 
 def test_bfloat16_study_runs_end_to_end_in_that_precision(tiny_dir, tmp_path):
-    run = quick_run(tiny_dir, tmp_path, "adadsf", "dtype=bfloat16")
+    """...and ``--keep-models`` keeps the routed run's checkpoint (not dense's), which
+    reloads routed in that precision."""
+    import torch
+
+    import adadsf_modifier
+
+    kept = tmp_path / "models"
+    run = quick_run(
+        tiny_dir, tmp_path, "adadsf", "dtype=bfloat16", "--keep-models", str(kept)
+    )
+    [folder] = [p for p in kept.glob("*/*/*") if p.is_dir()]
+    assert folder.parts[-3:-1] == ("main", "adadsf")
+    model = adadsf_modifier.from_pretrained(folder)
+    assert adadsf_modifier.routed_layers(model)
+    assert next(model.parameters()).dtype == torch.bfloat16
     out, cache = tmp_path / "docs", tmp_path / "cache"
     assert math.isfinite(run["ppl_test"]) and 0.0 < run["normalized_flops"] < 1.0
     configs = [json.loads(p.read_text())["config"] for p in cache.rglob("*.json")]

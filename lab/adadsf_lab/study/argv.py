@@ -94,6 +94,14 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan prints them); rerun later to resume",
     )
     parser.add_argument(
+        "--keep-models",
+        default=None,
+        metavar="DIR",
+        help="keep each computed routed run's checkpoint under DIR/<phase>/<method>/"
+        "<run key> (about 0.3 GB a SmolLM2 run), so questions about inference alone "
+        "(a routing mode, a band) reload it instead of training again",
+    )
+    parser.add_argument(
         "--max-runs",
         type=int,
         default=None,

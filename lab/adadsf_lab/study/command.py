@@ -150,6 +150,7 @@ def run_study_command(args: argparse.Namespace) -> dict:
         max_runs=args.max_runs,
         plan_only=args.plan,
         render_only=getattr(args, "render_only", False),
+        keep_models=getattr(args, "keep_models", None),
     )
 
 

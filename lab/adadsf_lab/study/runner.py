@@ -13,10 +13,12 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from loguru import logger
+from torch import nn
 
 from adadsf_lab.study.measure import (
     TokenStreams,
@@ -49,6 +51,10 @@ class RunEnv:
     tokenizer: Any
     streams: TokenStreams
     scratch: str | None = None
+    #: where each computed routed run's checkpoint is kept (``None``: not kept), under
+    #: ``<phase>/<method>/<run key>``: later questions about inference alone (another
+    #: routing mode, another band) then reload it instead of training it again
+    keep_models: str | None = None
     _data: dict = field(default_factory=dict)
 
     def calibration(self, samples: int, seq_len: int, seed: int) -> Any:
@@ -268,6 +274,19 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
         record["prefill_speedup"] = record["decode_speedup"] = 1.0
 
 
+def _keep_model(model: nn.Module, env: RunEnv, spec: RunSpec) -> str:
+    """Save the run's routed model and the tokenizer under ``env.keep_models``
+    (published atomically); returns the folder."""
+    from adadsf_modifier.atomic import atomic_directory
+
+    dest = Path(env.keep_models) / spec.phase / spec.method / spec.key
+    with atomic_directory(dest) as tmp:
+        model.save_pretrained(str(tmp))
+        env.tokenizer.save_pretrained(str(tmp))
+    logger.info(f"{spec.label}: checkpoint kept in {dest}")
+    return str(dest)
+
+
 def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
     """Run ``spec`` and return its record (raises on failure; nothing is cached)."""
     cfg = spec.config
@@ -305,6 +324,8 @@ def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
             else:  # FTP: its router's learning rate
                 record["align_lr"] = r["lr"] if r["train_steps"] else None
         _evaluate(model, cfg, env, record)
+        if env.keep_models and cfg["modifier"] is not None:
+            _keep_model(model, env, spec)
     finally:
         del model
         gc.collect()

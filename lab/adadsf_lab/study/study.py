@@ -231,6 +231,7 @@ def run_study(
     executor: Callable[[RunSpec, RunEnv], dict] = execute_run,
     plan_only: bool = False,
     render_only: bool = False,
+    keep_models: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) the study and write its outputs; returns ``results.json``'s
     dict, whose ``"runtime"`` counts the runs computed now and reused from the cache
@@ -238,7 +239,9 @@ def run_study(
     inputs, print the plan and its estimated cost, run and write nothing.
     ``render_only``: compute nothing; render the cached runs of this plan, taking the
     device and library versions (part of every run's key) from the newest cached run
-    of the model, so runs computed on another machine (a GPU) render here."""
+    of the model, so runs computed on another machine (a GPU) render here.
+    ``keep_models``: a folder that keeps each computed routed run's checkpoint
+    (:class:`~adadsf_lab.study.runner.RunEnv`); no run's key depends on it."""
     t0 = time.time()
     out = check_output_dir(Path(output_dir), overwrite)
     cache_root = check_output_dir(Path(cache_dir), True, "cache")
@@ -341,7 +344,13 @@ def run_study(
             f"{total - dry.cached} to compute"
         )
         return {"plan": plan}
-    env = RunEnv(model_path, device, tok, TokenStreams(tok))
+    env = RunEnv(
+        model_path,
+        device,
+        tok,
+        TokenStreams(tok),
+        keep_models=None if keep_models is None else str(keep_models),
+    )
     deadline = t0 + max_hours * 3600 if max_hours else None
     origin = {"command": command, "hardware": hw, "model_files": files}
     runner = _Runner(
