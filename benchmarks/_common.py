@@ -123,3 +123,35 @@ def row_perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int) -> fl
         )
         count += ids[:, 1:].numel()
     return math.exp(nll / count)
+
+
+def load_routed(checkpoint: str) -> tuple[Any, torch.nn.Module]:
+    """``(tokenizer, model)`` of a routed checkpoint folder, the model in float32 and
+    eval mode (the quality probes' precision)."""
+    from transformers import AutoTokenizer
+
+    import adadsf_modifier
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = adadsf_modifier.from_pretrained(checkpoint, dtype=torch.float32)
+    return tokenizer, model.eval()
+
+
+@contextmanager
+def retention_ratios(
+    model: torch.nn.Module, change: Callable[[float], float] | None
+) -> Iterator[None]:
+    """Every routed layer's retention ratio ``r`` set to ``change(r)`` (``None``:
+    unchanged), restored after."""
+    from adadsf_modifier.routing import routed_layers
+
+    layers = routed_layers(model)
+    saved = [layer.retention_ratio for layer in layers]
+    try:
+        if change is not None:
+            for layer, ratio in zip(layers, saved):
+                layer.retention_ratio = change(ratio)
+        yield
+    finally:
+        for layer, ratio in zip(layers, saved):
+            layer.retention_ratio = ratio

@@ -29,10 +29,9 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
-from _common import row_perplexity
+from _common import load_routed, retention_ratios, row_perplexity
 from loguru import logger
 
-import adadsf_modifier
 from adadsf_lab.study.measure import TokenStreams
 from adadsf_modifier.routing import routed_layers, set_routing_mode
 
@@ -65,21 +64,6 @@ def shared_random(generator: torch.Generator) -> Callable:
     return draw
 
 
-@contextmanager
-def every_token_runs(model: torch.nn.Module, enabled: bool):
-    """Every routed layer at retention 1 (it then runs as the dense layer)."""
-    layers = routed_layers(model)
-    saved = [layer.retention_ratio for layer in layers]
-    if enabled:
-        for layer in layers:
-            layer.retention_ratio = 1.0
-    try:
-        yield
-    finally:
-        for layer, ratio in zip(layers, saved):
-            layer.retention_ratio = ratio
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a routed checkpoint folder")
@@ -94,11 +78,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    model = adadsf_modifier.from_pretrained(args.checkpoint, dtype=torch.float32)
-    model.eval()
+    tokenizer, model = load_routed(args.checkpoint)
     stream = TokenStreams(tokenizer).text("test (prose)", args.rows * args.seq_len)
     rows = stream[: args.rows * args.seq_len].view(args.rows, args.seq_len)
     generator = torch.Generator().manual_seed(args.seed)
@@ -115,7 +95,8 @@ def main() -> None:
         dense = transform == "dense"
         with (
             scores_as(model, None if dense else transform),
-            every_token_runs(model, dense),
+            # every routed layer at retention 1: it runs as the dense layer
+            retention_ratios(model, (lambda r: 1.0) if dense else None),
         ):
             results[name] = row_perplexity(model, rows, args.batch)
         logger.info(f"{name}: PPL {results[name]:.2f}")

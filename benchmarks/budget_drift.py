@@ -24,8 +24,8 @@ import argparse
 import json
 
 import torch
+from _common import load_routed
 
-import adadsf_modifier
 from adadsf_lab.study.measure import (
     BUDGET_MODES,
     TokenStreams,
@@ -48,11 +48,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    model = adadsf_modifier.from_pretrained(args.checkpoint, dtype=torch.float32)
-    model.eval()
+    tokenizer, model = load_routed(args.checkpoint)
     sizes = {
         "tokens": args.tokens,
         "seq_len": args.seq_len,

@@ -29,10 +29,9 @@ import json
 from contextlib import contextmanager
 
 import torch
-from _common import row_perplexity
+from _common import load_routed, retention_ratios, row_perplexity
 from loguru import logger
 
-import adadsf_modifier
 from adadsf_lab.study.measure import TokenStreams, budget_sizes, measure_budget_per_text
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import stream_flops
@@ -44,29 +43,13 @@ NO_BAND = 1 << 30  # a slack no row reaches: the rank alone decides
 @contextmanager
 def band_slack(slack: int):
     """Rank routing's band at ``slack`` tokens for the length of the block (the
-    plug-in's constant, set and restored; its tables rebuilt)."""
+    plug-in's constant, set and restored; its tables are keyed by it)."""
     before = selection.RANK_SLACK
     selection.RANK_SLACK = slack
-    selection._BAND_TENSORS.clear()
     try:
         yield
     finally:
         selection.RANK_SLACK = before
-        selection._BAND_TENSORS.clear()
-
-
-@contextmanager
-def ratios_lowered(model: torch.nn.Module, offset: float):
-    """Every partly routed layer's retention ratio lowered by ``offset``."""
-    layers = [m for m in routed_layers(model) if 0 < m.retention_ratio < 1]
-    before = [m.retention_ratio for m in layers]
-    for m in layers:
-        m.retention_ratio -= offset
-    try:
-        yield
-    finally:
-        for m, r in zip(layers, before):
-            m.retention_ratio = r
 
 
 def measure(model, streams, rows, args) -> dict:
@@ -105,11 +88,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    model = adadsf_modifier.from_pretrained(args.checkpoint, dtype=torch.float32)
-    model.eval()
+    tokenizer, model = load_routed(args.checkpoint)
     set_routing_mode(model, "rank")
     streams = TokenStreams(tokenizer)
     n = args.rows * args.ppl_len
@@ -127,7 +106,8 @@ def main() -> None:
             name = f"slack {slack}" + (f", ratios -{offset}" if offset else "")
             with (
                 band_slack(NO_BAND if slack == "none" else int(slack)),
-                ratios_lowered(model, offset),
+                # every partly routed layer's ratio lowered by the offset
+                retention_ratios(model, lambda r: r - offset if 0 < r < 1 else r),
             ):
                 results[name] = measure(model, streams, rows, args)
             logger.info(f"{name}: {results[name]}")

@@ -230,7 +230,6 @@ def bench(
     dense, routed = load_pair(routed_path, dtype=torch_dtype)
     if routing_mode is not None:
         set_routing_mode(routed, routing_mode)
-    routed.eval()
     text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     results = run_speed_benchmark(

@@ -69,9 +69,12 @@ class RankScoresMixin:
         which knows the layer's ratio."""
         if self.rank_state is not None and tokens_to_remove:
             scores = self.rank_state.scores[:, : -abs(tokens_to_remove)]
-            self.rank_state = RankState(scores, (~scores.isnan()).sum(1), None)
-            if scores.shape[1] == 0:  # nothing left: as if rank routing never ran
-                self.rank_state = None
+            # nothing left: as if rank routing never ran
+            self.rank_state = (
+                RankState(scores, (~scores.isnan()).sum(1), None)
+                if scores.shape[1]
+                else None
+            )
 
 
 class RoutedCacheLayer(RankScoresMixin, DynamicLayer):

@@ -47,7 +47,6 @@ __all__ = [
     "RankState",
     "rank_band",
     "clamped_counts",
-    "replay_rank_kept",
     "RANK_TIE_STEP",
     "rank_quota",
     "rank_tie_ranks",
@@ -233,7 +232,19 @@ def _quota_table(ratio: float, keep_first: bool, length: int) -> tuple[int, ...]
     return tuple(quota)
 
 
-_QUOTA_TENSORS: dict[tuple[float, bool, int, str], torch.Tensor] = {}
+_DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _on_device(host: Callable[..., tuple], args: tuple, device: torch.device):
+    """``host(*args)``, one of rank routing's integer tables computed on the host, as
+    an int64 tensor on ``device``, made once per table and device: every path and
+    device reads the same integers."""
+    key = (host.__name__, args, str(device))
+    table = _DEVICE_TABLES.get(key)
+    if table is None:
+        table = torch.tensor(host(*args), dtype=torch.long, device=device)
+        _DEVICE_TABLES[key] = table
+    return table
 
 
 def _table_size(length: int) -> int:
@@ -265,17 +276,8 @@ def rank_quota(
     paid back by the tokens right after it (at ``ratio`` 0.5 the second never runs). A
     fixed table of ``(ratio, p)``, so prefill and decoding read the same quota.
     """
-    size = _table_size(length)
-    key = (float(ratio), bool(keep_first), size, str(device))
-    table = _QUOTA_TENSORS.get(key)
-    if table is None:
-        table = torch.tensor(
-            _quota_table(float(ratio), bool(keep_first), size),
-            dtype=torch.long,
-            device=device,
-        )
-        _QUOTA_TENSORS[key] = table
-    return table
+    args = (float(ratio), bool(keep_first), _table_size(length))
+    return _on_device(_quota_table, args, device)
 
 
 #: How far a row's count of tokens that ran a layer may stray from ``ratio * p`` under
@@ -300,9 +302,6 @@ def _band_table(
     return tuple(band)
 
 
-_BAND_TENSORS: dict[tuple[float, bool, int, int, str], torch.Tensor] = {}
-
-
 def rank_band(
     ratio: float, keep_first: bool, length: int, device: torch.device
 ) -> torch.Tensor:
@@ -312,17 +311,8 @@ def rank_band(
     first token always runs). Consecutive bounds move by at most one, so a token can
     always keep its row inside. Integers from the host, as :func:`rank_quota`'s, so
     every path reads the same table."""
-    size = _table_size(length)
-    key = (float(ratio), bool(keep_first), RANK_SLACK, size, str(device))
-    table = _BAND_TENSORS.get(key)
-    if table is None:
-        table = torch.tensor(
-            _band_table(float(ratio), bool(keep_first), size, RANK_SLACK),
-            dtype=torch.long,
-            device=device,
-        )
-        _BAND_TENSORS[key] = table
-    return table
+    args = (float(ratio), bool(keep_first), _table_size(length), RANK_SLACK)
+    return _on_device(_band_table, args, device)
 
 
 def clamped_counts(
@@ -354,7 +344,6 @@ def clamped_counts(
 #: spreads evenly over ``[0, 1)`` from its first terms on (:func:`rank_tie_ranks`).
 RANK_TIE_STEP = 0x9E3779B9
 
-_TIE_RANKS: dict[tuple[int, str], torch.Tensor] = {}
 _TIE_BANDS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
 
 
@@ -365,14 +354,15 @@ def rank_tie_ranks(length: int, device: torch.device) -> torch.Tensor:
     (:func:`choose_by_rank`), a rank among the ``k + 1`` twins spread evenly as ``k``
     grows (``ranks[0]`` is 0: no tie, no change). In integers on the host, so every
     path and device reads the same table."""
-    size = _table_size(length)
-    key = (size, str(device))
-    ranks = _TIE_RANKS.get(key)
-    if ranks is None:
-        k = torch.arange(size + 1, dtype=torch.long)
-        u = (k * RANK_TIE_STEP) & 0xFFFFFFFF  # exact in int64 while k < 2^31
-        ranks = _TIE_RANKS[key] = ((u * (k + 1)) >> 32).to(device)
-    return ranks
+    return _on_device(_tie_rank_table, (_table_size(length),), device)
+
+
+@lru_cache(maxsize=32)
+def _tie_rank_table(length: int) -> tuple[int, ...]:
+    """``ranks[k]`` for ``k = 0 .. length`` (see :func:`rank_tie_ranks`)."""
+    return tuple(
+        ((k * RANK_TIE_STEP) & 0xFFFFFFFF) * (k + 1) >> 32 for k in range(length + 1)
+    )
 
 
 def _tie_band(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -405,7 +395,6 @@ def rank_ahead(
     long prefill compares :data:`RANK_CHUNK_ELEMENTS` at a time.
     """
     batch, q_len = new.shape
-    scores = new
     if past is not None:
         past = past.to(new.dtype)
     keys = new if past is None else torch.cat([past, new], dim=1)
@@ -413,7 +402,7 @@ def rank_ahead(
     new = new.unsqueeze(-1)
     # [batch, Q, 2]: the floor and the ceiling; the floor is ``score - tol * ...`` bit
     # for bit (a power of two scales exactly), so untied tokens count as they did
-    edges = new + new.abs().clamp(min=1.0) * _tie_band(scores.dtype, scores.device)
+    edges = new + new.abs().clamp(min=1.0) * _tie_band(new.dtype, new.device)
     if q_len == 1:  # a decoding step: the new token against the row's past
         earlier = keys[:, :0] if past is None else past
         return (earlier.unsqueeze(-1) >= edges).sum(1, keepdim=True), keys
@@ -480,7 +469,7 @@ class RankState(NamedTuple):
     (padding NaN, the forced first token ``-inf``: neither is any token's rival, and a
     crop can still count the real ones); ``count [batch]``: the real tokens among them;
     ``kept [batch]``: how many of those ran the layer (``None`` after a crop, until
-    :func:`replay_rank_kept` recounts it).
+    :func:`_replay_rank_kept` recounts it).
     """
 
     scores: torch.Tensor
@@ -541,7 +530,7 @@ def choose_by_rank(
     ``state``: the same after them, for the cache to keep.
     """
     if past is not None and past.kept is None:  # cropped since the last decision
-        past = replay_rank_kept(past, ratio, keep_first)
+        past = _replay_rank_kept(past, ratio, keep_first)
     if past is not None and _host_step(scores):
         return _rank_step_on_host(scores, real, ratio, keep_first, past)
     seen = real.long()
@@ -617,9 +606,8 @@ def _rank_step_on_host(
         earlier = past.scores[0].detach().numpy()
         at_floor = int(np.count_nonzero(earlier >= floor))
         ahead = int(np.count_nonzero(earlier >= ceiling))
-    tied = at_floor - ahead
-    ahead += ((tied * RANK_TIE_STEP) & 0xFFFFFFFF) * (tied + 1) >> 32
     size = _table_size(past.scores.shape[1] + 1)
+    ahead += _tie_rank_table(size)[at_floor - ahead]
     candidate = ahead < _quota_table(float(ratio), bool(keep_first), size)[seen]
     low, high = _band_table(float(ratio), bool(keep_first), size, RANK_SLACK)[seen]
     now = min(high, max(low, kept + int(candidate)))
@@ -631,12 +619,10 @@ def _rank_step_on_host(
     return torch.tensor([[now > kept]], device=scores.device), state
 
 
-def replay_rank_kept(state: RankState, ratio: float, keep_first: bool) -> RankState:
+def _replay_rank_kept(state: RankState, ratio: float, keep_first: bool) -> RankState:
     """``state`` with ``kept`` recounted from its scores (after a crop): the stored
     scores decide again exactly as they did token by token (:func:`choose_by_rank`
     compares scores only), the forced first token (``-inf``) running again."""
-    if state.scores.shape[1] == 0:
-        return RankState(state.scores, state.count, torch.zeros_like(state.count))
     _, replayed = choose_by_rank(state.scores, ~state.scores.isnan(), ratio, keep_first)
     return RankState(state.scores, state.count, replayed.kept)
 

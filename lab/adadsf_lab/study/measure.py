@@ -9,8 +9,10 @@ calibration split every run calibrates and trains on).
 
 from __future__ import annotations
 
+import os
 import tempfile
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from loguru import logger
 from torch import nn
 
 # Project APIs used here (one place, so a module move needs one edit).
+from adadsf_modifier.atomic import atomic_directory
 from adadsf_modifier.evaluation import load_text_splits, perplexity
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
@@ -38,6 +41,7 @@ __all__ = [
     "measure_flops",
     "measure_perplexity",
     "measure_speed",
+    "saved_model",
     "measure_tasks",
     "routes_tokens",
     "task_mean",
@@ -232,37 +236,53 @@ def task_mean(acc: dict[str, float]) -> float | None:
     return sum(acc.values()) / len(acc) if acc else None
 
 
-def measure_speed(
+@contextmanager
+def saved_model(
     model: nn.Module,
     tokenizer: Any,
-    stream: torch.Tensor,
-    cfg: dict[str, Any],
-    device: str,
+    keep: str | os.PathLike[str] | None = None,
     scratch: str | None = None,
-) -> dict[str, Any]:
-    """Prefill and decode speedup of the routed model against its dense twin (same
-    checkpoint, routing removed; :func:`~adadsf_modifier.evaluation.speed.load_pair`).
-
-    The model is saved to a temporary folder first: both twins are then loaded the
-    same way, which is what makes CPU timings comparable (see ``load_pair``).
-    """
+) -> Iterator[str]:
+    """A folder holding ``model`` and ``tokenizer`` as saved: ``keep`` (published
+    atomically, left in place) or a temporary folder removed after the block."""
+    if keep is not None:
+        with atomic_directory(keep) as tmp:
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+        yield str(keep)
+        return
     with tempfile.TemporaryDirectory(prefix="adadsf_study_speed_", dir=scratch) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        dense, routed = load_pair(
-            tmp, dtype=next(model.parameters()).dtype, device=device
-        )
-        results = run_speed_benchmark(
-            dense,
-            routed,
-            stream,
-            seq_lens=(cfg["seq_len"],),
-            batch_sizes=tuple(cfg["batch_sizes"]),
-            decode_prompt=cfg["decode_prompt"],
-            decode_tokens=cfg["decode_tokens"],
-            repeats=cfg["repeats"],
-        )
-        del dense, routed
+        yield tmp
+
+
+def measure_speed(
+    folder: str,
+    dtype: torch.dtype,
+    stream: torch.Tensor,
+    cfg: dict[str, Any],
+    device: str,
+) -> dict[str, Any]:
+    """Prefill and decode speedup of the routed model saved in ``folder``
+    (:func:`saved_model`) against its dense twin (same checkpoint, routing removed;
+    :func:`~adadsf_modifier.evaluation.speed.load_pair`), both loaded in ``dtype``.
+
+    Both twins are loaded from the saved folder the same way, which is what makes CPU
+    timings comparable (see ``load_pair``).
+    """
+    dense, routed = load_pair(folder, dtype=dtype, device=device)
+    results = run_speed_benchmark(
+        dense,
+        routed,
+        stream,
+        seq_lens=(cfg["seq_len"],),
+        batch_sizes=tuple(cfg["batch_sizes"]),
+        decode_prompt=cfg["decode_prompt"],
+        decode_tokens=cfg["decode_tokens"],
+        repeats=cfg["repeats"],
+    )
+    del dense, routed
     cells = [r.as_dict() for r in results]
     out: dict[str, Any] = {"cells": cells}
     for r in results:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from loguru import logger
-from torch import nn
 
 from adadsf_lab.study.measure import (
     TokenStreams,
@@ -29,6 +28,7 @@ from adadsf_lab.study.measure import (
     measure_speed,
     measure_tasks,
     routes_tokens,
+    saved_model,
     task_mean,
 )
 from adadsf_lab.study.methods import METHODS
@@ -207,7 +207,15 @@ def _modifier_record(model: torch.nn.Module, mod: Any) -> dict[str, Any]:
     return out
 
 
-def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> None:
+def _evaluate(
+    model: torch.nn.Module,
+    cfg: dict,
+    env: RunEnv,
+    record: dict,
+    keep: Path | None = None,
+) -> None:
+    """Measure ``model`` into ``record``; ``keep``: where its checkpoint stays (the
+    speed benchmark's save, made there instead of in a temporary folder)."""
     ev = cfg["eval"]
     routed = bool(routed_layers(model))
     ml, stride = ev["ppl_max_length"], ev["ppl_stride"]
@@ -258,33 +266,24 @@ def _evaluate(model: torch.nn.Module, cfg: dict, env: RunEnv, record: dict) -> N
     record.update(tasks=acc, task_n=n, task_stderr=se, task_mean=task_mean(acc))
     speed_cfg = ev.get("speed")
     record["prefill_speedup"] = record["decode_speedup"] = None
-    if speed_cfg and routed:
-        need = max(speed_cfg["batch_sizes"]) * max(
-            speed_cfg["seq_len"], speed_cfg["decode_prompt"]
-        )
-        stream = env.streams.get("test", need)
-        sp = measure_speed(
-            model, env.tokenizer, stream, speed_cfg, env.device, env.scratch
-        )
-        record["speed"] = sp
-        b1 = min(speed_cfg["batch_sizes"])
-        record["prefill_speedup"] = sp.get(f"prefill_speedup_b{b1}")
-        record["decode_speedup"] = sp.get(f"decode_speedup_b{b1}")
-    elif METHODS[cfg["method"]].allocation is None:  # dense, or a dense control
+    timed = bool(speed_cfg and routed)
+    if timed or keep is not None:  # one save serves both
+        with saved_model(model, env.tokenizer, keep, env.scratch) as folder:
+            if timed:
+                need = max(speed_cfg["batch_sizes"]) * max(
+                    speed_cfg["seq_len"], speed_cfg["decode_prompt"]
+                )
+                stream = env.streams.get("test", need)
+                dtype = next(model.parameters()).dtype
+                sp = measure_speed(folder, dtype, stream, speed_cfg, env.device)
+                record["speed"] = sp
+                b1 = min(speed_cfg["batch_sizes"])
+                record["prefill_speedup"] = sp.get(f"prefill_speedup_b{b1}")
+                record["decode_speedup"] = sp.get(f"decode_speedup_b{b1}")
+        if keep is not None:
+            logger.info(f"checkpoint kept in {keep}")
+    if not timed and METHODS[cfg["method"]].allocation is None:  # dense, or a control
         record["prefill_speedup"] = record["decode_speedup"] = 1.0
-
-
-def _keep_model(model: nn.Module, env: RunEnv, spec: RunSpec) -> str:
-    """Save the run's routed model and the tokenizer under ``env.keep_models``
-    (published atomically); returns the folder."""
-    from adadsf_modifier.atomic import atomic_directory
-
-    dest = Path(env.keep_models) / spec.phase / spec.method / spec.key
-    with atomic_directory(dest) as tmp:
-        model.save_pretrained(str(tmp))
-        env.tokenizer.save_pretrained(str(tmp))
-    logger.info(f"{spec.label}: checkpoint kept in {dest}")
-    return str(dest)
 
 
 def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
@@ -323,9 +322,10 @@ def execute_run(spec: RunSpec, env: RunEnv) -> dict[str, Any]:
                 record["temperature"], record["beta"] = r["temperature"], r["beta"]
             else:  # FTP: its router's learning rate
                 record["align_lr"] = r["lr"] if r["train_steps"] else None
-        _evaluate(model, cfg, env, record)
+        keep = None
         if env.keep_models and cfg["modifier"] is not None:
-            _keep_model(model, env, spec)
+            keep = Path(env.keep_models) / spec.phase / spec.method / spec.key
+        _evaluate(model, cfg, env, record, keep)
     finally:
         del model
         gc.collect()
