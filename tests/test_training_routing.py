@@ -1,6 +1,7 @@
-"""Training with inference's decision rule (``align_routing: quantile``): the batch
-threshold keeps the layer's ratio of the batch's tokens by score, against hand-computed
-selections, and the alignment stage trains under it and restores the mode after."""
+"""Training with inference's decision rule (``align_routing: quantile`` for causal
+routing, ``rank`` for rank routing): the batch threshold keeps the layer's ratio of the
+batch's tokens by score, against hand-computed selections, and the alignment stage
+trains under either rule and restores the mode after."""
 
 from __future__ import annotations
 
@@ -63,7 +64,10 @@ def test_quantile_routing_needs_the_whole_batch_not_a_cache():
             student(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
 
 
-def test_alignment_trains_under_quantile_routing_and_restores_the_mode():
+@pytest.mark.parametrize("rule", ["quantile", "rank"])
+def test_alignment_trains_the_routers_under_inferences_rule_and_restores_the_mode(
+    rule: str,
+):
     student, teacher = routed_pair()
     layers = routed_layers(student)
     seen: list[str] = []
@@ -71,16 +75,20 @@ def test_alignment_trains_under_quantile_routing_and_restores_the_mode():
     layer.register_forward_pre_hook(
         lambda m, a: seen.append(m.resolved_routing_mode()) if m.training else None
     )
+    before = [p.detach().clone() for p in layer.router.parameters()]
     report = align_model(student, teacher, token_dataset(4, 16),
-                         config(steps=3, routing="quantile"))  # fmt: skip
-    assert seen == ["quantile"] * 3
+                         config(steps=3, routing=rule))  # fmt: skip
+    assert seen == [rule] * 3
     assert all(math.isfinite(x) for x in report.losses)
+    # the router learns through the kept tokens' gate under this rule too
+    assert any(not torch.equal(b, p) for b, p in zip(before, layer.router.parameters()))
     assert {m.routing_mode for m in layers} == {"auto"}  # restored
 
 
 def test_training_routing_field_reaches_the_config_and_is_checked():
-    mod = AdaDSFModifier(align_steps=2, align_routing="quantile")
-    assert mod.alignment_config(show_progress=False).routing == "quantile"
+    for rule in ("quantile", "rank"):
+        mod = AdaDSFModifier(align_steps=2, align_routing=rule)
+        assert mod.alignment_config(show_progress=False).routing == rule
     assert AdaDSFModifier().align_routing == "topk"  # the paper's rule by default
     with pytest.raises(ValidationError, match="align_routing must be one of"):
         AdaDSFModifier(align_routing="causal")

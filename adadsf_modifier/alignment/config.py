@@ -61,12 +61,14 @@ LR_SCHEDULES = ("constant", "cosine")
 warm-up, half a cosine from the learning rate down towards 0 at the last step."""
 
 
-TRAINING_ROUTING = ("topk", "quantile")
+TRAINING_ROUTING = ("topk", "quantile", "rank")
 """Which tokens run each routed layer while the alignment trains. ``topk``: each row's
-``K`` highest-scoring tokens (the paper). ``quantile``: the rule inference uses (causal
-routing: a token runs iff its score exceeds the layer's threshold), with the threshold
+``K`` highest-scoring tokens (the paper). ``quantile``: the rule causal routing uses at
+inference (a token runs iff its score exceeds the layer's threshold), with the threshold
 re-fitted on every batch so that the layer's ratio of the batch's tokens runs; rows
-then keep different counts, as they do at inference."""
+then keep different counts, as they do at inference. ``rank``: rank routing's own rule
+(each token against its row's earlier scores, within the band), for a model that will
+be served in rank mode: training sees exactly the decisions ``generate()`` will make."""
 
 
 Steps = Annotated[
@@ -88,7 +90,9 @@ GradClip = Annotated[
 Trainable = Annotated[Literal["routers", "routers_and_layers"], one_of(TRAINABLE_SETS)]
 Parallel = Annotated[Literal["ddp", "fsdp"], one_of(PARALLEL_MODES)]
 LRSchedule = Annotated[Literal["constant", "cosine"], one_of(LR_SCHEDULES)]
-TrainingRouting = Annotated[Literal["topk", "quantile"], one_of(TRAINING_ROUTING)]
+TrainingRouting = Annotated[
+    Literal["topk", "quantile", "rank"], one_of(TRAINING_ROUTING)
+]
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,8 @@ class AlignmentConfig(BaseModel):
         The rate schedule counts from step 1 for every group: the layers join at
         the rate it has reached by then
     :param routing: one of :data:`TRAINING_ROUTING`: which tokens run each routed layer
-        while training (``quantile``: inference's rule, thresholds fitted per batch)
+        while training (``quantile``: causal routing's rule, thresholds fitted per
+        batch; ``rank``: rank routing's rule)
     :param anneal_steps: steps over which every routed layer's retention falls linearly
         from 1.0 to its allocated ratio (0: the allocated ratio from the first step);
         the model starts where it is closest to the dense teacher

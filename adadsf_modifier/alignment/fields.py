@@ -66,9 +66,10 @@ class AlignmentFields(BaseModel):
         after (routers first, then weights; 0: all from the first step; fewer than
         ``align_steps``)
     :param align_routing: which tokens run each routed layer while training: ``topk``
-        (each row's highest-scoring tokens, the paper) or ``quantile`` (the rule
-        inference uses, a score threshold, re-fitted on each batch to the layer's
-        ratio: training sees the decisions ``generate()`` makes)
+        (each row's highest-scoring tokens, the paper), ``quantile`` (the rule
+        causal routing uses, a score threshold, re-fitted on each batch to the layer's
+        ratio: training sees the decisions ``generate()`` makes) or ``rank`` (rank
+        routing's rule, for a model served in rank mode)
     :param align_batch_size: rows per step, re-batched from the training data
     :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
     :param align_w_kl: weight of ``KL(P_dense || P_sparse)`` on the next-token

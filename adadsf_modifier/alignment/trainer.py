@@ -93,7 +93,7 @@ def _rates(config: AlignmentConfig) -> str:
     )
     first = config.routers_first_steps
     routing = f", routers alone for {first} steps" if first else ""
-    routing += ", quantile routing" if config.routing == "quantile" else ""
+    routing += f", {config.routing} routing" if config.routing != "topk" else ""
     return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{routing}"
 
 

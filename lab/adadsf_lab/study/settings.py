@@ -127,7 +127,7 @@ class StudySettings(BaseModel):
     align_warmup_steps: NonNegativeInt = 0
     align_anneal_steps: NonNegativeInt = 0  # retention 1.0 -> allocation over these
     align_routers_first_steps: NonNegativeInt = 0  # the layers' weights join after
-    align_routing: TrainingRouting = "topk"  # quantile: inference's rule in training
+    align_routing: TrainingRouting = "topk"  # quantile / rank: inference's rule
     align_bf16: bool = False
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
     tune: bool = True
