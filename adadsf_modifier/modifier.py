@@ -69,6 +69,7 @@ from adadsf_modifier.routing import (
     check_calibration_rows,
     decoder_layers,
     route_layer,
+    set_routing_mode,
     unroute_layer,
 )
 from adadsf_modifier.routing.skip_fields import SkipPathFields
@@ -112,6 +113,7 @@ class AdaDSFModifier(
         - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense
           model taken just before routing (``align_*`` fields: see ``AlignmentFields``)
         - causal thresholds: per-layer router-score thresholds for eval / generate()
+        - ``routing_mode: rank``: the routed layers switch to rank routing
     - on_finalize: nothing left to do; the routed model stays routed
 
     :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens
@@ -140,6 +142,15 @@ class AdaDSFModifier(
         keeps the random initialisation (the ablation)
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
+    :param routing_mode: how the compressed model chooses tokens in eval mode and
+        ``generate()``, saved with its checkpoint: ``causal`` (each token against its
+        layer's calibrated threshold) or ``rank`` (each token against its own row's
+        earlier scores, within a band around the layer's ratio: the budget holds on
+        text unlike the calibration set's; see
+        :mod:`~adadsf_modifier.routing.modes`). The thresholds are fitted either way,
+        so ``set_routing_mode`` can switch a rank model to causal routing. Pair
+        ``rank`` with ``align_routing: rank``: alignment then trains under the
+        decisions the model will make
     :param threshold_passes: no effect (the causal thresholds are fitted in one walk
         of the decoder stack); accepted so that recipes which set it still load
     :param importance*: what allocation ranks layers by, see ``ImportanceFields``
@@ -158,6 +169,7 @@ class AdaDSFModifier(
     ignore: list[str] = Field(default_factory=list)
     router_hidden_size: PositiveInt = 64
     seed: int = 0
+    routing_mode: Literal["causal", "rank"] = "causal"
     threshold_passes: PositiveInt | None = None
     router_init: Literal["similarity", "skip_error", "random"] = "similarity"
     router_init_steps: PositiveInt = 100
@@ -307,6 +319,8 @@ class AdaDSFModifier(
         # routers.
         with clock.stage("thresholds"):
             self._threshold_report = calibrate_thresholds(model, calib)
+        if self.routing_mode != "causal":
+            set_routing_mode(model, self.routing_mode)
         logger.info(f"AdaDSF construction: {clock.summary()}")
         # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF
         # sidecar.

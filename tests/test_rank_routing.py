@@ -714,3 +714,32 @@ def test_eval_and_bench_measure_a_rank_checkpoint_in_rank_mode(tmp_path):
         assert main([str(a) for a in [*argv, "--output", out]]) == 0
         modes[name] = json.loads(out.read_text())["routing_mode"]
     assert modes == {"eval": "rank", "eval-topk": "topk", "bench": "rank"}
+
+
+def test_a_recipe_asking_for_rank_routing_saves_a_rank_checkpoint(tmp_path):
+    """``routing_mode: rank`` in the recipe (trained under it too): ``oneshot``'s model
+    routes by rank in eval mode, still has causal thresholds to switch to, and its
+    checkpoint reloads in rank mode with the same logits."""
+    from test_recipes import compress_tiny
+
+    import adadsf_modifier
+
+    model = compress_tiny(
+        tmp_path, "adadsf.yaml", 3, skip_path_rank=8, routing_mode="rank",
+        align_routing="rank",
+    )  # fmt: skip
+    layers = routed_layers(model)
+    assert get_routing_modes(model) == ["rank"] * len(layers)
+    assert all(m.causal_threshold is not None for m in layers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    model.eval()
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    reloaded = adadsf_modifier.from_pretrained(tmp_path / "ckpt")
+    assert get_routing_modes(reloaded) == ["rank"] * len(layers)
+    with torch.no_grad():
+        got = reloaded(input_ids=ids).logits
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="routing_mode"):
+        adadsf_modifier.AdaDSFModifier(routing_mode="topk")
