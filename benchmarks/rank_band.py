@@ -16,10 +16,15 @@ checkpoint in float32:
 A narrower band keeps fewer tokens than the rank alone where scores rise along the
 row, and fewer tokens cost perplexity by themselves, so ``--offsets`` also runs the
 rank alone with every routed layer's ratio lowered by each offset: perplexity against
-kept share without the band, the line to read the banded rows against.
+kept share without the band, the line to read the banded rows against. ``--causal``
+adds causal routing (the calibrated thresholds) and ``--raise`` the band at its
+default slack with every routed ratio raised by each value: the band at the share
+causal routing spends, to compare the two at equal compute.
 
     python benchmarks/rank_band.py /tmp/rank_ckpt --slacks none 1 2 4 6 8 \
         --offsets 0.01 0.02
+    python benchmarks/rank_band.py CKPT --slacks none 4 --offsets 0.01 --causal \
+        --raise 0.02 0.04
 """
 
 from __future__ import annotations
@@ -35,7 +40,12 @@ from loguru import logger
 from adadsf_lab.study.measure import TokenStreams, budget_sizes, measure_budget_per_text
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import stream_flops
-from adadsf_modifier.routing import routed_layers, selection, set_routing_mode
+from adadsf_modifier.routing import (
+    routed_layers,
+    routing_mode,
+    selection,
+    set_routing_mode,
+)
 
 NO_BAND = 1 << 30  # a slack no row reaches: the rank alone decides
 
@@ -52,14 +62,14 @@ def band_slack(slack: int):
         selection.RANK_SLACK = before
 
 
-def measure(model, streams, rows, args) -> dict:
+def measure(model, streams, rows, args, mode: str = "rank") -> dict:
     got = measure_budget_per_text(
-        model, streams, args.batch, budget_sizes(args.seq_len), ("rank",)
+        model, streams, args.batch, budget_sizes(args.seq_len), (mode,)
     )
     ppl = row_perplexity(model, rows, args.batch)
     share = KeptShare(model)
     share.add(stream_flops(model, rows.reshape(-1), args.ppl_len, args.batch))
-    texts = {name: modes["rank"] for name, modes in got["texts"].items()}
+    texts = {name: modes[mode] for name, modes in got["texts"].items()}
     gap = max(
         abs(r[k] - r["target"])
         for r in texts.values()
@@ -78,6 +88,8 @@ def main() -> None:
     parser.add_argument("checkpoint", help="a routed checkpoint folder")
     parser.add_argument("--slacks", nargs="+", default=["none", "2", "4", "8"])
     parser.add_argument("--offsets", nargs="*", type=float, default=[0.01, 0.02])
+    parser.add_argument("--raise", dest="raises", nargs="*", type=float, default=[])
+    parser.add_argument("--causal", action="store_true")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--ppl-len", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -99,23 +111,33 @@ def main() -> None:
     lowest = min(m.retention_ratio for m in routed_layers(model) if m.retention_ratio)
     if any(o >= lowest for o in args.offsets):
         parser.error(f"every offset must be below the lowest routed ratio {lowest}")
-    variants = [(s, 0.0) for s in args.slacks] + [("none", o) for o in args.offsets]
+    slack_now = str(selection.RANK_SLACK)
+    variants = (
+        [("rank", s, 0.0) for s in args.slacks]
+        + [("rank", "none", -o) for o in args.offsets]
+        + [("rank", slack_now, o) for o in args.raises]
+        + ([("causal", slack_now, 0.0)] if args.causal else [])
+    )
     results = {}
     with torch.inference_mode():
-        for slack, offset in variants:
-            name = f"slack {slack}" + (f", ratios -{offset}" if offset else "")
+        for mode, slack, change in variants:
+            name = "causal" if mode == "causal" else f"slack {slack}"
+            name += f", ratios {change:+g}" if change else ""
             with (
                 band_slack(NO_BAND if slack == "none" else int(slack)),
-                # every partly routed layer's ratio lowered by the offset
-                retention_ratios(model, lambda r: r - offset if 0 < r < 1 else r),
+                # every partly routed layer's ratio moved by the change (within 0..1)
+                retention_ratios(
+                    model, lambda r: min(max(r + change, 0.0), 1.0) if 0 < r < 1 else r
+                ),
+                routing_mode(model, mode),
             ):
-                results[name] = measure(model, streams, rows, args)
+                results[name] = measure(model, streams, rows, args, mode)
             logger.info(f"{name}: {results[name]}")
     first = next(iter(results.values()))
     texts = list(first["texts"])
     target = first["texts"][texts[0]]["target"]
     print(
-        f"rank routing, float32; PPL on {args.rows} x {args.ppl_len} test-prose "
+        f"float32; PPL on {args.rows} x {args.ppl_len} test-prose "
         f"tokens; kept share prefill / decode per text (target {target:.3f})"
     )
     head = f"{'variant':<24} {'PPL':>7} {'kept':>6} {'gap':>6}"

@@ -594,3 +594,26 @@ def test_bfloat16_study_runs_end_to_end_in_that_precision(tiny_dir, tmp_path):
     configs = [json.loads(p.read_text())["config"] for p in cache.rglob("*.json")]
     assert configs and all(c["dtype"] == "bfloat16" for c in configs)
     assert "model weights in bfloat16" in (out / "RESULTS.md").read_text()
+
+
+def test_a_kept_checkpoint_is_saved_before_the_runs_measurements(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """A run that fails (or is stopped) while it measures still leaves the model it
+    trained in ``--keep-models``: the save comes first."""
+    from adadsf_lab.study import runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("measurement failed")
+
+    monkeypatch.setattr(runner, "measure_perplexity", broken)
+    kept, out = tmp_path / "models", tmp_path / "docs"
+    argv = ["--quick", "--model", tiny_dir, "--cache-dir", str(tmp_path / "cache"),
+            "--output-dir", str(out), "--methods", "dense,adadsf", "--budgets", "0.8",
+            "--seeds", "1", *TINY, "--set", "tune=false", "--keep-models",
+            str(kept)]  # fmt: skip
+    main(argv)
+    failed = json.loads((out / "results.json").read_text())["failed"]
+    assert failed  # every run failed in its measurements...
+    [folder] = [p for p in kept.glob("*/*/*") if p.is_dir()]
+    assert (folder / "adadsf_config.json").exists()  # ...the routed one kept its model

@@ -41,6 +41,7 @@ __all__ = [
     "measure_flops",
     "measure_perplexity",
     "measure_speed",
+    "keep_model",
     "saved_model",
     "measure_tasks",
     "routes_tokens",
@@ -236,20 +237,26 @@ def task_mean(acc: dict[str, float]) -> float | None:
     return sum(acc.values()) / len(acc) if acc else None
 
 
+def keep_model(model: nn.Module, tokenizer: Any, keep: str | os.PathLike[str]) -> None:
+    """Publish ``model`` and ``tokenizer`` as saved in ``keep`` (atomically: a stopped
+    save leaves no half-written folder)."""
+    with atomic_directory(keep) as tmp:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+
+
 @contextmanager
 def saved_model(
     model: nn.Module,
     tokenizer: Any,
-    keep: str | os.PathLike[str] | None = None,
+    kept: str | os.PathLike[str] | None = None,
     scratch: str | None = None,
 ) -> Iterator[str]:
-    """A folder holding ``model`` and ``tokenizer`` as saved: ``keep`` (published
-    atomically, left in place) or a temporary folder removed after the block."""
-    if keep is not None:
-        with atomic_directory(keep) as tmp:
-            model.save_pretrained(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
-        yield str(keep)
+    """A folder holding ``model`` and ``tokenizer`` as saved: ``kept``, where
+    :func:`keep_model` already wrote them (left in place), or a temporary folder
+    removed after the block."""
+    if kept is not None:
+        yield str(kept)
         return
     with tempfile.TemporaryDirectory(prefix="adadsf_study_speed_", dir=scratch) as tmp:
         model.save_pretrained(tmp)

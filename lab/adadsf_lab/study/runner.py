@@ -22,6 +22,7 @@ from loguru import logger
 from adadsf_lab.study.measure import (
     TokenStreams,
     budget_sizes,
+    keep_model,
     measure_budget_per_text,
     measure_flops,
     measure_perplexity,
@@ -217,6 +218,11 @@ def _evaluate(
     """Measure ``model`` into ``record``; ``keep``: where its checkpoint stays (the
     speed benchmark's save, made there instead of in a temporary folder)."""
     ev = cfg["eval"]
+    if keep is not None:
+        # before any measurement: a run stopped while it measures (its training
+        # behind it) still leaves its model
+        keep_model(model, env.tokenizer, keep)
+        logger.info(f"checkpoint kept in {keep}")
     routed = bool(routed_layers(model))
     ml, stride = ev["ppl_max_length"], ev["ppl_stride"]
     bs = ev.get("ppl_batch_size", 1)
@@ -267,21 +273,18 @@ def _evaluate(
     speed_cfg = ev.get("speed")
     record["prefill_speedup"] = record["decode_speedup"] = None
     timed = bool(speed_cfg and routed)
-    if timed or keep is not None:  # one save serves both
+    if timed:  # a kept checkpoint serves as the saved copy the twins load
         with saved_model(model, env.tokenizer, keep, env.scratch) as folder:
-            if timed:
-                need = max(speed_cfg["batch_sizes"]) * max(
-                    speed_cfg["seq_len"], speed_cfg["decode_prompt"]
-                )
-                stream = env.streams.get("test", need)
-                dtype = next(model.parameters()).dtype
-                sp = measure_speed(folder, dtype, stream, speed_cfg, env.device)
-                record["speed"] = sp
-                b1 = min(speed_cfg["batch_sizes"])
-                record["prefill_speedup"] = sp.get(f"prefill_speedup_b{b1}")
-                record["decode_speedup"] = sp.get(f"decode_speedup_b{b1}")
-        if keep is not None:
-            logger.info(f"checkpoint kept in {keep}")
+            need = max(speed_cfg["batch_sizes"]) * max(
+                speed_cfg["seq_len"], speed_cfg["decode_prompt"]
+            )
+            stream = env.streams.get("test", need)
+            dtype = next(model.parameters()).dtype
+            sp = measure_speed(folder, dtype, stream, speed_cfg, env.device)
+            record["speed"] = sp
+            b1 = min(speed_cfg["batch_sizes"])
+            record["prefill_speedup"] = sp.get(f"prefill_speedup_b{b1}")
+            record["decode_speedup"] = sp.get(f"decode_speedup_b{b1}")
     if not timed and METHODS[cfg["method"]].allocation is None:  # dense, or a control
         record["prefill_speedup"] = record["decode_speedup"] = 1.0
 
