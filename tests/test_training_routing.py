@@ -92,3 +92,18 @@ def test_training_routing_field_reaches_the_config_and_is_checked():
     assert AdaDSFModifier().align_routing == "topk"  # the paper's rule by default
     with pytest.raises(ValidationError, match="align_routing must be one of"):
         AdaDSFModifier(align_routing="causal")
+
+
+def test_rank_training_works_after_the_model_ran_in_inference_mode():
+    """Rank routing's tables are cached tensors; one made under ``inference_mode`` (an
+    evaluation before training) must not break a later training step's autograd."""
+    from adadsf_modifier.routing import set_routing_mode
+
+    student, teacher = routed_pair()
+    set_routing_mode(student, "rank")
+    with torch.inference_mode():
+        student(torch.randint(0, student.config.vocab_size, (2, 8)))
+    set_routing_mode(student, "auto")
+    report = align_model(student, teacher, token_dataset(4, 16),
+                         config(steps=2, routing="rank"))  # fmt: skip
+    assert all(math.isfinite(x) for x in report.losses)

@@ -529,6 +529,10 @@ def choose_by_rank(
     ``past``: the row's :class:`RankState` before these tokens (``None``: none);
     ``state``: the same after them, for the cache to keep.
     """
+    # Decisions take no gradient (the router learns through the kept tokens' gate), and
+    # the state a cache keeps must hold no graph; detached, the comparisons also mix
+    # freely with the cached constant tables, whatever mode made those.
+    scores = scores.detach()
     if past is not None and past.kept is None:  # cropped since the last decision
         past = _replay_rank_kept(past, ratio, keep_first)
     if past is not None and _host_step(scores):
