@@ -567,15 +567,13 @@ def choose_by_rank(
 
 
 def _host_step(scores: torch.Tensor) -> bool:
-    """A decoding step of one row on the CPU, float32 scores outside autograd:
-    :func:`choose_by_rank` decides it with host integers
-    (:func:`_rank_step_on_host`)."""
+    """A decoding step of one row on the CPU, float32 scores: :func:`choose_by_rank`
+    decides it with host integers (:func:`_rank_step_on_host`)."""
     return (
         scores.shape[0] == 1
         and scores.shape[1] == 1
         and scores.device.type == "cpu"
         and scores.dtype == torch.float32
-        and not scores.requires_grad
     )
 
 
@@ -607,7 +605,7 @@ def _rank_step_on_host(
     with np.errstate(invalid="ignore"):  # -inf + inf: NaN, as in the tensor path
         width = max(abs(value), np.float32(1.0))
         floor, ceiling = value + width * -tol, value + width * tol
-        earlier = past.scores[0].detach().numpy()
+        earlier = past.scores[0].numpy()
         at_floor = int(np.count_nonzero(earlier >= floor))
         ahead = int(np.count_nonzero(earlier >= ceiling))
     size = _table_size(past.scores.shape[1] + 1)

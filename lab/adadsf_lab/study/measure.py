@@ -241,8 +241,12 @@ def keep_model(model: nn.Module, tokenizer: Any, keep: str | os.PathLike[str]) -
     """Publish ``model`` and ``tokenizer`` as saved in ``keep`` (atomically: a stopped
     save leaves no half-written folder)."""
     with atomic_directory(keep) as tmp:
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        _save(model, tokenizer, str(tmp))
+
+
+def _save(model: nn.Module, tokenizer: Any, folder: str) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 @contextmanager
@@ -259,8 +263,7 @@ def saved_model(
         yield str(kept)
         return
     with tempfile.TemporaryDirectory(prefix="adadsf_study_speed_", dir=scratch) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        _save(model, tokenizer, tmp)
         yield tmp
 
 

@@ -215,8 +215,9 @@ def _evaluate(
     record: dict,
     keep: Path | None = None,
 ) -> None:
-    """Measure ``model`` into ``record``; ``keep``: where its checkpoint stays (the
-    speed benchmark's save, made there instead of in a temporary folder)."""
+    """Measure ``model`` into ``record``; ``keep``: where its checkpoint stays, saved
+    before the first measurement (the speed benchmark then loads its twins from it
+    instead of saving a temporary copy)."""
     ev = cfg["eval"]
     if keep is not None:
         # before any measurement: a run stopped while it measures (its training
