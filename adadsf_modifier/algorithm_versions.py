@@ -22,8 +22,9 @@ ALGORITHM_VERSIONS: dict[str, int] = {
     "routing": 3,
     # AdaDSF's construction: calibration, importance, allocation (and layer removal),
     # router warm start, skip-path fits, thresholds (2: thresholds fitted in one
-    # walk of the decoder stack)
-    "adadsf": 2,
+    # walk of the decoder stack; 3: fitted in the last skip-path walk, whose maps are
+    # then fit on the tokens the thresholds skip)
+    "adadsf": 3,
     # FTP's construction: features, shared router, genetic schedule, router training,
     # thresholds (2: as adadsf's)
     "ftp": 2,

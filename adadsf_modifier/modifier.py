@@ -67,6 +67,7 @@ from adadsf_modifier.routing import (
     TokenRouter,
     calibrate_thresholds,
     check_calibration_rows,
+    check_thresholds,
     decoder_layers,
     route_layer,
     set_routing_mode,
@@ -309,16 +310,30 @@ class AdaDSFModifier(
         )
         with clock.stage("router warm start"):
             self._warm_start_routers(model)
+        # Causal routing (the eval-mode default) needs thresholds fitted to the final
+        # routers: the last skip-path walk fits them as it goes (nothing trains after
+        # it); without one after the alignment, a walk of their own does.
         with clock.stage("skip paths"):
-            self.fit_skip_paths_of(model, calib, refit_routers=self._router_refit())
+            first = self.fit_skip_paths_of(
+                model,
+                calib,
+                refit_routers=self._router_refit(),
+                fit_thresholds=not self.align_enabled,
+            )
         with clock.stage("alignment"):
             self._align(model, calib)
         with clock.stage("skip paths"):
-            self.fit_skip_paths_of(model, calib, after_alignment=True)
-        # Causal routing (the eval-mode default) needs thresholds fitted to the final
-        # routers.
+            after = self.fit_skip_paths_of(
+                model, calib, after_alignment=True, fit_thresholds=True
+            )
         with clock.stage("thresholds"):
-            self._threshold_report = calibrate_thresholds(model, calib)
+            last_walk = after if self.align_enabled else first
+            fitted = last_walk.thresholds if last_walk is not None else None
+            self._threshold_report = (
+                check_thresholds(fitted)
+                if fitted is not None
+                else calibrate_thresholds(model, calib)
+            )
         if self.routing_mode != "causal":
             set_routing_mode(model, self.routing_mode)
         logger.info(f"AdaDSF construction: {clock.summary()}")

@@ -51,7 +51,10 @@ from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.ftp.checkpoint import read_ftp_sidecar
 from adadsf_modifier.routing import calibrate_thresholds, routed_layers
-from adadsf_modifier.routing.thresholds import check_calibration_rows
+from adadsf_modifier.routing.thresholds import (
+    THRESHOLD_TOLERANCE,
+    check_calibration_rows,
+)
 
 __all__ = ["Recalibration", "check_destination_apart", "recalibrate_checkpoint"]
 
@@ -86,7 +89,7 @@ def recalibrate_checkpoint(
     rows: torch.Tensor,
     dest: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
-    tolerance: float = 0.02,
+    tolerance: float = THRESHOLD_TOLERANCE,
 ) -> Recalibration:
     """Refit ``source``'s causal thresholds on ``rows`` (``[n, seq]`` token ids, every
     token real) and write the checkpoint to ``dest`` (``source`` itself replaces it in

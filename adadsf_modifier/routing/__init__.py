@@ -41,6 +41,7 @@ from adadsf_modifier.routing.thresholds import (
     ThresholdReport,
     calibrate_thresholds,
     check_calibration_rows,
+    check_thresholds,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "ThresholdCalibrationError",
     "ThresholdReport",
     "calibrate_thresholds",
+    "check_thresholds",
     "check_calibration_rows",
     "threshold_for_ratio",
     "routed_layers",

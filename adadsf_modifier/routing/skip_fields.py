@@ -131,11 +131,14 @@ class SkipPathFields(RouteTargetFields):
         batches: Iterable[Any],
         after_alignment: bool = False,
         refit_routers: RouterRefit | None = None,
+        fit_thresholds: bool = False,
     ) -> SkipPathReport | None:
         """Fit the skip paths (``ridge``) on ``batches`` (``refit_routers``: and the
-        routers to their skip error, see :func:`fit_skip_paths`). After alignment only
-        when it trained the layers: a routers-only alignment leaves the layers'
-        updates, hence the fit's targets, as they were."""
+        routers to their skip error; ``fit_thresholds``: and the causal thresholds in
+        the same walk, for a model nothing trains after it; see
+        :func:`fit_skip_paths`). After alignment only when it trained the layers: a
+        routers-only alignment leaves the layers' updates, hence the fit's targets, as
+        they were. ``None`` when nothing was fitted."""
         if self.skip_path == "identity":
             return None
         trained = getattr(self, "align_trainable", "routers") != "routers"
@@ -148,5 +151,6 @@ class SkipPathFields(RouteTargetFields):
             ridge=self.skip_path_ridge,
             tokens=self.skip_path_tokens,
             refit_routers=refit_routers,
+            fit_thresholds=fit_thresholds,
         )
         return self._skip_path_report

@@ -20,6 +20,15 @@ the router learns which tokens the map cannot stand in for, on the inputs it wil
 (``benchmarks/oracle_router.py``: the similarity-trained router is no better than one
 ranking by absolute error, while relative error ranks best).
 
+With ``fit_thresholds`` the same walk also fits every routed layer's causal threshold
+(:func:`~adadsf_modifier.routing.thresholds.fit_layer_threshold`) as soon as its
+router is final, and fits the map on the tokens that threshold skips: each layer's
+inputs are then those of the finished model under causal routing, so the thresholds
+are what :func:`~adadsf_modifier.routing.thresholds.calibrate_thresholds` would fit
+afterwards, without its walk (about one more forward pass). Only for a model nothing
+trains after this walk; an alignment changes the routers, and the thresholds are
+fitted after it.
+
 Under ``torchrun`` the regression statistics are summed over the ranks and routers are
 refit on the gathered sample and broadcast, so every rank ends with the same maps and
 routers, fit on every partition.
@@ -59,8 +68,13 @@ from adadsf_modifier.routing.ridge import (
     fit_ridge_on_folds,
     ridge_folds,
 )
-from adadsf_modifier.routing.routed_layer import RoutedLayer
+from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
+from adadsf_modifier.routing.thresholds import (
+    THRESHOLD_TOLERANCE,
+    ThresholdReport,
+    fit_layer_threshold,
+)
 from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
 from adadsf_modifier.utils import model_device
 
@@ -86,6 +100,8 @@ class SkipPathReport:
     #: with ``refit_routers``: each refit router's held-out rank correlation with the
     #: skip error it was fit to
     router_rank_corr: list[float] = field(default_factory=list)
+    #: with ``fit_thresholds``: the causal thresholds fitted in the same walk
+    thresholds: ThresholdReport | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,7 @@ def fit_skip_paths(
     tokens: Literal["skipped", "all"] = "skipped",
     inputs: Literal["routed", "dense"] = "routed",
     refit_routers: RouterRefit | None = None,
+    fit_thresholds: bool = False,
 ) -> SkipPathReport:
     """Fit (installing where missing) the skip path of every routed layer below ratio 1.
 
@@ -139,6 +156,12 @@ def fit_skip_paths(
     :param refit_routers: also refit each router to its layer's skip error, then the
         map on the tokens it skips (see the module docstring); needs ``tokens``
         ``skipped`` and ``inputs`` ``routed``
+    :param fit_thresholds: also fit every routed layer's causal threshold in this
+        walk, once its router is final, and fit its map on the tokens the threshold
+        skips (see the module docstring); only for a model nothing trains after this
+        walk, which the thresholds must fit as it is. Needs ``inputs`` ``routed``; a
+        model whose routed layers all run every token or none has nothing to fit
+        (``report.thresholds`` stays ``None``)
     """
     if tokens not in ("skipped", "all"):
         raise ValueError(f"tokens must be 'skipped' or 'all', got {tokens!r}")
@@ -149,6 +172,11 @@ def fit_skip_paths(
             "refitting the routers to the skip error needs tokens='skipped' and "
             f"inputs='routed', got {tokens!r} and {inputs!r}"
         )
+    if fit_thresholds and inputs != "routed":
+        raise ValueError(
+            "fitting thresholds in the skip-path walk needs inputs='routed', got "
+            f"{inputs!r}"
+        )
     targets = install_skip_paths(model, rank)
     report = SkipPathReport()
     if not targets:
@@ -156,10 +184,16 @@ def fit_skip_paths(
     batches = list(batches)
     _, named = decoder_layers(model)
     last = max(i for i, (_, m) in enumerate(named) if m in targets)
+    routed = routed_layers(model)
+    if fit_thresholds and any(0.0 < m.retention_ratio < 1.0 for m in routed):
+        report.thresholds = ThresholdReport(passes=1, tolerance=THRESHOLD_TOLERANCE)
+        last = max(i for i, (_, m) in enumerate(named) if m in routed)
     device = model_device(model)
     walk = walk_layers(model, batches, last, desc="AdaDSF skip paths")
     for step in walk:
         if step.layer not in targets:
+            if report.thresholds is not None and step.layer in routed:
+                fit_layer_threshold(step, report.thresholds)
             continue
         from_dense = (
             inputs == "routed"
@@ -167,8 +201,9 @@ def fit_skip_paths(
             and kept_tokens_run_densely(step.layer)
         )
         ys, skipped = _fit_layer(
-            step, rank, ridge, tokens, device, report, refit_routers, from_dense
-        )
+            step, rank, ridge, tokens, device, report, refit_routers, from_dense,
+            report.thresholds,
+        )  # fmt: skip
         if inputs == "dense":
             step.outputs = ys
         elif from_dense:
@@ -212,14 +247,19 @@ def _fit_layer(
     report: SkipPathReport,
     refit: RouterRefit | None = None,
     want_skipped: bool = False,
+    thresholds: ThresholdReport | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Fit the step's layer's skip path on its inputs (and with ``refit``, its
-    router, then the map again); returns the dense layer's outputs and, per batch,
-    the real tokens its final router skips (``None`` unless the fit needed them or
-    ``want_skipped``)."""
+    router, then the map again; with ``thresholds``, the layer's causal threshold
+    once its router is final, into that report); returns the dense layer's outputs
+    and, per batch, the real tokens its final router skips (``None`` unless the fit
+    needed them or ``want_skipped``)."""
     layer, xs, calls = step.layer, step.inputs, step.calls
     with routing_override([layer], retention_ratio=1.0):  # every token, no skip path
         dense_out = step.run()
+    refits = refit is not None and layer.retention_ratio > 0.0
+    if thresholds is not None and not refits:  # the router is final already
+        fit_layer_threshold(step, thresholds)
     use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
     skipped = None
     if use_skipped or want_skipped:
@@ -228,7 +268,7 @@ def _fit_layer(
         layer, xs, calls, dense_out, rank, ridge, skipped if use_skipped else None,
         device,
     )  # fmt: skip
-    if refit is not None and layer.retention_ratio > 0.0:
+    if refits:
         x_s, err = _skip_error_sample(layer, xs, calls, dense_out, refit)
         target = skip_error_target(err)
         result = warm_start_router(
@@ -236,6 +276,8 @@ def _fit_layer(
         )
         distributed.broadcast_module(layer.router)  # the source rank's fit everywhere
         report.router_rank_corr.append(result.heldout_rank_corr)
+        if thresholds is not None:
+            fit_layer_threshold(step, thresholds)
         # the map again, on the tokens the new router skips, with the penalty chosen
         # above: choosing it is most of a fit's cost, and the two sets of skipped
         # tokens are of the same layer and mostly the same tokens

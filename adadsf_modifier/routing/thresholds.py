@@ -49,11 +49,19 @@ from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.routing.selection import threshold_beside_forced
 
 __all__ = [
+    "THRESHOLD_TOLERANCE",
     "ThresholdCalibrationError",
     "ThresholdReport",
     "calibrate_thresholds",
     "check_calibration_rows",
+    "check_thresholds",
+    "fit_layer_threshold",
 ]
+
+
+#: How far a layer's kept fraction on the calibration data may miss its ratio beyond
+#: what its tied scores force (a threshold moves whole tokens).
+THRESHOLD_TOLERANCE = 0.02
 
 
 class ThresholdCalibrationError(InputError):
@@ -82,7 +90,7 @@ class ThresholdReport:
 def check_calibration_rows(
     ratios: Iterable[float],
     batches: Iterable[Mapping[str, Any]],
-    tolerance: float = 0.02,
+    tolerance: float = THRESHOLD_TOLERANCE,
     keep_first_token: bool = True,
 ) -> None:
     """Refuse calibration data whose forced tokens alone exceed a routed layer's target.
@@ -132,7 +140,7 @@ def check_calibration_rows(
 def calibrate_thresholds(
     model: nn.Module,
     batches: Iterable[Mapping[str, Any]],
-    tolerance: float = 0.02,
+    tolerance: float = THRESHOLD_TOLERANCE,
 ) -> ThresholdReport:
     """Set ``causal_threshold`` on every routed layer of ``model`` in one bottom-up
     walk of the decoder stack (see the module docstring); returns what was measured.
@@ -161,10 +169,18 @@ def calibrate_thresholds(
     for step in walk_layers(model, batches, last, desc="AdaDSF thresholds"):
         if id(step.layer) not in routed:
             continue
-        _fit_threshold(step, report)
+        fit_layer_threshold(step, report)
         if step.index < last:
             with routing_override([step.layer], mode="causal"):
                 step.outputs = step.run()
+    return check_thresholds(report)
+
+
+def check_thresholds(report: ThresholdReport) -> ThresholdReport:
+    """Log a finished walk's thresholds (``report``, filled by
+    :func:`fit_layer_threshold` for every routed layer) and return it; raises
+    :class:`ThresholdCalibrationError` if a layer's kept fraction misses its target by
+    more than the report's tolerance and more than its scores allow."""
     logger.info(
         f"AdaDSF causal thresholds (one layer walk): kept fraction "
         f"[{', '.join(f'{k:.3f}' for k in report.kept_fraction)}] (targets "
@@ -186,9 +202,13 @@ def calibrate_thresholds(
     return report
 
 
-def _fit_threshold(step: LayerStep, report: ThresholdReport) -> None:
+def fit_layer_threshold(step: LayerStep, report: ThresholdReport) -> None:
     """Fit the step's layer's threshold on its inputs (every rank's), set it, and add
-    the layer's kept fraction and agreement with top-k under it to ``report``."""
+    the layer's kept fraction and agreement with top-k under it to ``report``.
+
+    The inputs must be final: those a forward of the finished model gives the layer
+    (a walk in which every layer below runs under its fitted threshold), and the
+    router must not change afterwards."""
     layer = step.layer
     ratio = float(layer.retention_ratio)
     scored, free_scores = [], []
