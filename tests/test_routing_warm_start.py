@@ -35,6 +35,29 @@ def test_warm_start_fits_any_sample_size(tokens):
     assert math.isnan(result.heldout_rank_corr) == (tokens < MIN_HELDOUT_SAMPLE)
 
 
+def test_warm_start_trains_the_router_as_adam_on_its_forward_would():
+    """The fit normalises the fixed inputs once; the router it leaves is, to the bit,
+    that of full-batch Adam on the router's own forward over the fit tokens."""
+    torch.manual_seed(0)
+    x = (torch.randn(64, 16) * 3).bfloat16()
+    target = torch.randn(64)
+    router = TokenRouter(16, 4).bfloat16()
+    reference = TokenRouter(16, 4)
+    reference.load_state_dict({k: v.float() for k, v in router.state_dict().items()})
+    warm_start_router(router, x, target, layer_index=2, steps=7, seed=3)
+
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(3 + 2))
+    fit = perm[max(2, 64 // 4) :]
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for _ in range(7):
+        loss = torch.nn.functional.mse_loss(reference(x.float()[fit]), target[fit])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for k, v in reference.state_dict().items():
+        assert torch.equal(router.state_dict()[k], v.bfloat16()), k
+
+
 def test_warm_start_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="importance targets"):
         warm_start_router(TokenRouter(16, 4), torch.randn(5, 16), torch.rand(4), 0)

@@ -85,9 +85,17 @@ class TokenRouter(nn.Module):
         one cheap op, so the float32 router is both the faster and the more exact one
         at decode; in a prefill its matmul is a small share of a layer's.
         """
+        return self.score(self.normalise(hidden_states))
+
+    def normalise(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The router's input: ``hidden_states`` RMS-normalised in float32, no learned
+        scale (so a fit that trains the router on fixed inputs normalises them once)."""
+        return F.rms_norm(hidden_states.float(), (self.hidden_size,), eps=self.eps)
+
+    def score(self, normalised: torch.Tensor) -> torch.Tensor:
+        """The MLP on :meth:`normalise`'s output: ``[..., hidden] -> [...]``."""
         w1, b1, w2, b2 = self._float_params()
-        h = F.rms_norm(hidden_states.float(), (self.hidden_size,), eps=self.eps)
-        return F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2).squeeze(-1)
+        return F.linear(F.gelu(F.linear(normalised, w1, b1)), w2, b2).squeeze(-1)
 
     def _float_params(self) -> tuple[torch.Tensor, ...]:
         """``fc1``'s and ``fc2``'s weights and biases in float32.

@@ -122,13 +122,14 @@ def warm_start_router(
     target = importance.float()
     device = next(router.parameters()).device
     work = copy.deepcopy(router).float().to(device)
-    x = inputs.float().to(device)
+    h = work.normalise(inputs.to(device))  # fixed inputs: normalised once
     y = target.to(device)
+    h_fit, y_fit = h[fit], y[fit]
     opt = torch.optim.Adam(work.parameters(), lr=lr)
     first = last = float("nan")
     with torch.enable_grad():
         for step in range(steps):
-            loss = torch.nn.functional.mse_loss(work(x[fit]), y[fit])
+            loss = torch.nn.functional.mse_loss(work.score(h_fit), y_fit)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -136,7 +137,7 @@ def warm_start_router(
                 first = float(loss.detach())
             last = float(loss.detach())
     with torch.no_grad():
-        scores = work(x)
+        scores = work.score(h)
         router.load_state_dict(
             {
                 k: v.to(p.dtype)
