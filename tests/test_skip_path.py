@@ -277,8 +277,9 @@ def test_auto_ridge_picks_the_penalty_with_the_least_held_out_error(rank):
                ((fit_ridge(a, rank, r), b), (fit_ridge(b, rank, r), a)))
         for r in RIDGE_GRID
     }  # fmt: skip
+    # at rank k the search's eigh runs in float32 (ridge.held_out_errors)
     assert held_out_errors((a, b), rank) == pytest.approx(
-        [errors[r] for r in RIDGE_GRID], rel=1e-9
+        [errors[r] for r in RIDGE_GRID], rel=1e-9 if rank is None else 1e-5
     )
     assert errors[chosen] == min(errors.values())
     model = route_all(tiny_model("llama", 3), [1.0, 0.5, 0.6]).eval()

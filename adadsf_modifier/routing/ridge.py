@@ -144,6 +144,12 @@ def held_out_errors(
     fitted-value covariance and its ``eigh`` are ``h^3``, the error itself
     ``h^2 k``. At a 1B model's width (h = 2048) each ``h^3`` product is a fifth of a
     second in float64 on two threads, and a layer's search makes 14 such fits.
+
+    At rank ``k`` the search's ``eigh`` runs in float32 (half the time of float64,
+    the search's largest cost), the rest in float64: the errors then carry float32's
+    rounding of the top-``k`` directions (relative ~1e-6), which can only change the
+    choice between penalties whose errors tie to that precision. The fit of the chosen
+    penalty is all float64.
     """
     errors = [0.0] * len(grid)
     for fit_on, test_on in (folds, folds[::-1]):
@@ -159,7 +165,7 @@ def held_out_errors(
                 errors[i] += held_out.squared_error(m)
                 continue
             fitted = proj.T @ (proj * (evals * inv * inv)[:, None])
-            v = _top_eigenvectors(fitted, int(rank))
+            v = _top_eigenvectors(fitted, int(rank), search=True)
             errors[i] += held_out.squared_error(m @ v, v)  # W V V^T = Q (M V) V^T
     return errors
 
@@ -214,13 +220,21 @@ def _penalty_scale(cxx: torch.Tensor) -> float:
     return float(cxx.diagonal().mean().clamp(min=1e-12))
 
 
-def _top_eigenvectors(sym: torch.Tensor, k: int) -> torch.Tensor:
+def _top_eigenvectors(sym: torch.Tensor, k: int, search: bool = False) -> torch.Tensor:
     """The eigenvectors of the ``k`` largest eigenvalues of a symmetric matrix,
-    ``[h, k]``, ascending. A full ``torch.linalg.eigh``: LAPACK's subset solver
-    (``scipy.linalg.eigh(subset_by_index=...)``) took 24 ms against 43 at h = 576 on one
-    thread, but on two its OpenBLAS threads ran slower than torch's and kept spinning
-    into the torch matmuls after them (1.5x slower), a net loss in a model's process."""
-    return torch.linalg.eigh(0.5 * (sym + sym.T))[1][:, -k:]
+    ``[h, k]``, ascending, in ``sym``'s dtype. A full ``torch.linalg.eigh``: LAPACK's
+    subset solver (``scipy.linalg.eigh(subset_by_index=...)``) took 24 ms against 43 at
+    h = 576 on one thread, but on two its OpenBLAS threads ran slower than torch's and
+    kept spinning into the torch matmuls after them (1.5x slower), a net loss in a
+    model's process.
+
+    ``search``: for :func:`held_out_errors`, the decomposition in float32 (the matrix
+    scaled to a largest entry of 1 first, so its range fits float32's)."""
+    sym = 0.5 * (sym + sym.T)
+    if not search:
+        return torch.linalg.eigh(sym)[1][:, -k:]
+    scaled = (sym / sym.abs().max().clamp(min=1e-300)).float()
+    return torch.linalg.eigh(scaled)[1][:, -k:].to(sym.dtype)
 
 
 def ridge_folds(
