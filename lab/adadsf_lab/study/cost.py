@@ -177,7 +177,8 @@ def estimate_run_seconds(
     train = 0.0
     rate = align_s_per_token
     if m.allocation is not None:
-        # the dense calibration pass and the threshold walk
+        # the dense calibration pass and one layer walk (the last skip-path walk,
+        # which fits the thresholds too, or the thresholds' own)
         secs += s.calib_samples * s.calib_seq_len * fwd * 2
         per_token = _cpu_align_s_per_token(s) * scale if rate is None else rate
         if m.modifier == "ftp":
