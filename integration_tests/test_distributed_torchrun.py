@@ -104,12 +104,21 @@ def similarities(batches) -> list[float]:
     return acc.similarities()
 
 
-def skip_paths(batches, refit: RouterRefit | None = None) -> dict:
-    """Ridge skip paths (rank 4, penalty chosen per layer) fit on ``batches``."""
+def skip_paths(
+    batches, refit: RouterRefit | None = None, thresholds: bool = False
+) -> dict:
+    """Ridge skip paths (rank 4, penalty chosen per layer) fit on ``batches``; with
+    ``thresholds``, the causal thresholds fitted in the same walk."""
     model, _ = routed_tiny()
-    fit_skip_paths(model, batches, rank=4, refit_routers=refit)
+    report = fit_skip_paths(
+        model, batches, rank=4, refit_routers=refit, fit_thresholds=thresholds
+    )
     maps = {k: v.clone() for k, v in model.state_dict().items() if "skip_path" in k}
-    return {"maps": maps, "routers": trained(model, "routers")}
+    out = {"maps": maps, "routers": trained(model, "routers")}
+    if thresholds:
+        out["thresholds"] = torch.tensor(report.thresholds.thresholds)
+        out["kept"] = torch.tensor(report.thresholds.kept_fraction)
+    return out
 
 
 def align(parallel: str, batch_size: int, trainable: str = "routers"):
@@ -191,6 +200,9 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
     }
     res["skip_paths"] = skip_paths(mine)
     res["skip_paths_refit"] = skip_paths(mine, RouterRefit(tokens=24, steps=5))
+    res["skip_paths_thresholds"] = skip_paths(
+        mine, RouterRefit(tokens=24, steps=5), thresholds=True
+    )
 
     for parallel, trainable in (
         ("ddp", "routers"),
@@ -363,6 +375,13 @@ def test_skip_paths_fit_on_both_ranks_equal_one_process_over_the_union(ranks):
     assert_same(ranks[0]["skip_paths"], ranks[1]["skip_paths"])
     # the regression sums are reduced over the ranks (float64, another order)
     assert_same(ranks[0]["skip_paths"], skip_paths(calibration_batches()), atol=1e-5)
+
+
+def test_thresholds_fitted_in_the_skip_walk_equal_on_both_ranks(ranks):
+    # every rank fits each threshold on all ranks' scores, so they agree to the bit
+    walked = ranks[0]["skip_paths_thresholds"]
+    assert_same(walked, ranks[1]["skip_paths_thresholds"])
+    assert len(walked["thresholds"]) == len(walked["kept"]) > 0
 
 
 def test_routers_refit_to_the_skip_error_identical_on_both_ranks(ranks):
