@@ -66,7 +66,13 @@ def block(results: dict[str, Any]) -> list[str]:
         f"SmolLM2-135M-Instruct at budget {budget:g}, bfloat16, test split, mean ± 95% "
         "CI over seeds; speed (seed 0) on 2 CPU threads at batch 1, prefill of 1024 "
         "tokens and decode after a 128-token prompt, each model timed beside its "
-        "dense twin in one run:",
+        "dense twin in one run"
+        + (
+            " (runs computed by an older plug-in than this one: the header of "
+            "`docs/results/RESULTS.md` says which parts changed since):"
+            if results.get("older_algorithm")
+            else ":"
+        ),
         "",
         "| model | seeds | test PPL | x dense | 7-task mean | measured FLOPs |"
         " prefill x dense | decode x dense |",

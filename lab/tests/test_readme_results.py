@@ -59,3 +59,9 @@ def test_the_table_drops_an_interval_that_rounds_to_zero():
     assert _with_ci({"mean": 37.15, "ci95": 0.918}, ".2f") == "37.15 ± 0.92"
     assert _with_ci({"mean": 33.3, "ci95": None}, ".2f") == "33.30"
     assert _with_ci({"mean": None, "ci95": None}, ".2f") == "-"
+
+
+def test_the_caption_says_when_an_older_plugin_computed_the_runs():
+    assert "older plug-in" not in block(RESULTS)[0]
+    older = {**RESULTS, "older_algorithm": {"runs": 2, "areas": {"adadsf": [2]}}}
+    assert "runs computed by an older plug-in than this one" in block(older)[0]

@@ -185,7 +185,7 @@ def test_a_tiny_run_recomputes_to_its_recorded_numbers(tmp_path):
 
 
 def test_rendering_finds_a_run_computed_before_a_version_bump(tmp_path):
-    from adadsf_lab.study.run_cache import RunCache
+    from adadsf_lab.study.run_cache import OLDER_ALGORITHM, RunCache
     from adadsf_lab.study.spec import RunSpec
 
     def spec(routing: int) -> RunSpec:
@@ -196,6 +196,30 @@ def test_rendering_finds_a_run_computed_before_a_version_bump(tmp_path):
     cache = RunCache(tmp_path)
     cache.put(spec(1), {"ppl_test": 30.0})
     assert cache.get(spec(2)) is None  # a study recomputes it
+    # render-only shows it, saying which older version computed it
     assert cache.get(spec(2), lenient=True) == {
-        "ppl_test": 30.0
-    }  # render-only shows it
+        "ppl_test": 30.0,
+        OLDER_ALGORITHM: {"routing": 1},
+    }
+    assert cache.get(spec(1), lenient=True) == {"ppl_test": 30.0}  # an exact match
+
+
+def test_results_say_how_many_runs_an_older_plugin_computed():
+    from adadsf_lab.study.render import _older_code
+    from adadsf_lab.study.run_cache import OLDER_ALGORITHM
+    from adadsf_lab.study.study import _older_algorithm
+
+    now = ALGORITHM_VERSIONS["adadsf"]
+    records = [
+        {"ppl_test": 1.0},
+        {"ppl_test": 2.0, OLDER_ALGORITHM: {"adadsf": now - 1, "routing": 1}},
+        {"ppl_test": 3.0, OLDER_ALGORITHM: {"adadsf": now - 2}},
+        None,
+    ]
+    older = _older_algorithm(records)
+    assert older["runs"] == 2
+    assert older["areas"] == {"adadsf": [now - 2, now - 1], "routing": [1]}
+    (line,) = _older_code({"older_algorithm": older})
+    assert "2 of the runs shown were computed by an older plug-in" in line
+    assert f"adadsf {now - 2}/{now - 1} (now {now})" in line
+    assert _older_algorithm(records[:1]) == {} and _older_code({}) == []

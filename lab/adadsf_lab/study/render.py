@@ -540,6 +540,24 @@ def _computed_by(commands: list[str]) -> list[str]:
     ]
 
 
+def _older_code(r: dict[str, Any]) -> list[str]:
+    """The header line saying how many shown runs an older plug-in computed (their
+    algorithm versions have moved since: the current code would give other numbers)."""
+    older = r.get("older_algorithm") or {}
+    if not older:
+        return []
+    now = older.get("now", {})
+    areas = ", ".join(
+        f"{area} {'/'.join(str(v) for v in then)} (now {now.get(area, '?')})"
+        for area, then in sorted(older["areas"].items())
+    )
+    return [
+        f"- **{older['runs']} of the runs shown were computed by an older plug-in**"
+        f" (`ALGORITHM_VERSIONS` then: {areas}): their numbers are those that code"
+        " gave; `adadsf study` without `--render-only` recomputes them"
+    ]
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     rt = r["runtime"]
     hw = r["hardware"]
@@ -561,6 +579,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             for m, n in sorted(r.get("computed_on", {}).items())
             if len(r.get("computed_on", {})) > 1 or m != hw["summary"]
         ],
+        *_older_code(r),
         f"- model: {r['model']['name']} (fingerprint {r['model']['fingerprint'][:12]})",
         f"- total runtime: {_hours(rt['sum_of_runs_s'])} of compute over"
         f" {rt['runs_total']} runs (all sessions); this invocation"

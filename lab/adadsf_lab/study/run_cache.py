@@ -21,7 +21,12 @@ from adadsf_lab.study.spec import RunSpec
 from adadsf_modifier.atomic import atomic_write_text
 from adadsf_modifier.utils import json_text
 
-__all__ = ["RunCache"]
+__all__ = ["OLDER_ALGORITHM", "RunCache"]
+
+#: The key a leniently matched record (``RunCache.get(..., lenient=True)``) carries when
+#: older algorithm versions computed it: ``{area: the version that computed it}`` for
+#: each area whose version has moved since.
+OLDER_ALGORITHM = "computed_by_older_algorithm"
 
 
 def _agree(a: Any, b: Any) -> bool:
@@ -57,7 +62,9 @@ class RunCache:
         to the code since (a new modifier field with its default) then do not orphan
         runs computed before, and a version bump leaves the finished study renderable
         (as computed) until its runs are recomputed; any setting they share must still
-        be equal."""
+        be equal. A record computed by older algorithm versions comes back with
+        :data:`OLDER_ALGORITHM` set, so the rendered results can say which numbers the
+        current code would no longer give."""
         path = self.path_for(spec)
         if not path.is_file():
             return self._lenient(spec) if lenient else None
@@ -86,7 +93,13 @@ class RunCache:
         if len(found) != 1:
             return None  # none, or ambiguous: not rendered
         logger.info(f"study cache: {spec.label} matched on the settings it shares")
-        return found[0]["record"]
+        record = dict(found[0]["record"])
+        then = found[0]["config"].get("versions", {}).get("algorithm", {})
+        now = spec.config.get("versions", {}).get("algorithm", {})
+        older = {area: v for area, v in then.items() if now.get(area) != v}
+        if older:  # computed by code whose numbers have changed since: say so
+            record[OLDER_ALGORITHM] = older
+        return record
 
     def put(self, spec: RunSpec, record: dict[str, Any]) -> Path:
         """Store a finished run atomically; returns its file."""

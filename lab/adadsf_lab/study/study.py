@@ -47,7 +47,11 @@ from adadsf_lab.study.plan import (
 )
 from adadsf_lab.study.plots import PLOT_FILES, write_plots
 from adadsf_lab.study.render import MARKER, render_markdown
-from adadsf_lab.study.run_cache import RunCache, weights_mismatch_warning
+from adadsf_lab.study.run_cache import (
+    OLDER_ALGORITHM,
+    RunCache,
+    weights_mismatch_warning,
+)
 from adadsf_lab.study.runner import RunEnv, execute_run
 from adadsf_lab.study.settings import StudyInputError, StudySettings
 from adadsf_lab.study.spec import (
@@ -60,6 +64,7 @@ from adadsf_lab.study.stats import resolvable_task_mean_difference
 from adadsf_lab.study.tuning import tune_on_validation
 
 # Project APIs used here (one place, so a module move needs one edit).
+from adadsf_modifier.algorithm_versions import ALGORITHM_VERSIONS
 from adadsf_modifier.atomic import atomic_write_text
 from adadsf_modifier.evaluation import calibration_dataset, resolve_model
 from adadsf_modifier.utils import json_text
@@ -194,6 +199,25 @@ def _reference(records: list[dict], method: str) -> Callable[[float], dict | Non
         }
 
     return ref
+
+
+def _older_algorithm(records: list[dict | None]) -> dict[str, Any]:
+    """``{"runs": n, "areas": {area: [versions]}, "now": {area: version}}`` over the
+    records an older plug-in computed (:data:`~adadsf_lab.study.run_cache.\
+OLDER_ALGORITHM`): how many, which versions of which areas computed them, and the
+    current ones; ``{}`` if none."""
+    older = [r[OLDER_ALGORITHM] for r in records if r and OLDER_ALGORITHM in r]
+    if not older:
+        return {}
+    areas: dict[str, set[int]] = {}
+    for one in older:
+        for area, version in one.items():
+            areas.setdefault(area, set()).add(int(version))
+    return {
+        "runs": len(older),
+        "areas": {a: sorted(v) for a, v in areas.items()},
+        "now": {a: ALGORITHM_VERSIONS[a] for a in areas if a in ALGORITHM_VERSIONS},
+    }
 
 
 def _walk(
@@ -388,6 +412,9 @@ def run_study(
         ),
         "model": {"name": name, "path": model_path, "fingerprint": ctx.fingerprint},
         "versions": ctx.versions,
+        # {area: [versions that computed some shown run]} of the runs computed before
+        # a bump of that area (rendered leniently), and how many such runs
+        "older_algorithm": _older_algorithm([dense, *runs, *tuning]),
         "runtime": {
             "this_invocation_s": time.time() - t0,
             "sum_of_runs_s": sum(
