@@ -277,7 +277,7 @@ def test_auto_ridge_picks_the_penalty_with_the_least_held_out_error(rank):
                ((fit_ridge(a, rank, r), b), (fit_ridge(b, rank, r), a)))
         for r in RIDGE_GRID
     }  # fmt: skip
-    # at rank k the search's eigh runs in float32 (ridge.held_out_errors)
+    # at rank k the search's directions are float32 (at h = 40 it tracks all of them)
     assert held_out_errors((a, b), rank) == pytest.approx(
         [errors[r] for r in RIDGE_GRID], rel=1e-9 if rank is None else 1e-5
     )
@@ -285,6 +285,41 @@ def test_auto_ridge_picks_the_penalty_with_the_least_held_out_error(rank):
     model = route_all(tiny_model("llama", 3), [1.0, 0.5, 0.6]).eval()
     report = fit_skip_paths(model, batches(4), ridge="auto")
     assert all(r in RIDGE_GRID for r in report.ridge)
+
+
+def test_penalty_search_refining_directions_errs_as_fitting_each_penalty_afresh(
+    monkeypatch,
+):
+    """Where the search tracks fewer directions than the width (h = 200, rank 8), a
+    penalty after the first refines the previous penalty's directions instead of an
+    ``eigh`` of its own: one full ``eigh`` per fold, and held-out errors (and so the
+    choice) as fitting each penalty afresh with a full float64 ``eigh``."""
+    from adadsf_modifier.routing import ridge
+
+    g = torch.Generator().manual_seed(3)
+    h, k, n = 200, 8, 1200
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    u, w = (torch.linalg.qr(torch.randn(h, h, generator=g, dtype=torch.float64))[0]
+            for _ in range(2))  # fmt: skip
+    noise = torch.randn(n, h, generator=g, dtype=torch.float64)
+    y = x @ (u * 0.9 ** torch.arange(h, dtype=torch.float64)) @ w.T + 0.5 * noise
+    a, b = RidgeStats(h), RidgeStats(h)
+    a.add(x[::2], y[::2])
+    b.add(x[1::2], y[1::2])
+    errors = [
+        sum(t.squared_error(f.matrix, f.bias) for f, t in
+            ((fit_ridge(a, k, r), b), (fit_ridge(b, k, r), a)))
+        for r in RIDGE_GRID
+    ]  # fmt: skip
+    full = []
+    top = ridge._top_eigenvectors
+    monkeypatch.setattr(
+        ridge, "_top_eigenvectors", lambda *a, **kw: full.append(1) or top(*a, **kw)
+    )
+    searched = held_out_errors((a, b), k)
+    assert len(full) == 2  # each fold's first penalty
+    assert searched == pytest.approx(errors, rel=1e-4)
+    assert choose_ridge((a, b), k) == RIDGE_GRID[errors.index(min(errors))]
 
 
 def test_low_rank_fit_is_the_full_fit_projected_on_its_top_fitted_directions():
