@@ -87,6 +87,32 @@ def test_the_refit_map_keeps_the_penalty_chosen_for_the_first_one():
     assert refit.ridge == plain.ridge
 
 
+def test_a_map_fitted_on_all_tokens_is_not_fitted_again_after_the_router_refit(
+    monkeypatch,
+):
+    """Too few tokens skip for a fit on them (4 < hidden 32), so the map is fitted on
+    all real tokens, before the router refit and after it alike: the same tokens and
+    penalty, so the walk gathers their statistics once and keeps the first fit, which
+    is the map a plain fit on all tokens gives."""
+    from adadsf_modifier.routing import skip_fit
+
+    torch.manual_seed(0)
+    model = route_all(tiny_model("llama", 2), [1.0, 0.9])
+    data = batches(1, rows=1, length=40)
+    gathered = []
+    stats = skip_fit._fold_stats
+    monkeypatch.setattr(
+        skip_fit, "_fold_stats", lambda *a, **kw: gathered.append(1) or stats(*a, **kw)
+    )
+    report = fit_skip_paths(model, data, rank=4, refit_routers=RouterRefit(64, 20))
+    assert report.tokens == [40] and len(gathered) == 1
+    maps = _maps(model)
+    fit_skip_paths(model, data, rank=4, ridge=report.ridge[0], tokens="all")
+    for i, m in _maps(model).items():
+        for k in m:
+            torch.testing.assert_close(m[k], maps[i][k], atol=0, rtol=0)
+
+
 def test_a_router_fit_to_the_skip_error_ranks_held_out_tokens_by_it():
     """The fit itself, on a skip error that depends on the input (random tiny models'
     errors barely do): held-out tokens come out in the error's order."""

@@ -264,7 +264,7 @@ def _fit_layer(
     skipped = None
     if use_skipped or want_skipped:
         skipped = _skipped_tokens(layer, xs, calls)
-    fit = _fit_map(
+    fit, on_all = _fit_map(
         layer, xs, calls, dense_out, rank, ridge, skipped if use_skipped else None,
         device,
     )  # fmt: skip
@@ -282,9 +282,9 @@ def _fit_layer(
         # above: choosing it is most of a fit's cost, and the two sets of skipped
         # tokens are of the same layer and mostly the same tokens
         skipped = _skipped_tokens(layer, xs, calls)
-        fit = _fit_map(
+        fit, _ = _fit_map(
             layer, xs, calls, dense_out, rank, fit.ridge,
-            skipped if use_skipped else None, device,
+            skipped if use_skipped else None, device, fit if on_all else None,
         )  # fmt: skip
     report.layer_indices.append(layer.layer_index)
     report.tokens.append(fit.tokens)
@@ -329,27 +329,34 @@ def _fit_map(
     ridge: float | str,
     skipped: list[torch.Tensor] | None,
     device: torch.device,
-) -> RidgeFit:
+    fitted_on_all: RidgeFit | None = None,
+) -> tuple[RidgeFit, bool]:
     """Fit and load ``layer``'s map from inputs ``xs`` and dense outputs ``ys``, on
     the real tokens its router skips (``skipped``, per batch) or, ``None``, on all
-    of them."""
+    of them; returns the fit and whether it is on all real tokens.
+
+    ``fitted_on_all``: the map already loaded was fitted on all real tokens of these
+    inputs and outputs, with the penalty ``ridge``. A fit that falls on all real
+    tokens again would be that same fit, so it is returned as it is: the refit after
+    a router refit costs nothing where too few tokens skip (a wide model on a small
+    calibration set)."""
     hidden = xs[0].shape[-1]
-    folds = None
     if skipped is not None:
-        folds = _fold_stats(xs, calls, ys, device, skipped)
-        n_skipped = sum(f.n for f in folds)  # summed over the ranks: same choice
+        # summed over the ranks: every rank makes the same choice
+        count = sum(int(s.sum()) for s in skipped)
+        (n_skipped,) = distributed.sum_across_ranks([count])
         if n_skipped < hidden:
             logger.warning(
                 f"AdaDSF skip path of layer {layer.layer_index}: its router skipped "
                 f"{n_skipped} calibration tokens, fewer than the hidden size "
                 f"{hidden}; fitting on all real tokens instead"
             )
-            folds = None
-    if folds is None:
-        folds = _fold_stats(xs, calls, ys, device)
-    fit = fit_ridge_on_folds(folds, rank, ridge)
+            skipped = None
+    if skipped is None and fitted_on_all is not None:
+        return fitted_on_all, True
+    fit = fit_ridge_on_folds(_fold_stats(xs, calls, ys, device, skipped), rank, ridge)
     layer.skip_path.load_fit(fit)
-    return fit
+    return fit, skipped is None
 
 
 def _fold_stats(
