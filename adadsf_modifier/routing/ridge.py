@@ -190,7 +190,8 @@ def _leading_fitted_directions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-``k`` eigenvectors of the fitted-value covariance ``F = P^T diag(w) P``
     (``[h, k]``, ascending, float64) for :func:`held_out_errors`, and the leading
-    directions (float32; :data:`SEARCH_OVERSAMPLING`) to start the next penalty from.
+    directions to start the next penalty from (float32, ``k`` more than asked and at
+    least :data:`SEARCH_OVERSAMPLING` more).
 
     The grid's first penalty (``block`` None) gets a full float32 ``eigh`` of ``F``.
     A later one starts from the previous penalty's leading directions, which
@@ -203,12 +204,11 @@ def _leading_fitted_directions(
     most :data:`SEARCH_TOLERANCE` times the gap between the ``k``-th and the next Ritz
     value: by Davis-Kahan (with that Ritz value standing in for the next eigenvalue)
     the subspace is then within about that angle of the exact one. Directions the gap
-    leaves
-    undetermined (a flat spectrum) do not settle, and get a full ``eigh`` after
+    leaves undetermined (a flat spectrum) do not settle, and get a full ``eigh`` after
     :data:`SEARCH_MAX_STEPS`. On a SmolLM2 compression's 29 layers (about three steps
     a penalty) and on 12 random 1B-shaped layers (about six), the held-out errors moved
     by at most 2e-5 (relative) against best-to-second gaps of 2.5e-4 and more, and
-    every layer chose the same penalty. Where the tracked directions are all of the ``h``,
+    every layer chose the same penalty. Where the tracked directions are all ``h``,
     one Rayleigh-Ritz step is exact. The fit of the chosen penalty (:func:`fit_ridge`)
     is a full float64 ``eigh``.
     """
