@@ -26,8 +26,8 @@ ALGORITHM_VERSIONS: dict[str, int] = {
     # then fit on the tokens the thresholds skip)
     "adadsf": 3,
     # FTP's construction: features, shared router, genetic schedule, router training,
-    # thresholds (2: as adadsf's)
-    "ftp": 2,
+    # thresholds (2: as adadsf's 2; 3: as adadsf's 3, fitted in the last skip-path walk)
+    "ftp": 3,
     # the alignment fine-tune: losses, schedule, teacher, data rows
     "alignment": 1,
     # measurement: perplexity, lm-eval glue, FLOPs counts, speed benchmark, text splits

@@ -65,9 +65,7 @@ from adadsf_modifier.routing import (
     ThresholdCalibrationError,
     ThresholdReport,
     TokenRouter,
-    calibrate_thresholds,
     check_calibration_rows,
-    check_thresholds,
     decoder_layers,
     route_layer,
     set_routing_mode,
@@ -327,12 +325,8 @@ class AdaDSFModifier(
                 model, calib, after_alignment=True, fit_thresholds=True
             )
         with clock.stage("thresholds"):
-            last_walk = after if self.align_enabled else first
-            fitted = last_walk.thresholds if last_walk is not None else None
-            self._threshold_report = (
-                check_thresholds(fitted)
-                if fitted is not None
-                else calibrate_thresholds(model, calib)
+            self._threshold_report = self.thresholds_after(
+                model, calib, after if self.align_enabled else first
             )
         if self.routing_mode != "causal":
             set_routing_mode(model, self.routing_mode)

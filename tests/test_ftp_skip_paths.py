@@ -134,9 +134,12 @@ def test_router_training_leaves_fitted_skip_paths_unchanged():
     assert changed and all(".router.mlp." in n for n in changed)
 
 
-def test_skip_paths_fitted_around_training_and_thresholds_last(monkeypatch):
+def test_skip_paths_fitted_around_training_and_thresholds_in_the_last_walk(
+    monkeypatch,
+):
     """Fit (the router trains with the map in place) -> train -> refit (what the
-    trained router skips) -> thresholds."""
+    trained router skips), which fits the thresholds as it goes: nothing trains after
+    it, so no threshold walk of their own runs."""
     events = []
 
     def spy(name, fn, module):
@@ -150,12 +153,33 @@ def test_skip_paths_fitted_around_training_and_thresholds_last(monkeypatch):
 
     spy("fit_skip_paths", skip_fields.fit_skip_paths, skip_fields)
     spy("train_router", ftp_modifier.train_router, ftp_modifier)
-    spy("calibrate_thresholds", ftp_modifier.calibrate_thresholds, ftp_modifier)
+    spy("calibrate_thresholds", skip_fields.calibrate_thresholds, skip_fields)
     ftp_model(**RIDGE_KV)
     names = [name for name, _ in events]
-    assert names == ["fit_skip_paths", "train_router", "fit_skip_paths",
-                     "calibrate_thresholds"]  # fmt: skip
+    assert names == ["fit_skip_paths", "train_router", "fit_skip_paths"]
     assert events[1][1] == [True, True, True]  # fitted before training
+    # the paper's identity skip path has no skip-path walk: a walk of their own
+    events.clear()
+    ftp_model()
+    assert [name for name, _ in events] == ["train_router", "calibrate_thresholds"]
+
+
+def test_ftp_thresholds_fitted_in_the_last_walk_are_those_a_walk_of_their_own_fits():
+    """The thresholds the last skip-path walk fits equal a threshold walk's on the
+    finished model (the same calibration rows); the maps were fitted on the tokens
+    those thresholds skip, so a plain fit on the finished model gives them again."""
+    from adadsf_modifier.routing import calibrate_thresholds, fit_skip_paths
+
+    model, _ = ftp_model(**RIDGE_KV)
+    fitted = [m.causal_threshold for m in routed_layers(model)]
+    maps = {i: {k: v.clone() for k, v in p.state_dict().items()}
+            for i, p in skip_paths(model).items()}  # fmt: skip
+    ref = calibrate_thresholds(model, calib_batches())
+    torch.testing.assert_close(fitted, ref.thresholds)
+    fit_skip_paths(model, calib_batches(), rank=None)
+    for i, p in skip_paths(model).items():
+        for k, v in p.state_dict().items():
+            torch.testing.assert_close(v, maps[i][k], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("target", ["attention", "mlp"])

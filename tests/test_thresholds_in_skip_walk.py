@@ -9,7 +9,7 @@ from test_skip_path import batches, run
 from test_skip_path import tiny_dir as tiny_dir  # noqa: F401  (the module fixture)
 from tiny_models import tiny_model
 
-import adadsf_modifier.modifier as modifier_module
+import adadsf_modifier.routing.skip_fields as skip_fields
 from adadsf_modifier.routing import (
     RouterRefit,
     calibrate_thresholds,
@@ -92,7 +92,7 @@ def test_without_alignment_the_modifier_fits_thresholds_in_the_skip_walk(
         raise AssertionError("a separate threshold walk ran")
 
     with monkeypatch.context() as m:
-        m.setattr(modifier_module, "calibrate_thresholds", no_walk)
+        m.setattr(skip_fields, "calibrate_thresholds", no_walk)
         model, mod = run(tiny_dir, skip_path="ridge", skip_path_rank=4,
                          skipped_tokens_kv=True, router_init="skip_error")  # fmt: skip
     report = mod.threshold_report
@@ -107,7 +107,7 @@ def test_without_alignment_the_modifier_fits_thresholds_in_the_skip_walk(
         calls.append(1)
         return calibrate_thresholds(*args, **kwargs)
 
-    monkeypatch.setattr(modifier_module, "calibrate_thresholds", counted)
+    monkeypatch.setattr(skip_fields, "calibrate_thresholds", counted)
     run(tiny_dir)
     assert calls == [1]
 
@@ -131,7 +131,7 @@ def test_after_alignment_the_last_skip_walk_fits_the_thresholds(
         calls.append(1)
         return calibrate_thresholds(*args, **kwargs)
 
-    monkeypatch.setattr(modifier_module, "calibrate_thresholds", counted)
+    monkeypatch.setattr(skip_fields, "calibrate_thresholds", counted)
     layer_lr = {"align_layer_lr": 1e-2} if trainable != "routers" else {}
     model, mod = run(tiny_dir, skip_path="ridge", skip_path_rank=4,
                      skipped_tokens_kv=True, align_steps=2, align_batch_size=4,

@@ -55,7 +55,6 @@ from adadsf_modifier.recipe_checks import (
 from adadsf_modifier.routing import (
     SkipPathFields,
     ThresholdReport,
-    calibrate_thresholds,
     check_calibration_rows,
     decoder_layers,
     route_layer,
@@ -225,8 +224,10 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             )
             self.fit_skip_paths_of(model, train)  # the router trains with them in place
             self._train = train_router(model, train, self._train_config())
-            self.fit_skip_paths_of(model, train)  # on what the trained router skips
-            self._thresholds = calibrate_thresholds(model, train)
+            # on what the trained router skips; nothing trains after this walk, so it
+            # fits the causal thresholds as it goes (a walk of their own without one)
+            last = self.fit_skip_paths_of(model, train, fit_thresholds=True)
+            self._thresholds = self.thresholds_after(model, train, last)
             # every later save_pretrained (oneshot's output_dir too) writes the sidecar
             install_ftp_save_hook(model)
         except BaseException:

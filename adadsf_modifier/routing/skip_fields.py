@@ -25,6 +25,11 @@ from adadsf_modifier.routing.skip_fit import (
     fit_skip_paths,
 )
 from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
+from adadsf_modifier.routing.thresholds import (
+    ThresholdReport,
+    calibrate_thresholds,
+    check_thresholds,
+)
 
 __all__ = ["RidgePenalty", "SkipPathFields"]
 
@@ -154,3 +159,16 @@ class SkipPathFields(RouteTargetFields):
             fit_thresholds=fit_thresholds,
         )
         return self._skip_path_report
+
+    def thresholds_after(
+        self, model: nn.Module, batches: Iterable[Any], last_walk: SkipPathReport | None
+    ) -> ThresholdReport:
+        """The finished model's causal thresholds: those its last skip-path walk
+        (``last_walk``, run with ``fit_thresholds``: nothing trains after it) fitted,
+        checked; a threshold walk of their own on ``batches`` where it fitted none (no
+        walk ran: an identity skip path, a routers-only alignment; or every routed
+        layer runs all tokens or none)."""
+        fitted = last_walk.thresholds if last_walk is not None else None
+        if fitted is not None:
+            return check_thresholds(fitted)
+        return calibrate_thresholds(model, batches)
