@@ -1,5 +1,8 @@
-"""Prefill of a K/V-keeping variant with the kept queries' attention in chunks (the
-CPU bfloat16 default) and on the zero-padded causal kernel, against dense, side by side.
+"""Prefill of a K/V-keeping variant in its three forms, against dense, side by side:
+the compacted batch with the kept queries' attention in chunks (the default on one CPU
+thread in bfloat16) or on the zero-padded causal kernel, and the attention on every
+token with the MLP on the kept ones (``routed_layer.run_kept_mlp``, the default
+elsewhere).
 
     OMP_NUM_THREADS=1 python benchmarks/kept_attention.py        # the quality variant
     OMP_NUM_THREADS=1 python benchmarks/kept_attention.py --seq-lens 1024 2048 \\
@@ -11,11 +14,12 @@ Builds the quality study's variant (rank-64 ridge skip path, skipped tokens' key
 values, skip-error routers, layer 0 dense; no alignment: speed depends on kept counts
 only) with ``oneshot``, saves it and loads dense and routed twins from that checkpoint
 (``load_pair``). Per repeat, in shuffled order: dense, routed with the kept queries in
-chunks of at most ``kept_attention.CPU_QUERY_CHUNK`` (whatever the dtype) and routed
-with every kept query on the causal kernel (zero rows for the skipped ones). Prints
-median prefill latencies, speedups, each speedup's fraction of the FLOPs ideal, and
-which of the two paths the package takes for that dtype and thread count
-(``kept_attention.cpu_chunks_for``; ``lab/NOTEBOOK.md`` §4.2-4.3).
+chunks of at most ``kept_attention.CPU_QUERY_CHUNK`` (whatever the dtype), routed
+with every kept query on the causal kernel (zero rows for the skipped ones), and
+routed with its attention on every token. Prints median prefill latencies, speedups,
+each speedup's fraction of the FLOPs ideal, and which path the package takes for that
+dtype and thread count (``kept_attention.kept_queries_go_in_chunks``;
+``lab/NOTEBOOK.md`` §4.2-4.3, §33).
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from adadsf_modifier.evaluation import resolve_model
     from adadsf_modifier.evaluation.speed import load_pair
     from adadsf_modifier.flops import normalized_flops
-    from adadsf_modifier.routing import kept_attention
+    from adadsf_modifier.routing import kept_attention, routed_layer
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     # the test split's first tokens (only the documents the longest prompt needs)
     streams = TokenStreams(AutoTokenizer.from_pretrained(path))
     shipped = kept_attention.cpu_chunks_for
+    every_token = routed_layer.attends_every_token
     rng = random.Random(0)
     print(f"# kept-queries attention, retention {args.retention}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
@@ -118,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.seq_lens:
             ids = streams.get("test", n).view(1, -1)
 
-            def run(model, chunked: bool) -> float:
+            def run(model, chunked: bool, compacted: bool = True) -> float:
                 kept_attention.cpu_chunks_for = lambda dtype: chunked  # the arm decides
+                routed_layer.attends_every_token = (
+                    (lambda layer: False) if compacted else every_token
+                )
                 t = time.perf_counter()
                 with torch.inference_mode():
                     model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dense": (dense, False),
                 "chunks": (routed, True),
                 "causal kernel, zero rows": (routed, False),
+                "attention on every token": (routed, False, False),
             }
             for arm in arms.values():  # warm-up
                 run(*arm)
@@ -138,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                 rng,
             )
             kept_attention.cpu_chunks_for = shipped
+            routed_layer.attends_every_token = every_token
             if args.profile_threads:
                 _profile(dense, routed, ids, args.profile_threads, args.repeats)
                 torch.set_num_threads(args.threads)
             ideal = 1.0 / normalized_flops(routed, {"input_ids": ids}).normalized
             d = med["dense"]
-            default = "chunks" if shipped(routed.dtype) else "causal kernel"
+            default = "chunks" if shipped(routed.dtype) else "attention on every"
             for k in list(arms)[1:]:
                 r = med[k]
                 mark = " (default)" if k.startswith(default) else ""

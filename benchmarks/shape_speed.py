@@ -5,6 +5,7 @@ fraction forced, side by side with its dense twin.
     python benchmarks/shape_speed.py --shape llama-3.2-1b   # Llama-3.2-1B's shape
     python benchmarks/shape_speed.py --retention 0.6 --decode-tokens 0
     python benchmarks/shape_speed.py --decode-batch 1 8      # batch-8 decoding too
+    python benchmarks/shape_speed.py --compacted-kv          # the compacted prefill
 
 Random weights: a config-built model of the shape, every decoder layer but the first
 routed as the shipped recipe routes it (a rank-64 skip path, skipped tokens' keys and
@@ -20,7 +21,10 @@ tokens really kept). Prefill (one forward of ``--seq-len`` tokens) and greedy de
 plug-in's own ``measure_prefill`` / ``measure_decode`` (the twins interleaved, medians,
 the measured FLOPs of the same tokens): each speedup and the fraction of the FLOPs ideal
 it reaches. Ratios only: absolute times on a shared CPU
-mean little.
+mean little. ``--compacted-kv`` times the routed twin with its prefill on the compacted
+batch (the kept tokens on their own, the skipped tokens' keys/values merged in) instead
+of its attention on every token (``routed_layer.run_kept_mlp``), to compare the two
+forms on a device (``benchmarks/gpu/speed.sh``).
 """
 
 from __future__ import annotations
@@ -122,7 +126,16 @@ def main(argv: list[str] | None = None) -> None:
         help="rank: each token against its row's earlier scores, the row's count held "
         "in its band (no threshold; the kept share is the ratio's by construction)",
     )  # fmt: skip
+    p.add_argument(
+        "--compacted-kv", action="store_true",
+        help="prefill the routed twin on the compacted batch, not its attention on "
+        "every token",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.compacted_kv:
+        from adadsf_modifier.routing import routed_layer
+
+        routed_layer.attends_every_token = lambda layer: False
     torch.set_num_threads(args.threads)
     dense, routed = build_twins(
         args.shape, args.retention, getattr(torch, args.dtype), args.rank,
@@ -134,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced, "
         f"{args.routing_mode} routing"
+        + (", compacted kv prefill" if args.compacted_kv else "")
     )
     results = [
         measure_prefill(

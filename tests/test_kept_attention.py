@@ -1,7 +1,12 @@
 """The kept tokens' attention on SDPA's causal kernel (``routing/kept_attention.py``),
 or on a CPU in chunks of kept queries: used exactly when it applies, equal to the
 explicit-mask form it replaces (outputs, gradients, measured FLOPs), and loud when
-anything else touches its marker."""
+anything else touches its marker.
+
+These forms belong to the compacted prefill of a kv-keeping layer, the path GPT-NeoX's
+parallel-residual layers take; the sequential architectures run their attention on
+every token instead (``tests/test_kept_mlp.py``), so here every architecture is sent
+down the compacted path."""
 
 import pytest
 import torch
@@ -22,6 +27,11 @@ def kv_model(arch, attn="sdpa"):
 def ids(batch=3, seq=14, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(4, 128, (batch, seq), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def compacted(monkeypatch):
+    monkeypatch.setattr(routed_layer, "attends_every_token", lambda layer: False)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from adadsf_modifier.routing import (
     SkipPath,
     calibrate_thresholds,
     decoder_layers,
+    routed_layer,
     routed_layers,
 )
 
@@ -58,12 +59,16 @@ def counted_and_modelled(model, n=20):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 @pytest.mark.parametrize("kv", [False, True])
-def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv):
+def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv, monkeypatch):
     """Every matmul a decoder layer runs (projections, MLP, router, skip path, the
     keys/values of skipped tokens) is counted, and nothing else. FlopCounterMode counts
     eager attention over the full query x key rectangle, the FLOPs model over the
     causally allowed pairs: that term is compared separately, against the pairs of the
-    kept tokens found independently from the router's choice."""
+    kept tokens found independently from the router's choice.
+
+    A kv-keeping layer runs here on the compacted path, which computes exactly the
+    method's work; the default path's documented extra is checked below."""
+    monkeypatch.setattr(routed_layer, "attends_every_token", lambda layer: False)
     model = variant_model(arch, kv)
     n = 20
     ids, counts, report, selected = counted_and_modelled(model, n)
@@ -88,6 +93,34 @@ def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv):
     assert report.routed_per_layer[2].skip_path == SkipPath.flops_for(n, 32, 4)
     assert report.routed_per_layer[2].projections == 0  # removed: only the map runs
     assert report.routed_by_term["kv_only"] > 0 if kv else True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_the_dense_attention_prefill_runs_the_counted_work_and_the_documented_extra(
+    arch,
+):
+    """A kv-keeping layer of a sequential architecture runs its attention sub-block on
+    every token (``routed_layer.run_kept_mlp``). Beyond what the FLOPs model counts, it
+    computes exactly the skipped tokens' query and output projections and their query
+    rows of the attention (docs/flops.md), and nothing else."""
+    model = variant_model(arch, True)
+    n = 20
+    _, counts, report, selected = counted_and_modelled(model, n)
+    shape = layer_shape(model.config)
+    _, layers = decoder_layers(model)
+    assert selected  # some layers run part of their tokens
+    for i, (name, _) in enumerate(layers):
+        measured = sum(counts.get(f"{type(model).__name__}.{name}", {}).values())
+        ours = report.routed_per_layer[i]
+        k = report.kept[i][0]
+        rows = n if 0 < k else 0  # every query row runs, as in the dense layer
+        extra = 0
+        if i in selected:
+            skipped = n - k
+            h, q = shape.hidden_size, shape.q_dim
+            extra = 2 * skipped * h * q * 2  # the skipped tokens' q and o projections
+        rectangle = shape.attention_flops(rows * n)
+        assert measured == ours.total - ours.attention + rectangle + extra, name
 
 
 def test_kv_only_flops_by_architecture():

@@ -17,7 +17,12 @@ transformers' ``position_bias``: an ``attention_mask`` would make transformers' 
 path give up grouped-query attention and copy every cached key and value once per query
 head (:func:`attention_mask_kwargs`).
 
-**Skipped tokens keep their keys/values** (``skipped_tokens_kv``). A token that skips
+**Skipped tokens keep their keys/values** (``skipped_tokens_kv``). On Llama, Qwen2 and
+Mistral a prefill does not compact such a layer at all: every token runs its attention
+sub-block, the kept tokens its MLP (``routed_layer.run_kept_mlp``), except where the
+kept queries go in chunks (below, :func:`kept_queries_go_in_chunks`). What follows is
+the compacted form, for those cases, GPT-NeoX's parallel-residual layers and the
+decoding steps in which only some rows run. A token that skips
 layer ``l`` still produces the keys and values the layer would have made from it (its
 input, after the layer's input norm, through the key/value projections, rotated at its
 position: :func:`project_kv`), so the tokens that run the layer attend to the *full*
@@ -89,6 +94,7 @@ __all__ = [
     "cpu_chunks_for",
     "gather_for_kept",
     "is_causal_padding_mask",
+    "kept_queries_go_in_chunks",
     "place_kv",
     "project_kv",
     "query_rows_mask",
@@ -579,6 +585,27 @@ def cpu_chunks_for(dtype: torch.dtype) -> bool:
     return (
         dtype in CPU_CHUNKED_DTYPES
         and torch.get_num_threads() <= CPU_CHUNKED_MAX_THREADS
+    )
+
+
+def kept_queries_go_in_chunks(
+    x: torch.Tensor,
+    k_max: int,
+    attention_mask: torch.Tensor | None,
+    impl: str,
+    past_keys: int,
+) -> bool:
+    """Whether the compacted prefill of a kv-keeping layer (the kept tokens on their
+    own, the skipped tokens' keys/values merged in) would attend its ``k_max`` kept
+    queries of ``x`` in chunks: the one case in which that path computes less
+    attention than the dense layer, so the routed layer takes it there rather than
+    running its attention on every token (``routed_layer.run_kept_mlp``)."""
+    q_len = x.shape[1]
+    return (
+        x.device.type == "cpu"
+        and k_max > CPU_QUERY_CHUNK
+        and cpu_chunks_for(x.dtype)
+        and causal_kernel_applies(attention_mask, impl, past_keys + q_len, q_len)
     )
 
 

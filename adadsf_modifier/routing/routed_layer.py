@@ -15,8 +15,10 @@ is routed, ``_route`` the path), then the paths ``_route`` takes:
   :mod:`~adadsf_modifier.routing.skip_path`), and the results are scattered back; with
   ``skipped_tokens_kv`` the skipped tokens' keys/values join the kept tokens' attention
   (:mod:`~adadsf_modifier.routing.kept_attention`). Everything works on the whole batch
-  at once; the only host syncs are the compacted widths. A layer no token runs (``r =
-  0``, a removed layer) takes :func:`skip_all`.
+  at once; the only host syncs are the compacted widths. A layer keeping skipped tokens'
+  keys/values on a sequential architecture runs its attention on every token and its
+  MLP on the kept ones instead (:func:`run_kept_mlp`): the same outputs, about half the
+  ops. A layer no token runs (``r = 0``, a removed layer) takes :func:`skip_all`.
 - the decoding step (one new token per row, causal mode, :func:`decode_step`): no
   gather/scatter along the sequence, only the rows whose token passes the layer's
   threshold run it. It is the hot path of ``generate()``: one host sync per layer and
@@ -50,6 +52,7 @@ from adadsf_modifier.routing.kept_attention import (
     attention_mask_kwargs,
     causal_kernel_applies,
     gather_for_kept,
+    kept_queries_go_in_chunks,
     project_kv,
     query_rows_mask,
     selected_attention_mask,
@@ -362,14 +365,33 @@ def run_routed(
 
     ``cache``: the model's KV cache (kv-keeping layers store every position there);
     ``cache_layer``: the layer's routed cache (others store only the tokens that ran).
+
+    A layer keeping skipped tokens' keys/values runs :func:`run_kept_mlp` instead
+    where its architecture allows, except where its kept queries would attend in
+    chunks (one CPU thread, long prompts: the one case in which the compacted batch
+    saves attention work, :func:`~adadsf_modifier.routing.kept_attention.\
+kept_queries_go_in_chunks`).
     """
     index, valid, k_max = selection
-    rec = layer.routing_recorder
-    q_len = x.shape[1]
-    skip_map = skip_path_of(layer)
     keep_kv = bool(layer.skipped_tokens_kv)
     if keep_kv and cache is not None:
         check_dense_cache(cache, layer.layer_index)
+    if (
+        keep_kv
+        and k_max > 0
+        and attends_every_token(layer)
+        and not kept_queries_go_in_chunks(
+            x,
+            k_max,
+            kwargs.get("attention_mask"),
+            impl,
+            stored_keys(cache, layer.layer_index),
+        )
+    ):
+        return run_kept_mlp(layer, x, scores, selection, real, kwargs, cache, impl)
+    rec = layer.routing_recorder
+    q_len = x.shape[1]
+    skip_map = skip_path_of(layer)
     need_kv = keep_kv and (k_max > 0 or cache is not None)
     slots = (
         skipped_slots(real, index if k_max else None)
@@ -474,6 +496,83 @@ def run_routed(
     covers_all = more is not None and attention_mask is None
     out = scatter_tokens(x, index, y, more, covers_all=covers_all)
     return (out, *rest) if rest is not None else out
+
+
+def attends_every_token(layer: Any) -> bool:
+    """Whether a kv-keeping layer's prefill takes :func:`run_kept_mlp`: its decoder
+    layer is two sequential residual sub-blocks (not GPT-NeoX's parallel residual) and
+    its router decides the whole layer."""
+    spec = architecture_for_config(layer._adadsf_config)
+    return layer.route_target == "layer" and spec.post_attention_norm is not None
+
+
+def run_kept_mlp(
+    layer: Any,
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    selection: Selection,
+    real: torch.Tensor,
+    kwargs: dict[str, Any],
+    cache: Any,
+    impl: str,
+) -> torch.Tensor:
+    """:func:`run_routed` for a layer keeping skipped tokens' keys/values: every token
+    runs the attention sub-block, the selected ones the MLP sub-block on its output,
+    the others take the skip path from the layer input.
+
+    A selected token's output is the dense layer's on the same inputs: its query sees
+    every token's keys/values, which is what keeping the skipped tokens' keys/values
+    means. Running the attention sub-block on every token, with the model's own mask
+    and cache, computes the skipped tokens' queries and attention output as well (their
+    result is dropped). The FLOPs model does not count that work, as it does not count
+    the skipped positions' zero query rows of the compacted path's causal kernel, which
+    did the same attention work. In exchange the layer needs none of the compacted
+    path's pieces (the skipped tokens' own norm, key/value projections and rotation,
+    their placement among the kept tokens' keys, the kept queries' placement among zero
+    rows, the query mask), about half of its ops, and the attention call is the dense
+    layer's own, so padding, sliding windows and a cached past need nothing of their
+    own. Skipped tokens do not receive the attention output: they leave the layer as
+    ``x + u(x)``.
+    """
+    index, valid, _ = selection
+    q_len = x.shape[1]
+    rec = layer.routing_recorder
+    skip_map = skip_path_of(layer)
+    attention_mask = kwargs.get("attention_mask")
+    # what the recorder needs of the cache, read before the attention appends to it
+    kv_len = stored_keys(cache, layer.layer_index) + q_len if rec is not None else 0
+    h = attention_block(layer)(x, **kwargs)
+    y = mlp_block(layer, gather_tokens(h, index))
+    if torch.is_grad_enabled():
+        # the router learns how much running the layer beats the skip path
+        x_sel = gather_tokens(x, index)
+        base = x_sel if skip_map is None else x_sel + skip_map(x_sel)
+        y = gated(y, base, scores.gather(1, index.clamp(max=q_len - 1)))
+    need_slots = skip_map is not None or rec is not None
+    slots = skipped_slots(real, index) if need_slots else None
+    if rec is not None:
+        if causal_kernel_applies(attention_mask, impl, kv_len, q_len):
+            pairs = ((index + 1) * valid).sum(1)  # position p sees p + 1 keys
+        else:
+            rows = query_rows_mask(attention_mask, index, valid, q_len, kv_len)
+            pairs = (rows & valid.unsqueeze(-1)).sum((1, 2))
+        kept = valid.sum(1)
+        n_skip = slots[1].sum(1) if slots is not None else torch.zeros_like(kept)
+        rec.record(
+            layer.layer_index,
+            "gather",
+            kept,
+            pairs,
+            skip_path=n_skip if skip_map is not None else None,
+            kv=n_skip,
+        )
+    more = None
+    if skip_map is not None and slots is not None:
+        x_s = gather_tokens(x, slots[0])
+        more = (slots[0], x_s + skip_map(x_s))
+    # no mask means no padding: the kept and skipped tokens then fill every position
+    covers_all = more is not None and attention_mask is None
+    return scatter_tokens(x, index, y, more, covers_all=covers_all)
 
 
 def check_dense_cache(cache: Any, layer_idx: int) -> None:

@@ -4,8 +4,8 @@
 # shipped variant's routed layer against its dense twin at SmolLM2-135M's and
 # Llama-3.2-1B's shapes, the kept fraction forced, prefill and decode at batch 1 and 8,
 # bfloat16; then each shape's decoding bounds (benchmarks/decode_bounds.py).
-# Usage: bash benchmarks/gpu/speed.sh   (writes $OUT/speed_grid.txt, speed_rank.txt,
-# decode_bounds.txt)
+# Usage: bash benchmarks/gpu/speed.sh   (writes $OUT/speed_grid.txt, speed_compacted.txt,
+# speed_rank.txt, decode_bounds.txt)
 set -uo pipefail
 PY=${PY:-python3}
 STAGE=${STAGE:-/tmp/adadsf_gpu}
@@ -21,6 +21,12 @@ for shape in smollm2-135m llama-3.2-1b; do
     done
   done
 done | tee "$OUT/speed_grid.txt"
+# the compacted prefill of the kv-keeping layers against the default (attention on every
+# token, the MLP on the kept ones), same grid point as above (lab/NOTEBOOK.md section 33)
+for shape in smollm2-135m llama-3.2-1b; do
+  $PY benchmarks/shape_speed.py --shape "$shape" --retention 0.81 --seq-len 1024 \
+    --decode-tokens 0 --repeats 7 --compacted-kv --device cuda 2>&1 | grep -v WARNING
+done | tee "$OUT/speed_compacted.txt"
 # rank routing (no threshold, each row's count in its band) at the shipped budget
 for shape in smollm2-135m llama-3.2-1b; do
   $PY benchmarks/shape_speed.py --shape "$shape" --retention 0.81 --seq-len 1024 \
