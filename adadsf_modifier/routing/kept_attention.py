@@ -18,11 +18,11 @@ path give up grouped-query attention and copy every cached key and value once pe
 head (:func:`attention_mask_kwargs`).
 
 **Skipped tokens keep their keys/values** (``skipped_tokens_kv``). On Llama, Qwen2 and
-Mistral a prefill does not compact such a layer at all: every token runs its attention
-sub-block, the kept tokens its MLP (``routed_layer.run_kept_mlp``), except where the
-kept queries go in chunks (below, :func:`kept_queries_go_in_chunks`). What follows is
-the compacted form, for those cases, GPT-NeoX's parallel-residual layers and the
-decoding steps in which only some rows run. A token that skips
+Mistral a prefill without a gradient does not compact such a layer at all: every token
+runs its attention sub-block, the kept tokens its MLP (``routed_layer.run_kept_mlp``),
+except where the kept queries go in chunks (below, :func:`kept_queries_go_in_chunks`).
+What follows is the compacted form, for those cases, training, GPT-NeoX's parallel-
+residual layers and the decoding steps in which only some rows run. A token that skips
 layer ``l`` still produces the keys and values the layer would have made from it (its
 input, after the layer's input norm, through the key/value projections, rotated at its
 position: :func:`project_kv`), so the tokens that run the layer attend to the *full*
