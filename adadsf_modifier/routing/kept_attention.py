@@ -21,22 +21,22 @@ head (:func:`attention_mask_kwargs`).
 Mistral a prefill without a gradient does not compact such a layer at all: every token
 runs its attention sub-block, the kept tokens its MLP (``routed_layer.run_kept_mlp``),
 except where the kept queries go in chunks (below, :func:`kept_queries_go_in_chunks`).
-What follows is the compacted form, for those cases, training, GPT-NeoX's parallel-
-residual layers and the decoding steps in which only some rows run. A token that skips
-layer ``l`` still produces the keys and values the layer would have made from it (its
-input, after the layer's input norm, through the key/value projections, rotated at its
-position: :func:`project_kv`), so the tokens that run the layer attend to the *full*
-context, as in the dense model; only their queries, the attention output projection and
-the MLP are saved for the skipped tokens. A kept token's output then equals the dense
-layer's output on the same inputs exactly. This needs no re-implementation of attention
-per architecture: the kept tokens run the original layer as usual, but the layer
-receives a :class:`MergedKV` in place of its KV cache. When the attention module hands
-it the kept tokens' new keys/values (``cache.update``), it puts them at their original
-positions among the skipped tokens' and returns the full-length keys/values, passing
-them through the model's real cache first when there is one. The kept queries attend
-with the rows of the layer's own mask at their positions (:func:`query_rows_mask`). The
-KV cache of such a layer is the model's ordinary dense cache layer (every position has
-keys), so incremental decoding equals one full forward.
+What follows is the compacted form, for those cases, training, GPT-NeoX's
+parallel-residual layers and the decoding steps in which only some rows run. A token
+that skips layer ``l`` still produces the keys and values the layer would have made from
+it (its input, after the layer's input norm, through the key/value projections, rotated
+at its position: :func:`project_kv`), so the tokens that run the layer attend to the
+*full* context, as in the dense model; only their queries, the attention output
+projection and the MLP are saved for the skipped tokens. A kept token's output then
+equals the dense layer's output on the same inputs exactly. This needs no
+re-implementation of attention per architecture: the kept tokens run the original layer
+as usual, but the layer receives a :class:`MergedKV` in place of its KV cache. When the
+attention module hands it the kept tokens' new keys/values (``cache.update``), it puts
+them at their original positions among the skipped tokens' and returns the full-length
+keys/values, passing them through the model's real cache first when there is one. The
+kept queries attend with the rows of the layer's own mask at their positions
+(:func:`query_rows_mask`). The KV cache of such a layer is the model's ordinary dense
+cache layer (every position has keys), so incremental decoding equals one full forward.
 
 **The kept queries on SDPA's causal kernel.** With the skipped tokens' keys the kept
 queries sit at scattered positions of a full-length key sequence. Written as an

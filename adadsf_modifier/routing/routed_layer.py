@@ -372,8 +372,8 @@ def run_routed(
     queries would attend in chunks (one CPU thread, long prompts: the one case in which
     the compacted batch saves attention work, :func:`~adadsf_modifier.routing.\
 kept_attention.kept_queries_go_in_chunks`). With a gradient the compacted batch
-    stays: its backward skips the skipped tokens' query and output projections, and a
-    training step measured 2-5% faster with it.
+    stays: its backward skips the skipped tokens' query and output projections, which
+    made a training step faster on a CPU (``lab/NOTEBOOK.md`` §33).
     """
     index, valid, k_max = selection
     keep_kv = bool(layer.skipped_tokens_kv)
