@@ -94,6 +94,7 @@ __all__ = [
     "cpu_chunks_for",
     "gather_for_kept",
     "is_causal_padding_mask",
+    "kept_kv_pairs",
     "kept_queries_go_in_chunks",
     "place_kv",
     "project_kv",
@@ -560,11 +561,7 @@ def _attend(
             f"adadsf routing: kept-queries attention expects {n} keys and "
             f"is_causal=False, got {key.shape[-2]} keys and is_causal={is_causal}"
         )
-    if (
-        query.device.type == "cpu"
-        and k > CPU_QUERY_CHUNK
-        and cpu_chunks_for(query.dtype)
-    ):
+    if _chunked(query.device, k, query.dtype):
         return _attend_in_chunks(query, key, value, index, n, dropout_p, scale, kwargs)
     slots = flat_positions(index, n + 1)  # unused slots: the extra row n
     full = query.new_zeros(batch * (n + 1), heads, dim)
@@ -601,12 +598,26 @@ def kept_queries_go_in_chunks(
     attention than the dense layer, so the routed layer takes it there rather than
     running its attention on every token (``routed_layer.run_kept_mlp``)."""
     q_len = x.shape[1]
-    return (
-        x.device.type == "cpu"
-        and k_max > CPU_QUERY_CHUNK
-        and cpu_chunks_for(x.dtype)
-        and causal_kernel_applies(attention_mask, impl, past_keys + q_len, q_len)
+    return _chunked(x.device, k_max, x.dtype) and causal_kernel_applies(
+        attention_mask, impl, past_keys + q_len, q_len
     )
+
+
+def _chunked(device: torch.device, kept: int, dtype: torch.dtype) -> bool:
+    """Whether ``kept`` kept queries on the causal kernel's path go in chunks."""
+    return device.type == "cpu" and kept > CPU_QUERY_CHUNK and cpu_chunks_for(dtype)
+
+
+def kept_kv_pairs(
+    index: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """``[batch]`` (query, key) pairs the kept queries at ``index`` attend to when the
+    skipped tokens keep their keys/values: ``rows``, the kept queries' mask
+    (:func:`query_rows_mask`), or ``None`` for plain causal attention with nothing
+    cached, where position ``p`` sees ``p + 1`` keys."""
+    if rows is None:
+        return ((index + 1) * valid).sum(1)
+    return (rows & valid.unsqueeze(-1)).sum((1, 2))
 
 
 def _attend_in_chunks(

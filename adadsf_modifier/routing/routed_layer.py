@@ -53,6 +53,7 @@ from adadsf_modifier.routing.kept_attention import (
     attention_mask_kwargs,
     causal_kernel_applies,
     gather_for_kept,
+    kept_kv_pairs,
     kept_queries_go_in_chunks,
     project_kv,
     query_rows_mask,
@@ -456,10 +457,7 @@ kept_attention.kept_queries_go_in_chunks`). With a gradient the compacted batch
         kept = valid.sum(1)
         kv_count = None
         if keep_kv:
-            if causal_kernel:  # plain causal, nothing cached: position p sees p + 1
-                pairs = ((index + 1) * valid).sum(1)
-            else:
-                pairs = (rows & valid.unsqueeze(-1)).sum((1, 2))
+            pairs = kept_kv_pairs(index, valid, None if causal_kernel else rows)
             kv_count = n_skip if n_skip is not None else torch.zeros_like(kept)
         else:
             pairs = attended_pairs(attention_mask, index, valid, cache_layer, allowed)
@@ -549,11 +547,10 @@ def run_kept_mlp(
     need_slots = skip_map is not None or rec is not None
     slots = skipped_slots(real, index) if need_slots else None
     if rec is not None:
-        if causal_kernel_applies(attention_mask, impl, kv_len, q_len):
-            pairs = ((index + 1) * valid).sum(1)  # position p sees p + 1 keys
-        else:
+        rows = None
+        if not causal_kernel_applies(attention_mask, impl, kv_len, q_len):
             rows = query_rows_mask(attention_mask, index, valid, q_len, kv_len)
-            pairs = (rows & valid.unsqueeze(-1)).sum((1, 2))
+        pairs = kept_kv_pairs(index, valid, rows)
         kept = valid.sum(1)
         n_skip = slots[1].sum(1) if slots is not None else torch.zeros_like(kept)
         rec.record(
