@@ -20,7 +20,10 @@ tokens really kept). Prefill (one forward of ``--seq-len`` tokens) and greedy de
 (``--routing-mode rank``: rank routing, which needs no threshold), timed by the
 plug-in's own ``measure_prefill`` / ``measure_decode`` (the twins interleaved, medians,
 the measured FLOPs of the same tokens): each speedup and the fraction of the FLOPs ideal
-it reaches. Ratios only: absolute times on a shared CPU
+it reaches. The prefill is also set against the work it really runs
+(:func:`executed_flops`: the FLOPs model leaves out what a routed layer computes and
+drops), so the two ideals' gap is the design's extra work and the speedup's fraction of
+the second how efficiently that work runs. Ratios only: absolute times on a shared CPU
 mean little. ``--compacted-kv`` times the routed twin with its prefill on the compacted
 batch (the kept tokens on their own, the skipped tokens' keys/values merged in) instead
 of its attention on every token (``routed_layer.run_kept_mlp``), to compare the two
@@ -33,6 +36,7 @@ import argparse
 import copy
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from adadsf_modifier.evaluation.speed import (
@@ -105,6 +109,25 @@ def build_twins(
     return dense, routed
 
 
+@torch.inference_mode()
+def executed_flops(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
+    """FLOPs one prefill of ``input_ids`` really runs, as ``measure_prefill`` calls it:
+    torch's ``FlopCounterMode`` over every matmul, the attention counted over its causal
+    pairs (the counter charges the full square). Unlike the FLOPs model it also counts
+    the work a routed layer runs and throws away (the skipped tokens' query and output
+    projections, their attention rows: ``docs/flops.md``), so the speedup against this
+    ideal says how efficiently the work is run, and the gap between the two ideals how
+    much work the design adds."""
+    n = input_ids.shape[1]
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    total = 0.0
+    for op, flops in counter.get_flop_counts()["Global"].items():
+        causal = "scaled_dot_product" in str(op)
+        total += flops * ((n + 1) / (2 * n) if causal else 1.0)
+    return total
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -149,17 +172,22 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.routing_mode} routing"
         + (", compacted kv prefill" if args.compacted_kv else "")
     )
-    results = [
-        measure_prefill(
-            dense, routed, torch.randint(0, vocab, (1, args.seq_len)), args.repeats
-        )
-    ]
+    ids = torch.randint(0, vocab, (1, args.seq_len), device=args.device)
+    results = [measure_prefill(dense, routed, ids, args.repeats)]
+    executed = executed_flops(routed, ids) / executed_flops(dense, ids)
     for batch in args.decode_batch if args.decode_tokens else []:
         prompt = torch.randint(0, vocab, (batch, args.decode_prompt))
         results.append(
             measure_decode(dense, routed, prompt, args.decode_tokens, args.repeats)
         )
     print(format_table(results))
+    speedup = results[0].speedup
+    print(
+        f"prefill, executed work (FlopCounterMode: every matmul the forward runs, "
+        f"attention over causal pairs): the routed twin runs {executed:.3f} of the "
+        f"dense twin's, an ideal of {1 / executed:.3f}x; the measured {speedup:.3f}x "
+        f"is {speedup * executed:.2f} of it"
+    )
 
 
 if __name__ == "__main__":
