@@ -6,6 +6,7 @@ fraction forced, side by side with its dense twin.
     python benchmarks/shape_speed.py --retention 0.6 --decode-tokens 0
     python benchmarks/shape_speed.py --decode-batch 1 8      # batch-8 decoding too
     python benchmarks/shape_speed.py --compacted-kv          # the compacted prefill
+    python benchmarks/shape_speed.py --rounds 4              # means, 95% intervals
 
 Random weights: a config-built model of the shape, every decoder layer but the first
 routed as the shipped recipe routes it (a rank-64 skip path, skipped tokens' keys and
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -142,6 +144,12 @@ def main(argv: list[str] | None = None) -> None:
         help="rows decoded together (one timed decode per value)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="repeat the whole comparison; more than one prints each ratio's mean and "
+        "95%% interval over the rounds (one run's ratio moves by several percent on a "
+        "shared CPU)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
@@ -173,21 +181,39 @@ def main(argv: list[str] | None = None) -> None:
         + (", compacted kv prefill" if args.compacted_kv else "")
     )
     ids = torch.randint(0, vocab, (1, args.seq_len), device=args.device)
-    results = [measure_prefill(dense, routed, ids, args.repeats)]
+    prompts = [
+        torch.randint(0, vocab, (batch, args.decode_prompt))
+        for batch in (args.decode_batch if args.decode_tokens else [])
+    ]
     executed = executed_flops(routed, ids) / executed_flops(dense, ids)
-    for batch in args.decode_batch if args.decode_tokens else []:
-        prompt = torch.randint(0, vocab, (batch, args.decode_prompt))
-        results.append(
-            measure_decode(dense, routed, prompt, args.decode_tokens, args.repeats)
-        )
-    print(format_table(results))
-    speedup = results[0].speedup
+    rounds = []
+    for _ in range(args.rounds):
+        results = [measure_prefill(dense, routed, ids, args.repeats)]
+        for prompt in prompts:
+            results.append(
+                measure_decode(dense, routed, prompt, args.decode_tokens, args.repeats)
+            )
+        print(format_table(results))
+        rounds.append(results)
+    speedup = statistics.mean(r[0].speedup for r in rounds)
     print(
         f"prefill, executed work (FlopCounterMode: every matmul the forward runs, "
         f"attention over causal pairs): the routed twin runs {executed:.3f} of the "
         f"dense twin's, an ideal of {1 / executed:.3f}x; the measured {speedup:.3f}x "
-        f"is {speedup * executed:.2f} of it"
+        f"(the rounds' mean) is {speedup * executed:.2f} of it"
     )
+    if args.rounds > 1:
+        from adadsf_lab.study.stats import mean_ci  # the lab's t interval
+
+        for column, first in enumerate(rounds[0]):
+            speed = mean_ci([r[column].speedup for r in rounds])
+            share = mean_ci([r[column].speedup / r[column].flops_ideal for r in rounds])
+            print(
+                f"{first.kind} b={first.batch_size} over {args.rounds} rounds: "
+                f"{speed.mean:.3f}x +- {speed.ci95:.3f}, "
+                f"{share.mean:.2f} +- {share.ci95:.2f} of the FLOPs ideal "
+                "(mean, 95% interval)"
+            )
 
 
 if __name__ == "__main__":
