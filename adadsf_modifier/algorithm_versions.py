@@ -20,7 +20,7 @@ ALGORITHM_VERSIONS: dict[str, int] = {
     # router's MLP in float32, normalised before fc1; 3: rank routing keeps each row's
     # count of tokens that ran in a band around the ratio)
     "routing": 3,
-    # AdaDSF's construction: calibration, importance, allocation (and layer removal),
+    # AdaDSF's construction: calibration, allocation (and layer removal),
     # router warm start, skip-path fits, thresholds (2: thresholds fitted in one
     # walk of the decoder stack; 3: fitted in the last skip-path walk, whose maps are
     # then fit on the tokens the thresholds skip)

@@ -4,13 +4,6 @@
 by forward hooks while the dense model runs over the calibration batches. Padding is
 excluded with the same rule the routed layers use to find real tokens, so statistics and
 routing agree on what a token is.
-
-When only a sub-block is routed (``route_target``, see
-:mod:`adadsf_modifier.routing.sub_blocks`), the similarity is that sub-block's: input
-vs output of the attention residual branch (``x`` vs ``h = x + attention(...)``) or of
-the MLP branch (``h`` vs the layer output), so allocation and the routers' warm start
-see how much the routed computation changes a token. ``h`` is read off a hook on the
-layer's attention module (``x`` plus its output).
 """
 
 from __future__ import annotations
@@ -23,7 +16,6 @@ from torch import nn
 
 from adadsf_modifier import distributed
 from adadsf_modifier.layer_capture import LayerCall, capture_layers
-from adadsf_modifier.routing.architectures import architecture_for_config
 from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [
@@ -59,10 +51,7 @@ class SimilarityAccumulator:
         num_layers: int,
         sample_tokens: int = 0,
         seed: int = 0,
-        route_target: str = "layer",
     ):
-        self.route_target = route_target
-        self._attention_out: dict[int, torch.Tensor] = {}
         self.sums = [0.0] * num_layers
         self.counts = [0] * num_layers
         self.sample_tokens = -(-sample_tokens // distributed.world_size())
@@ -75,34 +64,14 @@ class SimilarityAccumulator:
     @contextlib.contextmanager
     def capturing(self, layers: Sequence[nn.Module]) -> Iterator[None]:
         """Within the block, every forward of the decoder ``layers`` (in index order)
-        adds to the statistics; with a sub-block routed, their attention modules are
-        captured too."""
-        with contextlib.ExitStack() as stack:
-            if self.route_target != "layer":
-                attns = [self._attention_of(layer) for layer in layers]
-                stack.enter_context(capture_layers(attns, self._stash_attention))
-            stack.enter_context(capture_layers(layers, self._record))
+        adds to the statistics."""
+        with capture_layers(layers, self._record):
             yield
-
-    def _attention_of(self, layer: nn.Module) -> nn.Module:
-        # decoder layers keep no config; their attention modules do
-        config = next(m.config for m in layer.modules() if hasattr(m, "config"))
-        spec = architecture_for_config(config)
-        spec.check_sub_blocks(self.route_target)
-        return getattr(layer, spec.attention)
-
-    def _stash_attention(self, call: LayerCall) -> None:
-        self._attention_out[call.index] = call.output_states
 
     def _record(self, call: LayerCall) -> None:
         index, x_in, x_out = call.index, call.hidden_states, call.output_states
         real = call.real_tokens()
-        if self.route_target == "layer":
-            cos = token_cosine_similarity(x_in, x_out)
-        else:
-            h = x_in + self._attention_out.pop(index)
-            pair = (x_in, h) if self.route_target == "attention" else (h, x_out)
-            cos = token_cosine_similarity(*pair)
+        cos = token_cosine_similarity(x_in, x_out)
         self.sums[index] += float(cos[real].double().sum())
         self.counts[index] += int(real.sum())
         if self._kept[index] < self.sample_tokens:

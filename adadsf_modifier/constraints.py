@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
+from loguru import logger
 from pydantic import AfterValidator, BeforeValidator, ValidationError, ValidationInfo
 
 __all__ = [
@@ -25,7 +26,48 @@ __all__ = [
     "constrained",
     "first_error",
     "one_of",
+    "drop_retired_fields",
 ]
+
+#: Recipe fields that once configured experiments no shipped recipe or published
+#: result used: each with the one value that still describes what the plug-in does
+#: (``...``: any value, the field had no effect) and that behaviour in words.
+RETIRED_FIELDS: dict[str, tuple[object, str]] = {
+    "threshold_passes": (..., "it had no effect (thresholds are fitted in one walk)"),
+    "route_target": ("layer", "a router decides the whole decoder layer"),
+    "importance": ("similarity", "allocation ranks layers by their dense similarity"),
+    "importance_tokens": (..., "allocation ranks layers by their dense similarity"),
+    "importance_fit_tokens": (..., "allocation ranks layers by their dense similarity"),
+    "skip_path_tokens": ("skipped", "a skip path is fitted on the tokens it serves"),
+    "align_lr_schedule": ("constant", "the alignment trains at a constant rate"),
+    "align_warmup_steps": (0, "the alignment trains at its full rate from step 1"),
+    "align_anneal_steps": (0, "each routed layer trains at its allocated ratio"),
+    "align_routers_first_steps": (0, "every trainable parameter trains from step 1"),
+}
+
+
+def drop_retired_fields(data: Any, owner: str) -> Any:
+    """``data`` (a modifier's recipe fields) without its retired fields
+    (:data:`RETIRED_FIELDS`): one set to the value that describes what the plug-in
+    does now is dropped with a warning, so an older recipe still loads; one set to
+    anything else asked for behaviour that is gone, and is refused
+    (:class:`InputError`, naming it)."""
+    if not isinstance(data, dict) or not data.keys() & RETIRED_FIELDS.keys():
+        return data
+    kept = dict(data)
+    for name in data.keys() & RETIRED_FIELDS.keys():
+        value, now = RETIRED_FIELDS[name]
+        given = kept.pop(name)
+        if value is not ... and (given != value or isinstance(given, bool)):
+            raise InputError(
+                f"{owner}: `{name}: {given}` is no longer supported ({now}): remove "
+                "it from the recipe"
+            )
+        logger.warning(
+            f"{owner}: `{name}` is no longer a recipe field ({now}); "
+            "remove it from the recipe"
+        )
+    return kept
 
 
 class InputError(ValueError):

@@ -1,13 +1,13 @@
 """Seeing decoder layers' inputs and outputs while a pass runs calibration batches.
 
-Every calibration-time pass (dense similarity, importance, skip-path fit, causal
+Every calibration-time pass (dense similarity, skip-path fit, causal
 thresholds, FLOPs observation, FTP's feature calibration) reads what decoder layers
 receive or return while the model runs. :func:`capture_layers` puts one callback on
 each layer for the duration of a ``with`` block and always takes it off again, also
 when the forward raises; the callback gets a :class:`LayerCall`, which reads the
 hidden states, the attention mask and the real (non-padding) tokens the same way for
 every pass, so the passes agree on what a token is. A callback at the layer's output
-may return a replacement output (the importance pass skips a layer that way), and
+may return a replacement output (the pass then changes what the next layer gets), and
 :class:`StopForward` ends a forward early once the last layer a pass needs has run.
 
 How the batches are driven stays with the pass (``run_calibration_batches``, a

@@ -21,7 +21,7 @@ import torch
 from llmcompressor.core import State
 from llmcompressor.modifiers import Modifier
 from loguru import logger
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
 from adadsf_modifier import distributed
 from adadsf_modifier.alignment import (
@@ -49,12 +49,7 @@ from adadsf_modifier.constraints import (
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
-)
-from adadsf_modifier.importance import (
-    ImportanceFields,
-    loss_importance,
-    similarity_like,
-    skip_path_loss_importance,
+    drop_retired_fields,
 )
 from adadsf_modifier.recipe_checks import (
     check_recipe_keeps_routers_unquantized,
@@ -80,9 +75,7 @@ from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
 __all__ = ["AdaDSFModifier"]
 
 
-class AdaDSFModifier(
-    Modifier, BudgetFields, AlignmentFields, SkipPathFields, ImportanceFields
-):
+class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
     """
     Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the
     tokens a small router ranks highest; layers that change their input little get fewer
@@ -150,11 +143,8 @@ class AdaDSFModifier(
         so ``set_routing_mode`` can switch a rank model to causal routing. Pair
         ``rank`` with ``align_routing: rank``: alignment then trains under the
         decisions the model will make
-    :param threshold_passes: no effect (the causal thresholds are fitted in one walk
-        of the decoder stack); accepted so that recipes which set it still load
-    :param importance*: what allocation ranks layers by, see ``ImportanceFields``
-    :param skip_path*, skipped_tokens_kv, route_target: what skipped tokens get and
-        skip (default: nothing, the whole layer, as in the paper), see
+    :param skip_path*, skipped_tokens_kv: what skipped tokens get (default: nothing,
+        as in the paper), see
         :class:`~adadsf_modifier.routing.SkipPathFields`
     :param align_*: the alignment fine-tune stage, see
         :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the
@@ -169,7 +159,6 @@ class AdaDSFModifier(
     router_hidden_size: PositiveInt = 64
     seed: int = 0
     routing_mode: Literal["causal", "rank"] = "causal"
-    threshold_passes: PositiveInt | None = None
     router_init: Literal["similarity", "skip_error", "random"] = "similarity"
     router_init_steps: PositiveInt = 100
     router_init_tokens: PositiveInt = 2048
@@ -182,6 +171,11 @@ class AdaDSFModifier(
     _teacher: torch.nn.Module | None = PrivateAttr(default=None)
     _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
     _clock: StageClock = PrivateAttr(default_factory=StageClock)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        return drop_retired_fields(data, "AdaDSFModifier")
 
     # ------------------------------------------------------------------ results
     def _ready(self, value: Any, name: str) -> Any:
@@ -261,24 +255,6 @@ class AdaDSFModifier(
         with clock.stage("calibration"):
             self._similarities = self._calibrate(model, layers, calib)
         routed_sims = [self._similarities[i] for i, _, _ in targeted]
-        if self.importance == "loss":  # measured loss rise instead of the cosine
-            with clock.stage("importance"):
-                rises = loss_importance(
-                    model, [m for *_, m in targeted], calib, self.importance_tokens
-                )
-            routed_sims = similarity_like(rises)
-        elif self.importance == "skip_path_loss":  # ... of taking the skip path
-            with clock.stage("importance"):
-                rises = skip_path_loss_importance(
-                    model,
-                    [m for *_, m in targeted],
-                    calib,
-                    self.importance_tokens,
-                    self.importance_fit_tokens,
-                    self.skip_path_rank,
-                    self.skip_path_ridge,
-                )
-            routed_sims = similarity_like(rises)
         ratios = allocate(
             self.allocation,
             routed_sims,
@@ -345,7 +321,7 @@ class AdaDSFModifier(
     # ------------------------------------------------------------------ steps
     def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
         samples = self.router_init_tokens if self.router_init != "random" else 0
-        acc = SimilarityAccumulator(len(layers), samples, self.seed, self.route_target)
+        acc = SimilarityAccumulator(len(layers), samples, self.seed)
         self._accumulator = acc
         # The base model skips the lm_head: calibration needs hidden states only. A
         # shuffling DataLoader draws its order from the global RNG: seed it so the

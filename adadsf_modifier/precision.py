@@ -19,7 +19,7 @@ def cpu_has_native_bfloat16() -> bool:
     """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Without them
     torch emulates bfloat16 matmuls: several times slower than float32, and rounded
     differently from a machine with them, so bfloat16 runs on CPUs with and without
-    them do not agree (``lab/NOTEBOOK.md`` §14)."""
+    them do not agree."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 

@@ -2,7 +2,7 @@
 
 Causal routing keeps a token at a layer when its router score passes the layer's
 threshold, and the thresholds were fitted on the calibration set: on text unlike it
-more (or fewer) tokens pass, and the compute budget drifts (``lab/NOTEBOOK.md`` §18).
+more (or fewer) tokens pass, and the compute budget drifts.
 The thresholds are the only part of a routed model fitted to the text's distribution
 that needs no training, so a deployment can refit them on its own text without
 touching a weight: :func:`recalibrate_checkpoint` loads the checkpoint, refits every

@@ -9,7 +9,6 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
 * ``ridge``                 - ``skip_path: ridge`` (full rank, fit on the tokens each
   router skips, on the routed model's own activations, layer by layer)
 * ``ridge_r64``             - the same at ``skip_path_rank: 64``
-* ``ridge_all``             - full rank fit on every calibration token
 * ``ridge_dense_inputs``    - full rank fit on the *dense* model's activations (one
   pass, as METHOD.md section 3 measured), then thresholds re-calibrated
 * ``ridge_auto`` / ``ridge_r64_auto`` / ``ridge_r32`` - ``skip_path_ridge: auto`` (per
@@ -23,16 +22,10 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
   can be compared with layer removal at matched measured FLOPs
 * ``layer_drop_<d>_ridge``  - the same, removed layers replaced by a full-rank ridge
   map (LLM-Streamline-style); ``layer_drop_<d>_ridge_auto``: penalty chosen per layer
-* ``layer_drop_<d>_attention`` - removes the attention sub-block of the ``d`` layers
-  whose attention branch changes its input least (static attention drop, no routing)
-* ``attention`` / ``mlp``   - ``route_target: attention`` (skipped tokens skip only
-  the attention sub-block, MindSkip-style) / ``mlp``; ``attention_kv``: with
-  ``skipped_tokens_kv``. Sub-block routing saves far fewer FLOPs per skipped token, so
-  these rows want their own retention:
-* ``<method>_upper``        - ``attention`` / ``attention_kv`` / ``mlp`` / ``identity``
-  routing only the upper half of the layers (Router-Tuning's choice), the rest dense
+* ``<method>_upper``        - ``identity`` (or another routed method) routing only the
+  upper half of the layers (Router-Tuning's choice), the rest dense
 * ``<method>@<r>``          - any routed method at retention ``r`` instead of
-  ``--retention`` (e.g. ``attention@0.5``, ``identity@0.8``)
+  ``--retention`` (e.g. ``identity@0.8``)
 * ``<method>[@<r>]:<field>=<value>[:...]`` - any row with modifier fields set on top
   (values read as YAML), e.g. ``ridge_r64_kv_auto_err@0.81:beta=30`` (a steeper
   allocation) or ``...:temperature=0.1:min_retention=0.3``
@@ -53,7 +46,7 @@ Example (about 3 minutes of CPU per row on one core)::
 
     OMP_NUM_THREADS=1 python benchmarks/skip_paths.py --out outputs/skip_paths.json
     OMP_NUM_THREADS=1 python benchmarks/skip_paths.py \
-        --methods dense,identity@0.8,attention@0.5,mlp@0.75 --out outputs/targets.json
+        --methods dense,identity@0.8,kv@0.75 --out outputs/targets.json
 
 Not a test: it needs the embedded model assets (see ASSETS.md) and CPU minutes.
 """
@@ -70,7 +63,6 @@ ROUTED = {
     "identity": {},
     "ridge": {"skip_path": "ridge"},
     "ridge_r64": {"skip_path": "ridge", "skip_path_rank": 64},
-    "ridge_all": {"skip_path": "ridge", "skip_path_tokens": "all"},
     "ridge_dense_inputs": {},  # fitted by hand after oneshot, see _dense_input_fit
     "kv": {"skipped_tokens_kv": True},
     "ridge_kv": {"skip_path": "ridge", "skipped_tokens_kv": True},
@@ -87,12 +79,9 @@ ROUTED = {
     "ridge_r64_kv_auto_err": {"skip_path": "ridge", "skip_path_rank": 64,
                               "skip_path_ridge": "auto", "skipped_tokens_kv": True,
                               "router_init": "skip_error"},
-    "attention": {"route_target": "attention"},
-    "attention_kv": {"route_target": "attention", "skipped_tokens_kv": True},
-    "mlp": {"route_target": "mlp"},
 }  # fmt: skip
 DEFAULT_METHODS = (
-    "dense,identity,ridge,ridge_r64,ridge_all,ridge_dense_inputs,kv,ridge_kv,"
+    "dense,identity,ridge,ridge_r64,ridge_dense_inputs,kv,ridge_kv,"
     "ridge_r64_kv,layer_drop_5,layer_drop_6,layer_drop_7,layer_drop_6_ridge"
 )
 
@@ -138,11 +127,9 @@ def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> 
         # floor(r * routed) layers kept: the smallest r keeping routed - dropped
         kw.update(allocation="layer_drop", retention=(routed - dropped) / routed)
         if "ridge" in parts:
-            kw.update(skip_path="ridge", skip_path_tokens="all")
+            kw.update(skip_path="ridge")  # every token skips a removed layer
         if "auto" in parts:
             kw.update(skip_path_ridge="auto")
-        if "attention" in parts:  # remove attention sub-blocks only (attention drop)
-            kw.update(route_target="attention")
         return kw
     if method.endswith("_upper"):  # route the upper half of the layers only
         method = method.removesuffix("_upper")

@@ -182,10 +182,10 @@ def test_ftp_thresholds_fitted_in_the_last_walk_are_those_a_walk_of_their_own_fi
             torch.testing.assert_close(v, maps[i][k], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("target", ["attention", "mlp"])
-def test_route_target_other_than_layer_is_refused(target):
-    with pytest.raises(ValidationError, match="route_target must be 'layer'"):
-        FTPModifier(route_target=target)
+def test_a_retired_field_asking_for_what_is_gone_is_refused_by_name():
+    with pytest.raises(ValidationError, match="`route_target: mlp` is no longer"):
+        FTPModifier(route_target="mlp")
+    assert FTPModifier(threshold_passes=2).model_dump() == FTPModifier().model_dump()
 
 
 def test_bad_skip_path_rank_refused_before_any_forward():

@@ -173,13 +173,25 @@ def test_layer_drop_removes_whole_layers(model_dirs):
         (dict(beta=-1.0), "beta", ">= 0"),
         (dict(beta=float("inf")), "beta", "finite"),
         (dict(router_init="learned"), "router_init", "similarity"),
-        (dict(threshold_passes=0), "threshold_passes", "positive"),
+        (dict(route_target="mlp"), "route_target", "whole decoder layer"),
+        (dict(importance="loss"), "importance", "no longer supported"),
+        (dict(align_anneal_steps=5), "align_anneal_steps", "remove it from the recipe"),
     ],
 )
 def test_bad_fields_fail_at_construction_naming_field_and_range(kwargs, field, text):
     with pytest.raises(ValidationError, match=text) as err:
         AdaDSFModifier(**kwargs)
     assert field in str(err.value)
+
+
+def test_a_retired_field_at_what_the_plug_in_does_loads_with_a_warning(
+    logged_warnings,
+):
+    """An older recipe naming a retired field at the value that describes what the
+    plug-in still does (or a field that had no effect) builds the same modifier."""
+    old = AdaDSFModifier(threshold_passes=2, route_target="layer", align_warmup_steps=0)
+    assert old.model_dump() == AdaDSFModifier().model_dump()
+    assert any("`route_target` is no longer a recipe" in m for m in logged_warnings)
 
 
 def test_unknown_yaml_field_is_rejected():

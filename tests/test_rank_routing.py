@@ -12,7 +12,6 @@ import pytest
 import torch
 from test_causal_routing import incremental_logits, left_padded
 from test_kept_attention_kv import keep_kv
-from test_route_target import route_target_model
 from test_routing import positions, route_all
 from tiny_models import tiny_model
 
@@ -463,25 +462,6 @@ def test_decoding_a_repeated_token_keeps_the_ratio_where_scores_tie():
         assert torch.equal(decoded, whole)
         kept = float(decoded.sum()) / int(real.sum())
         assert abs(kept - ratios[i]) <= 0.05, (i, kept)
-
-
-@pytest.mark.parametrize("target,kv", [("attention", False), ("attention", True),
-                                       ("mlp", False)])  # fmt: skip
-def test_sub_block_routing_cached_decoding_equals_full_forward(target, kv):
-    model = route_target_model("llama", target, kv=kv).eval()
-    set_routing_mode(model, "rank")
-    ids, mask = left_padded(2, 13)
-    with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                     use_cache=False).logits  # fmt: skip
-        inc, cache = incremental_logits(model, ids, mask, prefill=4)
-        chunked, _ = incremental_logits(model, ids, mask, prefill=4, chunk=3)
-    real = mask.bool()
-    torch.testing.assert_close(inc[real], full[real], atol=1e-4, rtol=0)
-    torch.testing.assert_close(chunked[real], full[real], atol=1e-4, rtol=0)
-    for layer in routed_layers(model):
-        if layer.retention_ratio < 1.0:
-            assert cache.layers[layer.layer_index].rank_state.scores.shape == (2, 13)
 
 
 def test_decoding_after_a_crop_decides_as_without_it():

@@ -44,7 +44,7 @@ def test_the_paper_recipe_is_the_paper_s_adadsf():
     (mod,) = Recipe.create_instance(str(RECIPES / "adadsf_paper.yaml")).modifiers
     assert isinstance(mod, AdaDSFModifier)
     assert mod.skip_path == "identity" and not mod.skipped_tokens_kv
-    assert mod.allocation == "similarity" and mod.route_target == "layer"
+    assert mod.allocation == "similarity"
     assert mod.align_steps == 0
 
 

@@ -144,7 +144,7 @@ def test_modifier_refits_routers_to_the_skip_error(tiny_dir):  # noqa: F811
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"skip_path": "ridge", "skip_path_tokens": "all"}],
+    [{}, {"skip_path": "identity"}],
 )
 def test_skip_error_init_without_a_fitted_skip_path_fails_before_calibration(
     tiny_dir,  # noqa: F811

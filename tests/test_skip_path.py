@@ -344,7 +344,6 @@ def test_low_rank_fit_is_the_full_fit_projected_on_its_top_fitted_directions():
         ({"skip_path_rank": 0}, "skip_path_rank.*positive integer"),
         ({"skip_path_ridge": 0}, "skip_path_ridge.*> 0 or 'auto', got 0"),
         ({"skip_path_ridge": "often"}, "skip_path_ridge.*> 0 or 'auto'"),
-        ({"skip_path_tokens": "some"}, "skip_path_tokens"),
     ],
 )
 def test_bad_skip_path_fields_fail_at_construction(kwargs, text):

@@ -4,8 +4,8 @@ Why: written as ``kl_div(log_softmax(s.float()), log_softmax(t.float()))`` over 
 of 8 x 512 tokens and SmolLM2's 49,152-word vocabulary, every step allocates about ten
 fresh ``[tokens, vocab]`` float32 tensors of 805 MB (the casts, both log-softmaxes, the
 elementwise KL, their backward), each one page-faulted in and passed over once: on a
-CPU that memory traffic costs more than the lm_head's matmuls (``lab/NOTEBOOK.md``
-§15.1). Here the same quantity, exactly
+CPU that memory traffic costs more than the lm_head's matmuls. Here the same quantity,
+exactly
 ``sum_v p (log p - log q)`` per token, is computed over chunks of tokens small enough
 that their float32 temporaries stay in the cache and are reused by the allocator; the
 backward recomputes each chunk's probabilities from the logits it keeps (``q - p``,

@@ -32,9 +32,7 @@ __all__ = [
     "AlignmentDivergedError",
     "AlignmentLossWeights",
     "AlignmentReport",
-    "LR_SCHEDULES",
     "GradClip",
-    "LRSchedule",
     "LearningRate",
     "NonNegativeInt",
     "NonNegativeFloat",
@@ -54,11 +52,6 @@ PARALLEL_MODES = ("ddp", "fsdp")
 """Under ``torchrun``: ``ddp`` (DistributedDataParallel, a whole student and teacher per
 rank) or ``fsdp`` (FSDP2 ``fully_shard``: both sharded over the ranks); see
 :mod:`~adadsf_modifier.alignment.parallel`. One process ignores it."""
-
-
-LR_SCHEDULES = ("constant", "cosine")
-"""``constant``: the learning rate throughout (after any warm-up). ``cosine``: after the
-warm-up, half a cosine from the learning rate down towards 0 at the last step."""
 
 
 TRAINING_ROUTING = ("topk", "quantile", "rank")
@@ -89,7 +82,6 @@ GradClip = Annotated[
 """Max global gradient norm; 0 disables clipping."""
 Trainable = Annotated[Literal["routers", "routers_and_layers"], one_of(TRAINABLE_SETS)]
 Parallel = Annotated[Literal["ddp", "fsdp"], one_of(PARALLEL_MODES)]
-LRSchedule = Annotated[Literal["constant", "cosine"], one_of(LR_SCHEDULES)]
 TrainingRouting = Annotated[
     Literal["topk", "quantile", "rank"], one_of(TRAINING_ROUTING)
 ]
@@ -135,21 +127,9 @@ class AlignmentConfig(BaseModel):
     :param layer_lr: learning rate of the decoder layers' pre-trained weights under
         ``routers_and_layers`` (``None``: ``lr``). Routers start from scratch, the
         layers are already trained: one rate rarely suits both
-    :param lr_schedule: one of :data:`LR_SCHEDULES`, applied to every rate
-    :param warmup_steps: steps of linear warm-up before the schedule (0: none)
-    :param routers_first_steps: under ``routers_and_layers``, the first this many
-        steps train only the parameters routing added (routers, skip paths); the
-        layers' pre-trained weights join after (SkipGPT, arXiv 2506.04179: router steps,
-        then LoRA steps). A fresh router's early gradients are large and noisy; the
-        layers then adapt to routers that already decide sensibly (0: all from step 1).
-        The rate schedule counts from step 1 for every group: the layers join at
-        the rate it has reached by then
     :param routing: one of :data:`TRAINING_ROUTING`: which tokens run each routed layer
         while training (``quantile``: causal routing's rule, thresholds fitted per
         batch; ``rank``: rank routing's rule)
-    :param anneal_steps: steps over which every routed layer's retention falls linearly
-        from 1.0 to its allocated ratio (0: the allocated ratio from the first step);
-        the model starts where it is closest to the dense teacher
     :param batch_size: rows per step (capped at the number of rows available)
     :param seq_len: rows are truncated to their first ``seq_len`` real tokens
     :param weights: loss weights (KL, hidden alignment, causal LM)
@@ -172,10 +152,6 @@ class AlignmentConfig(BaseModel):
     steps: Steps = 0
     lr: LearningRate = 3e-3
     layer_lr: LearningRate | None = None
-    lr_schedule: LRSchedule = "constant"
-    warmup_steps: NonNegativeInt = 0
-    anneal_steps: NonNegativeInt = 0
-    routers_first_steps: NonNegativeInt = 0
     routing: TrainingRouting = "topk"
     batch_size: PositiveInt = 4
     seq_len: PositiveInt = 512
@@ -198,35 +174,11 @@ class AlignmentConfig(BaseModel):
                 "not train; use routers_and_layers or drop layer_lr (in a recipe: "
                 "align_layer_lr, align_trainable)"
             )
-        if self.steps and self.anneal_steps > self.steps:
-            raise ValueError(
-                f"anneal_steps ({self.anneal_steps}) must not exceed steps "
-                f"({self.steps}) (in a recipe: align_anneal_steps, align_steps)"
-            )
-        if self.routers_first_steps and self.trainable != "routers_and_layers":
-            raise ValueError(
-                f"routers_first_steps ({self.routers_first_steps}) is set but "
-                f"trainable is {self.trainable!r}: only the routers train anyway; use "
-                "routers_and_layers or drop it (in a recipe: "
-                "align_routers_first_steps, align_trainable)"
-            )
-        if self.steps and self.routers_first_steps >= self.steps:
-            raise ValueError(
-                f"routers_first_steps ({self.routers_first_steps}) must be smaller "
-                f"than steps ({self.steps}): the layers would never train (for that, "
-                "trainable='routers'; in a recipe: align_routers_first_steps, "
-                "align_steps, align_trainable)"
-            )
         if self.teacher_cache and self.parallel == "fsdp":
             raise ValueError(
                 "teacher_cache cannot be used with parallel='fsdp' (the sharded "
                 "teacher's output embedding is not called on its own); use ddp or turn "
                 "it off (in a recipe: align_teacher_cache, align_parallel)"
-            )
-        if self.steps and self.warmup_steps >= self.steps:
-            raise ValueError(
-                f"warmup_steps ({self.warmup_steps}) must be smaller than steps "
-                f"({self.steps}) (in a recipe: align_warmup_steps, align_steps)"
             )
         return self
 

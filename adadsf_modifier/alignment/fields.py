@@ -18,9 +18,7 @@ from adadsf_modifier.alignment.config import (
     AlignmentLossWeights,
     GradClip,
     LearningRate,
-    LRSchedule,
     NonNegativeFloat,
-    NonNegativeInt,
     Parallel,
     PositiveInt,
     Steps,
@@ -54,17 +52,6 @@ class AlignmentFields(BaseModel):
     :param align_layer_lr: learning rate of the decoder layers' pre-trained weights
         under ``routers_and_layers`` (routers and skip paths keep ``align_lr``); unset:
         ``align_lr`` for both
-    :param align_lr_schedule: ``constant`` or ``cosine`` (half a cosine towards 0 over
-        the steps after the warm-up), for every rate
-    :param align_warmup_steps: steps of linear warm-up (0: none; fewer than
-        ``align_steps``)
-    :param align_anneal_steps: steps over which each routed layer's retention falls
-        linearly from 1.0 to its allocated ratio (DLO's capacity annealing; 0: the
-        allocated ratio from the start; at most ``align_steps``)
-    :param align_routers_first_steps: under ``routers_and_layers``, the first this
-        many steps train only the routers and skip paths; the layers' weights join
-        after (routers first, then weights; 0: all from the first step; fewer than
-        ``align_steps``)
     :param align_routing: which tokens run each routed layer while training: ``topk``
         (each row's highest-scoring tokens, the paper), ``quantile`` (the rule
         causal routing uses, a score threshold, re-fitted on each batch to the layer's
@@ -105,10 +92,6 @@ class AlignmentFields(BaseModel):
     align_steps: Steps = 0
     align_lr: LearningRate = 3e-3
     align_layer_lr: LearningRate | None = None
-    align_lr_schedule: LRSchedule = "constant"
-    align_warmup_steps: NonNegativeInt = 0
-    align_anneal_steps: NonNegativeInt = 0
-    align_routers_first_steps: NonNegativeInt = 0
     align_routing: TrainingRouting = "topk"
     align_batch_size: PositiveInt = 4
     align_seq_len: PositiveInt = 512
@@ -186,10 +169,6 @@ class AlignmentFields(BaseModel):
             steps=self.align_steps,
             lr=self.align_lr,
             layer_lr=self.align_layer_lr,
-            lr_schedule=self.align_lr_schedule,
-            warmup_steps=self.align_warmup_steps,
-            anneal_steps=self.align_anneal_steps,
-            routers_first_steps=self.align_routers_first_steps,
             routing=self.align_routing,
             batch_size=self.align_batch_size,
             seq_len=self.align_seq_len,

@@ -17,6 +17,7 @@ __all__ = [
     "TrainableParams",
     "added_by_routing",
     "check_alignment_supported",
+    "make_optimizer",
     "select_trainable",
 ]
 
@@ -83,7 +84,7 @@ def select_trainable(
 def added_by_routing(model: nn.Module, params: Sequence[nn.Parameter]) -> list[bool]:
     """For each of ``params``: True when routing added it (a router or a skip path),
     False for a decoder layer's pre-trained weight (they may train at another rate,
-    see :mod:`~adadsf_modifier.alignment.schedule`)."""
+    :func:`make_optimizer`)."""
     added = {
         id(p)
         for layer in routed_layers(model)
@@ -113,14 +114,6 @@ class TrainableParams:
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):
             p.grad = m.grad = None
-
-    def drop_grads(self, drop: Sequence[bool]) -> None:
-        """Forget the gradients of the ``drop[i]`` masters (and parameters), so that
-        this step leaves them and their optimizer state untouched and the clipping
-        norm counts only the others."""
-        for p, m, d in zip(self.params, self.masters, drop, strict=True):
-            if d:
-                p.grad = m.grad = None
 
     def grads_to_masters(self) -> None:
         for p, m in zip(self.params, self.masters):
@@ -152,3 +145,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2 parameter); any other tensor itself."""
     to_local = getattr(t, "to_local", None)
     return t if to_local is None else to_local()
+
+
+def make_optimizer(
+    masters: Sequence[torch.Tensor],
+    added: Sequence[bool],
+    config: AlignmentConfig,
+) -> torch.optim.Optimizer:
+    """AdamW over ``masters`` (``added[i]``: the i-th was added by routing), in two
+    groups: the parameters routing *added* (routers, skip paths), which start from a
+    warm start or a closed-form fit, at ``lr``, and the decoder layers' *pre-trained*
+    weights at ``layer_lr``. A rate high enough to move a fresh router can move a
+    pre-trained weight too far, so the two rates are separate fields."""
+    layer_lr = config.lr if config.layer_lr is None else config.layer_lr
+    groups = [
+        {"params": [m for m, a in zip(masters, added) if a], "lr": config.lr},
+        {"params": [m for m, a in zip(masters, added) if not a], "lr": layer_lr},
+    ]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, weight_decay=config.weight_decay)

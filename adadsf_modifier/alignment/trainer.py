@@ -72,10 +72,10 @@ from adadsf_modifier.alignment.params import (
     TrainableParams,
     added_by_routing,
     check_alignment_supported,
+    make_optimizer,
     select_trainable,
 )
 from adadsf_modifier.alignment.peak_memory import peak_memory_mb, reset_peak_memory
-from adadsf_modifier.alignment.schedule import annealed_retention, make_optimizer
 from adadsf_modifier.alignment.teacher_cache import TeacherCache, rows_read_again
 from adadsf_modifier.routing import routed_layers, routing_mode
 from adadsf_modifier.utils import tensors_to_device
@@ -85,16 +85,8 @@ __all__ = ["align_model"]
 
 def _rates(config: AlignmentConfig) -> str:
     layers = "" if config.layer_lr is None else f" (layers {config.layer_lr:g})"
-    warmup = f", {config.warmup_steps} warm-up steps" if config.warmup_steps else ""
-    anneal = (
-        f", retention annealed over {config.anneal_steps}"
-        if config.anneal_steps
-        else ""
-    )
-    first = config.routers_first_steps
-    routing = f", routers alone for {first} steps" if first else ""
-    routing += f", {config.routing} routing" if config.routing != "topk" else ""
-    return f"lr {config.lr:g}{layers} {config.lr_schedule}{warmup}{anneal}{routing}"
+    routing = f", {config.routing} routing" if config.routing != "topk" else ""
+    return f"lr {config.lr:g}{layers}{routing}"
 
 
 def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
@@ -262,11 +254,6 @@ def align_model(
         if not params:
             raise ValueError("align_model: params is empty; nothing would train")
     added = added_by_routing(student, params)
-    if config.routers_first_steps and not any(added):
-        raise ValueError(
-            f"routers_first_steps={config.routers_first_steps}, but none of the "
-            "parameters to train was added by routing: nothing would train then"
-        )
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device
     rows = _rank_rows(data, config.seq_len)
@@ -314,10 +301,7 @@ def align_model(
                     "would only cost memory); the teacher runs every step"
                 )
         trainable = TrainableParams(run.params)
-        optimizer, scheduler = make_optimizer(trainable.masters, added, config)
-        set_retention = stack.enter_context(
-            annealed_retention(student, config.anneal_steps)
-        )
+        optimizer = make_optimizer(trainable.masters, added, config)
         if config.routing != "topk":  # top-k is what "auto" does while training
             stack.enter_context(routing_mode(student, config.routing))
         max_norm = config.grad_clip or math.inf  # inf: no clipping, still the norm
@@ -328,7 +312,6 @@ def align_model(
         )
         running: float | None = None
         for step in bar:
-            set_retention(step)
             batch = tensors_to_device(batcher.next_batch(), run.device)
             share = run.token_share(batch["attention_mask"])  # None in one process
             teacher_logits = teacher_hidden = None
@@ -359,14 +342,11 @@ def align_model(
             (terms.total if share is None else terms.total * share).backward()
             del teacher_logits, teacher_hidden, student_logits, student_hidden, terms
             trainable.grads_to_masters()
-            if step <= config.routers_first_steps:  # the layers' weights wait
-                trainable.drop_grads([not a for a in added])
             norm = _total_norm(trainable.masters, max_norm)
             if distributed.any_across_ranks(not math.isfinite(norm)):
                 values["grad_norm"] = norm
                 raise _diverged(trainable, step, config, "non-finite gradient", values)
             optimizer.step()
-            scheduler.step()
             trainable.masters_to_params()
             if distributed.any_across_ranks(not trainable.all_finite()):
                 what = "non-finite parameters after the update"
@@ -384,7 +364,7 @@ def align_model(
             bar.set_postfix(loss=f"{loss:.4f}", avg=f"{running:.4f}")
         bar.close()
         trainable.zero_grad()
-        del optimizer, scheduler, trainable
+        del optimizer, trainable
 
         if cache is not None:
             report.teacher_batches = cache.computed

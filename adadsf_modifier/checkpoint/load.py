@@ -164,7 +164,6 @@ def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) 
             model.config,
             skip,
             entry.skipped_tokens_kv,
-            entry.route_target,
         )
         layer.router.to(dtype=dtype)
         if skip is not None:
@@ -230,7 +229,7 @@ def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     ``quantization_config=CompressedTensorsConfig(dequantize=True)`` to dequantize at
     load time instead). The decoder layers listed as routed in ``adadsf_config.json``
     are then routed again with their saved retention ratios, router sizes, skip paths,
-    ``skipped_tokens_kv`` and ``route_target`` settings, and the router and skip-path
+    and ``skipped_tokens_kv`` settings, and the router and skip-path
     tensors (which transformers does not know about) are read from the safetensors files
     with shape checks.
 

@@ -25,8 +25,7 @@ Format (``format_version`` 1; 2 when a layer uses a field marked *v2*, 3 for *v3
          "causal_threshold": null,  # null = none; a number, "inf" or "-inf"
          "routing_mode": "auto",    # "auto", "topk" or "causal"
          "skip_path": "ridge", "skip_path_rank": null,  # v2: default "identity", null
-         "skipped_tokens_kv": true,  # v2 (default false)
-         "route_target": "attention"},  # v3: default "layer"; "attention", "mlp"
+         "skipped_tokens_kv": true},  # v2 (default false)
         ...
       ],
       "modifier": {"class": "AdaDSFModifier", "settings": {"retention": 0.8, ...}}
@@ -34,9 +33,10 @@ Format (``format_version`` 1; 2 when a layer uses a field marked *v2*, 3 for *v3
 
 Readers reject any ``format_version`` they do not know; additive changes (new keys,
 which readers ignore) keep the version, anything that changes the meaning of an
-existing key bumps it. The *v2* / *v3* fields change the model if ignored, so a sidecar
-using them is version 2 / 3 (older readers refuse it); others stay version 1, and a
-sidecar without ``route_target`` (any version) routes whole layers. The whole file is
+existing key bumps it. The *v2* fields change the model if ignored, so a sidecar
+using them is version 2 (older readers refuse it); others stay version 1. Version 3
+marked a retired option (routing one sub-block, ``route_target``): such a sidecar is
+refused with that reason, never loaded as whole-layer routing. The whole file is
 validated against :class:`AdaDSFSidecar` before any weight is read, so a bad value
 fails with the file and field named instead of after a long load or, worse, in the
 model's behaviour (a NaN threshold would keep no token but the first).
@@ -78,7 +78,6 @@ from adadsf_modifier.checkpoint.sidecar_types import (
 from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing import RoutedLayer, decoder_layers
 from adadsf_modifier.routing.skip_path import skip_path_of
-from adadsf_modifier.routing.sub_blocks import RouteTarget
 
 __all__ = [
     "FORMAT_NAME",
@@ -86,7 +85,6 @@ __all__ = [
     "METADATA_ATTR",
     "SIDECAR_NAME",
     "SKIP_PATH_FORMAT_VERSION",
-    "ROUTE_TARGET_FORMAT_VERSION",
     "SUPPORTED_FORMAT_VERSIONS",
     "AdaDSFCheckpointError",
     "AdaDSFSidecar",
@@ -109,8 +107,7 @@ SIDECAR_NAME = "adadsf_config.json"
 FORMAT_NAME = "adadsf"
 FORMAT_VERSION = 1  # written for a model that needs nothing newer
 SKIP_PATH_FORMAT_VERSION = 2  # written when a layer has a skip path or keeps K/V
-ROUTE_TARGET_FORMAT_VERSION = 3  # written when a layer routes a sub-block only
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)  # 3: only to refuse a retired option by name
 METADATA_ATTR = "adadsf_metadata"
 """Attribute on the model holding what the routed layers themselves do not know
 (similarities, modifier settings). Set by :class:`AdaDSFModifier` after routing and by
@@ -161,17 +158,20 @@ class LayerEntry(SidecarSchema):
     skip_path: SkipPathKind = "identity"
     skip_path_rank: PositiveInt | None = None
     skipped_tokens_kv: bool = False
-    route_target: RouteTarget = "layer"
+    route_target: str = "layer"
 
     @model_validator(mode="after")
     def _routed_needs_a_router(self) -> LayerEntry:
+        if self.route_target != "layer":
+            raise ValueError(
+                f"route_target {self.route_target!r} (routing one sub-block) is no "
+                "longer supported: this adadsf_modifier routes whole layers; compress "
+                "the model again"
+            )
         if self.routed and self.router_hidden_size is None:
             raise ValueError("a routed layer needs router_hidden_size")
-        if not self.routed and (self.needs_v2 or self.route_target != "layer"):
-            raise ValueError(
-                "only a routed layer has a skip path, keeps keys/values or a "
-                "route_target"
-            )
+        if not self.routed and self.needs_v2:
+            raise ValueError("only a routed layer has a skip path or keeps keys/values")
         if self.skip_path == "identity" and self.skip_path_rank is not None:
             raise ValueError("skip_path_rank needs skip_path 'ridge'")
         return self
@@ -222,10 +222,6 @@ class AdaDSFSidecar(SidecarSchema):
                 "skip_path / skipped_tokens_kv need format_version 2 (an older reader "
                 "would ignore them and load a different model)"
             )
-        if self.format_version < ROUTE_TARGET_FORMAT_VERSION and any(
-            e.route_target != "layer" for e in self.layers
-        ):
-            raise ValueError("route_target other than 'layer' needs format_version 3")
         return self
 
     @property
@@ -292,7 +288,6 @@ def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> di
             causal_threshold=None if threshold is None else float(threshold),
             routing_mode=getattr(layer, "routing_mode", None),
             skipped_tokens_kv=bool(getattr(layer, "skipped_tokens_kv", False)),
-            route_target=layer.route_target,
         )
         skip = skip_path_of(layer)
         if skip is not None:
@@ -321,9 +316,7 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
         _layer_entry(i, name, layer, sims[i]) for i, (name, layer) in enumerate(layers)
     ]
     version = FORMAT_VERSION
-    if any(e.get("route_target", "layer") != "layer" for e in entries):
-        version = ROUTE_TARGET_FORMAT_VERSION
-    elif any(
+    if any(
         e.get("skip_path") == "ridge" or e.get("skipped_tokens_kv") for e in entries
     ):
         version = SKIP_PATH_FORMAT_VERSION

@@ -93,7 +93,7 @@ def add_dtype_argument(sp: argparse.ArgumentParser) -> None:
         choices=DTYPES,
         default="auto",
         help="precision the models are loaded in (default auto: bfloat16 where "
-        "the GPU or CPU has bfloat16 instructions, ~3x faster on such a CPU; "
+        "the GPU or CPU has bfloat16 instructions, much faster on such a CPU; "
         "else float32)",
     )
 

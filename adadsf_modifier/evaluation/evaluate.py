@@ -90,8 +90,8 @@ def evaluate_model(
     was saved otherwise), and the record names them. Normalized FLOPs are counted on
     the perplexity's test tokens (the first ``ppl_max_tokens``), in rows of
     ``flops_seq_len``, as the model routes them (1.0 for a dense model): causal routing
-    keeps a share of tokens that depends on the text, so a few rows can miss by points
-    (``lab/NOTEBOOK.md`` §12). Counting them costs one forward over those tokens, also
+    keeps a share of tokens that depends on the text, so a few rows can miss by points.
+    Counting them costs one forward over those tokens, also
     with ``ppl=False``.
     """
     if ppl_max_tokens is not None and ppl_max_tokens < 2:

@@ -73,7 +73,6 @@ def count_flops(
     skip_path_tokens: Sequence[Sequence[int]] | torch.Tensor | None = None,
     skip_path_ranks: Mapping[int, int | None] | None = None,
     kv_only_tokens: Sequence[Sequence[int]] | torch.Tensor | None = None,
-    route_targets: Mapping[int, str] | None = None,
     router_flops_per_token: Mapping[int, int] | None = None,
 ) -> FlopsReport:
     """Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts.
@@ -111,11 +110,6 @@ def count_flops(
         a layer missing here counts as full rank)
     :param kv_only_tokens: ``[l][b]`` skipped tokens whose keys/values layer ``l``
         computed anyway (``skipped_tokens_kv``; default: none)
-    :param route_targets: ``{layer: "attention" | "mlp"}`` for layers whose router
-        decides one sub-block only (``route_target``; default: the whole layer).
-        ``kept`` then counts the tokens that ran that sub-block; every real token runs
-        the other (``attention``: the MLP on all ``n_b``; ``mlp``: projections and
-        the dense attention pairs)
     """
     shape = layer_shape(config)
     lens = [
@@ -168,10 +162,6 @@ def count_flops(
                         f"{n - k}]"
                     )
     ranks = dict(skip_path_ranks or {})
-    targets = dict(route_targets or {})
-    unknown = {t for t in targets.values()} - {"layer", "attention", "mlp"}
-    if unknown:
-        raise ValueError(f"route_targets has unknown targets {sorted(unknown)}")
     if gather_layers is None:
         gathers = frozenset(
             li for li in routed if any(0 < k < n for k, n in zip(kept_t[li], lens))
@@ -207,7 +197,6 @@ def count_flops(
             )
         )
         k_tokens = sum(kept_t[li])
-        target = targets.get(li, "layer")
         r_pairs = (
             sum(att[li])
             if att is not None
@@ -215,16 +204,11 @@ def count_flops(
                 causal_key_count(k, p, window) for k, p in zip(kept_t[li], r_past[li])
             )
         )
-        attn_tokens, mlp_tokens = k_tokens, k_tokens
-        if target == "mlp":  # every token runs the attention, densely
-            attn_tokens, r_pairs = real_tokens, d_pairs
-        elif target == "attention":  # every token runs the MLP
-            mlp_tokens = real_tokens
         routed_layers_flops.append(
             LayerFlops(
-                projections=shape.projection_flops(attn_tokens),
+                projections=shape.projection_flops(k_tokens),
                 attention=shape.attention_flops(r_pairs),
-                mlp=shape.mlp_flops(mlp_tokens),
+                mlp=shape.mlp_flops(k_tokens),
                 router=router_cost(li, real_tokens) if li in routed else 0,
                 skip_path=shape.skip_path_flops(sum(skips[li]), ranks.get(li)),
                 kv_only=shape.kv_only_flops(sum(kv_only[li])),
@@ -255,8 +239,6 @@ def count_flops(
             "attention counted over causally allowed (query, key) pairs",
             "skip_path: fitted skip maps on skipped tokens; kv_only: keys/values of "
             "skipped tokens (skipped_tokens_kv)",
-            "route_target attention / mlp: kept counts the routed sub-block's tokens; "
-            "every real token runs the other sub-block",
             "normalized excludes lm_head; normalized_with_lm_head includes it",
             "memory_traffic_bytes: gather/scatter bytes written (2 k h + n h) per "
             "gathering layer; not FLOPs",

@@ -40,9 +40,7 @@ class ObservedRouting:
     ``dtype_bytes``: element size of the hidden states; ``skip_path_tokens``: skipped
     tokens that went through the layer's fitted skip path, of rank
     ``skip_path_ranks[layer]`` (``None``: full rank); ``kv_only_tokens``: skipped
-    tokens whose keys/values the layer computed (``skipped_tokens_kv``);
-    ``route_targets``: ``{layer: "attention" | "mlp"}`` for routed layers whose router
-    decides one sub-block (``kept`` then counts that sub-block's tokens).
+    tokens whose keys/values the layer computed (``skipped_tokens_kv``).
     """
 
     kept: list[list[int]]
@@ -56,7 +54,6 @@ class ObservedRouting:
     skip_path_tokens: list[list[int]] | None = None
     skip_path_ranks: dict[int, int | None] | None = None
     kv_only_tokens: list[list[int]] | None = None
-    route_targets: dict[int, str] | None = None
     #: each routed layer's router cost per token, asked of the router itself (AdaDSF's
     #: ``TokenRouter`` and FTP's shared router alike)
     router_flops_per_token: dict[int, int] | None = None
@@ -153,7 +150,7 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
     seq_lens = dense[0]["seq_lens"]
     kept, keys, routed, gathers, widths = [], [], set(), set(), {}
     zeros = [0] * len(seq_lens)
-    skips, kv_only, ranks, targets, per_token = [], [], {}, {}, {}
+    skips, kv_only, ranks, per_token = [], [], {}, {}
     for i, (_, layer) in enumerate(layers):
         if dense[i]["seq_lens"] != seq_lens:
             raise RuntimeError(
@@ -177,15 +174,12 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
                 routed.add(i)
             if record.path == "gather":
                 gathers.add(i)
-            if layer.route_target != "layer":
-                targets[i] = layer.route_target
         if record is None or record.kept is None:  # the dense layer's own computation
             kept.append(list(seq_lens))
             keys.append(list(dense[i]["keys"]))
         else:
             kept.append(record.kept.tolist())
-            mlp = targets.get(i) == "mlp"  # attention ran densely: the dense pairs
-            keys.append(list(dense[i]["keys"]) if mlp else record.attended.tolist())
+            keys.append(record.attended.tolist())
         for table, counts in (
             (skips, None if record is None else record.skip_path),
             (kv_only, None if record is None else record.kv_only),
@@ -203,7 +197,6 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
         skip_path_tokens=skips,
         skip_path_ranks=ranks,
         kv_only_tokens=kv_only,
-        route_targets=targets,
         router_flops_per_token=per_token,
     )
 
@@ -218,9 +211,8 @@ def stream_flops(
 
     Why a stream and not one batch: causal routing keeps a different share of tokens on
     different text (a threshold, not a count, decides), so the FLOPs of a few rows can
-    miss those of the text a perplexity is measured on by points
-    (``lab/NOTEBOOK.md`` §12). Measure on the same tokens as the metric the FLOPs
-    are plotted against.
+    miss those of the text a perplexity is measured on by points. Measure on the same
+    tokens as the metric the FLOPs are plotted against.
     """
     if input_ids.dim() != 1 or input_ids.numel() == 0:
         raise ValueError(
@@ -274,5 +266,4 @@ def normalized_flops(model: nn.Module, batch: Any) -> FlopsReport:
         skip_path_ranks=obs.skip_path_ranks,
         kv_only_tokens=obs.kv_only_tokens,
         router_flops_per_token=obs.router_flops_per_token,
-        route_targets=obs.route_targets,
     )

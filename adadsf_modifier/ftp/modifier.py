@@ -27,6 +27,7 @@ from adadsf_modifier.constraints import (
     PositiveFloat,
     PositiveInt,
     UnitInterval,
+    drop_retired_fields,
     one_of,
 )
 from adadsf_modifier.ftp.checkpoint import install_ftp_save_hook
@@ -98,15 +99,13 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
         thresholds fitted per batch); :mod:`~adadsf_modifier.ftp.trainer`
     :param distill_weight, sparsity_weight, guide_weight, guide_steps: loss weights;
         the guide weight decays to 0 over ``guide_steps``
-    :param threshold_passes: no effect, as for :class:`AdaDSFModifier`
     :param seed: seeds the MLP's initialisation and the genetic search
-    :param skip_path, skip_path_rank, skip_path_ridge, skip_path_tokens,
-        skipped_tokens_kv: what a skipped token gets, as for :class:`AdaDSFModifier`
+    :param skip_path, skip_path_rank, skip_path_ridge, skipped_tokens_kv: what a
+        skipped token gets, as for :class:`AdaDSFModifier`
         (:class:`~adadsf_modifier.routing.skip_fields.SkipPathFields`). A ``ridge``
         skip path is fitted once the schedule is final (so the router trains with it in
         place) and again after router training (on the tokens the trained router
-        skips); it is never trained by gradient. ``route_target`` must stay ``layer``:
-        FTP's key probe and features describe a whole layer's input.
+        skips); it is never trained by gradient.
         ``skip_path_report`` holds the last fit's per-layer ``R^2``
     """
 
@@ -126,7 +125,6 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     sparsity_weight: NonNegativeFloat = 1.0
     guide_weight: NonNegativeFloat = 1.0
     guide_steps: NonNegativeInt = 10
-    threshold_passes: PositiveInt | None = None
     seed: int = 0
 
     _ratios: list[float] | None = PrivateAttr(default=None)
@@ -134,15 +132,15 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     _train: FTPTrainReport | None = PrivateAttr(default=None)
     _thresholds: ThresholdReport | None = PrivateAttr(default=None)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        return drop_retired_fields(data, "FTPModifier")
+
     @model_validator(mode="after")
     def _check_fields(self) -> "FTPModifier":
         if self.schedule == "genetic" and self.ga_population < 2:
             raise ValueError(f"ga_population must be >= 2, got {self.ga_population}")
-        if self.route_target != "layer":
-            raise ValueError(
-                f"FTPModifier routes whole layers only: route_target must be 'layer', "
-                f"got {self.route_target!r}"
-            )
         return self
 
     # ------------------------------------------------------------------ results

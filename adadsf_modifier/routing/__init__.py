@@ -1,6 +1,5 @@
 """Token routing: the router, the routed decoder layer, routing modes, caches,
-thresholds, what skipped tokens get (skip paths, keys/values) and what they skip (the
-whole layer or one sub-block, ``route_target``)."""
+thresholds and what skipped tokens get (skip paths, keys/values)."""
 
 from adadsf_modifier.routing.architectures import (
     SUPPORTED_ARCHITECTURES,
@@ -21,7 +20,6 @@ from adadsf_modifier.routing.modes import (
     set_routing_mode,
 )
 from adadsf_modifier.routing.recorder import LayerRecord, RoutingRecorder
-from adadsf_modifier.routing.route_target_fields import RouteTargetFields
 from adadsf_modifier.routing.routed_cache import RoutedCacheLayer
 from adadsf_modifier.routing.routed_layer import (
     RoutedLayer,
@@ -35,7 +33,6 @@ from adadsf_modifier.routing.selection import threshold_for_ratio, tokens_to_kee
 from adadsf_modifier.routing.skip_fields import SkipPathFields
 from adadsf_modifier.routing.skip_fit import RouterRefit, SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
-from adadsf_modifier.routing.sub_blocks import ROUTE_TARGETS
 from adadsf_modifier.routing.thresholds import (
     ThresholdCalibrationError,
     ThresholdReport,
@@ -67,8 +64,6 @@ __all__ = [
     "routed_class_for",
     "unroute_layer",
     "TokenRouter",
-    "ROUTE_TARGETS",
-    "RouteTargetFields",
     "tokens_to_keep",
     "SKIP_PATHS",
     "SkipPath",

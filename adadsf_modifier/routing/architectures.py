@@ -59,9 +59,9 @@ class ArchitectureSpec:
     query/key/value projection (GPT-NeoX: per head ``[q, k, v]``, so the queries are
     computed too); ``head_dim_attr``: the attention module's head-size attribute.
 
-    Routing the attention and MLP sub-blocks separately (``route_target``, see
-    :mod:`adadsf_modifier.routing.sub_blocks`) needs a sequential pre-norm layer, ``h =
-    x + attention(input_norm(x)); out = h + mlp(post_attention_norm(h))``:
+    A kv-keeping layer's inference prefill runs the attention on every token and the
+    MLP on the kept ones (``run_kept_mlp``), which needs a sequential pre-norm layer,
+    ``h = x + attention(input_norm(x)); out = h + mlp(post_attention_norm(h))``:
     ``post_attention_norm`` and ``mlp`` name those submodules, ``post_attention_norm``
     is ``None`` for a layer that is not of that form (GPT-NeoX's parallel residual).
     """
@@ -84,17 +84,6 @@ class ArchitectureSpec:
     def mlp_matmuls(self) -> int:
         """Matrix multiplications of one MLP: 3 when gated, 2 otherwise."""
         return 3 if self.gated_mlp else 2
-
-    def check_sub_blocks(self, route_target: str) -> None:
-        """Refuse ``route_target`` ``attention`` / ``mlp`` on a layer AdaDSF cannot
-        split into sequential attention and MLP sub-blocks."""
-        if route_target != "layer" and self.post_attention_norm is None:
-            raise UnsupportedArchitectureError(
-                f"route_target {route_target!r} needs decoder layers with sequential "
-                f"attention and MLP sub-blocks; {self.model_type!r} "
-                f"({self.layer_class}) is not split by AdaDSF: use route_target "
-                "'layer'"
-            )
 
     def num_kv_heads(self, config: Any) -> int:
         """Key/value heads of ``config`` (query heads when the architecture has no

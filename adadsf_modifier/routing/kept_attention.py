@@ -52,8 +52,7 @@ equal chunks, each attending (through an explicit mask) only to the keys up to i
 query: about half the keys per query on average, as the causal kernel would, and no
 zero rows. Where the chunks did not pay when measured (float32; more than
 :data:`CPU_CHUNKED_MAX_THREADS` threads) the causal kernel stays, as it does on CUDA (an
-arbitrary mask would leave the flash kernel). The measurements are in
-``lab/NOTEBOOK.md`` §4.
+arbitrary mask would leave the flash kernel).
 
 The causal form reaches the kernel without re-implementing each architecture's
 attention: the routed layer passes a :class:`KeptQueries` as transformers'
@@ -486,13 +485,12 @@ def stored_keys(cache: Any, layer_idx: int) -> int:
 
 #: Largest chunk of kept queries per masked attention call on a CPU in bfloat16
 #: (chunks are made equal, each at most this many); at most this many kept queries
-#: take the causal kernel. Measured best at ~200-260 queries a chunk for seq 1024
-#: and 2048 (``lab/NOTEBOOK.md`` §4.2).
+#: take the causal kernel.
 CPU_QUERY_CHUNK = 256
 #: The CPU dtypes whose kept queries go in chunks (where the measurement favoured it).
 CPU_CHUNKED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 #: The most intra-op threads (``torch.get_num_threads()``) at which the chunks are used:
-#: they won on one thread and lost or tied on two (``lab/NOTEBOOK.md`` §4.2-4.3).
+#: on more threads the causal kernel's own parallelism does as well.
 CPU_CHUNKED_MAX_THREADS = 1
 
 

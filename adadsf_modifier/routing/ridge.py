@@ -284,10 +284,9 @@ def _penalty_scale(cxx: torch.Tensor) -> float:
 
 def _top_eigenvectors(sym: torch.Tensor, k: int, search: bool = False) -> torch.Tensor:
     """The eigenvectors of the ``k`` largest eigenvalues of a symmetric matrix,
-    ``[h, k]``, ascending, in ``sym``'s dtype. A full ``torch.linalg.eigh``: LAPACK's
-    subset solver (``scipy.linalg.eigh(subset_by_index=...)``) took 24 ms against 43 at
-    h = 576 on one thread, but on two its OpenBLAS threads ran slower than torch's and
-    kept spinning into the torch matmuls after them (1.5x slower), a net loss in a
+    ``[h, k]``, ascending, in ``sym``'s dtype. A full ``torch.linalg.eigh``, not
+    LAPACK's subset solver (``scipy.linalg.eigh(subset_by_index=...)``): that one's
+    OpenBLAS threads keep spinning into the torch matmuls after them, a net loss in a
     model's process.
 
     ``search``: for :func:`held_out_errors`, the decomposition in float32 (the matrix

@@ -20,7 +20,7 @@ scores live with the layer's cache (:class:`RankScoresMixin`): on the
 :class:`RoutedCacheLayer` of a layer that caches only the tokens that ran, and on the
 model's own dense cache layer, its class swapped for a scored subclass
 (:func:`scored_cache_layer`), for a layer that caches every position
-(``skipped_tokens_kv``, or ``route_target: mlp``). Both follow the batch through
+(``skipped_tokens_kv``). Both follow the batch through
 ``generate()``'s reorders.
 """
 

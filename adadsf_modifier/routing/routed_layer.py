@@ -27,8 +27,7 @@ is routed, ``_route`` the path), then the paths ``_route`` takes:
   :func:`decode_step_keeping_kv`.
 
 then :func:`route_layer` / :func:`unroute_layer`, which swap the class. Which tokens run
-is :mod:`~adadsf_modifier.routing.selection`'s choice; routing one sub-block instead of
-the whole layer is :mod:`~adadsf_modifier.routing.sub_blocks`'s.
+is :mod:`~adadsf_modifier.routing.selection`'s choice.
 """
 
 from __future__ import annotations
@@ -79,12 +78,6 @@ from adadsf_modifier.routing.selection import (
     scatter_tokens,
 )
 from adadsf_modifier.routing.skip_path import SkipPath, skip_path_of
-from adadsf_modifier.routing.sub_blocks import (
-    attention_block,
-    check_route_target,
-    mlp_block,
-    route_mlp,
-)
 from adadsf_modifier.utils import allowed_by_mask, first_real_tokens, real_token_mask
 
 __all__ = [
@@ -118,9 +111,7 @@ class RoutedLayer(nn.Module):
     skipped tokens ``x + u(x)`` instead of ``x``
     (:mod:`~adadsf_modifier.routing.skip_path`), and ``skipped_tokens_kv`` lets them
     keep contributing keys/values, so the selected tokens attend to the full context
-    (:mod:`~adadsf_modifier.routing.kept_attention`). With ``route_target``
-    ``attention`` or ``mlp`` only that sub-block is routed
-    (:mod:`~adadsf_modifier.routing.sub_blocks`). The update of a selected token is
+    (:mod:`~adadsf_modifier.routing.kept_attention`). The update of a selected token is
     multiplied by a straight-through gate ``1 + sigmoid(s) - sigmoid(s).detach()``
     (:func:`~adadsf_modifier.routing.router.gated`): exactly 1 in value (so an
     untrained router at r = 1 reproduces the dense layer exactly), while the router
@@ -141,9 +132,6 @@ class RoutedLayer(nn.Module):
     #: (see :mod:`adadsf_modifier.routing.kept_attention`); their skip path itself is
     #: the ``skip_path`` child module (:class:`SkipPath`), absent for the identity
     skipped_tokens_kv: bool = False
-    #: what the router decides: the whole ``layer``, or only its ``attention`` or
-    #: ``mlp`` sub-block (:mod:`~adadsf_modifier.routing.sub_blocks`)
-    route_target: str = "layer"
     #: a :class:`~adadsf_modifier.routing.recorder.RoutingRecorder` while one is
     #: attached: the layer then reports what it ran (see ``recorder.py``)
     routing_recorder: Any = None
@@ -239,16 +227,10 @@ class RoutedLayer(nn.Module):
             )
             kwargs.update(kwargs.pop("kwargs", {}))
         x = args[0] if args else kwargs.pop("hidden_states")
-        target = self.route_target
-        if target == "layer" or float(self.retention_ratio) >= 1.0:
-            return self._route(super().forward, x, kwargs)
-        if target == "mlp":
-            return route_mlp(self, x, kwargs)
-        return mlp_block(self, self._route(attention_block(self), x, kwargs))
+        return self._route(super().forward, x, kwargs)
 
     def _route(self, forward: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        """Route ``forward`` (the original layer's, or its attention sub-block's) over
-        the tokens of ``x``."""
+        """Route ``forward`` (the original layer's, bound) over the tokens of ``x``."""
         ratio = float(self.retention_ratio)
         batch, q_len, _ = x.shape
         cache = kwargs.get(self.cache_kwarg)
@@ -340,7 +322,7 @@ class RoutedLayer(nn.Module):
             f"layer_index={self.layer_index}, retention_ratio={ratio}, "
             f"routing_mode={self.routing_mode}, causal_threshold={thr}, "
             f"skipped_tokens_kv={self.skipped_tokens_kv}"
-        ) + ("" if self.route_target == "layer" else f", route={self.route_target}")
+        )
 
 
 # original_class() walks the MRO past every class carrying this marker
@@ -373,8 +355,7 @@ def run_routed(
     queries would attend in chunks (one CPU thread, long prompts: the one case in which
     the compacted batch saves attention work, :func:`~adadsf_modifier.routing.\
 kept_attention.kept_queries_go_in_chunks`). With a gradient the compacted batch
-    stays: its backward skips the skipped tokens' query and output projections, which
-    made a training step faster on a CPU (``lab/NOTEBOOK.md`` §33).
+    stays: its backward skips the skipped tokens' query and output projections.
     """
     index, valid, k_max = selection
     keep_kv = bool(layer.skipped_tokens_kv)
@@ -502,10 +483,30 @@ kept_attention.kept_queries_go_in_chunks`). With a gradient the compacted batch
 
 def attends_every_token(layer: Any) -> bool:
     """Whether a kv-keeping layer's prefill takes :func:`run_kept_mlp`: its decoder
-    layer is two sequential residual sub-blocks (not GPT-NeoX's parallel residual) and
-    its router decides the whole layer."""
+    layer is two sequential residual sub-blocks (not GPT-NeoX's parallel residual)."""
     spec = architecture_for_config(layer._adadsf_config)
-    return layer.route_target == "layer" and spec.post_attention_norm is not None
+    return spec.post_attention_norm is not None
+
+
+def attention_block(layer: Any) -> Any:
+    """The attention sub-block of ``layer`` as a forward: ``x + attention(norm(x))``,
+    called with the decoder layer's own keyword arguments (which the layer passes on to
+    its attention module unchanged)."""
+    spec = architecture_for_config(layer._adadsf_config)
+    norm, attn = getattr(layer, spec.input_norm), getattr(layer, spec.attention)
+
+    def forward(hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        out = attn(hidden_states=norm(hidden_states), **kwargs)
+        return hidden_states + (out[0] if isinstance(out, tuple) else out)
+
+    return forward
+
+
+def mlp_block(layer: Any, h: torch.Tensor) -> torch.Tensor:
+    """The MLP sub-block of ``layer``: ``h + mlp(post_attention_norm(h))``."""
+    spec = architecture_for_config(layer._adadsf_config)
+    norm, mlp = getattr(layer, spec.post_attention_norm), getattr(layer, spec.mlp)
+    return h + mlp(norm(h))
 
 
 def run_kept_mlp(
@@ -940,17 +941,13 @@ def route_layer(
     config: Any,
     skip_path: SkipPath | None = None,
     skipped_tokens_kv: bool = False,
-    route_target: str = "layer",
 ) -> nn.Module:
     """Turn ``layer`` into a routed layer in place (same object, new class, router
     added).
 
     ``skip_path``: what skipped tokens get added (``None``: nothing, the identity);
-    ``skipped_tokens_kv``: skipped tokens still contribute keys/values;
-    ``route_target``: route the whole layer or one sub-block (checked against the
-    architecture first).
+    ``skipped_tokens_kv``: skipped tokens still contribute keys/values.
     """
-    check_route_target(route_target, config, skip_path is not None, skipped_tokens_kv)
     if not 0.0 <= retention_ratio <= 1.0:
         raise ValueError(f"retention ratio must be in [0, 1], got {retention_ratio}")
     if isinstance(layer, RoutedLayer):
@@ -966,8 +963,6 @@ def route_layer(
         layer.add_module("skip_path", skip_path)
     if skipped_tokens_kv:
         layer.skipped_tokens_kv = True
-    if route_target != "layer":
-        layer.route_target = route_target
     layer.retention_ratio = float(retention_ratio)
     layer.layer_index = int(layer_index)
     layer.cache_kwarg = cache_kwarg
@@ -989,7 +984,6 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
     layer._modules.pop("skip_path", None)
     for attr in (
         "skipped_tokens_kv",
-        "route_target",
         "retention_ratio",
         "layer_index",
         "cache_kwarg",

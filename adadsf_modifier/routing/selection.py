@@ -500,31 +500,31 @@ def choose_by_rank(
 
     Why the band: the rank alone holds the share only if scores arrive in random order
     along the row. They do not: later tokens score higher at most layers (more
-    context; ``lab/NOTEBOOK.md`` §18), so a new token outranks most early ones, and a
-    decoding continuation kept up to 0.07 more than the ratio (§26). A ceiling alone
-    holds that, but cuts off only the count's upward wanderings, so rows then kept
-    less than the ratio (down to -0.045 over a continuation, §27). Inside the band the
+    context), so a new token outranks most early ones, and a decoding continuation
+    keeps more than the ratio. A ceiling alone holds that, but cuts off only the
+    count's upward wanderings, so rows then keep less than the ratio. Inside the band
+    the
     rank alone decides. A prefill takes the counts from :func:`clamped_counts`, a
     decoding step from the row's kept count; both give the decisions of one token at
     a time.
 
-    Why ties are split so: identical hidden states score identically (a repeated
-    token, a degenerate stream), and ties that went to the earlier token put every new
-    twin behind all its earlier ones, so a run of identical tokens kept almost none
-    after the first few (0.0075 of 400 at ratio 0.81, ``lab/NOTEBOOK.md`` §18) and the
-    budget did not hold. Counting a tie as half a rival (mid-rank) keeps all or none of
-    a long run (all of it at 0.81, none at 0.2). With ``u_k`` spread evenly (a Weyl
-    sequence) the new token's rank among itself and its ``k`` earlier twins is spread
-    evenly over ``0 .. k``, as a random tie-break would make it, so among tied scores
-    the kept share tends to the ratio (within 0.005 over 400 identical scores at every
-    ratio from 0.1 to 0.95). ``u`` is indexed by ``k``, the token's place among its
-    twins, not by its position: a fraction of the position, the same at every layer,
-    would replay one layer's split at the next (the twins that skipped a layer all drew
-    high fractions and lose most ties at the next one; a tiny model's repeated-token
-    stream kept 0.63 at ratio 0.8 there), and a fixed order of positions would need a
-    key per past token in the cache. ``k`` is a count the comparison gives anyway, so
-    a decoding step adds a subtraction, a lookup and an addition, padding moves no
-    decision, and prefill, chunked prefill and decoding decide alike.
+    Why ties are split so: identical hidden states score identically (a repeated token,
+    a degenerate stream), and ties that went to the earlier token put every new twin
+    behind all its earlier ones, so a run of identical tokens kept almost none after the
+    first few and the budget did not hold. Counting a tie as half a rival (mid-rank)
+    keeps all or none of a long run (all of it at 0.81, none at 0.2). With ``u_k``
+    spread evenly (a Weyl sequence) the new token's rank among itself and its ``k``
+    earlier twins is spread evenly over ``0 .. k``, as a random tie-break would make it,
+    so among tied scores the kept share tends to the ratio (within 0.005 over 400
+    identical scores at every ratio from 0.1 to 0.95). ``u`` is indexed by ``k``, the
+    token's place among its twins, not by its position: a fraction of the position, the
+    same at every layer, would replay one layer's split at the next (the twins that
+    skipped a layer all drew high fractions and lose most ties at the next one; a tiny
+    model's repeated-token stream kept 0.63 at ratio 0.8 there), and a fixed order of
+    positions would need a key per past token in the cache. ``k`` is a count the
+    comparison gives anyway, so a decoding step adds a subtraction, a lookup and an
+    addition, padding moves no decision, and prefill, chunked prefill and decoding
+    decide alike.
 
     ``past``: the row's :class:`RankState` before these tokens (``None``: none);
     ``state``: the same after them, for the cache to keep.
@@ -803,10 +803,9 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     token. ``x`` may have batch 1 for any ``index`` batch (broadcast, e.g. rotary
     tables).
 
-    One ``index_select`` over the flattened ``[batch * seq]`` rows: a row copy, ~15x
-    faster on CPU than ``gather`` with an index expanded over the hidden size (which
-    costs an index read per element; measured in bfloat16, ``lab/NOTEBOOK.md``
-    §4).
+    One ``index_select`` over the flattened ``[batch * seq]`` rows: a row copy, where
+    ``gather`` with an index expanded over the hidden size costs an index read per
+    element.
     """
     batch, k = index.shape
     seq = x.shape[1]

@@ -13,12 +13,11 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import PlainValidator, PrivateAttr
+from pydantic import BaseModel, PlainValidator, PrivateAttr
 from torch import nn
 
 from adadsf_modifier.constraints import PositiveInt
 from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
-from adadsf_modifier.routing.route_target_fields import RouteTargetFields
 from adadsf_modifier.routing.skip_fit import (
     RouterRefit,
     SkipPathReport,
@@ -47,9 +46,8 @@ def _ridge_penalty(value: Any) -> float | str:
 RidgePenalty = Annotated[float | Literal["auto"], PlainValidator(_ridge_penalty)]
 
 
-class SkipPathFields(RouteTargetFields):
-    """Variants of what a token that skips a routed layer gets, and
-    what it skips (``route_target``, see :class:`RouteTargetFields`).
+class SkipPathFields(BaseModel):
+    """What a token that skips a routed layer gets.
 
     ```yaml
     AdaDSFModifier:
@@ -71,9 +69,7 @@ class SkipPathFields(RouteTargetFields):
     :param skip_path_ridge: ridge penalty, relative to the mean input variance, or
         ``auto`` (default): chosen per layer by two-fold held-out error on the
         calibration rows (layers want different penalties: one fixed penalty for all
-        gives clearly worse maps, ``lab/NOTEBOOK.md`` §6)
-    :param skip_path_tokens: fit each map on the tokens its router skips (``skipped``)
-        or on every calibration token (``all``)
+        gives clearly worse maps)
     :param skipped_tokens_kv: skipped tokens still give the layer's attention their
         keys/values (input norm + key/value projections), so the tokens that run it
         see the full context; costs those projections per skipped token and the larger
@@ -83,7 +79,6 @@ class SkipPathFields(RouteTargetFields):
     skip_path: Literal["identity", "ridge"] = "identity"
     skip_path_rank: PositiveInt | None = None
     skip_path_ridge: RidgePenalty = "auto"
-    skip_path_tokens: Literal["skipped", "all"] = "skipped"
     skipped_tokens_kv: bool = False
 
     _skip_path_report: SkipPathReport | None = PrivateAttr(default=None)
@@ -102,15 +97,12 @@ class SkipPathFields(RouteTargetFields):
     ) -> None:
         """Refuse, before any calibration, a rank the model cannot take, a
         quantization modifier of ``recipe`` (the modifiers of the recipe this one runs
-        in) that would quantize the skip paths, and a ``route_target`` the model or
-        these options cannot take."""
-        self.check_route_target(model)
+        in) that would quantize the skip paths."""
         refit = getattr(self, "router_init", None) == "skip_error"
-        if refit and (self.skip_path, self.skip_path_tokens) != ("ridge", "skipped"):
+        if refit and self.skip_path != "ridge":
             raise ValueError(
                 "router_init 'skip_error' fits each router to the error of its layer's "
-                "fitted skip path: it needs skip_path 'ridge' and skip_path_tokens "
-                f"'skipped', got {self.skip_path!r} and {self.skip_path_tokens!r}"
+                f"fitted skip path: it needs skip_path 'ridge', got {self.skip_path!r}"
             )
         if self.skip_path == "identity":
             return
@@ -124,9 +116,8 @@ class SkipPathFields(RouteTargetFields):
 
     def configure_routed_layer(self, layer: nn.Module) -> None:
         """Give a freshly routed layer its skip path (zero, i.e. the identity, until
-        fitted), its ``skipped_tokens_kv`` setting and its ``route_target``."""
+        fitted) and its ``skipped_tokens_kv`` setting."""
         layer.skipped_tokens_kv = bool(self.skipped_tokens_kv)
-        self.configure_route_target(layer)
         if self.skip_path != "identity" and layer.retention_ratio < 1.0:
             install_skip_path(layer, layer.router.hidden_size, self.skip_path_rank)
 
@@ -154,7 +145,6 @@ class SkipPathFields(RouteTargetFields):
             batches,
             rank=self.skip_path_rank,
             ridge=self.skip_path_ridge,
-            tokens=self.skip_path_tokens,
             refit_routers=refit_routers,
             fit_thresholds=fit_thresholds,
         )

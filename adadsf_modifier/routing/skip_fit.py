@@ -225,17 +225,13 @@ def fit_skip_paths(
 def kept_tokens_run_densely(layer: nn.Module) -> bool:
     """Whether ``layer``'s routed output on a token it runs is its dense output.
 
-    So it is when the whole layer is routed and skipped tokens keep their keys and
-    values: a kept token then attends to every earlier real token, as in the dense
-    layer, through the same modules. The skip-path walk then makes the next layer's
+    So it is when skipped tokens keep their keys and values: a kept token then attends
+    to every earlier real token, as in the dense layer, through the same modules. The
+    skip-path walk then makes the next layer's
     inputs from the dense run it needs anyway for the targets (the kept tokens' dense
     outputs, the skipped tokens' ``x + u(x)``) instead of running the layer again.
     """
-    return (
-        isinstance(layer, RoutedLayer)
-        and bool(layer.skipped_tokens_kv)
-        and layer.route_target == "layer"
-    )
+    return isinstance(layer, RoutedLayer) and bool(layer.skipped_tokens_kv)
 
 
 def _fit_layer(

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from adadsf_lab.study.aggregate import build_results
-from adadsf_lab.study.arms import finetune_fields
+from adadsf_lab.study.arms import finetune_fields, without_retired
 from adadsf_lab.study.command import add_study_arguments, build_settings
 from adadsf_lab.study.methods import METHODS
 from adadsf_lab.study.plan import (
@@ -186,10 +186,12 @@ def test_run_key_is_stable_and_covers_every_field():
         fields
     )
     assert "initialized_" not in fields and "align_dataset" not in fields
-    # a field that no longer changes what a run computes is not part of its key, so
-    # the runs computed while it did something are still found
+    # a field the plug-in retired stays in the key at the value every run had, so
+    # the runs computed before its retirement are still found; it never reaches the
+    # modifier
+    assert fields["route_target"] == "layer" and fields["align_anneal_steps"] == 0
+    assert "route_target" not in without_retired(fields, "adadsf")
     assert "threshold_passes" not in fields
-    assert "threshold_passes" not in modifier_fields(s, "ftp", 0.8, 0, TUNED)
 
 
 def test_method_fields():
@@ -212,41 +214,6 @@ def test_method_fields():
     for m in ("uniform", "reversed", "random", "adadsf"):
         f = modifier_fields(s, m, 0.8, 0, TUNED)
         assert f["align_lr"] == 3e-4 and f["align_steps"] == s.align_steps
-
-
-def test_routers_first_steps_reach_the_routed_aligned_methods_only():
-    s = StudySettings(align_routers_first_steps=20)
-    adadsf = modifier_fields(s, "adadsf", 0.8, 0, TUNED)
-    assert adadsf["align_routers_first_steps"] == 20
-    # nothing trains without alignment; layer removal's routers pass all or nothing
-    for m in ("adadsf_no_align", "layer_drop_healed"):
-        assert modifier_fields(s, m, 0.8, 0, TUNED)["align_routers_first_steps"] == 0
-    # a dense control has no routers: its layers train from the first step
-    lm = StudySettings(methods=("dense", "adadsf_lm_only", "dense_lm"),
-                       align_routers_first_steps=20)  # fmt: skip
-    assert "routers_first_steps" not in finetune_fields(lm, "dense_lm", 0, TUNED)
-
-
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        ({"align_routers_first_steps": 50}, "50 alignment steps: routers_first_steps"),
-        ({"align_warmup_steps": 50}, "50 alignment steps: warmup_steps (50) must be"),
-        ({"align_anneal_steps": 51}, "50 alignment steps: anneal_steps (51) must not"),
-        (
-            {"align_routers_first_steps": 5, "align_trainable": "routers"},
-            "routers_first_steps (5) is set but trainable is 'routers'",
-        ),
-    ],
-)
-def test_training_schedules_too_long_for_a_budgets_steps_fail_up_front(fields, message):
-    """Checked when the settings are made, by the alignment's own rules at the
-    shortest steps a budget trains for, not when 0.7's first run is built."""
-    base = {"budgets": (0.8, 0.7), "align_steps": 100, "budget_align_steps": {0.7: 50}}
-    with pytest.raises(ValueError, match=re.escape(message)):
-        StudySettings(**{**base, **fields})
-    StudySettings(**{**base, **fields, "budget_align_steps": {}, "align_steps": 60,
-                     "align_trainable": "routers_and_layers"})  # fmt: skip
 
 
 # ------------------------------------------------------------------------ the plan

@@ -14,7 +14,13 @@ import yaml
 from adadsf_lab.study.methods import METHODS
 from adadsf_lab.study.settings import StudySettings
 
-__all__ = ["Tuned", "finetune_fields", "modifier_fields", "quantization_fields"]
+__all__ = [
+    "Tuned",
+    "finetune_fields",
+    "modifier_fields",
+    "quantization_fields",
+    "without_retired",
+]
 
 # The GPTQ stage of recipes/adadsf_w8a8.yaml, used when the recipe file is not next to
 # the package (an installed wheel); read from the file whenever it is there.
@@ -25,10 +31,33 @@ _W8A8_FALLBACK = {
     "dampening_frac": 0.01,
 }
 _W8A8_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "adadsf_w8a8.yaml"
-#: Modifier fields that no longer change what a run computes (kept by the plug-in so
-#: recipes that set them still load), left out of a run's key: runs computed when they
-#: did something are then found by the render, and none is recomputed for them.
-_NO_EFFECT_FIELDS = {"threshold_passes"}
+#: Fields the plug-in retired (experiments no shipped recipe or published arm used),
+#: at the one value every run of the study had: they stay in a run's configuration, so
+#: the keys of runs computed before their retirement still match, and are dropped
+#: before the modifier is built (:func:`without_retired`). ``threshold_passes`` never
+#: entered a key.
+_RETIRED = {
+    "adadsf": {
+        "importance": "similarity",
+        "importance_tokens": 2048,
+        "importance_fit_tokens": 16384,
+        "route_target": "layer",
+        "skip_path_tokens": "skipped",
+        "align_lr_schedule": "constant",
+        "align_warmup_steps": 0,
+        "align_anneal_steps": 0,
+        "align_routers_first_steps": 0,
+    },
+    "ftp": {"route_target": "layer", "skip_path_tokens": "skipped"},
+    "finetune": {"lr_schedule": "constant", "warmup_steps": 0},
+}
+
+
+def without_retired(fields: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``fields`` (a run's ``modifier`` or ``finetune`` configuration) without the
+    retired fields of ``kind`` (``adadsf``, ``ftp``, ``finetune``)."""
+    return {k: v for k, v in fields.items() if k not in _RETIRED[kind]}
+
 
 _LIFECYCLE_FIELDS = {
     "index",
@@ -116,15 +145,6 @@ def modifier_fields(
         align_seq_len=s.align_seq_len,
         align_trainable=s.align_trainable,
         align_layer_lr=tuned.align_layer_lr,
-        align_lr_schedule=s.align_lr_schedule,
-        align_warmup_steps=s.align_warmup_steps,
-        align_anneal_steps=s.align_anneal_steps if m.align else 0,
-        # layer removal's routers pass all or nothing: nothing to train first
-        align_routers_first_steps=(
-            s.align_routers_first_steps
-            if m.align and m.allocation != "layer_drop"
-            else 0
-        ),
         align_routing=s.align_routing,
         align_seed=seed,
         align_bf16=s.align_bf16,
@@ -133,11 +153,8 @@ def modifier_fields(
         kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
     kwargs.update(m.fields)
     dump = AdaDSFModifier(**kwargs).model_dump()
-    return {
-        k: v
-        for k, v in dump.items()
-        if k not in _LIFECYCLE_FIELDS and k not in _NO_EFFECT_FIELDS
-    }
+    fields = {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
+    return {**fields, **_RETIRED["adadsf"]}
 
 
 def finetune_fields(
@@ -154,14 +171,13 @@ def finetune_fields(
     from adadsf_modifier import AdaDSFModifier
 
     base = modifier_fields(s, m.base, s.tune_budget, seed, tuned.for_method(method))
-    config = AdaDSFModifier(**base).alignment_config(show_progress=False)
-    # a dense model has no routed layer: the retention schedule, the training routing
-    # rule and the routers-only first steps do not apply (nor does a key that depends
-    # on them)
-    fields = config.model_dump(
-        exclude={"show_progress", "anneal_steps", "routing", "routers_first_steps"}
+    config = AdaDSFModifier(**without_retired(base, "adadsf")).alignment_config(
+        show_progress=False
     )
-    return {**fields, "ignore": list(s.ignore)}
+    # a dense model has no routed layer: the training routing rule does not apply
+    # (nor does a key that depends on it)
+    fields = config.model_dump(exclude={"show_progress", "routing"})
+    return {**fields, **_RETIRED["finetune"], "ignore": list(s.ignore)}
 
 
 def _ftp_fields(
@@ -181,8 +197,5 @@ def _ftp_fields(
         **extra,
     )
     dump = FTPModifier(**kwargs).model_dump()
-    return {
-        k: v
-        for k, v in dump.items()
-        if k not in _LIFECYCLE_FIELDS and k not in _NO_EFFECT_FIELDS
-    }
+    fields = {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
+    return {**fields, **_RETIRED["ftp"]}

@@ -76,16 +76,8 @@ def _layer_rate(t: dict) -> str:
 
 
 def _rates(s: dict, t: dict) -> str:
-    """The layers' own rate (tuned or set) and the schedule, when the run had them."""
+    """The layers' own rate (tuned or set) and the training routing rule."""
     out = _layer_rate(t)
-    if s.get("align_lr_schedule", "constant") != "constant":
-        out += f", {s['align_lr_schedule']} schedule"
-    if s.get("align_warmup_steps"):
-        out += f" after {s['align_warmup_steps']} warm-up steps"
-    if s.get("align_anneal_steps"):
-        out += f", retention annealed from 1.0 over {s['align_anneal_steps']} steps"
-    if s.get("align_routers_first_steps"):
-        out += f", routers alone for the first {s['align_routers_first_steps']} steps"
     if s.get("align_routing", "topk") != "topk":
         out += f", {s['align_routing']} routing while training"
     return out

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from loguru import logger
 
+from adadsf_lab.study.arms import without_retired
 from adadsf_lab.study.measure import (
     TokenStreams,
     budget_sizes,
@@ -104,9 +105,10 @@ def _compress(model: torch.nn.Module, cfg: dict, env: RunEnv) -> AdaDSFModifier:
             data["align_rows"], data["align_seq_len"], data["text_seed"]
         )
     if METHODS[cfg["method"]].modifier == "ftp":
-        modifier = FTPModifier(**cfg["modifier"])
+        modifier = FTPModifier(**without_retired(cfg["modifier"], "ftp"))
     else:
-        modifier = AdaDSFModifier(**cfg["modifier"], align_dataset=align)
+        fields = without_retired(cfg["modifier"], "adadsf")
+        modifier = AdaDSFModifier(**fields, align_dataset=align)
     recipe: list[Any] = [modifier]
     if cfg["quantization"]:
         from llmcompressor.modifiers.gptq import GPTQModifier
@@ -148,7 +150,7 @@ def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str,
     from adadsf_modifier.routing import decoder_layers
     from adadsf_modifier.targeting import targeted_layers
 
-    fields = dict(cfg["finetune"])
+    fields = without_retired(cfg["finetune"], "finetune")
     ignore = fields.pop("ignore")
     config = AlignmentConfig(**fields)  # LM loss only: align_model needs no teacher
     data = cfg["data"]

@@ -15,15 +15,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from adadsf_lab.study.methods import METHODS
 from adadsf_modifier.alignment.config import (
-    AlignmentConfig,
-    LRSchedule,
     Trainable,
     TrainingRouting,
 )
@@ -33,7 +30,6 @@ from adadsf_modifier.constraints import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    first_error,
 )
 
 # The 7 lm-eval tasks (the project's offline copies; each task's validation split).
@@ -121,12 +117,8 @@ class StudySettings(BaseModel):
     align_seq_len: PositiveInt = 512
     align_lr: PositiveFloat = 3e-4  # replaced by the validation-split choice when tune
     align_trainable: Trainable = "routers_and_layers"
-    # the layers' pre-trained weights at their own rate (None: align_lr), a schedule
+    # the layers' pre-trained weights at their own rate (None: align_lr)
     align_layer_lr: PositiveFloat | None = None
-    align_lr_schedule: LRSchedule = "constant"
-    align_warmup_steps: NonNegativeInt = 0
-    align_anneal_steps: NonNegativeInt = 0  # retention 1.0 -> allocation over these
-    align_routers_first_steps: NonNegativeInt = 0  # the layers' weights join after
     align_routing: TrainingRouting = "topk"  # quantile / rank: inference's rule
     align_bf16: bool = False
     # ---- hyper-parameters chosen on the validation split (AdaDSF, tune_budget)
@@ -330,20 +322,6 @@ class StudySettings(BaseModel):
             if idle or not methods:
                 what = f"{idle} have no run there" if idle else "names no method"
                 raise ValueError(f"budget_seeds at {b:g}: {what}")
-        used = {self.budget_align_steps.get(b, self.align_steps) for b in known}
-        shortest = min((n for n in used if n > 0), default=0)
-        try:  # the alignment's own rules, at the shortest steps a budget trains for:
-            # checked now, not when that budget's first run is built hours later
-            AlignmentConfig(
-                steps=shortest,
-                warmup_steps=self.align_warmup_steps,
-                anneal_steps=self.align_anneal_steps,
-                routers_first_steps=self.align_routers_first_steps,
-                trainable=self.align_trainable,
-            )
-        except ValidationError as e:
-            why = first_error(e)
-            raise ValueError(f"at a budget's {shortest} alignment steps: {why}") from e
         controls = [m for m in self.methods if METHODS[m].dense_control]
         if self.budget_align_steps and controls:
             raise ValueError(
