@@ -6,9 +6,9 @@ receive or return while the model runs. :func:`capture_layers` puts one callback
 each layer for the duration of a ``with`` block and always takes it off again, also
 when the forward raises; the callback gets a :class:`LayerCall`, which reads the
 hidden states, the attention mask and the real (non-padding) tokens the same way for
-every pass, so the passes agree on what a token is. A callback at the layer's output
-may return a replacement output (the pass then changes what the next layer gets), and
-:class:`StopForward` ends a forward early once the last layer a pass needs has run.
+every pass, so the passes agree on what a token is. Callbacks read; they never change
+what a layer gets or returns. :class:`StopForward` ends a forward early once the last
+layer a pass needs has run.
 
 How the batches are driven stays with the pass (``run_calibration_batches``, a
 next-token loss, a per-batch setup, a single observed forward): the block only scopes
@@ -86,16 +86,8 @@ class LayerCall:
         x = self.hidden_states
         return real_token_mask(self.attention_mask, x.shape[0], x.shape[1], x.device)
 
-    def with_output_states(self, hidden: torch.Tensor) -> Any:
-        """The layer's output with its hidden states replaced by ``hidden`` (what an
-        output callback returns to change what the next layer gets)."""
-        if isinstance(self.output, tuple):
-            return (hidden, *self.output[1:])
-        return hidden
 
-
-#: ``on_call(call)``: ``None``, or (captured at the output only) the output to use
-#: instead of the layer's.
+#: ``on_call(call)``: reads the call; its return value is ignored.
 OnLayerCall = Callable[[LayerCall], Any]
 
 
@@ -110,8 +102,8 @@ def _hook(
 ) -> Callable[..., Any]:
     """The torch hook (registered with ``with_kwargs=True``) that hands each call of
     one module to ``on_call`` as a :class:`LayerCall` of ``index``; with ``stop`` it
-    then raises :class:`StopForward`. At the input the callback's return value is
-    ignored: passes read a layer's arguments, they do not change them."""
+    then raises :class:`StopForward`. The callback's return value is ignored: passes
+    read a layer's arguments and output, they do not change them."""
     if at == "input":
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -123,11 +115,10 @@ def _hook(
     if at != "output":
         raise ValueError(f"at must be 'input' or 'output', got {at!r}")
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        replaced = on_call(LayerCall(index, module, args, kwargs, output))
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        on_call(LayerCall(index, module, args, kwargs, output))
         if stop:
             raise StopForward
-        return replaced
 
     return hook
 

@@ -7,8 +7,8 @@ LlamaDecoderLayer)``): parameter names, hooks, ``isinstance`` checks, GPTQ
 by class name along the MRO) all keep working, and a reference anyone took to the layer
 before routing still points at the routed layer.
 
-The module reads top to bottom: the :class:`RoutedLayer` class (``forward`` picks what
-is routed, ``_route`` the path), then the paths ``_route`` takes:
+The module reads top to bottom: the :class:`RoutedLayer` class (``forward`` binds the
+call's arguments, ``_route`` picks the path), then the paths ``_route`` takes:
 
 - the prefill path (``0 < r < 1``, :func:`run_routed`): the selected tokens run the
   layer on a compacted batch, the others take the skip path (identity, or a fitted map,

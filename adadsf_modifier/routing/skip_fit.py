@@ -227,9 +227,9 @@ def kept_tokens_run_densely(layer: nn.Module) -> bool:
 
     So it is when skipped tokens keep their keys and values: a kept token then attends
     to every earlier real token, as in the dense layer, through the same modules. The
-    skip-path walk then makes the next layer's
-    inputs from the dense run it needs anyway for the targets (the kept tokens' dense
-    outputs, the skipped tokens' ``x + u(x)``) instead of running the layer again.
+    skip-path walk then makes the next layer's inputs from the dense run it needs
+    anyway for the targets (the kept tokens' dense outputs, the skipped tokens'
+    ``x + u(x)``) instead of running the layer again.
     """
     return isinstance(layer, RoutedLayer) and bool(layer.skipped_tokens_kv)
 
