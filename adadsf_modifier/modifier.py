@@ -35,14 +35,6 @@ from adadsf_modifier.alignment import (
     rows_read_again,
     training_rows,
 )
-from adadsf_modifier.allocation import (
-    Allocation,
-    BudgetFields,
-    allocate,
-    check_allocation,
-    lowest_ratio_at_most,
-)
-from adadsf_modifier.calibration import SimilarityAccumulator, run_calibration_batches
 from adadsf_modifier.checkpoint import attach_checkpoint_support
 from adadsf_modifier.constraints import (
     InputError,
@@ -51,23 +43,36 @@ from adadsf_modifier.constraints import (
     PositiveInt,
     drop_retired_fields,
 )
+from adadsf_modifier.fitting import (
+    RouterRefit,
+    ThresholdCalibrationError,
+    ThresholdReport,
+    check_calibration_rows,
+)
+from adadsf_modifier.fitting.allocation import (
+    Allocation,
+    BudgetFields,
+    allocate,
+    check_allocation,
+    lowest_ratio_at_most,
+)
+from adadsf_modifier.fitting.calibration import (
+    SimilarityAccumulator,
+    run_calibration_batches,
+)
+from adadsf_modifier.fitting.skip_fields import SkipPathFields
+from adadsf_modifier.fitting.warm_start import WarmStartResult, warm_start_routers
 from adadsf_modifier.recipe_checks import (
     check_recipe_keeps_routers_unquantized,
     session_recipe_of,
 )
 from adadsf_modifier.routing import (
-    RouterRefit,
-    ThresholdCalibrationError,
-    ThresholdReport,
     TokenRouter,
-    check_calibration_rows,
     decoder_layers,
     route_layer,
     set_routing_mode,
     unroute_layer,
 )
-from adadsf_modifier.routing.skip_fields import SkipPathFields
-from adadsf_modifier.routing.warm_start import WarmStartResult, warm_start_routers
 from adadsf_modifier.stage_clock import StageClock
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
 from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
@@ -130,7 +135,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         ``skip_error`` (with ``skip_path: ridge``) does that, then refits each router,
         once its layer's skip path is fitted, to predict the relative error that path
         makes on each token, layer by layer on the routed model's inputs, and refits the
-        path on the tokens the router then skips (``routing.skip_fit``); ``random``
+        path on the tokens the router then skips (``fitting.skip_fit``); ``random``
         keeps the random initialisation (the ablation)
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
@@ -145,7 +150,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         decisions the model will make
     :param skip_path*, skipped_tokens_kv: what skipped tokens get (default: nothing,
         as in the paper), see
-        :class:`~adadsf_modifier.routing.SkipPathFields`
+        :class:`~adadsf_modifier.fitting.SkipPathFields`
     :param align_*: the alignment fine-tune stage, see
         :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the
         default, skips it)

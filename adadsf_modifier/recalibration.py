@@ -7,7 +7,7 @@ The thresholds are the only part of a routed model fitted to the text's distribu
 that needs no training, so a deployment can refit them on its own text without
 touching a weight: :func:`recalibrate_checkpoint` loads the checkpoint, refits every
 routed layer's threshold on the given rows in one bottom-up walk
-(:func:`~adadsf_modifier.routing.thresholds.calibrate_thresholds`) and writes a new
+(:func:`~adadsf_modifier.fitting.thresholds.calibrate_thresholds`) and writes a new
 checkpoint whose weight files are the old ones (hard links where the filesystem
 allows: a tool that later rewrites a weight file in place would change both), its other
 files copies, and its sidecar the old one with only ``causal_threshold`` changed. The
@@ -48,13 +48,14 @@ from adadsf_modifier.checkpoint.sidecar import (
 )
 from adadsf_modifier.constraints import InputError
 from adadsf_modifier.evaluation.budget import KeptShare
-from adadsf_modifier.flops import normalized_flops
-from adadsf_modifier.ftp.checkpoint import read_ftp_sidecar
-from adadsf_modifier.routing import calibrate_thresholds, routed_layers
-from adadsf_modifier.routing.thresholds import (
+from adadsf_modifier.fitting import calibrate_thresholds
+from adadsf_modifier.fitting.thresholds import (
     THRESHOLD_TOLERANCE,
     check_calibration_rows,
 )
+from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.ftp.checkpoint import read_ftp_sidecar
+from adadsf_modifier.routing import routed_layers
 
 __all__ = ["Recalibration", "check_destination_apart", "recalibrate_checkpoint"]
 

@@ -46,6 +46,7 @@ from adadsf_modifier.evaluation.speed import (
     measure_decode,
     measure_prefill,
 )
+from adadsf_modifier.fitting.thresholds import calibrate_thresholds
 from adadsf_modifier.routing import (
     SkipPath,
     TokenRouter,
@@ -53,7 +54,6 @@ from adadsf_modifier.routing import (
     route_layer,
     set_routing_mode,
 )
-from adadsf_modifier.routing.thresholds import calibrate_thresholds
 
 SHAPES = {
     "smollm2-135m": dict(

@@ -146,7 +146,7 @@ def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> 
 
 def _dense_input_fit(model, calib) -> dict:
     """Refit full-rank skip paths on dense activations, then re-calibrate thresholds."""
-    from adadsf_modifier.routing import calibrate_thresholds, fit_skip_paths
+    from adadsf_modifier.fitting import calibrate_thresholds, fit_skip_paths
 
     rep = fit_skip_paths(model, calib, inputs="dense", tokens="skipped")
     calibrate_thresholds(model, calib)

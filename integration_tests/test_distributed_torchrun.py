@@ -47,15 +47,13 @@ from adadsf_modifier.alignment import (  # noqa: E402
     align_model,
     make_teacher,
 )
-from adadsf_modifier.calibration import SimilarityAccumulator  # noqa: E402
-from adadsf_modifier.routing import (  # noqa: E402
+from adadsf_modifier.fitting import (  # noqa: E402
     RouterRefit,
-    TokenRouter,
     calibrate_thresholds,
-    decoder_layers,
     fit_skip_paths,
-    route_layer,
 )
+from adadsf_modifier.fitting.calibration import SimilarityAccumulator  # noqa: E402
+from adadsf_modifier.routing import TokenRouter, decoder_layers, route_layer  # noqa: E402
 from adadsf_modifier.utils import run_calibration_batches  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -170,7 +168,7 @@ def worker(out: Path, model_dir: str) -> None:  # pragma: no cover - runs in tor
 
     from adadsf_modifier import AdaDSFModifier, distributed, routed_layers
     from adadsf_modifier.checkpoint import attach_checkpoint_support
-    from adadsf_modifier.routing.warm_start import warm_start_routers
+    from adadsf_modifier.fitting.warm_start import warm_start_routers
 
     torch.set_num_threads(1)
     assert distributed.init_distributed() and distributed.world_size() == 2

@@ -24,9 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from tiny_models import tiny_model, tiny_tokenizer  # noqa: E402
 
 from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks  # noqa: E402
+from adadsf_modifier.fitting import calibrate_thresholds  # noqa: E402
 from adadsf_modifier.routing import (  # noqa: E402
     TokenRouter,
-    calibrate_thresholds,
     decoder_layers,
     get_routing_modes,
     route_layer,

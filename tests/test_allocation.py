@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from adadsf_modifier.allocation import (
+from adadsf_modifier.fitting.allocation import (
     allocate,
     check_allocation,
     clip_to_budget,

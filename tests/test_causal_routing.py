@@ -6,9 +6,9 @@ import torch
 from test_routing import positions, route_all
 from tiny_models import ARCHITECTURES, tiny_model
 
+from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.routing import (
     RoutedCacheLayer,
-    calibrate_thresholds,
     get_routing_modes,
     routed_layers,
     set_routing_mode,

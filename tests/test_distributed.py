@@ -25,7 +25,7 @@ from adadsf_modifier.alignment.parallel import (
     check_parallel_supported,
     data_parallel,
 )
-from adadsf_modifier.calibration import SimilarityAccumulator
+from adadsf_modifier.fitting.calibration import SimilarityAccumulator
 
 
 @pytest.fixture

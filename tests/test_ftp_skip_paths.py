@@ -15,8 +15,8 @@ from test_ftp_routing import (
 )
 from tiny_models import tiny_model
 
+import adadsf_modifier.fitting.skip_fields as skip_fields
 import adadsf_modifier.ftp.modifier as ftp_modifier
-import adadsf_modifier.routing.skip_fields as skip_fields
 from adadsf_modifier import FTPModifier, routed_layers
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.ftp import FTP_SIDECAR, FTPTrainConfig, load_ftp, train_router
@@ -168,7 +168,7 @@ def test_ftp_thresholds_fitted_in_the_last_walk_are_those_a_walk_of_their_own_fi
     """The thresholds the last skip-path walk fits equal a threshold walk's on the
     finished model (the same calibration rows); the maps were fitted on the tokens
     those thresholds skip, so a plain fit on the finished model gives them again."""
-    from adadsf_modifier.routing import calibrate_thresholds, fit_skip_paths
+    from adadsf_modifier.fitting import calibrate_thresholds, fit_skip_paths
 
     model, _ = ftp_model(**RIDGE_KV)
     fitted = [m.causal_threshold for m in routed_layers(model)]

@@ -8,9 +8,9 @@ from test_routing import batch_with_padding, positions, route_all
 from tiny_models import ARCHITECTURES, tiny_model
 from transformers import DynamicCache
 
+from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.routing import (
     SkipPath,
-    calibrate_thresholds,
     decoder_layers,
     original_class,
     routed_layers,

@@ -7,8 +7,8 @@ import torch
 from test_routing import positions, route_all
 from tiny_models import tiny_model
 
-from adadsf_modifier.calibration import SimilarityAccumulator
-from adadsf_modifier.layer_capture import LayerCall, StopForward, capture_layers
+from adadsf_modifier.fitting.calibration import SimilarityAccumulator
+from adadsf_modifier.fitting.layer_capture import LayerCall, StopForward, capture_layers
 from adadsf_modifier.routing import routed_layers, routing_override
 from adadsf_modifier.routing.architectures import decoder_layers
 

@@ -157,3 +157,19 @@ def test_the_plugin_wheel_holds_no_lab_code(tmp_path):
     assert any(n.startswith("adadsf_modifier/routing/") for n in names)
     lab = [n for n in names if "adadsf_lab" in n or "/study/" in n or "report" in n]
     assert lab == [] and not [n for n in names if "plot" in n]
+
+
+def test_the_routed_model_imports_nothing_that_builds_it():
+    """What a loaded checkpoint runs (``routing``) stands apart from what builds it:
+    the fits, alignment, FTP's training and the modifiers."""
+    builders = ("fitting", "alignment", "ftp", "modifier", "recalibration")
+    offenders = {
+        module: sorted(
+            i
+            for i in _imports(path, lazy=True)
+            if i.split(".")[:2][-1] in builders and i.startswith("adadsf_modifier.")
+        )
+        for module, path in _modules().items()
+        if module.startswith("adadsf_modifier.routing")
+    }
+    assert {m: i for m, i in offenders.items() if i} == {}

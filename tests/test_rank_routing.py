@@ -15,9 +15,9 @@ from test_kept_attention_kv import keep_kv
 from test_routing import positions, route_all
 from tiny_models import tiny_model
 
+from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.routing import (
-    calibrate_thresholds,
     get_routing_modes,
     routed_layers,
     selection,

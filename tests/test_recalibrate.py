@@ -18,14 +18,10 @@ import adadsf_modifier.cli
 import adadsf_modifier.recalibration
 from adadsf_modifier.checkpoint import SIDECAR_NAME, attach_checkpoint_support
 from adadsf_modifier.evaluation.budget import KeptShare
+from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.recalibration import recalibrate_checkpoint
-from adadsf_modifier.routing import (
-    TokenRouter,
-    calibrate_thresholds,
-    decoder_layers,
-    route_layer,
-)
+from adadsf_modifier.routing import TokenRouter, decoder_layers, route_layer
 
 RATIOS = [None, 0.6, 0.5, 0.7]
 

@@ -1,5 +1,5 @@
 """``router_init: skip_error``: each router refit to its layer's skip-path error, then
-the map refit on the tokens the new router skips (``routing.skip_fit``)."""
+the map refit on the tokens the new router skips (``fitting.skip_fit``)."""
 
 import math
 
@@ -10,17 +10,13 @@ from test_skip_path import batches, run
 from test_skip_path import tiny_dir as tiny_dir  # noqa: F401  (the module fixture)
 from tiny_models import tiny_model
 
-from adadsf_modifier.routing import (
-    RouterRefit,
-    TokenRouter,
-    fit_skip_paths,
-    routed_layers,
-)
-from adadsf_modifier.routing.warm_start import (
+from adadsf_modifier.fitting import RouterRefit, fit_skip_paths
+from adadsf_modifier.fitting.warm_start import (
     rank_correlation,
     skip_error_target,
     warm_start_router,
 )
+from adadsf_modifier.routing import TokenRouter, routed_layers
 
 RATIOS = [1.0, 0.5, 0.0, 0.6]
 
@@ -94,7 +90,7 @@ def test_a_map_fitted_on_all_tokens_is_not_fitted_again_after_the_router_refit(
     all real tokens, before the router refit and after it alike: the same tokens and
     penalty, so the walk gathers their statistics once and keeps the first fit, which
     is the map a plain fit on all tokens gives."""
-    from adadsf_modifier.routing import skip_fit
+    from adadsf_modifier.fitting import skip_fit
 
     torch.manual_seed(0)
     model = route_all(tiny_model("llama", 2), [1.0, 0.9])
@@ -181,7 +177,7 @@ def test_walk_outputs_made_from_the_dense_run_fit_the_same_maps_as_running_the_l
     inputs from the dense run (kept tokens' dense outputs, skipped ones' x + u(x))
     instead of running the routed layer: every map and router it fits must be those
     of the walk that runs the layer."""
-    import adadsf_modifier.routing.skip_fit as skip_fit
+    import adadsf_modifier.fitting.skip_fit as skip_fit
 
     data = _padded_batches() if padded else batches()
 

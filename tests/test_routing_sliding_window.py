@@ -10,8 +10,9 @@ from test_routing import positions, route_all
 from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.flops import observe_routing
-from adadsf_modifier.routing import RoutedCacheLayer, calibrate_thresholds
+from adadsf_modifier.routing import RoutedCacheLayer
 
 RATIOS = [0.8, 0.5, 1.0, 0.6]
 

@@ -6,12 +6,13 @@ import torch
 from test_routing import route_all
 from tiny_models import tiny_model
 
-from adadsf_modifier.routing import calibrate_thresholds, routed_layers
-from adadsf_modifier.routing.selection import threshold_for_ratio
-from adadsf_modifier.routing.thresholds import (
+from adadsf_modifier.fitting import calibrate_thresholds
+from adadsf_modifier.fitting.thresholds import (
     ThresholdCalibrationError,
     check_calibration_rows,
 )
+from adadsf_modifier.routing import routed_layers
+from adadsf_modifier.routing.selection import threshold_for_ratio
 
 RATIOS = [0.73, 0.61, 0.56, 0.3]
 

@@ -9,12 +9,12 @@ from tiny_models import save_tiny_model, token_dataset
 from transformers import AutoModelForCausalLM
 
 from adadsf_modifier import AdaDSFModifier
-from adadsf_modifier.routing import TokenRouter
-from adadsf_modifier.routing.warm_start import (
+from adadsf_modifier.fitting.warm_start import (
     MIN_HELDOUT_SAMPLE,
     importance_target,
     warm_start_router,
 )
+from adadsf_modifier.routing import TokenRouter
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 7, 8, 40])

@@ -11,20 +11,16 @@ from tiny_models import ARCHITECTURES, save_tiny_model, tiny_model, token_datase
 from transformers import AutoModelForCausalLM
 
 from adadsf_modifier import AdaDSFModifier
-from adadsf_modifier.routing import (
-    SkipPath,
-    calibrate_thresholds,
-    fit_skip_paths,
-    original_class,
-    routed_layers,
-)
-from adadsf_modifier.routing.ridge import (
+from adadsf_modifier.fitting import calibrate_thresholds, fit_skip_paths
+from adadsf_modifier.fitting.ridge import (
     RIDGE_GRID,
     RidgeStats,
     choose_ridge,
     fit_ridge,
     held_out_errors,
 )
+from adadsf_modifier.fitting.skip_fit import load_fit
+from adadsf_modifier.routing import SkipPath, original_class, routed_layers
 
 RATIOS = [1.0, 0.5, 0.0, 0.6]
 
@@ -72,7 +68,7 @@ def test_low_rank_fit_projects_onto_the_top_fitted_directions():
     assert rank2.r2 == pytest.approx(1.0, abs=1e-9)
     assert 0.0 < rank1.r2 < rank2.r2
     skip = SkipPath(8, 2).double()
-    skip.load_fit(rank2)
+    load_fit(skip, rank2)
     torch.testing.assert_close(skip(x), x @ full.weight.T + full.bias)
     assert SkipPath.flops_for(10, 8, None) == 2 * 10 * 64
     assert SkipPath.flops_for(10, 8, 2) == 2 * 10 * (2 * 8 * 2)
@@ -230,7 +226,7 @@ def test_rank_above_the_model_fails_before_calibration(tiny_dir):
 def test_skip_paths_are_refit_after_alignment_that_trained_the_layers(
     tiny_dir, monkeypatch, trainable, fits
 ):
-    import adadsf_modifier.routing.skip_fields as fields
+    import adadsf_modifier.fitting.skip_fields as fields
 
     calls = []
     real_fit = fields.fit_skip_paths
@@ -294,7 +290,7 @@ def test_penalty_search_refining_directions_errs_as_fitting_each_penalty_afresh(
     penalty after the first refines the previous penalty's directions instead of an
     ``eigh`` of its own: one full ``eigh`` per fold, and held-out errors (and so the
     choice) as fitting each penalty afresh with a full float64 ``eigh``."""
-    from adadsf_modifier.routing import ridge
+    from adadsf_modifier.fitting import ridge
 
     g = torch.Generator().manual_seed(3)
     h, k, n = 200, 8, 1200

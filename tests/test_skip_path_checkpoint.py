@@ -17,10 +17,10 @@ from tiny_models import ARCHITECTURES, save_tiny_model, tiny_model, token_datase
 import adadsf_modifier
 from adadsf_modifier import AdaDSFCheckpointError, AdaDSFModifier
 from adadsf_modifier.checkpoint import SIDECAR_NAME, attach_checkpoint_support
+from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.routing import (
     SkipPath,
     TokenRouter,
-    calibrate_thresholds,
     decoder_layers,
     route_layer,
     routed_layers,

@@ -9,10 +9,10 @@ from test_routing import positions, route_all
 from tiny_models import tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
+from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.flops import count_flops, layer_shape, normalized_flops
 from adadsf_modifier.routing import (
     SkipPath,
-    calibrate_thresholds,
     decoder_layers,
     routed_layer,
     routed_layers,

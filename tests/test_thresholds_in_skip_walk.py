@@ -9,13 +9,9 @@ from test_skip_path import batches, run
 from test_skip_path import tiny_dir as tiny_dir  # noqa: F401  (the module fixture)
 from tiny_models import tiny_model
 
-import adadsf_modifier.routing.skip_fields as skip_fields
-from adadsf_modifier.routing import (
-    RouterRefit,
-    calibrate_thresholds,
-    fit_skip_paths,
-    routed_layers,
-)
+import adadsf_modifier.fitting.skip_fields as skip_fields
+from adadsf_modifier.fitting import RouterRefit, calibrate_thresholds, fit_skip_paths
+from adadsf_modifier.routing import routed_layers
 
 #: a routed layer at 1.0 (no map, still a threshold), two partly routed, one removed
 RATIOS = [1.0, 0.5, 0.0, 0.6]

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from adadsf_modifier.fitting.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.flops.count import count_flops
 from adadsf_modifier.flops.formulas import FlopsReport, layer_shape
-from adadsf_modifier.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.routing.architectures import decoder_layers, original_class
 from adadsf_modifier.routing.recorder import RoutingRecorder
 from adadsf_modifier.routing.routed_layer import RoutedLayer

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adadsf_modifier.layer_capture import LayerCall, capture_layers
+from adadsf_modifier.fitting.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [

@@ -20,7 +20,6 @@ from llmcompressor.modifiers import Modifier
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
-from adadsf_modifier.allocation import BudgetFields
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -30,6 +29,12 @@ from adadsf_modifier.constraints import (
     drop_retired_fields,
     one_of,
 )
+from adadsf_modifier.fitting import (
+    SkipPathFields,
+    ThresholdReport,
+    check_calibration_rows,
+)
+from adadsf_modifier.fitting.allocation import BudgetFields
 from adadsf_modifier.ftp.checkpoint import install_ftp_save_hook
 from adadsf_modifier.ftp.features import calibrate_features, check_probe_supported
 from adadsf_modifier.ftp.router import (
@@ -53,14 +58,7 @@ from adadsf_modifier.recipe_checks import (
     check_recipe_keeps_routers_unquantized,
     session_recipe_of,
 )
-from adadsf_modifier.routing import (
-    SkipPathFields,
-    ThresholdReport,
-    check_calibration_rows,
-    decoder_layers,
-    route_layer,
-    unroute_layer,
-)
+from adadsf_modifier.routing import decoder_layers, route_layer, unroute_layer
 from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
 from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
@@ -102,7 +100,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     :param seed: seeds the MLP's initialisation and the genetic search
     :param skip_path, skip_path_rank, skip_path_ridge, skipped_tokens_kv: what a
         skipped token gets, as for :class:`AdaDSFModifier`
-        (:class:`~adadsf_modifier.routing.skip_fields.SkipPathFields`). A ``ridge``
+        (:class:`~adadsf_modifier.fitting.skip_fields.SkipPathFields`). A ``ridge``
         skip path is fitted once the schedule is final (so the router trains with it in
         place) and again after router training (on the tokens the trained router
         skips); it is never trained by gradient.

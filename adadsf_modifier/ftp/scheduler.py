@@ -2,7 +2,7 @@
 a global budget.
 
 A candidate is one ratio per routed layer with mean exactly ``retention`` (every
-candidate is projected onto the budget with :func:`adadsf_modifier.allocation.
+candidate is projected onto the budget with :func:`adadsf_modifier.fitting.allocation.
 clip_to_budget`, so the budget holds by construction, not by penalty). Its fitness is
 the next-token loss of the model routed by the *static* router at those ratios, on a
 validation set held out from everything the router trains or calibrates on (the paper
@@ -23,7 +23,7 @@ from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
-from adadsf_modifier.allocation import clip_to_budget
+from adadsf_modifier.fitting.allocation import clip_to_budget
 from adadsf_modifier.utils import next_token_nll
 
 __all__ = ["ScheduleResult", "genetic_schedule", "validation_loss"]

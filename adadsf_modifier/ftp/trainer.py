@@ -5,7 +5,7 @@ Which tokens run while training (``FTPTrainConfig.routing``):
 - ``threshold`` (FTP's rule): *causal* mode with every threshold at 0, so the gate is
   the hard rule ``s > 0`` and the sparsity loss pulls each layer's hard kept fraction to
   its scheduled ratio. Inference does not use that gate: the final thresholds are
-  re-fitted afterwards by :func:`adadsf_modifier.routing.calibrate_thresholds`, which
+  re-fitted afterwards by :func:`adadsf_modifier.fitting.calibrate_thresholds`, which
   makes the ratios exact. The sparsity loss does not hold the hard gate at the ratios
   (on SmolLM2 it drifts away from them while training), so under this rule the router
   is trained on decisions inference never makes.

@@ -1,5 +1,9 @@
-"""Token routing: the router, the routed decoder layer, routing modes, caches,
-thresholds and what skipped tokens get (skip paths, keys/values)."""
+"""The routed model: what a loaded checkpoint runs. The router, the routed decoder
+layer (prefill and decoding), the tokens it selects, attention for the kept tokens,
+its cache, the routing modes and the skip path a skipped token takes.
+
+What builds these (calibration, allocation, router initialisation, skip-path fits,
+thresholds) lives in :mod:`adadsf_modifier.fitting`; nothing here imports it."""
 
 from adadsf_modifier.routing.architectures import (
     SUPPORTED_ARCHITECTURES,
@@ -30,16 +34,7 @@ from adadsf_modifier.routing.routed_layer import (
 )
 from adadsf_modifier.routing.router import TokenRouter
 from adadsf_modifier.routing.selection import threshold_for_ratio, tokens_to_keep
-from adadsf_modifier.routing.skip_fields import SkipPathFields
-from adadsf_modifier.routing.skip_fit import RouterRefit, SkipPathReport, fit_skip_paths
 from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
-from adadsf_modifier.routing.thresholds import (
-    ThresholdCalibrationError,
-    ThresholdReport,
-    calibrate_thresholds,
-    check_calibration_rows,
-    check_thresholds,
-)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -67,15 +62,6 @@ __all__ = [
     "tokens_to_keep",
     "SKIP_PATHS",
     "SkipPath",
-    "SkipPathFields",
-    "RouterRefit",
-    "SkipPathReport",
-    "fit_skip_paths",
-    "ThresholdCalibrationError",
-    "ThresholdReport",
-    "calibrate_thresholds",
-    "check_thresholds",
-    "check_calibration_rows",
     "threshold_for_ratio",
     "routed_layers",
 ]

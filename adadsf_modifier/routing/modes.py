@@ -74,7 +74,7 @@ def _check_thresholds(layers: Sequence[RoutedLayer], mode: str) -> None:
         if missing:
             raise ValueError(
                 f"causal routing needs calibrated thresholds; layers {missing} have "
-                "none (run adadsf_modifier.routing.calibrate_thresholds)"
+                "none (run adadsf_modifier.fitting.calibrate_thresholds)"
             )
 
 

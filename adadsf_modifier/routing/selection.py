@@ -128,7 +128,7 @@ def choose_tokens(
     elif threshold is None:
         raise RuntimeError(
             f"{owner()} has no causal threshold; calibrate thresholds first "
-            "(adadsf_modifier.routing.calibrate_thresholds)"
+            "(adadsf_modifier.fitting.calibrate_thresholds)"
         )
     selected = real & (scores > threshold)
     if first is not None:
@@ -728,7 +728,7 @@ def batch_threshold(
 ) -> float:
     """The causal rule's threshold fitted on this batch: ``ratio`` of its real tokens
     score above it, the forced first tokens (``first``) counted as running, as
-    :func:`~adadsf_modifier.routing.calibrate_thresholds` fits it on calibration
+    :func:`~adadsf_modifier.fitting.calibrate_thresholds` fits it on calibration
     data."""
     free = real if first is None else real & ~first
     total = int(real.sum())

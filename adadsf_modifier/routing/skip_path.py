@@ -3,7 +3,7 @@
 Paper-faithful AdaDSF passes a skipped token through unchanged (``identity``). A
 :class:`SkipPath` instead adds ``u(x) = x W^T + b`` (full rank) or ``u(x) = (x D^T) U^T
 + b`` (rank ``k``), an approximation of the layer's update ``layer(x) - x`` fitted in
-closed form (ridge regression, :mod:`~adadsf_modifier.routing.ridge`) on calibration
+closed form (ridge regression, :mod:`adadsf_modifier.fitting.ridge`) on calibration
 activations: no gradient training. It runs on every token that skips the layer (the
 FLOPs model counts ``2 h^2`` or ``4 h k`` per such token), never on the tokens that run
 it.
@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from adadsf_modifier.routing.ridge import RidgeFit
 
 __all__ = ["SKIP_PATHS", "SkipPath", "install_skip_path", "skip_path_of"]
 
@@ -73,21 +71,6 @@ class SkipPath(nn.Module):
         else:
             out = F.linear(F.linear(x, self.down), self.up, self.bias)
         return out if out.dtype == dtype else out.to(dtype)
-
-    @torch.no_grad()
-    def load_fit(self, fit: RidgeFit) -> None:
-        """Copy a :class:`RidgeFit` of the same shape into this map."""
-        if fit.rank != self.rank or fit.bias.shape[0] != self.hidden_size:
-            raise ValueError(
-                f"a rank-{fit.rank} fit of width {fit.bias.shape[0]} does not fit a "
-                f"rank-{self.rank} skip path of width {self.hidden_size}"
-            )
-        self.bias.copy_(fit.bias)
-        if self.rank is None:
-            self.weight.copy_(fit.weight)
-        else:
-            self.down.copy_(fit.down)
-            self.up.copy_(fit.up)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, rank={self.rank}"

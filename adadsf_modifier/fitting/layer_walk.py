@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from adadsf_modifier.distributed import is_source_process
-from adadsf_modifier.layer_capture import LayerCall, StopForward, capture_layers
+from adadsf_modifier.fitting.layer_capture import LayerCall, StopForward, capture_layers
 from adadsf_modifier.routing.architectures import decoder_layers
 from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.utils import (

@@ -7,7 +7,7 @@ solves the centred normal equations (full rank, or reduced rank ``k``) into a
 :class:`RidgeFit`, and :func:`choose_ridge` picks the relative penalty of
 :data:`RIDGE_GRID` on two folds (:func:`ridge_folds`). The map these fits fill is
 :class:`~adadsf_modifier.routing.skip_path.SkipPath`; fitting every layer's map on
-calibration activations is :mod:`~adadsf_modifier.routing.skip_fit`.
+calibration activations is :mod:`~adadsf_modifier.fitting.skip_fit`.
 """
 
 from __future__ import annotations

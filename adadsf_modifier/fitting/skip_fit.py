@@ -13,7 +13,7 @@ to produce the next layer's inputs.
 
 With ``refit_routers`` (``router_init: skip_error``), each layer's router is refit,
 right after its map, to predict the relative error the fitted map makes on each token
-(``|layer(x) - (x + u(x))| / |x|``, :func:`~adadsf_modifier.routing.warm_start.\
+(``|layer(x) - (x + u(x))| / |x|``, :func:`~adadsf_modifier.fitting.warm_start.\
 skip_error_target`), and the map is then refit on the tokens the new router skips (with
 the penalty chosen for the first map):
 the router learns which tokens the map cannot stand in for, on the inputs it will see
@@ -21,10 +21,10 @@ the router learns which tokens the map cannot stand in for, on the inputs it wil
 ranking by absolute error, while relative error ranks best).
 
 With ``fit_thresholds`` the same walk also fits every routed layer's causal threshold
-(:func:`~adadsf_modifier.routing.thresholds.fit_layer_threshold`) as soon as its
+(:func:`~adadsf_modifier.fitting.thresholds.fit_layer_threshold`) as soon as its
 router is final, and fits the map on the tokens that threshold skips: each layer's
 inputs are then those of the finished model under causal routing, so the thresholds
-are what :func:`~adadsf_modifier.routing.thresholds.calibrate_thresholds` would fit
+are what :func:`~adadsf_modifier.fitting.thresholds.calibrate_thresholds` would fit
 afterwards, without its walk (about one more forward pass). Only for a model nothing
 trains after this walk; an alignment changes the routers, and the thresholds are
 fitted after it.
@@ -54,28 +54,28 @@ from loguru import logger
 from torch import nn
 
 from adadsf_modifier import distributed
-from adadsf_modifier.routing.architectures import decoder_layers
-from adadsf_modifier.routing.layer_walk import (
+from adadsf_modifier.fitting.layer_walk import (
     LayerStep,
     real_tokens_of,
     router_scores,
     walk_layers,
 )
-from adadsf_modifier.routing.modes import routing_override
-from adadsf_modifier.routing.ridge import (
+from adadsf_modifier.fitting.ridge import (
     RidgeFit,
     RidgeStats,
     fit_ridge_on_folds,
     ridge_folds,
 )
-from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
-from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
-from adadsf_modifier.routing.thresholds import (
+from adadsf_modifier.fitting.thresholds import (
     THRESHOLD_TOLERANCE,
     ThresholdReport,
     fit_layer_threshold,
 )
-from adadsf_modifier.routing.warm_start import skip_error_target, warm_start_router
+from adadsf_modifier.fitting.warm_start import skip_error_target, warm_start_router
+from adadsf_modifier.routing.architectures import decoder_layers
+from adadsf_modifier.routing.modes import routing_override
+from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
+from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 from adadsf_modifier.utils import model_device
 
 __all__ = [
@@ -144,8 +144,8 @@ def fit_skip_paths(
 
     :param rank: ``None`` full rank, else the rank of each map
     :param ridge: ridge penalty relative to the mean input variance (see
-        :func:`~adadsf_modifier.routing.ridge.fit_ridge`); ``"auto"``: per layer,
-        the value of :data:`~adadsf_modifier.routing.ridge.RIDGE_GRID` with the
+        :func:`~adadsf_modifier.fitting.ridge.fit_ridge`); ``"auto"``: per layer,
+        the value of :data:`~adadsf_modifier.fitting.ridge.RIDGE_GRID` with the
         least two-fold held-out error (calibration rows alternate between the folds)
     :param tokens: fit on the real tokens the router skips (in the layer's current
         routing mode: causal once thresholds exist, else top-k) or on all real tokens;
@@ -294,7 +294,7 @@ def _skipped_tokens(
 ) -> list[torch.Tensor]:
     """Per batch, ``[batch, seq]``: the real tokens ``layer``'s router skips (in the
     layer's current routing mode; scored inside a layer call: see
-    :func:`~adadsf_modifier.routing.layer_walk.router_scores`)."""
+    :func:`~adadsf_modifier.fitting.layer_walk.router_scores`)."""
     out = []
     for x, call in zip(xs, calls):
         mask, real = real_tokens_of(x, call)
@@ -351,7 +351,7 @@ def _fit_map(
     if skipped is None and fitted_on_all is not None:
         return fitted_on_all, True
     fit = fit_ridge_on_folds(_fold_stats(xs, calls, ys, device, skipped), rank, ridge)
-    layer.skip_path.load_fit(fit)
+    load_fit(layer.skip_path, fit)
     return fit, skipped is None
 
 
@@ -411,3 +411,19 @@ def _skip_error_sample(
             "the router cannot be refit to the skip error"
         )
     return x_s, err_s
+
+
+@torch.no_grad()
+def load_fit(skip: SkipPath, fit: RidgeFit) -> None:
+    """Copy a :class:`RidgeFit` of the same shape into the layer's skip path."""
+    if fit.rank != skip.rank or fit.bias.shape[0] != skip.hidden_size:
+        raise ValueError(
+            f"a rank-{fit.rank} fit of width {fit.bias.shape[0]} does not fit a "
+            f"rank-{skip.rank} skip path of width {skip.hidden_size}"
+        )
+    skip.bias.copy_(fit.bias)
+    if skip.rank is None:
+        skip.weight.copy_(fit.weight)
+    else:
+        skip.down.copy_(fit.down)
+        skip.up.copy_(fit.up)

@@ -17,18 +17,18 @@ from pydantic import BaseModel, PlainValidator, PrivateAttr
 from torch import nn
 
 from adadsf_modifier.constraints import PositiveInt
-from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
-from adadsf_modifier.routing.skip_fit import (
+from adadsf_modifier.fitting.skip_fit import (
     RouterRefit,
     SkipPathReport,
     fit_skip_paths,
 )
-from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
-from adadsf_modifier.routing.thresholds import (
+from adadsf_modifier.fitting.thresholds import (
     ThresholdReport,
     calibrate_thresholds,
     check_thresholds,
 )
+from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
+from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 
 __all__ = ["RidgePenalty", "SkipPathFields"]
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from adadsf_modifier import distributed
-from adadsf_modifier.layer_capture import LayerCall, capture_layers
+from adadsf_modifier.fitting.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.utils import run_calibration_batches
 
 __all__ = [
@@ -37,7 +37,7 @@ class SimilarityAccumulator:
 
     With ``sample_tokens > 0`` it also keeps, per layer, a random sample of real tokens'
     layer inputs and their per-token similarity: the supervision for the routers' warm
-    start (:mod:`adadsf_modifier.routing.warm_start`), gathered in the same dense pass
+    start (:mod:`adadsf_modifier.fitting.warm_start`), gathered in the same dense pass
     at no extra forward cost.
 
     Under ``torchrun`` each rank sees its own partition: :meth:`all_reduce` sums the

@@ -37,13 +37,13 @@ from torch import nn
 
 from adadsf_modifier import distributed
 from adadsf_modifier.constraints import InputError
-from adadsf_modifier.routing.architectures import decoder_layers
-from adadsf_modifier.routing.layer_walk import (
+from adadsf_modifier.fitting.layer_walk import (
     LayerStep,
     real_tokens_of,
     router_scores,
     walk_layers,
 )
+from adadsf_modifier.routing.architectures import decoder_layers
 from adadsf_modifier.routing.modes import routing_override
 from adadsf_modifier.routing.routed_layer import RoutedLayer, routed_layers
 from adadsf_modifier.routing.selection import threshold_beside_forced
