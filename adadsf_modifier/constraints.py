@@ -43,6 +43,8 @@ RETIRED_FIELDS: dict[str, tuple[object, str]] = {
     "align_warmup_steps": (0, "the alignment trains at its full rate from step 1"),
     "align_anneal_steps": (0, "each routed layer trains at its allocated ratio"),
     "align_routers_first_steps": (0, "every trainable parameter trains from step 1"),
+    "align_grad_clip": (1.0, "the alignment clips gradients to norm 1"),
+    "align_weight_decay": (0.0, "the alignment uses no weight decay"),
 }
 
 

@@ -21,11 +21,11 @@ import torch
 from llmcompressor.core import State
 from llmcompressor.modifiers import Modifier
 from loguru import logger
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from adadsf_modifier import distributed
 from adadsf_modifier.alignment import (
-    AlignmentFields,
+    AlignmentConfig,
     AlignmentReport,
     align_model,
     check_alignment_supported,
@@ -45,6 +45,7 @@ from adadsf_modifier.constraints import (
 )
 from adadsf_modifier.fitting import (
     RouterRefit,
+    SkipPathReport,
     ThresholdCalibrationError,
     ThresholdReport,
     check_calibration_rows,
@@ -60,7 +61,13 @@ from adadsf_modifier.fitting.calibration import (
     SimilarityAccumulator,
     run_calibration_batches,
 )
-from adadsf_modifier.fitting.skip_fields import SkipPathFields
+from adadsf_modifier.fitting.skip_fields import (
+    SkipPathFields,
+    check_skip_path,
+    configure_routed_layer,
+    fit_configured_skip_paths,
+    thresholds_after,
+)
 from adadsf_modifier.fitting.warm_start import WarmStartResult, warm_start_routers
 from adadsf_modifier.recipe_checks import (
     check_recipe_keeps_routers_unquantized,
@@ -80,7 +87,7 @@ from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
 __all__ = ["AdaDSFModifier"]
 
 
-class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
+class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
     """
     Adaptive Depth Sparse Framework (arXiv 2607.21291): each decoder layer runs only the
     tokens a small router ranks highest; layers that change their input little get fewer
@@ -108,7 +115,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         - routing: each targeted decoder layer becomes a ``RoutedLayer`` (own router)
         - skip paths (``skip_path: ridge``): closed-form fit, see ``SkipPathFields``
         - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense
-          model taken just before routing (``align_*`` fields: see ``AlignmentFields``)
+          model taken just before routing (``align_*`` fields: see ``AlignmentConfig``)
         - causal thresholds: per-layer router-score thresholds for eval / generate()
         - ``routing_mode: rank``: the routed layers switch to rank routing
     - on_finalize: nothing left to do; the routed model stays routed
@@ -152,8 +159,11 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         as in the paper), see
         :class:`~adadsf_modifier.fitting.SkipPathFields`
     :param align_*: the alignment fine-tune stage, see
-        :class:`~adadsf_modifier.alignment.AlignmentFields` (``align_steps=0``, the
+        :class:`~adadsf_modifier.alignment.AlignmentConfig` (``align_steps=0``, the
         default, skips it)
+    :param align_dataset: the alignment's training rows (``input_ids`` [+
+        ``attention_mask``], e.g. a tokenized ``datasets.Dataset``); ``None`` trains on
+        the calibration data. Python API only: not written to the saved ``recipe.yaml``
     """
 
     temperature: PositiveFloat = 0.05
@@ -167,6 +177,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
     router_init: Literal["similarity", "skip_error", "random"] = "similarity"
     router_init_steps: PositiveInt = 100
     router_init_tokens: PositiveInt = 2048
+    align_dataset: Any = Field(default=None, exclude=True, repr=False)
 
     _similarities: list[float] | None = PrivateAttr(default=None)
     _retention_ratios: list[float] | None = PrivateAttr(default=None)
@@ -176,11 +187,51 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
     _teacher: torch.nn.Module | None = PrivateAttr(default=None)
     _alignment_report: AlignmentReport | None = PrivateAttr(default=None)
     _clock: StageClock = PrivateAttr(default_factory=StageClock)
+    _skip_path_report: SkipPathReport | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _drop_retired(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "align_seed" in data:
+            data = dict(data)
+            if data.pop("align_seed") != data.get("seed", 0):
+                raise InputError(
+                    "AdaDSFModifier: `align_seed` is no longer supported (the "
+                    "alignment is seeded by `seed`): remove it from the recipe"
+                )
+            logger.warning("AdaDSFModifier: `align_seed` is retired (`seed` seeds "
+                           "the alignment); remove it from the recipe")  # fmt: skip
         return drop_retired_fields(data, "AdaDSFModifier")
+
+    @field_validator("align_dataset")
+    @classmethod
+    def _check_align_dataset(cls, v: Any) -> Any:
+        """Refused here, not after the minutes of calibration and routing before the
+        alignment first reads it."""
+        if v is None:
+            return v
+        columns = getattr(v, "column_names", None)
+        if columns is not None and "input_ids" not in columns:
+            raise ValueError(
+                "align_dataset needs an `input_ids` column (tokenize it first), got "
+                f"{columns}"
+            )
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise ValueError(
+                "align_dataset must be an iterable of rows or batches with `input_ids` "
+                f"(e.g. a tokenized datasets.Dataset), got {type(v).__name__}"
+            )
+        if hasattr(v, "__len__") and len(v) == 0:
+            raise ValueError(
+                "align_dataset is empty: the alignment has no row to train on"
+            )
+        if columns is not None and "attention_mask" in columns:
+            if not any(any(mask) for mask in v["attention_mask"]):
+                raise ValueError(
+                    "align_dataset holds no real token: every attention_mask is all "
+                    "zeros (padding only)"
+                )
+        return v
 
     # ------------------------------------------------------------------ results
     def _ready(self, value: Any, name: str) -> Any:
@@ -212,6 +263,12 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         return list(self._warm_start)
 
     @property
+    def skip_path_report(self) -> SkipPathReport | None:
+        """Per layer: tokens fit on and fraction of the update explained (``R^2``) of
+        the last skip-path fit (``None``: identity skip path, or not fitted yet)."""
+        return self._skip_path_report
+
+    @property
     def threshold_report(self) -> ThresholdReport:
         """Causal-routing thresholds, measured kept fractions and agreement with
         top-k."""
@@ -226,13 +283,58 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
         model = state.model
         spec, layers = decoder_layers(model)
+        targeted, calib = self._check_inputs(model, layers, state)
+        clock = self._clock
+        with clock.stage("calibration"):
+            self._similarities = self._calibrate(model, layers, calib)
+        ratios = self._allocate(targeted, len(layers), calib)
+        # The alignment stage's dense teacher is the model as it is now, before routing.
+        self._teacher = make_teacher(model) if self.needs_teacher else None
+        self._route(model, spec.cache_kwarg, targeted, ratios)
+        with clock.stage("router warm start"):
+            self._warm_start_routers(model)
+        aligned = self.align_steps > 0
+        with clock.stage("skip paths"):
+            # the last walk (nothing trains after it) fits the causal thresholds too
+            last_walk = self._fit_skip_paths(
+                model, calib, self._router_refit(), fit_thresholds=not aligned
+            )
+        if aligned:
+            with clock.stage("alignment"):
+                self._align(model, calib)
+            last_walk = None
+            # the maps fit the layers' updates: refitted when the layers trained
+            if self.align_trainable != "routers":
+                with clock.stage("skip paths"):
+                    last_walk = self._fit_skip_paths(model, calib, fit_thresholds=True)
+        with clock.stage("thresholds"):
+            # those the last walk fitted, else a walk of their own
+            self._threshold_report = thresholds_after(model, calib, last_walk)
+        if self.routing_mode != "causal":
+            set_routing_mode(model, self.routing_mode)
+        logger.info(f"AdaDSF construction: {clock.summary()}")
+        # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF
+        # sidecar.
+        attach_checkpoint_support(model, self)
+        return True
+
+    def on_finalize(self, state: State, **kwargs: Any) -> bool:
+        self.remove_hooks()
+        distributed.restore_logging()
+        self._teacher = None
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def _check_inputs(self, model: torch.nn.Module, layers, state: State):
+        """Everything that can be refused before any heavy work: the model, the
+        recipe, the budget, the calibration (and alignment) rows. Returns the targeted
+        layers and this rank's calibration data."""
         check_not_routed(layers)
-        check_alignment_supported(model, self.alignment_config())
+        check_alignment_supported(model, self)
         targeted = targeted_layers(layers, self.targets, self.ignore)
         # An impossible allocation (wrong list length, layer_drop below one layer)
         # fails here, before calibration.
         check_allocation(self.allocation, self.retention, len(targeted))
-
         calib = getattr(state.data, "calib", None) if state.data is not None else None
         if calib is None:
             raise InputError(
@@ -250,19 +352,20 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         self._check_token_rows(model, calib)
         self._check_rows_reach_the_budget(calib)
         self._check_teacher_cache(model, calib)
-
-        # A quantization modifier later in the recipe must not quantize the routers:
-        # fail now, not after calibration (see adadsf_modifier.recipe_checks).
+        # A quantization modifier later in the recipe must not quantize the routers
+        # or skip paths (see adadsf_modifier.recipe_checks).
         recipe = session_recipe_of(self)
-        check_recipe_keeps_routers_unquantized([n for _, n, _ in targeted], recipe)
-        self.check_skip_path(model, [name for _, name, _ in targeted], recipe)
-        clock = self._clock
-        with clock.stage("calibration"):
-            self._similarities = self._calibrate(model, layers, calib)
-        routed_sims = [self._similarities[i] for i, _, _ in targeted]
+        names = [name for _, name, _ in targeted]
+        check_recipe_keeps_routers_unquantized(names, recipe)
+        check_skip_path(self, model, names, recipe, self.router_init)
+        return targeted, calib
+
+    def _allocate(self, targeted, num_layers: int, calib) -> list[float]:
+        """The routed layers' ratios from their similarities (every layer's ratio,
+        1.0 where not routed, kept as ``retention_ratios``)."""
         ratios = allocate(
             self.allocation,
-            routed_sims,
+            [self._similarities[i] for i, _, _ in targeted],
             retention=self.retention,
             temperature=self.temperature,
             beta=self.beta,
@@ -272,58 +375,28 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         # Rows too short for causal thresholds to reach these ratios are refused now,
         # before routing, warm start and alignment.
         check_calibration_rows(ratios, calib)
-        full = [1.0] * len(layers)
+        full = [1.0] * num_layers
         for (i, _, _), r in zip(targeted, ratios):
             full[i] = r
         self._retention_ratios = full
+        return ratios
 
-        # The alignment stage's dense teacher is the model as it is now, before routing.
-        self._teacher = make_teacher(model) if self.align_needs_teacher else None
-        self._route(model, spec.cache_kwarg, targeted, ratios)
-        logger.info(
-            f"AdaDSF: routed {len(targeted)}/{len(layers)} decoder layers, allocation="
-            f"{self.allocation if isinstance(self.allocation, str) else 'explicit'}, "
-            "mean ratio "
-            f"{sum(ratios) / len(ratios):.4f}, ratios "
-            f"[{', '.join(f'{r:.3f}' for r in full)}]"
+    def _fit_skip_paths(
+        self,
+        model: torch.nn.Module,
+        calib,
+        refit: RouterRefit | None = None,
+        fit_thresholds: bool = False,
+    ) -> SkipPathReport | None:
+        """Fit the ridge skip paths (``None`` for the identity); with
+        ``fit_thresholds``, the causal thresholds in the same walk."""
+        report = fit_configured_skip_paths(
+            self, model, calib, refit_routers=refit, fit_thresholds=fit_thresholds
         )
-        with clock.stage("router warm start"):
-            self._warm_start_routers(model)
-        # Causal routing (the eval-mode default) needs thresholds fitted to the final
-        # routers: the last skip-path walk fits them as it goes (nothing trains after
-        # it); without one after the alignment, a walk of their own does.
-        with clock.stage("skip paths"):
-            first = self.fit_skip_paths_of(
-                model,
-                calib,
-                refit_routers=self._router_refit(),
-                fit_thresholds=not self.align_enabled,
-            )
-        with clock.stage("alignment"):
-            self._align(model, calib)
-        with clock.stage("skip paths"):
-            after = self.fit_skip_paths_of(
-                model, calib, after_alignment=True, fit_thresholds=True
-            )
-        with clock.stage("thresholds"):
-            self._threshold_report = self.thresholds_after(
-                model, calib, after if self.align_enabled else first
-            )
-        if self.routing_mode != "causal":
-            set_routing_mode(model, self.routing_mode)
-        logger.info(f"AdaDSF construction: {clock.summary()}")
-        # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF
-        # sidecar.
-        attach_checkpoint_support(model, self)
-        return True
+        if report is not None:
+            self._skip_path_report = report
+        return report
 
-    def on_finalize(self, state: State, **kwargs: Any) -> bool:
-        self.remove_hooks()
-        distributed.restore_logging()
-        self._teacher = None
-        return True
-
-    # ------------------------------------------------------------------ steps
     def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
         samples = self.router_init_tokens if self.router_init != "random" else 0
         acc = SimilarityAccumulator(len(layers), samples, self.seed)
@@ -352,7 +425,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         distributed.agree_on_errors(
             lambda: check_token_rows(calib, vocab, "calibration batch")
         )
-        if self.align_enabled and self.align_dataset is not None:
+        if self.align_steps > 0 and self.align_dataset is not None:
             distributed.agree_on_errors(
                 lambda: check_token_rows(self.align_dataset, vocab, "align_dataset row")
             )
@@ -377,7 +450,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
 
     def _check_teacher_cache(self, model: torch.nn.Module, calib) -> None:
         """``align_teacher_cache``: its memory, checked before any heavy work."""
-        if not (self.align_teacher_cache and self.align_needs_teacher):
+        if not (self.align_teacher_cache and self.needs_teacher):
             return
         data = self.align_dataset if self.align_dataset is not None else calib
         # a shuffling loader draws its order from the global RNG: leave it untouched,
@@ -386,7 +459,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
             rows = training_rows(data, self.align_seq_len)
         if not rows_read_again(len(rows), self.align_steps, self.align_batch_size):
             return  # one pass over the rows: the trainer says so and builds no cache
-        need_hidden = self.alignment_weights().hidden > 0
+        need_hidden = self.loss_weights.hidden > 0
         device = next(model.parameters()).device
         check_teacher_cache_fits(model, rows, need_hidden, device)
 
@@ -397,10 +470,10 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
         Trains on ``align_dataset`` when given, else on the calibration batches.
         """
         try:
-            if self.align_enabled:
+            if self.align_steps > 0:
                 data = self.align_dataset if self.align_dataset is not None else calib
                 self._alignment_report = align_model(
-                    model, self._teacher, data, self.alignment_config()
+                    model, self._teacher, data, self, seed=self.seed
                 )
         except BaseException as err:
             # The traceback's finished frames still reference the teacher: clear their
@@ -444,9 +517,17 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentFields, SkipPathFields):
                 for (i, name, layer), r in zip(targeted, ratios):
                     router = TokenRouter(hidden, self.router_hidden_size)
                     route_layer(layer, router, r, i, cache_kwarg, model.config)
-                    self.configure_routed_layer(layer)
+                    configure_routed_layer(self, layer)
                     done.append(layer)
         except Exception:
             for layer in done:
                 unroute_layer(layer)
             raise
+        full = self._retention_ratios
+        allocation = self.allocation
+        logger.info(
+            f"AdaDSF: routed {len(targeted)}/{len(full)} decoder layers, allocation="
+            f"{allocation if isinstance(allocation, str) else 'explicit'}, mean ratio "
+            f"{sum(ratios) / len(ratios):.4f}, ratios "
+            f"[{', '.join(f'{r:.3f}' for r in full)}]"
+        )

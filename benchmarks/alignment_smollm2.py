@@ -82,13 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bf16 autocast during alignment (~2x faster on CPUs with avx512_bf16)",
     )
     p.add_argument(
-        "--w-kl", type=float, default=1.0, help="KL weight of the `aligned` row"
-    )
-    p.add_argument(
-        "--w-hidden", type=float, default=1.0, help="hidden weight of the `aligned` row"
-    )
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument(
         "--calib-samples", type=int, default=64, help="calibration (= training) rows"
     )
     p.add_argument("--calib-seq-len", type=int, default=None, help="default: --seq-len")
@@ -148,16 +141,9 @@ def run_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
                 align_trainable="routers"
                 if method == "aligned_routers"
                 else args.trainable,
-                align_grad_clip=args.grad_clip,
-                align_seed=args.seed,
                 align_bf16=args.bf16,
+                align_loss="lm" if method == "lm_only" else "kl_hidden",
             )
-            if method == "lm_only":
-                align.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
-            else:
-                align.update(
-                    align_w_kl=args.w_kl, align_w_hidden=args.w_hidden, align_w_lm=0.0
-                )
         modifier = AdaDSFModifier(retention=args.retention, seed=args.seed, **align)
         data = calibration_dataset(
             tokenizer, args.calib_samples, args.calib_seq_len, seed=args.seed

@@ -58,16 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         for cached in (False, True):
             student = adadsf_modifier.from_pretrained(checkpoint, dtype=torch.float32)
             cfg = AlignmentConfig(
-                steps=steps,
-                lr=1e-4,
-                batch_size=args.batch_size,
-                seq_len=args.seq_len,
-                trainable=args.trainable,
-                teacher_cache=cached,
-                show_progress=False,
+                align_steps=steps,
+                align_lr=1e-4,
+                align_batch_size=args.batch_size,
+                align_seq_len=args.seq_len,
+                align_trainable=args.trainable,
+                align_teacher_cache=cached,
             )
             t0 = time.perf_counter()
-            report = align_model(student, teacher, data, cfg)
+            report = align_model(student, teacher, data, cfg, show_progress=False)
             times[cached].append(time.perf_counter() - t0)
             last[cached] = report
             del student

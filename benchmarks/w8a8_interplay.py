@@ -34,8 +34,7 @@ MEASURED_ADADSF = {  # the recipe's AdaDSF block until 2026-12-02 (measurements 
     "align_lr": 1.0e-3,
     "align_batch_size": 4,
     "align_seq_len": 256,
-    "align_w_kl": 1.0,
-    "align_w_hidden": 1.0,
+    "align_loss": "kl_hidden",
     "align_trainable": "routers",
 }
 

@@ -122,13 +122,12 @@ def skip_paths(
 def align(parallel: str, batch_size: int, trainable: str = "routers"):
     model, teacher = routed_tiny()
     config = AlignmentConfig(
-        steps=ALIGN_STEPS,
-        batch_size=batch_size,
-        trainable=trainable,
-        parallel=parallel,
-        show_progress=False,
+        align_steps=ALIGN_STEPS,
+        align_batch_size=batch_size,
+        align_trainable=trainable,
+        align_parallel=parallel,
     )
-    report = align_model(model, teacher, alignment_rows(), config)
+    report = align_model(model, teacher, alignment_rows(), config, show_progress=False)
     return model, report
 
 

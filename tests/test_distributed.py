@@ -75,9 +75,9 @@ def test_warm_start_sample_budget_is_shared_by_the_ranks(monkeypatch):
 def test_parallel_setting_is_validated_with_its_name():
     with pytest.raises(ValidationError, match=r"align_parallel must be one of"):
         AdaDSFModifier(align_parallel="zero3")
-    with pytest.raises(ValidationError, match=r"parallel must be one of"):
-        AlignmentConfig(parallel="tp")
-    assert AdaDSFModifier(align_parallel="fsdp").alignment_config().parallel == "fsdp"
+    with pytest.raises(ValidationError, match=r"align_parallel must be one of"):
+        AlignmentConfig(align_parallel="tp")
+    assert AdaDSFModifier(align_parallel="fsdp").align_parallel == "fsdp"
 
 
 def test_data_parallel_hands_back_its_inputs_in_one_process():
@@ -145,7 +145,7 @@ def test_fsdp_refuses_a_model_with_per_instance_forwards(one_rank):
         check_parallel_supported(model, "fsdp")
     check_parallel_supported(model, "ddp")
     # the modifier checks it first thing, before any calibration
-    config = AdaDSFModifier(align_steps=1, align_parallel="fsdp").alignment_config()
+    config = AdaDSFModifier(align_steps=1, align_parallel="fsdp")
     with pytest.raises(ValueError, match="align_parallel=fsdp"):
         check_alignment_supported(model, config)
 

@@ -176,6 +176,11 @@ def test_layer_drop_removes_whole_layers(model_dirs):
         (dict(route_target="mlp"), "route_target", "whole decoder layer"),
         (dict(importance="loss"), "importance", "no longer supported"),
         (dict(align_anneal_steps=5), "align_anneal_steps", "remove it from the recipe"),
+        (dict(align_grad_clip=0.0), "align_grad_clip", "norm 1"),
+        (dict(align_weight_decay=0.01), "align_weight_decay", "no weight decay"),
+        (dict(seed=1, align_seed=2), "align_seed", "seeded by `seed`"),
+        (dict(align_w_kl=1.0, align_w_lm=1.0), "align_w_kl", "align_loss: kl_hidden"),
+        (dict(align_w_lm=1.0, align_loss="kl_hidden"), "align_w_kl", "align_loss"),
     ],
 )
 def test_bad_fields_fail_at_construction_naming_field_and_range(kwargs, field, text):
@@ -192,6 +197,25 @@ def test_a_retired_field_at_what_the_plug_in_does_loads_with_a_warning(
     old = AdaDSFModifier(threshold_passes=2, route_target="layer", align_warmup_steps=0)
     assert old.model_dump() == AdaDSFModifier().model_dump()
     assert any("`route_target` is no longer a recipe" in m for m in logged_warnings)
+    # the alignment's former knobs at the values that are now fixed or implied
+    old = AdaDSFModifier(seed=3, align_seed=3, align_grad_clip=1.0,
+                         align_weight_decay=0.0)  # fmt: skip
+    assert old.model_dump() == AdaDSFModifier(seed=3).model_dump()
+
+
+@pytest.mark.parametrize(
+    "weights, loss",
+    [({"align_w_kl": 1.0, "align_w_hidden": 1.0}, "kl_hidden"),
+     ({"align_w_kl": 0.0, "align_w_hidden": 0.0, "align_w_lm": 1.0}, "lm"),
+     ({"align_w_lm": 0.0}, "kl_hidden")],
+)  # fmt: skip
+def test_the_retired_loss_weights_read_as_the_loss_they_name(
+    weights, loss, logged_warnings
+):
+    """Recipes before ``align_loss`` (and older checkpoints' ``recipe.yaml``) spelled
+    the loss as three weights, unset ones at their defaults (1, 1, 0)."""
+    assert AdaDSFModifier(**weights).align_loss == loss
+    assert any(f"read as `align_loss: {loss}`" in m for m in logged_warnings)
 
 
 def test_unknown_yaml_field_is_rejected():

@@ -14,7 +14,6 @@ import adadsf_modifier.alignment.teacher_cache as tc
 from adadsf_modifier import AdaDSFModifier
 from adadsf_modifier.alignment import (
     AlignmentConfig,
-    AlignmentLossWeights,
     RowBatcher,
     align_model,
     training_rows,
@@ -150,14 +149,13 @@ def test_the_modifier_trains_with_the_cache_as_it_does_without(tmp_path):
 
 def test_fsdp_with_the_cache_is_refused():
     with pytest.raises(ValueError, match="teacher_cache cannot be used"):
-        AlignmentConfig(steps=2, teacher_cache=True, parallel="fsdp")
+        AlignmentConfig(align_steps=2, align_teacher_cache=True, align_parallel="fsdp")
 
 
 def test_lm_only_alignment_builds_no_cache():
     student, _ = routed_pair()
-    w = AlignmentLossWeights(kl=0, hidden=0, lm=1)
     report = align_model(student, None, token_dataset(4, 16),
-                         config(steps=2, weights=w, teacher_cache=True))  # fmt: skip
+                         config(steps=2, loss="lm", teacher_cache=True))  # fmt: skip
     assert report.teacher_batches is None
 
 

@@ -88,7 +88,7 @@ def test_alignment_trains_the_routers_under_inferences_rule_and_restores_the_mod
 def test_training_routing_field_reaches_the_config_and_is_checked():
     for rule in ("quantile", "rank"):
         mod = AdaDSFModifier(align_steps=2, align_routing=rule)
-        assert mod.alignment_config(show_progress=False).routing == rule
+        assert mod.align_routing == rule
     assert AdaDSFModifier().align_routing == "topk"  # the paper's rule by default
     with pytest.raises(ValidationError, match="align_routing must be one of"):
         AdaDSFModifier(align_routing="causal")

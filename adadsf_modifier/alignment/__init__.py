@@ -1,8 +1,8 @@
 """Feature-preserving alignment: fine-tune the routed model against its frozen dense
 teacher.
 
-* :mod:`~adadsf_modifier.alignment.config` - settings, loss weights, report, errors
-  (every constraint declared once).
+* :mod:`~adadsf_modifier.alignment.config` - the ``align_*`` recipe fields
+  (:class:`AlignmentConfig`, which ``AdaDSFModifier`` inherits), report, error.
 * :mod:`~adadsf_modifier.alignment.losses` - the loss terms (KL, hidden alignment,
   causal LM).
 * :mod:`~adadsf_modifier.alignment.data` - training rows and their seeded re-batching.
@@ -14,8 +14,6 @@ teacher.
 * :mod:`~adadsf_modifier.alignment.parallel` - data parallelism under ``torchrun``
   (DDP or FSDP2).
 * :mod:`~adadsf_modifier.alignment.trainer` - the training loop (:func:`align_model`).
-* :mod:`~adadsf_modifier.alignment.fields` - the ``align_*`` recipe fields of
-  ``AdaDSFModifier``.
 """
 
 from adadsf_modifier.alignment.config import (
@@ -23,13 +21,13 @@ from adadsf_modifier.alignment.config import (
     TRAINABLE_SETS,
     AlignmentConfig,
     AlignmentDivergedError,
-    AlignmentLossWeights,
     AlignmentReport,
 )
 from adadsf_modifier.alignment.data import RowBatcher, training_rows
-from adadsf_modifier.alignment.fields import AlignmentFields
 from adadsf_modifier.alignment.losses import (
+    LOSS_WEIGHTS,
     AlignmentLossTerms,
+    AlignmentLossWeights,
     alignment_loss,
     causal_lm_loss,
     hidden_alignment_loss,
@@ -47,11 +45,11 @@ from adadsf_modifier.alignment.teacher_cache import (
 from adadsf_modifier.alignment.trainer import align_model
 
 __all__ = [
+    "LOSS_WEIGHTS",
     "PARALLEL_MODES",
     "TRAINABLE_SETS",
     "AlignmentConfig",
     "AlignmentDivergedError",
-    "AlignmentFields",
     "AlignmentLossTerms",
     "AlignmentLossWeights",
     "AlignmentReport",

@@ -1,186 +1,175 @@
-"""What the alignment stage is told and what it reports: settings, loss weights, errors.
+"""The alignment stage's settings (the ``align_*`` recipe fields), its report and its
+error.
 
-Every setting's constraint is declared once, as an annotated type below, and used by
-both the recipe fields (:class:`~adadsf_modifier.alignment.fields.AlignmentFields`,
-``align_`` prefix) and the Python API (:class:`AlignmentConfig`,
-:class:`AlignmentLossWeights`), so the two can never disagree and their messages are
-the same. Pydantic runs the checks; the validators only word the messages (the field's
-name, the rule and the value given).
+:class:`AlignmentConfig` is the one declaration of the recipe fields:
+:class:`~adadsf_modifier.AdaDSFModifier` inherits it, and the Python API
+(:func:`~adadsf_modifier.alignment.align_model`) takes it, so a field's name,
+default and check are the same in a recipe and in code. Pydantic runs the checks;
+the validators only word the messages (the field, the rule and the value given).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.dataclasses import dataclass
+from loguru import logger
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from adadsf_modifier.constraints import (
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveInt,
-    constrained,
-    one_of,
-)
+from adadsf_modifier.alignment.losses import LOSS_WEIGHTS, AlignmentLossWeights
+from adadsf_modifier.constraints import InputError, PositiveInt, constrained, one_of
 
 __all__ = [
+    "ALIGNMENT_LOSSES",
     "PARALLEL_MODES",
     "TRAINABLE_SETS",
+    "TRAINING_ROUTING",
     "AlignmentConfig",
     "AlignmentDivergedError",
-    "AlignmentLossWeights",
+    "AlignmentLoss",
     "AlignmentReport",
-    "GradClip",
     "LearningRate",
-    "NonNegativeInt",
-    "NonNegativeFloat",
     "Parallel",
-    "PositiveInt",
     "Steps",
     "Trainable",
-    "TRAINING_ROUTING",
     "TrainingRouting",
 ]
 
 TRAINABLE_SETS = ("routers", "routers_and_layers")
-"""``routers``: router parameters only. ``routers_and_layers``: plus the routed layers'
-weights."""
-
 PARALLEL_MODES = ("ddp", "fsdp")
-"""Under ``torchrun``: ``ddp`` (DistributedDataParallel, a whole student and teacher per
-rank) or ``fsdp`` (FSDP2 ``fully_shard``: both sharded over the ranks); see
-:mod:`~adadsf_modifier.alignment.parallel`. One process ignores it."""
-
-
 TRAINING_ROUTING = ("topk", "quantile", "rank")
-"""Which tokens run each routed layer while the alignment trains. ``topk``: each row's
-``K`` highest-scoring tokens (the paper). ``quantile``: the rule causal routing uses at
-inference (a token runs iff its score exceeds the layer's threshold), with the threshold
-re-fitted on every batch so that the layer's ratio of the batch's tokens runs; rows
-then keep different counts, as they do at inference. ``rank``: rank routing's own rule
-(each token against its row's earlier scores, within the band), for a model that will
-be served in rank mode: training sees exactly the decisions ``generate()`` will make."""
-
+ALIGNMENT_LOSSES = tuple(LOSS_WEIGHTS)
 
 Steps = Annotated[
     int, constrained(lambda v: v >= 0, "an integer >= 0 (0 skips the alignment stage)")
 ]
-"""Optimizer steps, ``>= 0`` (0 skips the stage)."""
 LearningRate = Annotated[
     float,
     constrained(lambda v: math.isfinite(v) and v > 0, "a finite learning rate > 0"),
 ]
-GradClip = Annotated[
-    float,
-    constrained(
-        lambda v: math.isfinite(v) and v >= 0,
-        "a finite max gradient norm > 0, or 0 to disable clipping",
-    ),
-]
-"""Max global gradient norm; 0 disables clipping."""
 Trainable = Annotated[Literal["routers", "routers_and_layers"], one_of(TRAINABLE_SETS)]
-Parallel = Annotated[Literal["ddp", "fsdp"], one_of(PARALLEL_MODES)]
 TrainingRouting = Annotated[
     Literal["topk", "quantile", "rank"], one_of(TRAINING_ROUTING)
 ]
+AlignmentLoss = Annotated[Literal["kl_hidden", "lm"], one_of(ALIGNMENT_LOSSES)]
+Parallel = Annotated[Literal["ddp", "fsdp"], one_of(PARALLEL_MODES)]
 
 
-@dataclass(frozen=True)
-class AlignmentLossWeights:
-    """Weights of the three loss terms; a weight of 0 means the term is not computed.
+#: the retired loss-weight fields and their defaults
+_WEIGHT_FIELDS = {"align_w_kl": 1.0, "align_w_hidden": 1.0, "align_w_lm": 0.0}
 
-    ``kl`` and ``hidden`` need the dense teacher, ``lm`` does not: with ``kl == hidden
-    == 0`` (the paper's "LM loss only" ablation) the trainer skips the teacher's forward
-    pass entirely. The one place that refuses all-zero weights (the recipe fields build
-    their weights through this class).
+
+class AlignmentConfig(BaseModel):
+    """Feature-preserving alignment fine-tune, run after routing.
+
+    ```yaml
+    AdaDSFModifier:
+      retention: 0.8
+      align_steps: 200        # 0 (default) skips the stage
+      align_lr: 3.0e-3        # routers; ~3e-4 with routers_and_layers
+      align_batch_size: 4
+      align_seq_len: 256
+      align_loss: kl_hidden   # or lm
+      align_trainable: routers
+    ```
+
+    :param align_steps: optimizer steps; 0 skips the stage (no teacher is built)
+    :param align_lr: AdamW learning rate of what routing added (routers, skip paths),
+        and of the layers' own weights unless ``align_layer_lr`` is given.
+        ``routers_and_layers`` wants about 10x less than ``routers``
+    :param align_layer_lr: learning rate of the decoder layers' pre-trained weights
+        under ``routers_and_layers``: routers start from scratch, the layers are
+        already trained, and one rate rarely suits both
+    :param align_routing: which tokens run each routed layer while training: ``topk``
+        (each row's highest-scoring tokens, the paper), ``quantile`` (causal routing's
+        rule, a score threshold re-fitted on each batch to the layer's ratio: training
+        sees the decisions ``generate()`` makes) or ``rank`` (rank routing's rule, for
+        a model served in rank mode)
+    :param align_batch_size: rows per step (per rank under ``torchrun``)
+    :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
+    :param align_loss: ``kl_hidden``: ``KL(P_dense || P_sparse)`` plus the per-layer
+        hidden-state alignment, against the dense teacher; ``lm``: the causal-LM loss
+        alone (no teacher is built)
+    :param align_trainable: ``routers`` (only the routers train; the pre-trained
+        weights cannot be damaged) or ``routers_and_layers`` (the routed layers'
+        weights too)
+    :param align_bf16: forward passes under bf16 autocast (losses stay float32)
+    :param align_gradient_checkpointing: recompute decoder layers in backward to save
+        memory
+    :param align_teacher_cache: compute the dense teacher's outputs once per row and
+        reuse them in later epochs instead of running the teacher every step: faster
+        steps for memory (checked before the first step); later epochs then differ
+        from a fresh forward only in the last bits
+    :param align_parallel: under ``torchrun``: ``ddp`` (a whole student and teacher
+        per rank) or ``fsdp`` (FSDP2, both sharded, for when they do not fit one
+        device together); see ``docs/distributed.md``. One process ignores it
     """
 
-    kl: NonNegativeFloat = 1.0
-    hidden: NonNegativeFloat = 1.0
-    lm: NonNegativeFloat = 0.0
+    # a misspelt field is an error, here as in the modifiers that inherit the fields
+    model_config = ConfigDict(extra="forbid")
+
+    align_steps: Steps = 0
+    align_lr: LearningRate = 3e-3
+    align_layer_lr: LearningRate | None = None
+    align_routing: TrainingRouting = "topk"
+    align_batch_size: PositiveInt = 4
+    align_seq_len: PositiveInt = 512
+    align_loss: AlignmentLoss = "kl_hidden"
+    align_trainable: Trainable = "routers"
+    align_bf16: bool = False
+    align_gradient_checkpointing: bool = False
+    align_teacher_cache: bool = False
+    align_parallel: Parallel = "ddp"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_from_weights(cls, data: Any) -> Any:
+        """Older recipes (and the ``recipe.yaml`` of older checkpoints) give the loss as
+        three weights: read them as the ``align_loss`` they name, refuse any other
+        mix."""
+        if not isinstance(data, dict) or not data.keys() & set(_WEIGHT_FIELDS):
+            return data
+        data = dict(data)
+        given = tuple(data.pop(name, w) for name, w in _WEIGHT_FIELDS.items())
+        found = [k for k, w in LOSS_WEIGHTS.items() if (w.kl, w.hidden, w.lm) == given]
+        if not found or data.setdefault("align_loss", found[0]) != found[0]:
+            raise InputError(
+                f"align_w_kl, align_w_hidden, align_w_lm = {given} is no longer "
+                "supported: the alignment loss is `align_loss: kl_hidden` (1, 1, 0) or "
+                "`align_loss: lm` (0, 0, 1)"
+            )
+        logger.warning(
+            f"align_w_kl/align_w_hidden/align_w_lm are retired: read as `align_loss: "
+            f"{found[0]}`; write that in the recipe instead"
+        )
+        return data
 
     @model_validator(mode="after")
-    def _not_all_zero(self) -> AlignmentLossWeights:
-        if self.kl == 0 and self.hidden == 0 and self.lm == 0:
+    def _consistent(self) -> AlignmentConfig:
+        if self.align_layer_lr is not None and self.align_trainable == "routers":
             raise ValueError(
-                "all alignment loss weights are zero (kl = hidden = lm = 0; in a "
-                "recipe: align_w_kl, align_w_hidden and align_w_lm are all 0): nothing "
-                "to train; set at least one of them > 0"
+                "align_layer_lr is set but align_trainable is 'routers': the layers do "
+                "not train; use routers_and_layers or drop align_layer_lr"
+            )
+        if self.align_teacher_cache and self.align_parallel == "fsdp":
+            raise ValueError(
+                "align_teacher_cache cannot be used with align_parallel 'fsdp' (the "
+                "sharded teacher's output embedding is not called on its own); use "
+                "ddp or turn the cache off"
             )
         return self
 
     @property
+    def loss_weights(self) -> AlignmentLossWeights:
+        """The weights of the loss terms ``align_loss`` names."""
+        return LOSS_WEIGHTS[self.align_loss]
+
+    @property
     def needs_teacher(self) -> bool:
-        """True when a term compares against the dense teacher (KL or hidden
-        alignment)."""
-        return self.kl > 0 or self.hidden > 0
-
-
-class AlignmentConfig(BaseModel):
-    """Everything the loop needs; the modifier builds it from its ``align_*`` fields.
-
-    :param steps: optimizer steps (0: nothing happens)
-    :param lr: AdamW learning rate of the parameters routing added (routers, skip
-        paths), and of the layers' own weights unless ``layer_lr`` is given
-    :param layer_lr: learning rate of the decoder layers' pre-trained weights under
-        ``routers_and_layers`` (``None``: ``lr``). Routers start from scratch, the
-        layers are already trained: one rate rarely suits both
-    :param routing: one of :data:`TRAINING_ROUTING`: which tokens run each routed layer
-        while training (``quantile``: causal routing's rule, thresholds fitted per
-        batch; ``rank``: rank routing's rule)
-    :param batch_size: rows per step (capped at the number of rows available)
-    :param seq_len: rows are truncated to their first ``seq_len`` real tokens
-    :param weights: loss weights (KL, hidden alignment, causal LM)
-    :param trainable: one of :data:`TRAINABLE_SETS`
-    :param grad_clip: max global gradient norm; 0 or ``None``: no clipping
-    :param weight_decay: AdamW weight decay
-    :param seed: data order and any other randomness of the loop
-    :param bf16: run forward passes under bf16 autocast (losses stay float32)
-    :param gradient_checkpointing: recompute decoder layers in backward to save
-        activation memory
-    :param teacher_cache: compute the teacher's outputs once per row and reuse them in
-        later epochs (:mod:`~adadsf_modifier.alignment.teacher_cache`)
-    :param show_progress: show a tqdm bar with the running loss (on the source rank)
-    :param parallel: under ``torchrun``, ``ddp`` or ``fsdp`` (:data:`PARALLEL_MODES`);
-        ``batch_size`` is then per rank
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    steps: Steps = 0
-    lr: LearningRate = 3e-3
-    layer_lr: LearningRate | None = None
-    routing: TrainingRouting = "topk"
-    batch_size: PositiveInt = 4
-    seq_len: PositiveInt = 512
-    weights: AlignmentLossWeights = Field(default_factory=AlignmentLossWeights)
-    trainable: Trainable = "routers"
-    grad_clip: GradClip | None = 1.0
-    weight_decay: NonNegativeFloat = 0.0
-    seed: int = 0
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    teacher_cache: bool = False
-    show_progress: bool = True
-    parallel: Parallel = "ddp"
-
-    @model_validator(mode="after")
-    def _consistent(self) -> AlignmentConfig:
-        if self.layer_lr is not None and self.trainable != "routers_and_layers":
-            raise ValueError(
-                f"layer_lr is set but trainable is {self.trainable!r}: the layers do "
-                "not train; use routers_and_layers or drop layer_lr (in a recipe: "
-                "align_layer_lr, align_trainable)"
-            )
-        if self.teacher_cache and self.parallel == "fsdp":
-            raise ValueError(
-                "teacher_cache cannot be used with parallel='fsdp' (the sharded "
-                "teacher's output embedding is not called on its own); use ddp or turn "
-                "it off (in a recipe: align_teacher_cache, align_parallel)"
-            )
-        return self
+        """True when the stage runs and a loss term compares against the dense
+        teacher."""
+        return self.align_steps > 0 and self.loss_weights.needs_teacher
 
 
 @dataclasses.dataclass

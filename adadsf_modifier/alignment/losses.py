@@ -3,8 +3,8 @@
 ``L = w_kl * KL(P_dense || P_sparse) + w_hidden * (1/L) * sum_l || softmax(h_sparse^l) -
 softmax(h_dense^l) ||_2 + w_lm * CE(next token)``
 
-Pure tensor functions, no model or training state, so each term can be unit-tested and
-an ablation ("LM loss only", "KL only", ...) is just a choice of weights. Every term is
+Pure tensor functions, no model or training state, so each term can be unit-tested;
+the recipe's ``align_loss`` picks one of :data:`LOSS_WEIGHTS`. Every term is
 a mean over **real** tokens: padding rows of a batch must not pull the student towards
 whatever the teacher does on pad positions, and a batch with more padding must not get a
 smaller loss. All arithmetic runs in float32 regardless of the model dtype (bf16 softmax
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from adadsf_modifier.alignment.chunked_kl import forward_kl_mean
-from adadsf_modifier.alignment.config import AlignmentLossWeights
 
 __all__ = [
+    "LOSS_WEIGHTS",
     "AlignmentLossWeights",
     "AlignmentLossTerms",
     "alignment_loss",
@@ -31,6 +31,29 @@ __all__ = [
     "hidden_alignment_loss",
     "kl_divergence_loss",
 ]
+
+
+@dataclass(frozen=True)
+class AlignmentLossWeights:
+    """Weights of the three loss terms; a term of weight 0 is not computed, and with
+    ``kl == hidden == 0`` the teacher's forward pass is skipped entirely."""
+
+    kl: float = 1.0
+    hidden: float = 1.0
+    lm: float = 0.0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """True when a term compares against the dense teacher (KL or hidden)."""
+        return self.kl > 0 or self.hidden > 0
+
+
+#: What ``align_loss`` names: the paper's KL + hidden alignment against the dense
+#: teacher, or the causal-LM loss alone (its ablation; no teacher).
+LOSS_WEIGHTS = {
+    "kl_hidden": AlignmentLossWeights(kl=1.0, hidden=1.0, lm=0.0),
+    "lm": AlignmentLossWeights(kl=0.0, hidden=0.0, lm=1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -196,5 +219,6 @@ def alignment_loss(
     if weights.lm > 0:
         terms["lm"] = causal_lm_loss(student_logits, input_ids, attention_mask)
     total = sum(getattr(weights, name) * value for name, value in terms.items())
-    assert isinstance(total, torch.Tensor)  # a weight is > 0 (checked by the weights)
+    if not isinstance(total, torch.Tensor):
+        raise ValueError(f"every loss weight is 0 ({weights}): nothing to train")
     return AlignmentLossTerms(total=total, **terms)

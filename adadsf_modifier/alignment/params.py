@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from adadsf_modifier.alignment.config import AlignmentConfig
+from adadsf_modifier.alignment.config import TRAINABLE_SETS, AlignmentConfig
 from adadsf_modifier.alignment.parallel import check_parallel_supported
 from adadsf_modifier.routing import decoder_layers, routed_layers
 
@@ -33,17 +33,17 @@ def check_alignment_supported(model: nn.Module, config: AlignmentConfig) -> None
     ``parallel`` suits the model (see :func:`check_parallel_supported`). fp16 and bf16
     models are supported (see :class:`TrainableParams`).
     """
-    if config.steps == 0:
+    if config.align_steps == 0:
         return
-    check_parallel_supported(model, config.parallel)
-    if config.gradient_checkpointing and not getattr(
+    check_parallel_supported(model, config.align_parallel)
+    if config.align_gradient_checkpointing and not getattr(
         model, "supports_gradient_checkpointing", False
     ):
         raise ValueError(
             f"align_gradient_checkpointing: {type(model).__name__} does not support "
             "gradient checkpointing; set align_gradient_checkpointing to false"
         )
-    if config.trainable == "routers_and_layers":
+    if config.align_trainable == "routers_and_layers":
         _, layers = decoder_layers(model)
         frozen = sorted(
             {
@@ -66,7 +66,10 @@ def select_trainable(
 ) -> list[tuple[str, nn.Parameter]]:
     """Named parameters that train under ``trainable`` (``routers`` or
     ``routers_and_layers``)."""
-    trainable = AlignmentConfig(trainable=trainable).trainable
+    if trainable not in TRAINABLE_SETS:
+        raise ValueError(
+            f"trainable must be one of {TRAINABLE_SETS}, got {trainable!r}"
+        )
     names = {id(p): n for n, p in model.named_parameters()}
     chosen: dict[int, tuple[str, nn.Parameter]] = {}
     for layer in routed_layers(model):
@@ -154,13 +157,15 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW over ``masters`` (``added[i]``: the i-th was added by routing), in two
     groups: the parameters routing *added* (routers, skip paths), which start from a
-    warm start or a closed-form fit, at ``lr``, and the decoder layers' *pre-trained*
-    weights at ``layer_lr``. A rate high enough to move a fresh router can move a
-    pre-trained weight too far, so the two rates are separate fields."""
-    layer_lr = config.lr if config.layer_lr is None else config.layer_lr
+    warm start or a closed-form fit, at ``align_lr``, and the decoder layers'
+    *pre-trained* weights at ``align_layer_lr``. A rate high enough to move a fresh
+    router can move a pre-trained weight too far, so the two rates are separate
+    fields. No weight decay: the targets are the dense model's own outputs."""
+    lr = config.align_lr
+    layer_lr = lr if config.align_layer_lr is None else config.align_layer_lr
     groups = [
-        {"params": [m for m, a in zip(masters, added) if a], "lr": config.lr},
+        {"params": [m for m, a in zip(masters, added) if a], "lr": lr},
         {"params": [m for m, a in zip(masters, added) if not a], "lr": layer_lr},
     ]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(groups, weight_decay=0.0)

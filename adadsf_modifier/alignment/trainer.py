@@ -31,9 +31,9 @@ Design decisions (why):
   0/0), and bf16 rounds small updates away.
 * **Determinism.** Rows are put in a canonical order (the calibration loader may have
   shuffled them), then drawn in epochs shuffled by a ``torch.Generator`` seeded with
-  ``seed``; the loop runs inside ``torch.random.fork_rng`` seeded with it. Two runs with
-  the same data and seed give identical weights, and the caller's global RNG state is
-  left alone.
+  ``seed`` (the modifier's); the loop runs inside ``torch.random.fork_rng`` seeded
+  with it. Two runs with the same data and seed give identical weights, and the
+  caller's global RNG state is left alone.
 * **NaN guard.** Before each optimizer step the loss and the gradient norm must be
   finite, after it every trainable parameter. On failure the trainable parameters are
   restored from a snapshot of the last good step (never NaN weights) and
@@ -41,7 +41,8 @@ Design decisions (why):
 * **Under torchrun** (:mod:`~adadsf_modifier.alignment.parallel`): each rank trains on
   its own partition of the rows (rows identical on every rank, e.g. an
   ``align_dataset``, are split the way llm-compressor splits calibration data),
-  gradients are averaged every step (DDP or FSDP2, ``parallel``), the logged losses
+  gradients are averaged every step (DDP or FSDP2, ``align_parallel``), the logged
+  losses
   are the mean over every rank's tokens, and every NaN-guard decision is taken by all
   ranks together; the progress bar is drawn on the source rank only.
 """
@@ -84,9 +85,10 @@ __all__ = ["align_model"]
 
 
 def _rates(config: AlignmentConfig) -> str:
-    layers = "" if config.layer_lr is None else f" (layers {config.layer_lr:g})"
-    routing = f", {config.routing} routing" if config.routing != "topk" else ""
-    return f"lr {config.lr:g}{layers}{routing}"
+    layer_lr, rule = config.align_layer_lr, config.align_routing
+    layers = "" if layer_lr is None else f" (layers {layer_lr:g})"
+    routing = f", {rule} routing" if rule != "topk" else ""
+    return f"lr {config.align_lr:g}{layers}{routing}"
 
 
 def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
@@ -171,14 +173,12 @@ def _diverged(
             else "their values before alignment"
         )
         tips = ["lower align_lr"]
-        if not config.grad_clip:
-            tips.append("set align_grad_clip > 0")
-        if config.bf16:
+        if config.align_bf16:
             tips.append("turn off align_bf16")
         advice = "Try: " + ", or ".join(tips)
     return AlignmentDivergedError(
-        f"AdaDSF alignment diverged: {what} at step {step}/{config.steps} ({detail}). "
-        f"The trainable parameters were restored to {restored}. {advice}.",
+        f"AdaDSF alignment diverged: {what} at step {step}/{config.align_steps} "
+        f"({detail}). The trainable parameters were restored to {restored}. {advice}.",
         step=step,
     )
 
@@ -205,10 +205,14 @@ def _rank_rows(data: Iterable[Mapping[str, Any]], seq_len: int) -> list[torch.Te
     return distributed.split_if_identical(rows, lambda r: [r], "training rows")
 
 
-def _total_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Clip the gradients to ``max_norm`` (``inf``: measure only); their global norm
-    (an FSDP2 DTensor norm is reduced over the ranks)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+#: Max global gradient norm: a step that would move further is scaled back.
+GRAD_CLIP = 1.0
+
+
+def _total_norm(params: list[torch.Tensor]) -> float:
+    """Clip the gradients to :data:`GRAD_CLIP`; their global norm before clipping (an
+    FSDP2 DTensor norm is reduced over the ranks)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
     full = getattr(norm, "full_tensor", None)
     return float(norm if full is None else full())
 
@@ -219,15 +223,18 @@ def align_model(
     data: Iterable[Mapping[str, Any]],
     config: AlignmentConfig,
     params: Sequence[nn.Parameter] | None = None,
+    seed: int = 0,
+    show_progress: bool = True,
 ) -> AlignmentReport:
     """Fine-tune the routed ``student`` towards the dense ``teacher`` for
-    ``config.steps`` steps.
+    ``config.align_steps`` steps (``seed``: data order and any other randomness of
+    the loop; ``show_progress``: a tqdm bar on the source rank).
 
     ``data`` yields rows or batches with ``input_ids`` (and ``attention_mask``), see
     :func:`~adadsf_modifier.alignment.data.training_rows`. ``teacher`` may be ``None``
     only when no loss term needs it (LM-only). ``params``: the parameters to train
-    instead of those ``config.trainable`` selects in the routed layers; the study's
-    dense control passes a dense model's decoder-layer weights, so that it is
+    instead of those ``config.align_trainable`` selects in the routed layers; the
+    study's dense control passes a dense model's decoder-layer weights, so that it is
     fine-tuned by this very loop (rows, order, schedule, precision, guards) and differs
     from the routed arm it controls only in the routing. The student is modified in
     place; its modes, ``requires_grad`` flags, dtypes and gradient checkpointing
@@ -235,11 +242,11 @@ def align_model(
     ``FloatingPointError``) on a non-finite loss/gradient/parameter, after restoring the
     last good parameters.
     """
-    report = AlignmentReport(trainable=config.trainable)
-    if config.steps == 0:
+    report = AlignmentReport(trainable=config.align_trainable)
+    if config.align_steps == 0:
         logger.info("AdaDSF alignment: align_steps=0, stage skipped")
         return report
-    weights = config.weights
+    weights = config.loss_weights
     if weights.needs_teacher and teacher is None:
         raise ValueError(
             "the KL / hidden alignment terms need the dense teacher, got None"
@@ -247,8 +254,8 @@ def align_model(
     check_alignment_supported(student, config)
 
     if params is None:
-        params = [p for _, p in select_trainable(student, config.trainable)]
-        what = config.trainable
+        params = [p for _, p in select_trainable(student, config.align_trainable)]
+        what = config.align_trainable
     else:
         params, what = list(params), "the given parameters"
         if not params:
@@ -256,59 +263,58 @@ def align_model(
     added = added_by_routing(student, params)
     report.num_trainable = sum(p.numel() for p in params)
     device = params[0].device
-    rows = _rank_rows(data, config.seq_len)
+    rows = _rank_rows(data, config.align_seq_len)
     report.num_rows = distributed.sum_across_ranks([len(rows)])[0]
     pad_id = getattr(getattr(student, "config", None), "pad_token_id", None)
-    batcher = RowBatcher(rows, config.batch_size, config.seed, pad_id or 0)
+    batcher = RowBatcher(rows, config.align_batch_size, seed, pad_id or 0)
     peak_reset = reset_peak_memory(device)
     if teacher is not None:
         teacher.eval()
     need_hidden = weights.hidden > 0
     autocast = torch.autocast(
-        device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16
+        device_type=device.type, dtype=torch.bfloat16, enabled=config.align_bf16
     )
 
     logger.info(
-        f"AdaDSF alignment: {config.steps} steps, batch {batcher.batch_size} x <= "
-        f"{config.seq_len} tokens from {len(rows)} rows, {_rates(config)}, weights "
-        f"kl={weights.kl:g} hidden={weights.hidden:g} lm={weights.lm:g}, training "
-        f"{what} ({report.num_trainable:,} parameters)"
+        f"AdaDSF alignment: {config.align_steps} steps, batch {batcher.batch_size} x "
+        f"<= {config.align_seq_len} tokens from {len(rows)} rows, {_rates(config)}, "
+        f"loss {config.align_loss}, training {what} ({report.num_trainable:,} "
+        "parameters)"
     )
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         )
-        torch.manual_seed(config.seed)
-        stack.enter_context(
-            _student_training_state(student, params, config.gradient_checkpointing)
-        )
+        torch.manual_seed(seed)
+        checkpointing = config.align_gradient_checkpointing
+        stack.enter_context(_student_training_state(student, params, checkpointing))
         stack.enter_context(torch.enable_grad())
         run = stack.enter_context(
-            data_parallel(student, teacher, params, config.parallel, device)
+            data_parallel(student, teacher, params, config.align_parallel, device)
         )
         cache = None
-        if config.teacher_cache and weights.needs_teacher:
-            if rows_read_again(len(rows), config.steps, batcher.batch_size):
+        steps = config.align_steps
+        if config.align_teacher_cache and weights.needs_teacher:
+            if rows_read_again(len(rows), steps, batcher.batch_size):
                 cache = TeacherCache(
                     run.teacher, rows, need_hidden, _forward, run.device
                 )
             else:
                 logger.warning(
-                    f"AdaDSF alignment: align_teacher_cache not used: {config.steps} "
+                    f"AdaDSF alignment: align_teacher_cache not used: {steps} "
                     f"steps of {batcher.batch_size} rows read each of the {len(rows)} "
                     "rows at most once, so no cached output would be read back (it "
                     "would only cost memory); the teacher runs every step"
                 )
         trainable = TrainableParams(run.params)
         optimizer = make_optimizer(trainable.masters, added, config)
-        if config.routing != "topk":  # top-k is what "auto" does while training
-            stack.enter_context(routing_mode(student, config.routing))
-        max_norm = config.grad_clip or math.inf  # inf: no clipping, still the norm
+        if config.align_routing != "topk":  # what "auto" does while training
+            stack.enter_context(routing_mode(student, config.align_routing))
         bar = tqdm(
-            range(1, config.steps + 1),
+            range(1, steps + 1),
             desc="AdaDSF alignment",
-            disable=not (config.show_progress and distributed.show_progress()),
+            disable=not (show_progress and distributed.show_progress()),
         )
         running: float | None = None
         for step in bar:
@@ -342,7 +348,7 @@ def align_model(
             (terms.total if share is None else terms.total * share).backward()
             del teacher_logits, teacher_hidden, student_logits, student_hidden, terms
             trainable.grads_to_masters()
-            norm = _total_norm(trainable.masters, max_norm)
+            norm = _total_norm(trainable.masters)
             if distributed.any_across_ranks(not math.isfinite(norm)):
                 values["grad_norm"] = norm
                 raise _diverged(trainable, step, config, "non-finite gradient", values)

@@ -1,9 +1,9 @@
-"""What skipped tokens get: the ``skip_path*`` and ``skipped_tokens_kv`` recipe fields,
-a pydantic mixin that :class:`~adadsf_modifier.AdaDSFModifier` inherits.
+"""What skipped tokens get: the ``skip_path*`` and ``skipped_tokens_kv`` recipe fields
+(:class:`SkipPathFields`, which both modifiers inherit), and the steps that act on
+them: the checks before calibration, the routed layer's setup, the fit, the finished
+model's thresholds.
 
-Kept next to the code they configure (:mod:`~adadsf_modifier.routing.skip_path`,
-:mod:`~adadsf_modifier.routing.kept_attention`) so the modifier only wires them in. The
-mixin declares no ``model_config``: the modifier keeps llm-compressor's
+The mixin declares no ``model_config``: the modifiers keep llm-compressor's
 ``extra="forbid"``.
 """
 
@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, PlainValidator, PrivateAttr
+from pydantic import BaseModel, PlainValidator
 from torch import nn
 
 from adadsf_modifier.constraints import PositiveInt
@@ -30,7 +30,14 @@ from adadsf_modifier.fitting.thresholds import (
 from adadsf_modifier.recipe_checks import check_recipe_keeps_skip_paths_unquantized
 from adadsf_modifier.routing.skip_path import SkipPath, install_skip_path
 
-__all__ = ["RidgePenalty", "SkipPathFields"]
+__all__ = [
+    "RidgePenalty",
+    "SkipPathFields",
+    "check_skip_path",
+    "configure_routed_layer",
+    "fit_configured_skip_paths",
+    "thresholds_after",
+]
 
 
 def _ridge_penalty(value: Any) -> float | str:
@@ -81,84 +88,74 @@ class SkipPathFields(BaseModel):
     skip_path_ridge: RidgePenalty = "auto"
     skipped_tokens_kv: bool = False
 
-    _skip_path_report: SkipPathReport | None = PrivateAttr(default=None)
 
-    @property
-    def skip_path_report(self) -> SkipPathReport | None:
-        """Per layer: tokens fit on and fraction of the update explained (``R^2``) of
-        the last skip-path fit (``None``: identity skip path, or not fitted yet)."""
-        return self._skip_path_report
-
-    def check_skip_path(
-        self,
-        model: nn.Module,
-        layer_names: Sequence[str],
-        recipe: Sequence[Any] = (),
-    ) -> None:
-        """Refuse, before any calibration, a rank the model cannot take, a
-        quantization modifier of ``recipe`` (the modifiers of the recipe this one runs
-        in) that would quantize the skip paths."""
-        refit = getattr(self, "router_init", None) == "skip_error"
-        if refit and self.skip_path != "ridge":
-            raise ValueError(
-                "router_init 'skip_error' fits each router to the error of its layer's "
-                f"fitted skip path: it needs skip_path 'ridge', got {self.skip_path!r}"
-            )
-        if self.skip_path == "identity":
-            return
-        hidden, rank = int(model.config.hidden_size), self.skip_path_rank
-        if rank is not None and rank >= hidden:
-            raise ValueError(
-                f"skip_path_rank must be below the hidden size {hidden} (null for full "
-                f"rank), got {rank}"
-            )
-        check_recipe_keeps_skip_paths_unquantized(layer_names, SkipPath(1), recipe)
-
-    def configure_routed_layer(self, layer: nn.Module) -> None:
-        """Give a freshly routed layer its skip path (zero, i.e. the identity, until
-        fitted) and its ``skipped_tokens_kv`` setting."""
-        layer.skipped_tokens_kv = bool(self.skipped_tokens_kv)
-        if self.skip_path != "identity" and layer.retention_ratio < 1.0:
-            install_skip_path(layer, layer.router.hidden_size, self.skip_path_rank)
-
-    def fit_skip_paths_of(
-        self,
-        model: nn.Module,
-        batches: Iterable[Any],
-        after_alignment: bool = False,
-        refit_routers: RouterRefit | None = None,
-        fit_thresholds: bool = False,
-    ) -> SkipPathReport | None:
-        """Fit the skip paths (``ridge``) on ``batches`` (``refit_routers``: and the
-        routers to their skip error; ``fit_thresholds``: and the causal thresholds in
-        the same walk, for a model nothing trains after it; see
-        :func:`fit_skip_paths`). After alignment only when it trained the layers: a
-        routers-only alignment leaves the layers' updates, hence the fit's targets, as
-        they were. ``None`` when nothing was fitted."""
-        if self.skip_path == "identity":
-            return None
-        trained = getattr(self, "align_trainable", "routers") != "routers"
-        if after_alignment and not (getattr(self, "align_steps", 0) > 0 and trained):
-            return None
-        self._skip_path_report = fit_skip_paths(
-            model,
-            batches,
-            rank=self.skip_path_rank,
-            ridge=self.skip_path_ridge,
-            refit_routers=refit_routers,
-            fit_thresholds=fit_thresholds,
+def check_skip_path(
+    fields: SkipPathFields,
+    model: nn.Module,
+    layer_names: Sequence[str],
+    recipe: Sequence[Any] = (),
+    router_init: str = "similarity",
+) -> None:
+    """Refuse, before any calibration, a rank the model cannot take, a router
+    initialisation that needs a fitted skip path without one, and a quantization
+    modifier of ``recipe`` (the modifiers of the recipe this one runs in) that would
+    quantize the skip paths."""
+    if router_init == "skip_error" and fields.skip_path != "ridge":
+        raise ValueError(
+            "router_init 'skip_error' fits each router to the error of its layer's "
+            f"fitted skip path: it needs skip_path 'ridge', got {fields.skip_path!r}"
         )
-        return self._skip_path_report
+    if fields.skip_path == "identity":
+        return
+    hidden, rank = int(model.config.hidden_size), fields.skip_path_rank
+    if rank is not None and rank >= hidden:
+        raise ValueError(
+            f"skip_path_rank must be below the hidden size {hidden} (null for full "
+            f"rank), got {rank}"
+        )
+    check_recipe_keeps_skip_paths_unquantized(layer_names, SkipPath(1), recipe)
 
-    def thresholds_after(
-        self, model: nn.Module, batches: Iterable[Any], last_walk: SkipPathReport | None
-    ) -> ThresholdReport:
-        """The finished model's causal thresholds: those its last skip-path walk
-        (``last_walk``, run with ``fit_thresholds``: nothing trains after it) fitted,
-        checked; a threshold walk of their own on ``batches`` where it fitted none (no
-        walk ran: an identity skip path, a routers-only alignment; or every routed
-        layer runs all tokens or none)."""
-        fitted = last_walk.thresholds if last_walk is not None else None
-        if fitted is not None:
-            return check_thresholds(fitted)
-        return calibrate_thresholds(model, batches)
+
+def configure_routed_layer(fields: SkipPathFields, layer: nn.Module) -> None:
+    """Give a freshly routed layer its skip path (zero, i.e. the identity, until
+    fitted) and its ``skipped_tokens_kv`` setting."""
+    layer.skipped_tokens_kv = bool(fields.skipped_tokens_kv)
+    if fields.skip_path != "identity" and layer.retention_ratio < 1.0:
+        install_skip_path(layer, layer.router.hidden_size, fields.skip_path_rank)
+
+
+def fit_configured_skip_paths(
+    fields: SkipPathFields,
+    model: nn.Module,
+    batches: Iterable[Any],
+    refit_routers: RouterRefit | None = None,
+    fit_thresholds: bool = False,
+) -> SkipPathReport | None:
+    """Fit the ``ridge`` skip paths on ``batches`` (``refit_routers``: and the routers
+    to their skip error; ``fit_thresholds``: and the causal thresholds in the same
+    walk, for a model nothing trains after it; see :func:`fit_skip_paths`). ``None``
+    for the identity skip path."""
+    if fields.skip_path == "identity":
+        return None
+    return fit_skip_paths(
+        model,
+        batches,
+        rank=fields.skip_path_rank,
+        ridge=fields.skip_path_ridge,
+        refit_routers=refit_routers,
+        fit_thresholds=fit_thresholds,
+    )
+
+
+def thresholds_after(
+    model: nn.Module, batches: Iterable[Any], last_walk: SkipPathReport | None
+) -> ThresholdReport:
+    """The finished model's causal thresholds: those its last skip-path walk
+    (``last_walk``, run with ``fit_thresholds``: nothing trains after it) fitted,
+    checked; a threshold walk of their own on ``batches`` where it fitted none (no
+    walk ran: an identity skip path, a routers-only alignment; or every routed layer
+    runs all tokens or none)."""
+    fitted = last_walk.thresholds if last_walk is not None else None
+    if fitted is not None:
+        return check_thresholds(fitted)
+    return calibrate_thresholds(model, batches)

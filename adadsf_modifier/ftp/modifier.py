@@ -30,11 +30,18 @@ from adadsf_modifier.constraints import (
     one_of,
 )
 from adadsf_modifier.fitting import (
-    SkipPathFields,
+    SkipPathReport,
     ThresholdReport,
     check_calibration_rows,
 )
 from adadsf_modifier.fitting.allocation import BudgetFields
+from adadsf_modifier.fitting.skip_fields import (
+    SkipPathFields,
+    check_skip_path,
+    configure_routed_layer,
+    fit_configured_skip_paths,
+    thresholds_after,
+)
 from adadsf_modifier.ftp.checkpoint import install_ftp_save_hook
 from adadsf_modifier.ftp.features import calibrate_features, check_probe_supported
 from adadsf_modifier.ftp.router import (
@@ -129,6 +136,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     _schedule: ScheduleResult | None = PrivateAttr(default=None)
     _train: FTPTrainReport | None = PrivateAttr(default=None)
     _thresholds: ThresholdReport | None = PrivateAttr(default=None)
+    _skip_path_report: SkipPathReport | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -160,6 +168,11 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     @property
     def threshold_report(self) -> ThresholdReport | None:
         return self._thresholds
+
+    @property
+    def skip_path_report(self) -> SkipPathReport | None:
+        """Per layer ``R^2`` of the last skip-path fit (``None``: identity)."""
+        return self._skip_path_report
 
     # ------------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
@@ -198,7 +211,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
         train, val = batches[: len(batches) - held], batches[len(batches) - held :]
         recipe = session_recipe_of(self)
         check_recipe_keeps_routers_unquantized([n for _, n, _ in targeted], recipe)
-        self.check_skip_path(model, [name for _, name, _ in targeted], recipe)
+        check_skip_path(self, model, [name for _, name, _ in targeted], recipe)
         check_calibration_rows([self.retention] * len(targeted), train)
 
         stats, max_len = calibrate_features(
@@ -218,12 +231,15 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
                 f"FTP: routed {len(targeted)}/{len(layers)} layers, ratios "
                 f"[{', '.join(f'{r:.3f}' for r in full)}]"
             )
-            self.fit_skip_paths_of(model, train)  # the router trains with them in place
+            # the router trains with the skip paths in place
+            self._skip_path_report = fit_configured_skip_paths(self, model, train)
             self._train = train_router(model, train, self._train_config())
             # on what the trained router skips; nothing trains after this walk, so it
             # fits the causal thresholds as it goes (a walk of their own without one)
-            last = self.fit_skip_paths_of(model, train, fit_thresholds=True)
-            self._thresholds = self.thresholds_after(model, train, last)
+            last = fit_configured_skip_paths(self, model, train, fit_thresholds=True)
+            if last is not None:
+                self._skip_path_report = last
+            self._thresholds = thresholds_after(model, train, last)
             # every later save_pretrained (oneshot's output_dir too) writes the sidecar
             install_ftp_save_hook(model)
         except BaseException:
@@ -265,7 +281,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
                 )
                 route_layer(layer, router, self.retention, i, cache_kwarg, model.config)
                 done.append((i, None, layer))
-                self.configure_routed_layer(layer)  # skip path, skipped_tokens_kv
+                configure_routed_layer(self, layer)  # skip path, skipped_tokens_kv
                 attach_context_hooks(layer)
             for _, _, layer in done:
                 layer.router.float()  # trained with Adam: float32 whatever the dtype

@@ -47,16 +47,43 @@ _RETIRED = {
         "align_warmup_steps": 0,
         "align_anneal_steps": 0,
         "align_routers_first_steps": 0,
+        "align_grad_clip": 1.0,
+        "align_weight_decay": 0.0,
     },
     "ftp": {"route_target": "layer", "skip_path_tokens": "skipped"},
     "finetune": {"lr_schedule": "constant", "warmup_steps": 0},
 }
 
 
+#: the alignment loss as the run keys spell it: three weights (``align_loss`` since)
+_LOSS_KEYS = ("align_w_kl", "align_w_hidden", "align_w_lm")
+
+
+def _keyed_loss(fields: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A modifier's fields as the run keys spell them: ``align_loss`` as its three
+    weights, and the alignment's seed (the modifier's ``seed`` since) as
+    ``align_seed``, so the runs computed before those fields changed are found."""
+    from adadsf_modifier.alignment import LOSS_WEIGHTS
+
+    out = dict(fields)
+    w = LOSS_WEIGHTS[out.pop("align_loss")]
+    return {**out, **dict(zip(_LOSS_KEYS, (w.kl, w.hidden, w.lm))), "align_seed": seed}
+
+
 def without_retired(fields: dict[str, Any], kind: str) -> dict[str, Any]:
-    """``fields`` (a run's ``modifier`` or ``finetune`` configuration) without the
-    retired fields of ``kind`` (``adadsf``, ``ftp``, ``finetune``)."""
-    return {k: v for k, v in fields.items() if k not in _RETIRED[kind]}
+    """``fields`` (a run's ``modifier`` or ``finetune`` configuration) as the
+    plug-in takes them: without the retired fields of ``kind`` (``adadsf``, ``ftp``,
+    ``finetune``), and for AdaDSF with the loss named (:func:`_keyed_loss` undone)."""
+    from adadsf_modifier.alignment import LOSS_WEIGHTS
+
+    out = {k: v for k, v in fields.items() if k not in _RETIRED[kind]}
+    if kind == "adadsf":
+        given = tuple(out.pop(k) for k in _LOSS_KEYS)
+        (out["align_loss"],) = (
+            name for name, w in LOSS_WEIGHTS.items() if (w.kl, w.hidden, w.lm) == given
+        )
+        del out["align_seed"]  # always the run's seed
+    return out
 
 
 _LIFECYCLE_FIELDS = {
@@ -146,15 +173,13 @@ def modifier_fields(
         align_trainable=s.align_trainable,
         align_layer_lr=tuned.align_layer_lr,
         align_routing=s.align_routing,
-        align_seed=seed,
         align_bf16=s.align_bf16,
+        align_loss="lm" if m.lm_loss_only else "kl_hidden",
     )
-    if m.lm_loss_only:
-        kwargs.update(align_w_kl=0.0, align_w_hidden=0.0, align_w_lm=1.0)
     kwargs.update(m.fields)
     dump = AdaDSFModifier(**kwargs).model_dump()
     fields = {k: v for k, v in dump.items() if k not in _LIFECYCLE_FIELDS}
-    return {**fields, **_RETIRED["adadsf"]}
+    return {**_keyed_loss(fields, seed), **_RETIRED["adadsf"]}
 
 
 def finetune_fields(
@@ -163,21 +188,21 @@ def finetune_fields(
     """A dense control's fine-tune: the alignment settings of the arm it controls (its
     ``base``, at this seed and at the control's rates, which are the base's unless
     tuning gave it others), as the ``AlignmentConfig`` fields ``align_model`` takes,
-    plus ``ignore``: the decoder layers that stay frozen, as they stay dense in the
-    routed arms. Read from the base arm's modifier, so the two cannot drift apart."""
+    plus its ``seed`` and ``ignore``: the decoder layers that stay frozen, as they
+    stay dense in the routed arms. Read from the base arm's modifier, so the two
+    cannot drift apart."""
     m = METHODS[method]
     if not m.dense_control:
         raise ValueError(f"{method!r} is not a dense control")
-    from adadsf_modifier import AdaDSFModifier
+    from adadsf_modifier.alignment import AlignmentConfig
 
     base = modifier_fields(s, m.base, s.tune_budget, seed, tuned.for_method(method))
-    config = AdaDSFModifier(**without_retired(base, "adadsf")).alignment_config(
-        show_progress=False
-    )
+    plain = without_retired(base, "adadsf")
+    config = AlignmentConfig(**{k: plain[k] for k in AlignmentConfig.model_fields})
     # a dense model has no routed layer: the training routing rule does not apply
     # (nor does a key that depends on it)
-    fields = config.model_dump(exclude={"show_progress", "routing"})
-    return {**fields, **_RETIRED["finetune"], "ignore": list(s.ignore)}
+    fields = config.model_dump(exclude={"align_routing"})
+    return {**fields, **_RETIRED["finetune"], "seed": seed, "ignore": list(s.ignore)}
 
 
 def _ftp_fields(

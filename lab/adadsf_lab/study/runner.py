@@ -151,7 +151,7 @@ def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str,
     from adadsf_modifier.targeting import targeted_layers
 
     fields = without_retired(cfg["finetune"], "finetune")
-    ignore = fields.pop("ignore")
+    ignore, seed = fields.pop("ignore"), fields.pop("seed")
     config = AlignmentConfig(**fields)  # LM loss only: align_model needs no teacher
     data = cfg["data"]
     rows = env.calibration(data["align_rows"], data["align_seq_len"], data["text_seed"])
@@ -161,13 +161,13 @@ def _finetune_dense(model: torch.nn.Module, cfg: dict, env: RunEnv) -> dict[str,
         for _, _, layer in targeted_layers(layers, None, ignore, cfg["method"])
         for p in layer.parameters()
     ]
-    rep = align_model(model, None, rows, config, params=params)  # modes restored
+    rep = align_model(model, None, rows, config, params=params, seed=seed)
     return {
         "retention": 1.0,
         "align_tokens": data["align_rows"] * data["align_seq_len"],
         **_alignment_record(rep),
-        "align_lr": config.lr,
-        "align_layer_lr": config.layer_lr,
+        "align_lr": config.align_lr,
+        "align_layer_lr": config.align_layer_lr,
         "finetuned_parameters": rep.num_trainable,
     }
 
