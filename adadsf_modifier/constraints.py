@@ -9,6 +9,7 @@ module: it imports nothing of the package.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "first_error",
     "one_of",
     "drop_retired_fields",
+    "refuse_booleans_as_numbers",
 ]
 
 #: Recipe fields that once configured experiments no shipped recipe or published
@@ -70,6 +72,38 @@ def drop_retired_fields(data: Any, owner: str) -> Any:
             "remove it from the recipe"
         )
     return kept
+
+
+def _takes_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_takes_bool(a) for a in typing.get_args(annotation))
+
+
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_bool(v) for v in value)
+    return isinstance(value, bool)
+
+
+def refuse_booleans_as_numbers(model: type, data: Any, owner: str) -> Any:
+    """Refuse ``true`` / ``false`` given for a field that is not a boolean.
+
+    Pydantic reads ``True`` as 1 for a number (``retention: true`` would route every
+    layer at ratio 1 without a word); strict numbers would refuse the integer ``1``
+    a YAML author writes for a float. So a boolean, alone or inside a list, is refused
+    for every field whose type does not name ``bool``."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    for name, value in data.items():
+        if name in fields and _holds_bool(value):
+            if not _takes_bool(fields[name].annotation):
+                raise InputError(
+                    f"{owner}: `{name}: {value}` holds a boolean where a number or "
+                    "name is expected"
+                )
+    return data
 
 
 class InputError(ValueError):

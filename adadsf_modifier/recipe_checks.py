@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import nn
 
+from adadsf_modifier.constraints import InputError
+
 __all__ = [
     "ROUTER_HINT",
     "SKIP_PATH_HINT",
@@ -138,7 +140,7 @@ def _refuse_matches(
             continue
         for name in names:
             if is_match(name, probe, targets, ignore):
-                raise ValueError(
+                raise InputError(
                     f"{type(mod).__name__} (targets={sorted(targets)}, "
                     f"ignore={ignore}) would quantize the AdaDSF {what} `{name}`; "
                     f"{what}s must stay in full precision: {hint}"

@@ -12,6 +12,7 @@ from llmcompressor.modifiers.quantization import QuantizationModifier
 from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
 
 from adadsf_modifier import recipe_checks
+from adadsf_modifier.constraints import InputError
 from adadsf_modifier.recipe_checks import check_recipe_keeps_routers_unquantized
 
 LAYERS = ["model.layers.1", "model.layers.2"]
@@ -24,7 +25,8 @@ LAYERS = ["model.layers.1", "model.layers.2"]
      GPTQModifier(targets=["re:.*layers\\.2\\..*"], scheme="W4A16")],
 )  # fmt: skip
 def test_quantization_reaching_a_router_is_refused(modifier):
-    with pytest.raises(ValueError, match=r"router `model\.layers\.\d\.router\.fc1`"):
+    # an InputError: the command line reports it in one line
+    with pytest.raises(InputError, match=r"router `model\.layers\.\d\.router\.fc1`"):
         check_recipe_keeps_routers_unquantized(LAYERS, [modifier])
 
 
@@ -51,14 +53,16 @@ def test_no_session_and_no_modifiers_means_nothing_to_check():
 
 def test_the_check_does_not_identify_modifiers_by_class_name():
     """No `type(m).__name__ == "AdaDSFModifier"` string match, and no import of the
-    modifier (it imports this module)."""
+    modifier (it imports this module): of the package, only the leaf of constraints
+    and errors."""
     tree = ast.parse(inspect.getsource(recipe_checks))
     names = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
     assert "AdaDSFModifier" not in names
     imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert not any(
-        "adadsf_modifier" in (getattr(n, "module", "") or "") for n in imports
-    )
+    modules = {getattr(n, "module", "") or "" for n in imports}
+    assert {m for m in modules if "adadsf_modifier" in m} == {
+        "adadsf_modifier.constraints"
+    }
 
 
 def test_oneshot_refuses_a_later_gptq_that_targets_the_routers(tmp_path):

@@ -99,3 +99,29 @@ def test_compress_writes_the_checkpoint_in_the_asked_precision(
     assert config["dtype"] == dtype
     model = adadsf_modifier.from_pretrained(out)
     assert model.get_input_embeddings().weight.dtype == getattr(torch, dtype)
+
+
+def test_a_recipe_quantizing_the_routers_ends_in_one_line_not_a_traceback(
+    tmp_path, dense_dir, capsys
+):
+    recipe = tmp_path / "recipe.yaml"
+    gptq = {"targets": ["Linear"], "scheme": "W8A8", "ignore": ["lm_head"]}
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "sparsity_stage": {
+                    "sparsity_modifiers": {"AdaDSFModifier": {"retention": 0.8}}
+                },
+                "quantization_stage": {
+                    "quantization_modifiers": {"GPTQModifier": gptq}
+                },
+            },
+            sort_keys=False,
+        )
+    )
+    argv = ["compress", "--model", dense_dir, "--recipe", recipe, "--output-dir"]
+    argv += [tmp_path / "out", "--calibration-samples", "4", "--seq-len", "16"]
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "would quantize the AdaDSF router" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

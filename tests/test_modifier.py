@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 from llmcompressor import oneshot
+from llmcompressor.modifiers import Modifier
 from llmcompressor.recipe import Recipe
 from pydantic import ValidationError
 from tiny_models import ARCHITECTURES, save_tiny_model, token_dataset
@@ -353,3 +354,33 @@ def test_recipe_with_empty_adadsf_body_uses_defaults():
     [mod] = recipe.modifiers
     assert isinstance(mod, AdaDSFModifier)
     assert mod.retention == AdaDSFModifier().retention
+
+
+_LIFECYCLE = set(Modifier.model_fields)  # llm-compressor's, not the recipe's
+
+
+def test_a_boolean_is_refused_for_every_field_that_is_not_one():
+    """``retention: true`` would read as 1.0 (every layer at ratio 1, silently): each
+    field of both modifiers whose type is not a boolean refuses one, alone or in a
+    list, while the boolean fields take it."""
+    from adadsf_modifier import FTPModifier
+    from adadsf_modifier.constraints import InputError
+
+    for cls in (AdaDSFModifier, FTPModifier):
+        for name, field in cls.model_fields.items():
+            if name in _LIFECYCLE or name == "align_dataset":  # rows, checked apart
+                continue
+            if field.annotation is bool:
+                assert getattr(cls(**{name: True}), name) is True
+                continue
+            for value in (True, [True, 0.5]):
+                with pytest.raises(ValidationError, match="holds a boolean") as err:
+                    cls(**{name: value})
+                assert name in str(err.value) and isinstance(
+                    err.value.errors()[0]["ctx"]["error"], InputError
+                )
+
+
+def test_a_boolean_retention_in_a_yaml_recipe_is_refused():
+    with pytest.raises(Exception, match="retention: True` holds a boolean"):
+        Recipe.create_instance(recipe_with(retention=True))

@@ -18,7 +18,13 @@ from loguru import logger
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from adadsf_modifier.alignment.losses import LOSS_WEIGHTS, AlignmentLossWeights
-from adadsf_modifier.constraints import InputError, PositiveInt, constrained, one_of
+from adadsf_modifier.constraints import (
+    InputError,
+    PositiveInt,
+    constrained,
+    one_of,
+    refuse_booleans_as_numbers,
+)
 
 __all__ = [
     "ALIGNMENT_LOSSES",
@@ -128,6 +134,7 @@ class AlignmentConfig(BaseModel):
         """Older recipes (and the ``recipe.yaml`` of older checkpoints) give the loss as
         three weights: read them as the ``align_loss`` they name, refuse any other
         mix."""
+        data = refuse_booleans_as_numbers(cls, data, cls.__name__)
         if not isinstance(data, dict) or not data.keys() & set(_WEIGHT_FIELDS):
             return data
         data = dict(data)

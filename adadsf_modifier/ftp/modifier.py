@@ -28,6 +28,7 @@ from adadsf_modifier.constraints import (
     UnitInterval,
     drop_retired_fields,
     one_of,
+    refuse_booleans_as_numbers,
 )
 from adadsf_modifier.fitting import (
     SkipPathReport,
@@ -141,6 +142,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     @model_validator(mode="before")
     @classmethod
     def _drop_retired(cls, data: Any) -> Any:
+        data = refuse_booleans_as_numbers(cls, data, "FTPModifier")
         return drop_retired_fields(data, "FTPModifier")
 
     @model_validator(mode="after")
