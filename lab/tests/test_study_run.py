@@ -460,6 +460,30 @@ def test_render_only_renders_runs_computed_with_other_versions_and_computes_none
     assert res["runtime"]["runs_cached"] == 1  # only dense (no modifier) matches
 
 
+def test_a_damaged_cache_file_is_skipped_by_name_and_a_failed_render_leaves_nothing(
+    tiny_dir, tmp_path, logged_warnings
+):
+    """A cache file that is a JSON list, or a run without its versions, is named and
+    skipped, not a traceback; a render that fails removes the output folder it made."""
+    s = StudySettings(methods=("dense", "uniform"), budgets=(0.8,), seeds=1,
+                      tune=False, calib_samples=2, calib_seq_len=16, align_steps=2,
+                      align_batch_size=1, align_seq_len=16)  # fmt: skip
+    cache = tmp_path / "c"
+    run_study(s, tiny_dir, tmp_path / "o", cache, executor=fake_executor([]))
+    files = sorted(cache_files(cache))
+    assert len(files) == 2
+    files[0].write_text("[1, 2]")
+    data = json.loads(files[1].read_text())
+    del data["config"]["versions"]
+    files[1].write_text(json.dumps(data))
+    with pytest.raises(StudyInputError, match="no cached run"):
+        run_study(s, tiny_dir, tmp_path / "o2", cache, render_only=True)
+    assert not (tmp_path / "o2").exists()
+    skipped = [m for m in logged_warnings if "not a cached run" in m]
+    assert {str(f) for f in files} <= {w.split("ignoring ")[1].split(":")[0]
+                                       for w in skipped}  # fmt: skip
+
+
 def test_runs_of_other_weights_are_named_before_any_run_and_recomputed(
     tiny_dir, tmp_path, logged_warnings
 ):

@@ -42,6 +42,31 @@ def _settings(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "versions": versions}
 
 
+def _read(path: Path) -> dict[str, Any] | None:
+    """A cache file's run, or None (with a warning naming the file) when it is not
+    one: unreadable, not JSON, or without the configuration (model, device, versions)
+    and record every reader needs."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        logger.warning(f"study cache: ignoring unreadable {path}: {err}")
+        return None
+    config = data.get("config") if isinstance(data, dict) else None
+    if not (
+        isinstance(config, dict)
+        and isinstance(data.get("record"), dict)
+        and isinstance(config.get("model"), dict)
+        and isinstance(config.get("versions"), dict)
+        and isinstance(config.get("device"), str)
+    ):
+        logger.warning(
+            f"study cache: ignoring {path}: not a cached run (a JSON object with "
+            "`config` {model, device, versions} and `record`)"
+        )
+        return None
+    return data
+
+
 class RunCache:
     """``root/<phase>/<method>/<key>.json`` for every finished run."""
 
@@ -68,10 +93,8 @@ class RunCache:
         path = self.path_for(spec)
         if not path.is_file():
             return self._lenient(spec) if lenient else None
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            logger.warning(f"study cache: ignoring unreadable {path}: {err}")
+        data = _read(path)
+        if data is None:
             return None
         if data.get("config") != spec.config:
             logger.warning(f"study cache: {path} holds another configuration; ignored")
@@ -82,12 +105,11 @@ class RunCache:
         folder = self.path_for(spec).parent
         found = []
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if data.get("label") == spec.label and _agree(
-                _settings(data["config"]), _settings(spec.config)
+            data = _read(path)
+            if (
+                data is not None
+                and data.get("label") == spec.label
+                and _agree(_settings(data["config"]), _settings(spec.config))
             ):
                 found.append(data)
         if len(found) != 1:
@@ -167,10 +189,8 @@ class RunCache:
         if not self.root.is_dir():
             return
         for path in sorted(self.root.rglob("*.json")):
-            try:
-                yield json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
+            if (data := _read(path)) is not None:
+                yield data
 
 
 def weights_mismatch_warning(

@@ -248,6 +248,25 @@ def run_study(
     model: str | None,
     output_dir: str | os.PathLike[str],
     cache_dir: str | os.PathLike[str],
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """:func:`_run_study`; an output folder it created and left empty (a refused
+    input, a failed render) is removed again, so a failure leaves nothing behind."""
+    new = [p for p in (Path(output_dir), Path(cache_dir)) if not p.exists()]
+    try:
+        return _run_study(settings, model, output_dir, cache_dir, **kwargs)
+    except BaseException:
+        for folder in new:
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+
+
+def _run_study(
+    settings: StudySettings,
+    model: str | None,
+    output_dir: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str],
     command: str = "adadsf study",
     overwrite: bool = False,
     max_hours: float | None = None,
