@@ -1,10 +1,6 @@
-"""Reading the router (and skip-path) tensors of a checkpoint from its safetensors
-files.
-
-transformers does not know the routers and skip paths, so it neither loads nor checks
-them; they are read here, by name, with their presence, shape and full precision
-checked against the sidecar. The same reader verifies a freshly written checkpoint
-before it is published.
+"""Reading the router (and skip-path) tensors from a checkpoint's safetensors files,
+checked against the sidecar (presence, shape, full precision, finite): transformers
+does not know them. The save verifies what it wrote with the same reader.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ _QUANT_SUFFIXES = (
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:
-    """``{tensor name: file}`` over the checkpoint's safetensors files (sharded or
-    not)."""
+    """``{tensor name: file}`` over the checkpoint's safetensors files."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -57,8 +52,6 @@ def safetensors_files(path: Path) -> dict[str, Path]:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    """The index's ``weight_map`` ``{tensor name: shard file name}``, or a one-line
-    error naming the file."""
     data = read_json_object(index, "a shard index")
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not all(
@@ -71,9 +64,7 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def _shard(path: Path, index: Path, name: str) -> Path:
-    """The shard ``name`` inside the checkpoint folder; a name that leads elsewhere
-    (``../x.safetensors``, an absolute path) is refused: tensors are read from the
-    folder being loaded, nowhere else."""
+    """The shard ``name``, which must lie inside the checkpoint folder."""
     shard = path / name
     if Path(name).is_absolute() or path.resolve() not in shard.resolve().parents:
         raise AdaDSFCheckpointError(
@@ -109,7 +100,6 @@ def _missing(key: str, where: str, path: Path, files: dict) -> Exception:
 
 
 def _kind(key: str) -> tuple[str, str]:
-    """``("router", ROUTER_HINT)`` or ``("skip path", SKIP_PATH_HINT)`` for a key."""
     if ".skip_path." in key:
         return "skip path", SKIP_PATH_HINT
     return "router", ROUTER_HINT
@@ -118,7 +108,6 @@ def _kind(key: str) -> tuple[str, str]:
 def _read_checked(
     path: Path, files: dict, key: str, shape: tuple, where: str, detail: str
 ) -> torch.Tensor:
-    """One router or skip-path tensor: present, of ``shape``, floating point."""
     from safetensors import safe_open
 
     file = files.get(key)
@@ -148,9 +137,8 @@ def _read_checked(
 def read_expected_tensors(
     path: Path, expected: dict[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
-    """The tensors named in ``expected`` (``{name: shape}``), each checked for
-    presence, shape and full precision: how a save whose sidecar does not describe
-    the tensor shapes itself (FTP's) verifies what it wrote."""
+    """The tensors ``expected`` names (``{name: shape}``), checked (FTP's save: its
+    sidecar does not give the shapes)."""
     files = safetensors_files(path)
     return {
         key: _read_checked(path, files, key, shape, "", "")
@@ -159,8 +147,8 @@ def read_expected_tensors(
 
 
 def read_router_tensors(path: Path, sidecar: AdaDSFSidecar) -> dict[str, torch.Tensor]:
-    """Every routed layer's router (and skip-path) tensors, checked for presence, shape
-    and full precision."""
+    """Every routed layer's router (and skip-path) tensors, checked; a router tensor of
+    a layer the sidecar lists as not routed is refused."""
     files = safetensors_files(path)
     hidden = sidecar.hidden_size
     out: dict[str, torch.Tensor] = {}
