@@ -65,8 +65,7 @@ __all__ = [
     "main",
 ]
 
-COMMAND_GROUP = "adadsf.commands"
-"""Entry-point group through which other distributions (the lab) add subcommands."""
+COMMAND_GROUP = "adadsf.commands"  # entry points through which the lab adds commands
 
 RECIPE_HELP = "YAML recipe (default recipes/adadsf_w8a8.yaml)"
 
@@ -119,7 +118,6 @@ _ROUTING_MODE_HELP = {
 
 
 def routing_mode_argument(parser: argparse.ArgumentParser, modes: tuple[str, ...]):
-    """``--routing-mode``: how a routed checkpoint's layers choose their tokens."""
     parser.add_argument(
         "--routing-mode",
         choices=list(modes),
@@ -222,10 +220,10 @@ def _terminated(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    # SIGTERM (a scheduler, `kill`, torchrun taking a failed job down) ends the command
-    # as an exception, so that what it wrote half-way (a results folder being built
-    # beside its destination) is removed on the way out, as after any other failure
-    previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
+    # SIGTERM (a scheduler, torchrun taking a failed job down) becomes an exception, so
+    # that what the command wrote half-way is removed on the way out
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         args = parser.parse_args(argv)
         args.func(args)
@@ -239,7 +237,3 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 0
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
