@@ -26,19 +26,6 @@ from pathlib import Path
 
 from loguru import logger
 
-__all__ = [
-    "TEMP_TAG",
-    "atomic_directory",
-    "atomic_write_bytes",
-    "atomic_write_text",
-    "give_files_folder_mode",
-    "make_temp_dir",
-    "publish_dir",
-    "remove_stale_temp_dirs",
-    "resolve_destination",
-    "write_text_durably",
-]
-
 TEMP_TAG = "adadsf-tmp"
 # The previous folder moved aside where renameat2 is missing. Never removed by another
 # writer: if this one dies between its two renames, it is the only copy.

@@ -31,8 +31,6 @@ from adadsf_modifier.recipe_checks import check_routed_model_keeps_routing
 from adadsf_modifier.routing import RoutedLayer
 from adadsf_modifier.routing.skip_path import skip_path_of
 
-__all__ = ["DestinationError", "check_destination", "install"]
-
 _MARK = "_adadsf_checks_output_dir"
 
 

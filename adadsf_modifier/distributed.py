@@ -26,32 +26,6 @@ from torch import nn
 
 from adadsf_modifier.constraints import InputError
 
-__all__ = [
-    "DistributedMismatchError",
-    "RankPartition",
-    "agree_on_errors",
-    "all_gather_object",
-    "all_gather_variable",
-    "any_across_ranks",
-    "broadcast_module",
-    "broadcast_object",
-    "broadcast_tensors",
-    "check_same_across_ranks",
-    "check_same_model",
-    "init_distributed",
-    "is_distributed",
-    "is_source_process",
-    "partition_bounds",
-    "rank",
-    "rank_batches",
-    "restore_logging",
-    "setup_rank",
-    "show_progress",
-    "split_if_identical",
-    "sum_across_ranks",
-    "world_size",
-]
-
 T = TypeVar("T")
 _QPARAM = re.compile(r"(weight|input|output)_(scale|zero_point|g_idx|global_scale)$")
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "cpu_has_native_bfloat16", "dtype_name", "resolve_dtype"]
-
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "auto")
 
 

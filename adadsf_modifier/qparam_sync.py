@@ -19,8 +19,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["TARGETS", "install"]
-
 TARGETS: dict[str, str] = {"llmcompressor": "0.14", "compressed-tensors": "0.19"}
 # The modules that imported broadcast_qparams_and_cleanup by name.
 _USERS = (

@@ -42,8 +42,6 @@ from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.ftp.checkpoint import read_ftp_sidecar
 from adadsf_modifier.routing import routed_layers
 
-__all__ = ["Recalibration", "check_destination_apart", "recalibrate_checkpoint"]
-
 _CAUSAL = (None, "auto", "causal")  # stored modes in which a layer reads a threshold
 _WEIGHTS = re.compile(r".*\.(safetensors|bin)")  # hard-linked, not copied
 _SIDECARS = {SIDECAR_NAME: read_sidecar, FTP_SIDECAR_NAME: read_ftp_sidecar}

@@ -15,8 +15,6 @@ from typing import Any
 
 from llmcompressor.recipe import Recipe
 
-__all__ = ["install", "OUR_MODIFIERS"]
-
 OUR_MODIFIERS: tuple[str, ...] = ("AdaDSFModifier", "FTPModifier")
 _MARK = "_adadsf_guarded"
 

@@ -7,8 +7,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["StageClock"]
-
 
 class StageClock:
     """Seconds per named stage (a stage entered twice adds up), in order of first

@@ -10,8 +10,6 @@ from torch import nn
 from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing import RoutedLayer
 
-__all__ = ["check_not_routed", "targeted_layers"]
-
 Layers = list[tuple[str, nn.Module]]
 
 

@@ -15,8 +15,6 @@ from torch import nn
 
 from adadsf_modifier.constraints import InputError
 
-__all__ = ["check_token_rows", "vocabulary_size"]
-
 
 def vocabulary_size(model: nn.Module) -> int:
     """How many token ids ``model`` can embed (a padded table exceeds

@@ -16,19 +16,6 @@ from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
-__all__ = [
-    "allowed_by_mask",
-    "json_text",
-    "get_execution_device",
-    "layer_input",
-    "model_device",
-    "real_token_mask",
-    "run_calibration_batches",
-    "first_real_tokens",
-    "next_token_nll",
-    "tensors_to_device",
-]
-
 # The keys of a batch that a causal LM's forward takes (not `labels`: no loss wanted).
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask")
 

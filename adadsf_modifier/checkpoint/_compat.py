@@ -17,14 +17,6 @@ from torch import nn
 
 from adadsf_modifier.checkpoint.sidecar import AdaDSFCheckpointError
 
-__all__ = [
-    "WORKAROUNDS",
-    "load_with_expected_extra_keys",
-    "make_recipe_safe",
-    "single_decompress_hook",
-    "write_model_recipe",
-]
-
 WORKAROUNDS: dict[str, dict[str, str]] = {}  # name -> {distribution: major.minor}
 
 _F = TypeVar("_F", bound=Callable[..., Any])

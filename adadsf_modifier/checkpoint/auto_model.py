@@ -23,8 +23,6 @@ from adadsf_modifier.checkpoint.routed_config import (
 )
 from adadsf_modifier.checkpoint.sidecar import AdaDSFCheckpointError
 
-__all__ = ["AdaDSFRoutedForCausalLM", "register_auto_classes"]
-
 
 class AdaDSFRoutedForCausalLM:
     """``AutoModelForCausalLM``'s class for ``model_type: adadsf_routed``: loads the

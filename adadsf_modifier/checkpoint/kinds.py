@@ -15,15 +15,6 @@ from typing import Any
 
 from adadsf_modifier.checkpoint.sidecar import SIDECAR_NAME, AdaDSFCheckpointError
 
-__all__ = [
-    "FTP_SIDECAR_NAME",
-    "LOADERS",
-    "SIDECAR_NAMES",
-    "CheckpointKind",
-    "checkpoint_sidecar",
-    "register_loader",
-]
-
 FTP_SIDECAR_NAME = "ftp_routing.json"
 SIDECAR_NAMES = (SIDECAR_NAME, FTP_SIDECAR_NAME)
 

@@ -42,8 +42,6 @@ from adadsf_modifier.routing import (
     route_layer,
 )
 
-__all__ = ["from_pretrained", "load_adadsf", "load_base_model", "read_config"]
-
 
 def _any_topk_at_inference(layers: list[tuple[str, nn.Module]]) -> bool:
     """Some routed layer (0 < r < 1) would route top-k in eval mode (no KV cache)."""

@@ -24,18 +24,6 @@ from transformers import PreTrainedConfig
 from adadsf_modifier.atomic import write_text_durably
 from adadsf_modifier.checkpoint.sidecar import AdaDSFCheckpointError, read_json_object
 
-__all__ = [
-    "AUTO_MAP",
-    "CODE_FILES",
-    "ROUTED_ARCHITECTURE",
-    "ROUTED_MODEL_TYPE",
-    "AdaDSFRoutedConfig",
-    "base_config_of",
-    "declare_routed_architecture",
-    "declares_routed_architecture",
-    "routed_config_dict",
-]
-
 ROUTED_MODEL_TYPE = "adadsf_routed"
 ROUTED_ARCHITECTURE = "AdaDSFRoutedForCausalLM"
 _BASE_TYPE = "base_model_type"

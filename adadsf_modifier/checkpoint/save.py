@@ -48,8 +48,6 @@ from adadsf_modifier.checkpoint.sidecar import (
 from adadsf_modifier.checkpoint.tensors import read_router_tensors
 from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 
-__all__ = ["ADADSF", "attach_checkpoint_support", "install_save_hook"]
-
 ADADSF = CheckpointKind(
     label="AdaDSF",
     describe=sidecar_for_model,

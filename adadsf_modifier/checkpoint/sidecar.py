@@ -39,30 +39,6 @@ from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing import RoutedLayer, decoder_layers
 from adadsf_modifier.routing.skip_path import skip_path_of
 
-__all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "METADATA_ATTR",
-    "SIDECAR_NAME",
-    "SKIP_PATH_FORMAT_VERSION",
-    "SUPPORTED_FORMAT_VERSIONS",
-    "AdaDSFCheckpointError",
-    "AdaDSFSidecar",
-    "LayerEntry",
-    "MAX_NESTING",
-    "ModifierRecord",
-    "SidecarSchema",
-    "adadsf_config",
-    "describe_validation_error",
-    "package_version",
-    "read_adadsf_config",
-    "read_json_object",
-    "read_sidecar",
-    "read_sidecar_file",
-    "sidecar_for_model",
-    "write_sidecar",
-]
-
 SIDECAR_NAME = "adadsf_config.json"
 FORMAT_NAME = "adadsf"
 FORMAT_VERSION = 1  # written for a model that needs nothing newer
@@ -275,11 +251,6 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
         ) from None
 
 
-def adadsf_config(model: nn.Module) -> dict[str, Any]:
-    """The sidecar for ``model`` as the JSON data the file holds."""
-    return sidecar_for_model(model).to_json_dict()
-
-
 def write_sidecar(folder: Path, sidecar: AdaDSFSidecar) -> None:
     """Write ``folder/adadsf_config.json`` (fsynced: it marks a complete checkpoint)."""
     text = json.dumps(sidecar.to_json_dict(), indent=2, allow_nan=False) + "\n"
@@ -378,8 +349,3 @@ def read_sidecar(path: str | os.PathLike[str]) -> AdaDSFSidecar:
             "after AdaDSFModifier ran"
         )
     return read_sidecar_file(file, AdaDSFSidecar, "AdaDSF", _check_adadsf_format)
-
-
-def read_adadsf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """:func:`read_sidecar` as JSON data."""
-    return read_sidecar(path).to_json_dict()

@@ -10,16 +10,6 @@ from pydantic import BeforeValidator, Field, PlainSerializer
 from adadsf_modifier.routing import ROUTING_MODES
 from adadsf_modifier.routing.skip_path import SKIP_PATHS
 
-__all__ = [
-    "FiniteFloat",
-    "PositiveFloat",
-    "PositiveInt",
-    "Ratio",
-    "RoutingMode",
-    "SkipPathKind",
-    "Threshold",
-]
-
 
 def _threshold_in(value: Any) -> Any:
     """Infinities are written as text (JSON has none). NaN is refused: every score

@@ -20,8 +20,6 @@ from adadsf_modifier.checkpoint.sidecar import (
 from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 from adadsf_modifier.routing import SkipPath, TokenRouter
 
-__all__ = ["read_expected_tensors", "read_router_tensors", "safetensors_files"]
-
 # What compressed-tensors stores next to (or instead of) a quantized weight.
 _QUANT_SUFFIXES = (
     "_scale",

@@ -23,8 +23,6 @@ from adadsf_modifier.cli.checks import (
 )
 from adadsf_modifier.constraints import InputError
 
-__all__ = ["bench", "calibrate", "compress", "evaluate", "text_rows"]
-
 
 def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
     """Also under ``torchrun`` (docs/distributed.md): the process group is set up and
