@@ -147,9 +147,7 @@ def broadcast_module(module: nn.Module, src: int | None = None) -> None:
 
 
 def check_same_across_ranks(
-    what: str,
-    value: Any,
-    why: str = "every rank must run the same model and recipe",
+    what: str, value: Any, why: str = "every rank must run the same model and recipe"
 ) -> None:
     """Raise :class:`DistributedMismatchError` on every rank unless all ranks hold an
     equal ``value``."""

@@ -29,10 +29,7 @@ def allowed_by_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def real_token_mask(
-    attention_mask: torch.Tensor | None,
-    batch: int,
-    seq_len: int,
-    device: torch.device,
+    attention_mask: torch.Tensor | None, batch: int, seq_len: int, device: torch.device
 ) -> torch.Tensor:
     """``[batch, seq]`` bool, True for real (non-padding) query tokens.
 
