@@ -21,21 +21,13 @@ from adadsf_modifier.checkpoint.kinds import (
     checkpoint_sidecar,
 )
 from adadsf_modifier.checkpoint.load import from_pretrained, load_adadsf
-from adadsf_modifier.checkpoint.routed_config import (
-    ROUTED_MODEL_TYPE,
-    AdaDSFRoutedConfig,
-)
+from adadsf_modifier.checkpoint.routed_config import AdaDSFRoutedConfig
 from adadsf_modifier.checkpoint.save import attach_checkpoint_support, install_save_hook
 from adadsf_modifier.checkpoint.sidecar import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    METADATA_ATTR,
     SIDECAR_NAME,
-    SUPPORTED_FORMAT_VERSIONS,
     AdaDSFCheckpointError,
     AdaDSFSidecar,
     LayerEntry,
-    ModifierRecord,
     read_sidecar,
     sidecar_for_model,
     write_sidecar,
@@ -47,16 +39,10 @@ __all__ = [
     "AdaDSFRoutedForCausalLM",
     "AdaDSFSidecar",
     "CheckpointKind",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "FTP_SIDECAR_NAME",
     "LayerEntry",
-    "METADATA_ATTR",
-    "ModifierRecord",
-    "ROUTED_MODEL_TYPE",
     "SIDECAR_NAME",
     "SIDECAR_NAMES",
-    "SUPPORTED_FORMAT_VERSIONS",
     "attach_checkpoint_support",
     "checkpoint_sidecar",
     "from_pretrained",

@@ -22,7 +22,7 @@ from adadsf_modifier.checkpoint.kinds import (
     checkpoint_sidecar,
 )
 from adadsf_modifier.checkpoint.routed_config import (
-    base_config_of,
+    AdaDSFRoutedConfig,
     declares_routed_architecture,
 )
 from adadsf_modifier.checkpoint.save import install_save_hook
@@ -78,7 +78,7 @@ def read_config(path: Path, kwargs: dict[str, Any]) -> Any:
         config = AutoConfig.from_pretrained(
             str(path), trust_remote_code=kwargs.get("trust_remote_code", False)
         )
-    return base_config_of(config)
+    return config.base_config() if isinstance(config, AdaDSFRoutedConfig) else config
 
 
 def _causal_lm_class(path: Path, config: Any) -> type:
@@ -167,7 +167,14 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     path = Path(path)
     sidecar = checkpoint_sidecar(path)
     if sidecar is not None and not declares_routed_architecture(path):
-        _warn_dense_depth_config(path)
+        logger.warning(
+            f"AdaDSF: {path} was saved before routed checkpoints declared their "
+            "architecture: its config.json names the base model, so "
+            "AutoModelForCausalLM, pipeline() and lm-eval load it as the DENSE-DEPTH "
+            "model (every layer on every token). Loading it routed here; save it again "
+            "(adadsf_modifier.from_pretrained(path).save_pretrained(new_path)) to make "
+            "every loader build the routed model or refuse"
+        )
     if sidecar in LOADERS:
         return LOADERS[sidecar](path, **kwargs)
     if sidecar is None and path.is_dir():
@@ -178,17 +185,6 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
             "modifier ran"
         )
     return load_adadsf(path, **kwargs)
-
-
-def _warn_dense_depth_config(path: Path) -> None:
-    logger.warning(
-        f"AdaDSF: {path} was saved before routed checkpoints declared their "
-        "architecture: its config.json names the base model, so AutoModelForCausalLM, "
-        "pipeline() and lm-eval load it as the DENSE-DEPTH model (every layer on every "
-        "token). Loading it routed here; save it again "
-        "(adadsf_modifier.from_pretrained(path).save_pretrained(new_path)) to make "
-        "every loader build the routed model or refuse"
-    )
 
 
 def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:

@@ -161,9 +161,3 @@ def declares_routed_architecture(path: str | os.PathLike[str]) -> bool:
         return json.loads(file.read_text()).get("model_type") == ROUTED_MODEL_TYPE
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def base_config_of(config: Any) -> Any:
-    if isinstance(config, AdaDSFRoutedConfig):
-        return config.base_config()
-    return config

@@ -83,37 +83,26 @@ def _expected_shapes(entry: LayerEntry, hidden_size: int) -> dict[str, tuple]:
     }
 
 
-def _missing(key: str, where: str, path: Path, files: dict) -> Exception:
-    quantized = [
-        k
-        for k in files
-        if k.startswith(key.rsplit(".", 1)[0] + ".") and k.endswith(_QUANT_SUFFIXES)
-    ]
-    what, hint = _kind(key)
-    extra = f" (found quantized tensors {quantized}: {hint})" if quantized else ""
-    return AdaDSFCheckpointError(
-        f"{what} tensor `{key}`{where} is missing from the safetensors files in "
-        f"{path}{extra}"
-    )
-
-
-def _kind(key: str) -> tuple[str, str]:
-    if ".skip_path." in key:
-        return "skip path", SKIP_PATH_HINT
-    return "router", ROUTER_HINT
-
-
 def _read_checked(
     path: Path, files: dict, key: str, shape: tuple, where: str, detail: str
 ) -> torch.Tensor:
     from safetensors import safe_open
 
+    skip = ".skip_path." in key
+    what, hint = ("skip path", SKIP_PATH_HINT) if skip else ("router", ROUTER_HINT)
     file = files.get(key)
     if file is None:
-        raise _missing(key, where, path, files)
+        layer = key.rsplit(".", 1)[0] + "."
+        quantized = [
+            k for k in files if k.startswith(layer) and k.endswith(_QUANT_SUFFIXES)
+        ]
+        extra = f" (found quantized tensors {quantized}: {hint})" if quantized else ""
+        raise AdaDSFCheckpointError(
+            f"{what} tensor `{key}`{where} is missing from the safetensors files in "
+            f"{path}{extra}"
+        )
     with safe_open(str(file), framework="pt") as f:
         tensor = f.get_tensor(key)
-    what, hint = _kind(key)
     if tuple(tensor.shape) != tuple(shape):
         raise AdaDSFCheckpointError(
             f"{what} tensor `{key}` in {path} has shape {tuple(tensor.shape)}, "

@@ -7,8 +7,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -220,29 +218,3 @@ def write_json(path: Path | None, data: Any) -> None:
         return
     atomic_write_text(path, json_text(data, indent=2, sort_keys=False))
     logger.info(f"wrote {path}")
-
-
-def sibling_dir(out: Path, suffix: str) -> Path:
-    """A new empty folder next to ``out`` (a rename swaps it in), with the permissions
-    a plain mkdir gives (``mkdtemp`` makes 0700)."""
-    path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o777 & ~umask)
-    return path
-
-
-def swap_in(new: Path, out: Path) -> None:
-    """Put the complete folder ``new`` in place of ``out``, deleting the earlier one
-    only then."""
-    old = sibling_dir(out, ".old") if out.exists() else None
-    if old is not None:
-        os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
