@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     add, model, dtype = add_command, add_model_argument, add_dtype_argument
     align_samples = add_align_samples_argument
 
+    def routed(sp: argparse.ArgumentParser) -> None:
+        help_ = "AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)"
+        sp.add_argument("--routed", type=model_name, required=True, help=help_)
+
     c = add(
         sub, "compress", "model + recipe -> compressed AdaDSF checkpoint", cmd_compress
     )
@@ -165,12 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true")
 
     b = add(sub, "bench", "speed: routed checkpoint vs its dense twin", cmd_bench)
-    b.add_argument(
-        "--routed",
-        type=model_name,
-        required=True,
-        help="AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)",
-    )
+    routed(b)
     b.add_argument(
         "--seq-lens", type=positive_int, nargs="+", default=[256, 1024, 2048]
     )
@@ -189,12 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "refit a routed checkpoint's thresholds on your own text (weights untouched)",
         cmd_calibrate,
     )
-    k.add_argument(
-        "--routed",
-        type=model_name,
-        required=True,
-        help="AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)",
-    )
+    routed(k)
     k.add_argument(
         "--text", nargs="+", required=True, help="UTF-8 text file(s) of your traffic"
     )
