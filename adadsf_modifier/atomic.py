@@ -1,23 +1,11 @@
 """Publish a directory atomically: build it in a hidden sibling, then rename it into
-place.
+place, so that readers see the previous folder or the complete new one, never a
+half-written model (after a crash, a SIGKILL, a full disk).
 
-Why: a checkpoint or a cached model must never be seen half-written. A crash, a SIGKILL
-or a full disk in the middle of writing would otherwise leave a folder that looks like a
-model and fails (or worse, loads) later. Writing into a temporary sibling on the same
-filesystem and renaming it in one step gives readers either the previous folder or the
-complete new one, never a mix.
-
-The temporary folder's name says who owns it, ``.NAME.adadsf-tmp-<host>-<pid>-<random>``
-(``<host>``: a short hash of the host name). A writer killed mid-way cannot clean up
-after itself, so the next writer of the same destination removes the temporary folders
-whose owner no longer runs on this host, and leaves alone the folders of live writers
-(concurrent saves) and of other hosts (a shared filesystem, where a pid means nothing).
-
-A destination that is a symbolic link is resolved first: the link's target is replaced
-atomically and the link stays a link.
-
-This is a leaf module: it imports nothing from ``adadsf_modifier``, so both the
-checkpoint code and the evaluation asset cache use it.
+A temporary sibling is named ``.NAME.adadsf-tmp-<host hash>-<pid>-<random>``: the next
+writer of the same destination removes those whose writer no longer runs on this host,
+and leaves live writers' and other hosts' (a shared filesystem) alone. A leaf module:
+the checkpoint code and the evaluation asset cache both use it.
 """
 
 from __future__ import annotations
@@ -38,26 +26,10 @@ from pathlib import Path
 
 from loguru import logger
 
-__all__ = [
-    "TEMP_TAG",
-    "atomic_directory",
-    "atomic_write_bytes",
-    "atomic_write_text",
-    "give_files_folder_mode",
-    "make_temp_dir",
-    "publish_dir",
-    "remove_stale_temp_dirs",
-    "resolve_destination",
-    "write_text_durably",
-]
-
 TEMP_TAG = "adadsf-tmp"
-"""Marks a writer's temporary sibling: ``.NAME.adadsf-tmp-<host>-<pid>-<random>``."""
-
+# The previous folder moved aside where renameat2 is missing. Never removed by another
+# writer: if this one dies between its two renames, it is the only copy.
 _OLD_TAG = "adadsf-old"
-"""The previous folder while it is moved aside (only where ``renameat2`` is missing).
-Never removed automatically: if the writer dies between its two renames, this is the
-only copy of the previous folder."""
 
 _OWNER = re.compile(r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]+")
 _LEGACY = re.compile(r"[A-Za-z0-9_]{8}")  # tempfile.mkdtemp names of earlier versions
@@ -72,23 +44,14 @@ def _prefix(dest: Path, tag: str = TEMP_TAG) -> str:
 
 
 def resolve_destination(path: str | os.PathLike[str]) -> Path:
-    """The absolute real path a folder should be written to.
-
-    A symbolic link (even a dangling one) is followed, so that publishing replaces the
-    link's target instead of turning the link into a plain folder and leaving the
-    target stale.
-    """
+    """The absolute real path to write: a symbolic link (even dangling) is followed,
+    so that publishing replaces its target instead of the link."""
     return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
 
 
 def make_temp_dir(dest: Path) -> Path:
-    """Create an empty temporary sibling of ``dest`` owned by this process.
-
-    ``os.mkdir(path, 0o777)`` lets the kernel apply the umask, so the folder gets the
-    permissions a plain ``mkdir`` would (``tempfile.mkdtemp`` makes 0700 folders, which
-    a cache shared through ``$ADADSF_CACHE`` could not use); an existing ``dest``
-    passes its own mode on instead.
-    """
+    """An empty temporary sibling of ``dest`` owned by this process, with ``dest``'s
+    mode or a plain mkdir's (``mkdtemp``'s 0700 would lock out a shared cache)."""
     prefix = f"{_prefix(dest)}{_host_tag()}-{os.getpid()}-"
     for _ in range(100):
         path = dest.parent / f"{prefix}{secrets.token_hex(4)}"
@@ -103,8 +66,7 @@ def make_temp_dir(dest: Path) -> Path:
 
 
 def _owner_is_gone(owner: str) -> bool:
-    """True only if the writer named by ``<host>-<pid>-<random>`` surely no longer
-    runs."""
+    """True only if the writer named by ``<host>-<pid>-<random>`` surely is gone."""
     match = _OWNER.fullmatch(owner)
     if match is None or match["host"] != _host_tag():
         return False  # not ours to judge: another host (shared filesystem) or unknown
@@ -121,13 +83,8 @@ def _owner_is_gone(owner: str) -> bool:
 
 
 def remove_stale_temp_dirs(dest: Path) -> list[Path]:
-    """Remove ``dest``'s temporary siblings left by writers that no longer run.
-
-    Why: a killed save leaves a full-size hidden folder that nothing else would ever
-    delete. Folders of live writers are kept: their pid still exists. A dead writer's
-    pid reused by an unrelated process only delays the removal to a later call.
-    Returns the removed paths.
-    """
+    """Remove (and return) ``dest``'s temporary siblings whose writer no longer runs:
+    a killed save leaves a full-size hidden folder nothing else would delete."""
     prefix = _prefix(dest)
     removed: list[Path] = []
     legacy: list[Path] = []
@@ -161,20 +118,13 @@ def remove_stale_temp_dirs(dest: Path) -> list[Path]:
 
 
 def _rename_exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if
-    unavailable."""
+    """Swap two paths atomically (Linux ``renameat2``); False if unavailable."""
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
     at_fdcwd, rename_exchange = -100, 2
-    renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p] * 2 + [ctypes.c_uint]
     rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
     if rc == 0:
         return True
@@ -196,13 +146,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def publish_dir(tmp: Path, dest: Path) -> None:
-    """Put the finished folder ``tmp`` at ``dest`` in one step, replacing any previous
-    folder.
-
-    An existing ``dest`` is swapped with ``renameat2(RENAME_EXCHANGE)`` where the
-    kernel and filesystem support it, so ``dest`` never disappears; elsewhere the
-    previous folder is moved aside first and put back if the second rename fails.
-    """
+    """Put the finished folder ``tmp`` at ``dest``: an existing one is swapped
+    atomically where the kernel allows (``dest`` never disappears), else moved aside
+    first and put back if the second rename fails."""
     if not dest.exists() and not dest.is_symlink():
         os.rename(tmp, dest)
     elif _rename_exchange(tmp, dest):
@@ -224,13 +170,8 @@ def publish_dir(tmp: Path, dest: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield an empty temporary folder that replaces ``dest`` when the block succeeds.
-
-    If the block raises (or the process dies), ``dest`` stays exactly as it was and the
-    temporary folder is removed (by this call, or by the next writer of ``dest``). The
-    caller must not create ``dest`` itself; a symbolic link at ``dest`` is followed
-    (see :func:`resolve_destination`).
-    """
+    """Yield an empty temporary folder that replaces ``dest`` when the block succeeds;
+    if it raises (or the process dies), ``dest`` stays as it was."""
     dest = resolve_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(dest)
@@ -246,10 +187,8 @@ def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one.
 
-    The temporary file gets an unpredictable name, created exclusively, next to
-    ``path``: a fixed name (``path.tmp``) could be a symbolic link planted by someone
-    else, through which the write would land on its target. ``path`` itself is
-    replaced, not followed, when it is a link."""
+    The temporary file's name is unpredictable and created exclusively (a fixed name
+    could be a planted symbolic link); a link at ``path`` is replaced, not followed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -280,13 +219,9 @@ def write_text_durably(path: Path, text: str) -> None:
 
 
 def give_files_folder_mode(folder: Path) -> None:
-    """Give every file directly in ``folder`` the folder's permissions minus execute.
-
-    safetensors (through transformers' save) writes 0600 files; in a folder that others
-    may read (a cache shared through ``$ADADSF_CACHE``) they must be readable as well.
-    Reading the mode off the folder, which :func:`make_temp_dir` created with the
-    umask applied, avoids flipping the process-wide umask to read it.
-    """
+    """Give every file directly in ``folder`` the folder's permissions minus execute:
+    safetensors writes 0600 files, which a shared cache (``$ADADSF_CACHE``) could not
+    read."""
     mode = stat.S_IMODE(folder.stat().st_mode) & 0o666
     for item in folder.iterdir():
         if item.is_file() and not item.is_symlink():

@@ -1,27 +1,17 @@
-"""Where an output goes, checked before the work that produces it.
+"""Where an output goes, checked before the (minutes to hours of) work that produces
+it.
 
-A compression or an evaluation runs for minutes to hours; a destination that cannot be
-written (an existing file where a folder is wanted, a path under a file, a read-only
-folder) used to fail only at the save, and the work was lost. Every output of this
-package is written through a temporary sibling renamed into place
-(:mod:`adadsf_modifier.atomic`), so what must be writable is the folder the destination
-lives in (or the nearest existing folder above it, where the rest will be created)
-and, for an existing folder that will be replaced, that folder too (renaming a folder
-rewrites its ``..`` entry). Writability is tried, not guessed: ``os.access`` first,
-then a file created exclusively and removed, which also catches what ``os.access``
-does not see (read-only mounts for root, some network filesystems).
+Every output is written through a temporary sibling renamed into place
+(:mod:`adadsf_modifier.atomic`), so the folder it lives in (or the nearest existing one
+above it) must be writable, and so must an existing folder it replaces (the rename
+rewrites its ``..``). Writability is tried, not guessed: a file created exclusively
+catches what ``os.access`` misses (read-only mounts for root, network filesystems).
 
-:func:`install` applies the check to ``oneshot(output_dir=...)``, and, once
-``oneshot`` has loaded the model, refuses a recipe that would quantize the routers or
-skip paths of a model that is routed already
-(:func:`~adadsf_modifier.recipe_checks.check_routed_model_keeps_routing`), also before
-any calibration. llm-compressor gives
-its modifiers neither the output folder (its session holds the model, the recipe and
-the data, not the entrypoint's arguments) nor a hook before its work, so ``Oneshot``'s
-constructor is wrapped once, as :mod:`adadsf_modifier.recipe_guard` wraps the recipe
-parser: the destination is checked before the model loads and calibration starts.
-Targets llmcompressor 0.14.0.1 (``Oneshot.__init__(self, log_dir=None, **kwargs)``,
-``output_dir`` among the keywords); :func:`install` is idempotent.
+:func:`install` wraps ``Oneshot.__init__`` (llm-compressor gives its modifiers neither
+the output folder nor a hook before its work) to check ``output_dir`` before the model
+loads and, once it has loaded, to refuse a recipe that would quantize a routed model's
+routers (:func:`~adadsf_modifier.recipe_checks.check_routed_model_keeps_routing`).
+Targets llmcompressor 0.14.0.1 (``output_dir`` among ``Oneshot.__init__``'s keywords).
 """
 
 from __future__ import annotations
@@ -41,8 +31,6 @@ from adadsf_modifier.recipe_checks import check_routed_model_keeps_routing
 from adadsf_modifier.routing import RoutedLayer
 from adadsf_modifier.routing.skip_path import skip_path_of
 
-__all__ = ["DestinationError", "check_destination", "install"]
-
 _MARK = "_adadsf_checks_output_dir"
 
 
@@ -57,7 +45,6 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _check_writable(folder: Path, shown: str, what: str) -> None:
-    """``folder`` accepts a new file: ``os.access``, then one created exclusively."""
     reason = "no write permission"
     if os.access(folder, os.W_OK | os.X_OK):
         try:
@@ -77,16 +64,9 @@ def check_destination(
     path: str | os.PathLike[str], kind: Literal["folder", "file"], what: str
 ) -> Path:
     """Refuse ``path`` as the destination of a ``kind`` output unless it can be
-    written the way this package writes it; returns it as a ``Path``.
-
-    A folder destination that is a symbolic link is judged by its target (the atomic
-    save replaces the target); a file destination is the path itself (the atomic
-    write replaces a link, never follows it). ``what`` names the option in messages
-    (``"--output-dir"``, ``"output_dir"``).
-
-    :raises DestinationError: the path exists as the other kind, lies under a file, or
-        its folder (or the existing folder it replaces) is not writable
-    """
+    written the way this package writes it (a folder's symbolic link is judged by its
+    target, which the save replaces; a file's link is replaced, not followed).
+    ``what`` names the option in messages (``"--output-dir"``)."""
     shown = os.fspath(path)
     dest = (
         resolve_destination(path) if kind == "folder" else Path(os.path.abspath(path))
@@ -107,8 +87,8 @@ def check_destination(
 
 
 def _check_output_dir(output_dir: Any) -> None:
-    """``oneshot``'s ``output_dir``, on the rank that saves; every rank fails with it
-    (the others would otherwise wait for it in their first collective)."""
+    """On the rank that saves; every rank fails with it (else they would wait for it
+    in their first collective)."""
 
     def check() -> None:
         if distributed.is_source_process():
@@ -118,9 +98,8 @@ def _check_output_dir(output_dir: Any) -> None:
 
 
 def _check_routed_model(model: Any, recipe: Any) -> None:
-    """:func:`~adadsf_modifier.recipe_checks.check_routed_model_keeps_routing` on the
-    model ``oneshot`` loaded (its routed layers and skip paths found here: the recipe
-    checks cannot import the routing, which imports them)."""
+    """The routed layers and skip paths are found here: the recipe checks cannot import
+    the routing, which imports them."""
     if not isinstance(model, nn.Module) or recipe is None:
         return
     routed = [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedLayer)]
@@ -131,8 +110,7 @@ def _check_routed_model(model: Any, recipe: Any) -> None:
 
 
 def install() -> None:
-    """Wrap ``Oneshot.__init__`` (once per process) so that an unusable
-    ``output_dir`` is refused before the model loads."""
+    """Wrap ``Oneshot.__init__``, once per process."""
     from llmcompressor.entrypoints.oneshot import Oneshot
 
     if getattr(Oneshot.__init__, _MARK, False):

@@ -1,12 +1,8 @@
-"""Distributed primitives: AdaDSF under ``torchrun`` (NCCL on GPUs, gloo on CPU).
-
-Under ``torchrun`` every rank loads the model and calibrates on its own partition of
-the calibration set; AdaDSF's statistics, routers and thresholds must still be the same
-on every rank (a checkpoint saved by ranks that disagree would depend on the rank), so
-every stage reduces what it measured through these helpers. Without a process group
-each is a no-op returning its input, so single-process runs behave exactly as before.
-It imports nothing from ``adadsf_modifier``. Whether a run is distributed comes from
-compressed-tensors (``is_distributed``), so ``as_single_threaded()`` applies here too.
+"""AdaDSF under ``torchrun`` (NCCL on GPUs, gloo on CPU): each rank calibrates on its
+own partition, but statistics, routers and thresholds must be identical on every rank
+(else a checkpoint would depend on the rank that saved it), so every stage reduces what
+it measured through these helpers. Without a process group each returns its input.
+Whether a run is distributed comes from compressed-tensors (``is_distributed``).
 """
 
 from __future__ import annotations
@@ -20,41 +16,15 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from compressed_tensors.distributed import get_source_rank
-from compressed_tensors.distributed import is_distributed as _ct_is_distributed
-from compressed_tensors.distributed import is_source_process as _ct_is_source
+from compressed_tensors.distributed import (
+    get_source_rank,
+    is_distributed,
+    is_source_process,
+)
 from loguru import logger
 from torch import nn
 
 from adadsf_modifier.constraints import InputError
-
-__all__ = [
-    "DistributedMismatchError",
-    "RankPartition",
-    "agree_on_errors",
-    "all_gather_object",
-    "all_gather_variable",
-    "any_across_ranks",
-    "broadcast_module",
-    "broadcast_object",
-    "broadcast_tensors",
-    "check_same_across_ranks",
-    "check_same_model",
-    "init_distributed",
-    "is_distributed",
-    "is_source_process",
-    "partition_bounds",
-    "quiet_non_source_ranks",
-    "rank",
-    "rank_batches",
-    "restore_logging",
-    "setup_rank",
-    "show_progress",
-    "source_rank",
-    "split_if_identical",
-    "sum_across_ranks",
-    "world_size",
-]
 
 T = TypeVar("T")
 _QPARAM = re.compile(r"(weight|input|output)_(scale|zero_point|g_idx|global_scale)$")
@@ -65,14 +35,7 @@ class DistributedMismatchError(InputError):
 
 
 class RankPartition(list):
-    """Batches that already are this rank's share (:func:`rank_batches`): later
-    stages reading them (alignment) must not split them again."""
-
-
-# ---------------------------------------------------------------------- who am I
-def is_distributed() -> bool:
-    """True under an initialised default process group (compressed-tensors' test)."""
-    return _ct_is_distributed()
+    """Batches that already are this rank's share: later stages must not split them."""
 
 
 def rank() -> int:
@@ -83,21 +46,10 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def source_rank() -> int:
-    """The rank that saves, logs and broadcasts (compressed-tensors' source rank)."""
-    return get_source_rank() if is_distributed() else 0
-
-
-def is_source_process() -> bool:
-    return _ct_is_source()
-
-
 def init_distributed() -> bool:
-    """Initialise the default process group from ``torchrun``'s environment: with an
-    accelerator ``compressed_tensors.offload.init_dist()`` (NCCL, a device per
-    ``LOCAL_RANK``), else ``init_process_group("gloo")`` (``init_dist`` needs an
-    accelerator). True when this call created the group; False when one exists or the
-    process was not started by ``torchrun``."""
+    """Initialise the process group from ``torchrun``'s environment (compressed-tensors'
+    NCCL ``init_dist`` with an accelerator, which it needs; else gloo). True when this
+    call created the group."""
     if not dist.is_available() or dist.is_initialized():
         return False
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -112,17 +64,15 @@ def init_distributed() -> bool:
 
 
 def _comm_device() -> torch.device:
-    """Where collective tensors must live: the current GPU under NCCL, else CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-# ---------------------------------------------------------------------- reductions
 def sum_across_ranks(values: Sequence[float] | torch.Tensor) -> Any:
-    """Element-wise sum over ranks of numbers (int64 or float64) or of a tensor:
-    reduce sums and counts, never averages (a mean of per-rank means weights ranks,
-    not tokens). Returns a list for a sequence; the input itself in one process."""
+    """Element-wise sum over ranks of numbers (int64 or float64; a list back) or of a
+    tensor. Reduce sums and counts, never means (a mean of means weights ranks, not
+    tokens)."""
     if not is_distributed():
         return values
     if isinstance(values, torch.Tensor):
@@ -135,9 +85,8 @@ def sum_across_ranks(values: Sequence[float] | torch.Tensor) -> Any:
 
 
 def any_across_ranks(flag: bool) -> bool:
-    """True on every rank when ``flag`` is True on any: decisions that raise must be
-    taken together, or the ranks that did not raise wait forever in the next
-    collective."""
+    """True on every rank when ``flag`` is on any: a decision to raise is taken
+    together, or the other ranks wait forever in the next collective."""
     if not is_distributed():
         return flag
     return bool(sum_across_ranks(torch.tensor([int(bool(flag))]))[0] > 0)
@@ -151,18 +100,18 @@ def all_gather_object(obj: T) -> list[T]:
     return out
 
 
-def broadcast_object(obj: T, src: int | None = None) -> T:
-    """``obj`` from ``src`` (default: the source rank) on every rank."""
+def broadcast_object(obj: T) -> T:
+    """``obj`` from the source rank, on every rank."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=source_rank() if src is None else src)
+    dist.broadcast_object_list(box, src=get_source_rank())
     return box[0]
 
 
 def all_gather_variable(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dim 0, in rank order, on every rank;
-    first dimensions may differ (0 included), the others and the dtype must match."""
+    """Every rank's ``tensor`` concatenated along dim 0 in rank order, on every rank;
+    first dimensions may differ (0 included)."""
     if not is_distributed():
         return tensor
     device = _comm_device()
@@ -181,11 +130,9 @@ def all_gather_variable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int | None = None) -> None:
-    """Overwrite ``tensors`` in place with ``src``'s values (default: the source
-    rank)."""
     if not is_distributed():
         return
-    src = source_rank() if src is None else src
+    src = get_source_rank() if src is None else src
     device = _comm_device()
     with torch.no_grad():
         for t in tensors:
@@ -196,18 +143,14 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int | None = None) -
 
 
 def broadcast_module(module: nn.Module, src: int | None = None) -> None:
-    """Make every parameter and buffer of ``module`` equal to ``src``'s, in place."""
     broadcast_tensors([*module.parameters(), *module.buffers()], src)
 
 
-# ---------------------------------------------------------------------- agreement
 def check_same_across_ranks(
-    what: str,
-    value: Any,
-    why: str = "every rank must run the same model and recipe",
+    what: str, value: Any, why: str = "every rank must run the same model and recipe"
 ) -> None:
     """Raise :class:`DistributedMismatchError` on every rank unless all ranks hold an
-    equal ``value`` (compared with rank 0's, by ``==``)."""
+    equal ``value``."""
     if not is_distributed():
         return
     values = all_gather_object(value)
@@ -228,10 +171,9 @@ def _first_difference(a: Any, b: Any) -> str:
 
 
 def check_same_model(model: nn.Module, settings: Mapping[str, Any]) -> None:
-    """Refuse, on every rank and before any calibration, ranks that load different
-    models or run different settings: compares the model config (without its path),
-    every parameter's shape and float64 checksum (quantization parameters a modifier
-    initialised before AdaDSF are uninitialised memory: skipped), and ``settings``."""
+    """Refuse, before any calibration, ranks with different models or settings: config,
+    every parameter's shape and checksum (not quantization parameters a modifier
+    initialised before AdaDSF: uninitialised memory), and ``settings``."""
     if not is_distributed():
         return
     config = getattr(model, "config", None)
@@ -254,9 +196,8 @@ def check_same_model(model: nn.Module, settings: Mapping[str, Any]) -> None:
 
 
 def agree_on_errors(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raised on any rank, raise on every rank (else
-    the others would wait for it in their next collective). The failing rank raises
-    its own error, the others one naming it and repeating its message."""
+    """``fn()`` on every rank; if it raised on any, raise on every rank (else the others
+    would wait in their next collective), the others naming the failed rank."""
     if not is_distributed():
         return fn()
     error: BaseException | None = None
@@ -277,10 +218,9 @@ def agree_on_errors(fn: Callable[[], T]) -> T:
     return result
 
 
-# ---------------------------------------------------------------------- data
 def partition_bounds(n: int) -> tuple[int, int]:
-    """``(start, end)`` of this rank's contiguous share of ``n`` items, as
-    llm-compressor's ``_get_partition_start_end`` splits its calibration set."""
+    """``(start, end)`` of this rank's share of ``n`` items, split as llm-compressor
+    splits its calibration set."""
     r, w = rank(), world_size()
     return math.floor(n * r / w), math.floor(n * (r + 1) / w)
 
@@ -291,10 +231,9 @@ def split_if_identical(
     what: str,
     hint: str = "",
 ) -> list[T]:
-    """This rank's share of ``items``: items identical on every rank (compared by a
-    digest of ``tensors(item)``) are split into contiguous parts, as llm-compressor
-    splits a dataset; ranks that hold different items keep theirs. Refuses, on every
-    rank, a split that leaves a rank with none of them."""
+    """This rank's share of ``items``: items identical on every rank (by a digest of
+    ``tensors(item)``) are split, different ones kept; a rank left with none is
+    refused."""
     if not is_distributed():
         return items
     digest = hashlib.sha256()
@@ -319,17 +258,12 @@ def split_if_identical(
 
 
 def rank_batches(loader: Iterable[Any], seed: int = 0) -> Iterable[Any]:
-    """This rank's calibration batches (a list under ``torchrun``; ``loader`` itself in
-    one process).
+    """This rank's calibration batches (``loader`` itself in one process).
 
-    llm-compressor 0.14 partitions a dataset that is identical on every rank by
-    building the ``DataLoader``'s sampler over the rank's slice of it
-    (``datasets/utils.py::_make_sampler``), but the loader still indexes the full
-    dataset, so every rank reads the first ``len(slice)`` rows. Batches are read here
-    from the slice the sampler was built for, as intended. Batches still identical on
-    every rank (one ``DataLoader`` given to all, which llm-compressor does not split)
-    are split (:func:`split_if_identical`). A shuffling loader is read once, with the
-    global RNG seeded with ``seed``.
+    llm-compressor 0.14 builds the sampler over the rank's slice of the dataset, but
+    the loader still indexes the full dataset, so every rank reads the first rows;
+    batches are read here from the slice, as intended. Batches still identical on every
+    rank are split. A shuffling loader is read once, with the RNG seeded by ``seed``.
     """
     if not is_distributed():
         return loader
@@ -372,22 +306,15 @@ def _sampled_slice(loader: torch.utils.data.DataLoader) -> Any:
 def setup_rank(
     model: nn.Module, calib: Iterable[Any], settings: Mapping[str, Any], seed: int = 0
 ) -> Iterable[Any]:
-    """What the modifier does first under ``torchrun``: logs from the source rank
-    only, the same model and settings on every rank, and this rank's own calibration
-    batches (:func:`rank_batches`). Returns ``calib`` untouched in one process."""
+    """What the modifier does first under ``torchrun``: logs from the source rank only
+    (until :func:`restore_logging`), the same model and settings on every rank, this
+    rank's calibration batches. ``calib`` untouched in one process."""
     if not is_distributed():
         return calib
-    quiet_non_source_ranks()
+    if not is_source_process():
+        logger.disable("adadsf_modifier")
     check_same_model(model, settings)
     return rank_batches(calib, seed)
-
-
-# ---------------------------------------------------------------------- output
-def quiet_non_source_ranks() -> None:
-    """Logs from the source rank only: this package's loguru records are dropped on
-    the other ranks until :func:`restore_logging`."""
-    if is_distributed() and not is_source_process():
-        logger.disable("adadsf_modifier")
 
 
 def restore_logging() -> None:
@@ -395,6 +322,5 @@ def restore_logging() -> None:
         logger.enable("adadsf_modifier")
 
 
-def show_progress() -> bool:
-    """Progress bars: on the source rank only."""
+def show_progress() -> bool:  # progress bars: on the source rank only
     return is_source_process()

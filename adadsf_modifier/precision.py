@@ -1,25 +1,19 @@
 """Which floating-point precision to load a model in, on this machine.
 
-bfloat16 halves memory and, where the hardware has bfloat16 instructions (a CUDA GPU
-that supports it; a CPU with AVX512-BF16 or AMX), runs forwards several times faster
-than float32. Where it has none, torch emulates bfloat16: slower than float32 and
-rounded differently, so ``auto`` picks float32 there.
+bfloat16 halves memory and, with bfloat16 instructions (a CUDA GPU that has them, a CPU
+with AVX512-BF16 or AMX), runs several times faster than float32. Without them torch
+emulates it: slower than float32 and rounded differently, so ``auto`` picks float32.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "cpu_has_native_bfloat16", "dtype_name", "resolve_dtype"]
-
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "auto")
 
 
 def cpu_has_native_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Without them
-    torch emulates bfloat16 matmuls: several times slower than float32, and rounded
-    differently from a machine with them, so bfloat16 runs on CPUs with and without
-    them do not agree."""
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX)."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
@@ -41,5 +35,4 @@ def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: the name records and JSON files carry."""
     return str(dtype).removeprefix("torch.")

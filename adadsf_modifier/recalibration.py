@@ -1,36 +1,21 @@
 """Refit a saved routed checkpoint's causal thresholds on a deployment's own text.
 
-Causal routing keeps a token at a layer when its router score passes the layer's
-threshold, and the thresholds were fitted on the calibration set: on text unlike it
-more (or fewer) tokens pass, and the compute budget drifts.
-The thresholds are the only part of a routed model fitted to the text's distribution
-that needs no training, so a deployment can refit them on its own text without
-touching a weight: :func:`recalibrate_checkpoint` loads the checkpoint, refits every
-routed layer's threshold on the given rows in one bottom-up walk
-(:func:`~adadsf_modifier.fitting.thresholds.calibrate_thresholds`) and writes a new
-checkpoint whose weight files are the old ones (hard links where the filesystem
-allows: a tool that later rewrites a weight file in place would change both), its other
-files copies, and its sidecar the old one with only ``causal_threshold`` changed. The
-rows' kept share is measured before the refit (one forward) and read off the walk
-after it (in sample: the thresholds are fitted to those rows), so the command can say
-how far the old thresholds were off; in all about two forward passes over the rows.
-
-Every routed layer must route causally (stored mode ``auto`` or ``causal``): a layer in
-``rank`` or ``topk`` mode reads no threshold, and a threshold above it would be fitted
-on inputs it will not see. One process: under ``torchrun`` it is refused.
-
-Both kinds of checkpoint: AdaDSF's (``adadsf_config.json``) and FTP's
-(``ftp_routing.json``), whose thresholds are a field of their sidecars' layer entries.
+The thresholds were fitted on the calibration set; on text unlike it the kept share,
+so the compute, drifts. They are the only part of a routed model fitted to the text
+that needs no training: :func:`recalibrate_checkpoint` refits every routed layer's
+threshold in one bottom-up walk (:func:`~adadsf_modifier.fitting.calibrate_thresholds`,
+about two forward passes in all) and writes a checkpoint that differs only in the
+sidecar's ``causal_threshold`` (weights hard-linked). Every routed layer must route
+causally (``rank`` / ``topk`` read no threshold); one process only; either kind.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,32 +42,24 @@ from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.ftp.checkpoint import read_ftp_sidecar
 from adadsf_modifier.routing import routed_layers
 
-__all__ = ["Recalibration", "check_destination_apart", "recalibrate_checkpoint"]
-
-#: Stored routing modes in which an evaluated layer reads its causal threshold.
-_CAUSAL = (None, "auto", "causal")
-#: Weight files, shared with the source by hard links.
-_WEIGHTS = re.compile(r".*\.(safetensors|bin)")
-
-#: Each kind's sidecar reader (validated; the thresholds are a field of its layers).
+_CAUSAL = (None, "auto", "causal")  # stored modes in which a layer reads a threshold
+_WEIGHTS = re.compile(r".*\.(safetensors|bin)")  # hard-linked, not copied
 _SIDECARS = {SIDECAR_NAME: read_sidecar, FTP_SIDECAR_NAME: read_ftp_sidecar}
 
 
 @dataclass
 class Recalibration:
-    """What :func:`recalibrate_checkpoint` changed and measured: per routed layer (in
-    layer order) its index, old and new threshold; the routed layers' kept share of the
-    rows' real tokens under the old and the new thresholds, beside the share their
-    retention ratios plan (``target``)."""
+    """Per routed layer its index, old and new threshold; the routed layers' kept share
+    of the rows' tokens under the old and new thresholds, and the planned share."""
 
-    layer_indices: list[int] = field(default_factory=list)
-    old_thresholds: list[float | None] = field(default_factory=list)
-    new_thresholds: list[float | None] = field(default_factory=list)
-    kept_before: float = math.nan
-    kept_after: float = math.nan
-    target: float = math.nan
-    rows: int = 0
-    tokens: int = 0
+    layer_indices: list[int]
+    old_thresholds: list[float | None]
+    new_thresholds: list[float | None]
+    kept_before: float
+    kept_after: float
+    target: float
+    rows: int
+    tokens: int
 
 
 def recalibrate_checkpoint(
@@ -92,17 +69,9 @@ def recalibrate_checkpoint(
     dtype: torch.dtype = torch.float32,
     tolerance: float = THRESHOLD_TOLERANCE,
 ) -> Recalibration:
-    """Refit ``source``'s causal thresholds on ``rows`` (``[n, seq]`` token ids, every
-    token real) and write the checkpoint to ``dest`` (``source`` itself replaces it in
-    place; either way atomically: a failure leaves ``dest`` as it was).
-
-    :raises AdaDSFCheckpointError: ``source`` is not a checkpoint this package writes
-    :raises InputError: a layer that reads no threshold (``rank`` / ``topk`` mode), a
-        destination inside the checkpoint or holding it, or ``torchrun``
-    :raises ThresholdCalibrationError: the rows cannot reach a layer's ratio (too
-        short: before the weights load; too many tied scores: before anything is
-        written)
-    """
+    """Refit ``source``'s causal thresholds on ``rows`` (``[n, seq]`` ids, every token
+    real) and write the checkpoint to ``dest`` atomically (``source`` itself: in
+    place). Rows too short for a ratio are refused before the weights load."""
     source, dest = Path(source), Path(dest)
     if distributed.is_distributed():
         raise InputError("recalibrating a checkpoint runs in one process, not torchrun")
@@ -126,7 +95,6 @@ def recalibrate_checkpoint(
         {"input_ids": row[None], "attention_mask": torch.ones_like(row[None])}
         for row in rows
     ]
-    # rows too short for a ratio are refused before the weights load
     check_calibration_rows([e.retention_ratio for e in routed], batches, tolerance)
     model = from_pretrained(source, dtype=dtype).eval()
 
@@ -136,9 +104,8 @@ def recalibrate_checkpoint(
     layers = {m.layer_index: m for m in routed_layers(model)}
     old = {i: m.causal_threshold for i, m in layers.items()}
     fit = calibrate_thresholds(model, batches, tolerance=tolerance)
-    # every routed layer is offered every (real) token of the rows, so the share a
-    # forward of the refit model would count on them is the mean of the walk's
-    # per-layer kept fractions (which are what such a forward measures)
+    # every routed layer sees every token of the rows: the share a forward of the refit
+    # model counts is the mean of the walk's per-layer kept fractions
     kept_after = sum(fit.kept_fraction) / len(fit.kept_fraction)
     entries = []
     for entry in sidecar.layers:  # FTP's sidecar lists its routed layers only
@@ -171,9 +138,8 @@ def recalibrate_checkpoint(
 
 
 def check_destination_apart(source: Path, dest: Path) -> None:
-    """Refuse a destination inside the checkpoint (the copy would copy its own
-    temporary folder) or holding it (replacing it would delete the checkpoint); the
-    checkpoint itself is fine (replaced in place)."""
+    """Refuse a destination inside the checkpoint (the copy would copy itself) or
+    holding it (replacing it would delete it); the checkpoint itself is fine."""
     a, b = source.resolve(), dest.resolve()
     if a != b and (a in b.parents or b in a.parents):
         where = "inside" if a in b.parents else "a folder holding"
@@ -184,10 +150,9 @@ def check_destination_apart(source: Path, dest: Path) -> None:
 
 
 def _write_beside(source: Path, dest: Path, sidecar_name: str, text: str) -> None:
-    """``dest``: ``source``'s weight files hard-linked where possible (not rewritten),
-    its other files copied (a later in-place edit of a config or tokenizer file must
-    not reach the source), its sidecar ``sidecar_name`` replaced by ``text``, published
-    atomically."""
+    """``dest``: ``source``'s weight files hard-linked, its other files copied (an
+    in-place edit of one must not reach the source), its sidecar replaced by
+    ``text``."""
     with atomic_directory(dest) as tmp:
         for entry in source.iterdir():
             if entry.name == sidecar_name:

@@ -1,17 +1,11 @@
 """Refuse YAML recipes that name an AdaDSF modifier but would apply none of it.
 
-llm-compressor 0.14 reads a recipe dict only through top-level keys ending in
-``_stage`` and, inside them, groups ending in ``_modifiers``
-(``llmcompressor.recipe.Recipe.from_dict``); anything else is silently ignored, so a
-recipe with ``sparsity:`` instead of ``sparsity_stage:`` makes ``oneshot`` return the
-dense model after one INFO line. It also calls ``.get`` on each modifier's arguments,
-so an empty ``AdaDSFModifier:`` body fails with ``'NoneType' object has no attribute
-'get'``. The plug-in cannot change that parser, but it can wrap it once: an empty body
-of one of our modifiers means "all defaults", and a recipe whose text names one of our
-modifiers more often than it instantiates them is an error that says why.
-
-Targets llmcompressor 0.14.0.1 (``Recipe.from_dict`` as a classmethod taking the
-parsed dict); :func:`install` is idempotent.
+llm-compressor 0.14's ``Recipe.from_dict`` reads only top-level keys ending in
+``_stage`` and, inside them, groups ending in ``_modifiers``, and silently ignores the
+rest (``sparsity:`` instead of ``sparsity_stage:`` gives back the dense model); an empty
+``AdaDSFModifier:`` body fails with ``'NoneType' object has no attribute 'get'``. The
+wrapper reads an empty body of our modifiers as "all defaults" and refuses a recipe
+that names them more often than it instantiates them. Idempotent.
 """
 
 from __future__ import annotations
@@ -21,15 +15,11 @@ from typing import Any
 
 from llmcompressor.recipe import Recipe
 
-__all__ = ["install", "OUR_MODIFIERS"]
-
-#: Registered names of this package's modifiers.
 OUR_MODIFIERS: tuple[str, ...] = ("AdaDSFModifier", "FTPModifier")
 _MARK = "_adadsf_guarded"
 
 
 def _mentions(obj: Any, name: str) -> int:
-    """How many times ``name`` appears as a mapping key anywhere in ``obj``."""
     if isinstance(obj, dict):
         return sum((k == name) + _mentions(v, name) for k, v in obj.items())
     if isinstance(obj, list):
@@ -38,7 +28,6 @@ def _mentions(obj: Any, name: str) -> int:
 
 
 def _fill_empty_bodies(obj: Any, names: Iterable[str]) -> Any:
-    """A copy of ``obj`` in which ``Name: null`` for our modifiers becomes ``{}``."""
     if isinstance(obj, dict):
         return {
             k: ({} if (k in names and v is None) else _fill_empty_bodies(v, names))
@@ -50,7 +39,6 @@ def _fill_empty_bodies(obj: Any, names: Iterable[str]) -> Any:
 
 
 def install() -> None:
-    """Wrap ``Recipe.from_dict`` (once per process)."""
     if getattr(Recipe.from_dict, _MARK, False):
         return
     original = Recipe.from_dict.__func__

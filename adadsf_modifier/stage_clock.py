@@ -1,11 +1,5 @@
-"""Wall-clock time per stage of a modifier's construction.
-
-Building a routed model costs several passes over the calibration data (calibration,
-router fits, skip-path fits, alignment, thresholds); how that compares with a dense
-forward pass over the same data is what users budget for and what the compress-cost
-benchmark (``benchmarks/compress_cost.py``) reports, so the modifier records each
-stage's seconds itself instead of leaving them to be read off log timestamps.
-"""
+"""Wall-clock time per stage of a modifier's construction, recorded by the modifier
+(what users budget for; ``benchmarks/compress_cost.py`` reports it)."""
 
 from __future__ import annotations
 
@@ -13,19 +7,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["StageClock"]
-
 
 class StageClock:
-    """Seconds spent in each named stage (a stage entered twice adds up), in the
-    order the stages first ran."""
+    """Seconds per named stage (a stage entered twice adds up), in order of first
+    run."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Time the block as stage ``name`` (also when it raises)."""
         start = time.perf_counter()
         try:
             yield

@@ -10,15 +10,10 @@ from torch import nn
 from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing import RoutedLayer
 
-__all__ = ["check_not_routed", "targeted_layers"]
-
 Layers = list[tuple[str, nn.Module]]
 
 
 def check_not_routed(layers: Layers, who: str = "AdaDSFModifier") -> None:
-    """Refuse decoder layers that are already routed: a second routing modifier in the
-    recipe, ``oneshot`` run twice on one model, or a model loaded with
-    ``adadsf_modifier.from_pretrained``."""
     routed = [name for name, layer in layers if isinstance(layer, RoutedLayer)]
     if routed:
         raise InputError(
@@ -36,9 +31,8 @@ def targeted_layers(
     ignore: list[str],
     who: str = "AdaDSFModifier",
 ) -> list[tuple[int, str, nn.Module]]:
-    """``(index, name, layer)`` of the decoder layers to route: every layer not in
-    ``ignore`` when ``targets`` is None, else those matching ``targets`` (names,
-    ``re:`` regexes or class names) and not ``ignore``. Raises when none matches."""
+    """``(index, name, layer)`` of the layers to route: those matching ``targets``
+    (all when None; names, ``re:`` regexes or class names) and not ``ignore``."""
     if targets is None:
         chosen = [
             (i, n, m) for i, (n, m) in enumerate(layers) if not is_match(n, m, ignore)

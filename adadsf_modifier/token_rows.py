@@ -1,14 +1,8 @@
-"""The token rows a modifier is given (its calibration batches, ``align_dataset``),
-checked in one pass over the ids before any forward.
-
-A token id outside the model's embedding table (or negative) fails inside the
-embedding lookup as a bare ``IndexError``, and an attention mask whose length differs
-from its ids fails inside attention as a tensor size error, or, shorter, masks the
-wrong tokens without a word: minutes into calibration, or for ``align_dataset`` only
-once the alignment reads it, after calibration and routing. Checked here, each is one
-:class:`~adadsf_modifier.constraints.InputError` naming the row, before any work. One
-check for every kind of token input, so calibration, alignment and FTP agree on what a
-valid row is.
+"""The token rows a modifier is given (calibration batches, ``align_dataset``),
+checked in one pass before any forward: an id outside the embedding table or a mask of
+the wrong length otherwise fails minutes later (or, for ``align_dataset``, after
+calibration and routing) as a bare ``IndexError`` or size error, or masks the wrong
+tokens without a word. One check, so calibration, alignment and FTP agree.
 """
 
 from __future__ import annotations
@@ -21,12 +15,10 @@ from torch import nn
 
 from adadsf_modifier.constraints import InputError
 
-__all__ = ["check_token_rows", "vocabulary_size"]
-
 
 def vocabulary_size(model: nn.Module) -> int:
-    """How many token ids ``model`` can embed: its input embedding's rows (which may
-    exceed ``config.vocab_size`` when the table is padded)."""
+    """How many token ids ``model`` can embed (a padded table exceeds
+    ``config.vocab_size``)."""
     embeddings = model.get_input_embeddings()
     rows = getattr(embeddings, "num_embeddings", None)
     return int(rows if rows is not None else model.config.vocab_size)
@@ -71,18 +63,13 @@ def _check_item(item: Any, where: str, vocab_size: int) -> None:
 def check_token_rows(
     source: Iterable[Mapping[str, Any]], vocab_size: int, what: str
 ) -> int:
-    """Check every item of ``source`` (rows or batches with ``input_ids`` and
-    optionally ``attention_mask``); returns how many there were.
+    """Check every item of ``source`` (``input_ids``, optional ``attention_mask``);
+    returns how many there were. ``what`` names an item in messages
+    (``"calibration batch 3: ..."``).
 
-    ``what`` names the source in messages (``"calibration batch"`` gives
-    ``"calibration batch 3: ..."``). A shuffling DataLoader draws its order from the
-    global RNG: the pass runs under a forked RNG, so the later passes see the order
-    they would without it. A one-shot iterator (a generator), which this pass would
-    leave empty for the stage that reads it, is not checked (returns 0).
-
-    :raises InputError: the first item without ``input_ids``, with ids that are not
-        integers, negative or past the vocabulary, or with an attention mask of another
-        shape than its ids
+    Runs under a forked RNG, so that a shuffling loader's later passes see the order
+    they would without this one. A one-shot iterator, which this pass would leave
+    empty, is not checked (returns 0).
     """
     count = 0
     with torch.random.fork_rng(devices=[]):  # iter() of a loader draws from it too

@@ -1,10 +1,5 @@
-"""Leaf helpers shared by calibration, routing, alignment and evaluation.
-
-This module imports nothing from ``adadsf_modifier``: anything here can be used by any
-package without creating an import cycle. Devices and tensor moves come from
-compressed-tensors / llm-compressor (``get_execution_device``, ``tensors_to_device``)
-rather than home-made copies.
-"""
+"""Leaf helpers shared by calibration, routing, alignment and evaluation; they import
+nothing from ``adadsf_modifier``, so any package can use them without a cycle."""
 
 from __future__ import annotations
 
@@ -21,48 +16,27 @@ from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
-__all__ = [
-    "allowed_by_mask",
-    "json_text",
-    "get_execution_device",
-    "layer_input",
-    "model_device",
-    "real_token_mask",
-    "run_calibration_batches",
-    "first_real_tokens",
-    "next_token_nll",
-    "tensors_to_device",
-]
-
-#: The keys of a calibration / training batch that a causal LM's forward takes.
+# The keys of a batch that a causal LM's forward takes (not `labels`: no loss wanted).
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask")
 
 
 def allowed_by_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Boolean "may attend" of a boolean or additive float attention mask.
-
-    An additive mask holds 0 where attending and a large negative number (down to the
-    dtype's minimum) where masked; half that minimum separates the two robustly.
-    """
+    """Boolean "may attend" of a boolean or additive float mask (0 where attending,
+    down to the dtype's minimum where masked: half of it separates the two)."""
     if mask.dtype == torch.bool:
         return mask
     return mask > torch.finfo(mask.dtype).min / 2
 
 
 def real_token_mask(
-    attention_mask: torch.Tensor | None,
-    batch: int,
-    seq_len: int,
-    device: torch.device,
+    attention_mask: torch.Tensor | None, batch: int, seq_len: int, device: torch.device
 ) -> torch.Tensor:
     """``[batch, seq]`` bool, True for real (non-padding) query tokens.
 
-    Read off the 4D mask a decoder layer receives: a padded key is masked for every
-    query, so a query token is real iff it may attend to itself (the diagonal, shifted
-    by any cached length). This works the same under the model's own forward and
-    llm-compressor's traced sequential pipeline, which calls decoder layers directly.
-    ``None`` (SDPA's causal fast path) means no padding. A 2D ``[batch, kv_len]``
-    padding mask is accepted as well.
+    Read off the 4D mask a decoder layer receives (so also under llm-compressor's
+    sequential pipeline, which calls layers directly): a query is real iff it may
+    attend to itself. ``None`` (SDPA's causal fast path) means no padding; a 2D
+    ``[batch, kv_len]`` padding mask is accepted too.
     """
     if attention_mask is None:
         return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
@@ -82,14 +56,12 @@ def real_token_mask(
 
 
 def first_real_tokens(attention_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """``[batch, seq]`` bool: the query tokens that are the first real token of their
-    row in the *whole* sequence, cached past included (the attention sink that always
-    runs). ``real``: :func:`real_token_mask` of the same queries.
+    """``[batch, seq]`` bool: the first real token of each row in the *whole* sequence,
+    cached past included (the attention sink that always runs); ``real``:
+    :func:`real_token_mask` of the same queries.
 
-    A row's first real token is the real query whose only allowed key is itself: every
-    earlier position is padding. Read off the mask, this also holds when a row's cached
-    past was all padding (left padding longer than the prefill chunk), where a "no
-    past, first position" rule would miss it.
+    It is the real query whose only allowed key is itself, which also holds when the
+    cached past was all padding (a "first position" rule would miss it).
     """
     seq_len = real.shape[1]
     if attention_mask.dim() == 2:
@@ -103,9 +75,8 @@ def first_real_tokens(attention_mask: torch.Tensor, real: torch.Tensor) -> torch
 def next_token_nll(
     model: nn.Module, batches: Iterable[Mapping[str, Any]]
 ) -> tuple[float, int]:
-    """Summed next-token negative log-likelihood of a causal LM over the real targets of
-    ``batches`` (a target counts when it and the token before it are not padding), and
-    their number. Sums, not a mean, so callers can add them up across processes."""
+    """Summed next-token NLL over the real targets of ``batches`` (it and the token
+    before it not padding), and their count: sums add up across processes."""
     device = model_device(model)
     total, count = 0.0, 0
     for batch in batches:
@@ -125,15 +96,13 @@ def next_token_nll(
 
 
 def layer_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor:
-    """A decoder layer's hidden states as a forward (pre-)hook sees them: the first
-    positional argument, or the ``hidden_states`` keyword (models pass it either
-    way)."""
+    """A decoder layer's hidden states as a forward (pre-)hook sees them (models pass
+    them positionally or by keyword)."""
     return args[0] if args else kwargs["hidden_states"]
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """Where inputs to ``model`` go (offload-aware; CPU for a model without
-    parameters)."""
+    """Where inputs to ``model`` go (offload-aware; CPU without parameters)."""
     device = get_execution_device(model, default=torch.device("cpu"))
     return torch.device("cpu") if device == "disk" else torch.device(device)
 
@@ -144,11 +113,7 @@ def run_calibration_batches(
     desc: str = "AdaDSF calibration",
 ) -> int:
     """Forward every batch through ``model`` (no grad, no KV cache); returns the batch
-    count.
-
-    Only the keys a causal LM takes are passed, so a dataloader that also yields
-    ``labels`` does not make the model compute a loss over logits it does not need.
-    """
+    count."""
     device = model_device(model)
     n = 0
     was_training = model.training
@@ -183,8 +148,8 @@ def _finite(obj: Any) -> Any:
 
 
 def json_text(data: Any, indent: int = 1, sort_keys: bool = True) -> str:
-    """Strict JSON: non-finite numbers (a diverged run's perplexity) become ``null``,
-    since ``NaN`` is not JSON and a reader other than Python's would refuse the file."""
+    """Strict JSON: non-finite numbers (a diverged run's perplexity) become ``null``
+    (``NaN`` is not JSON)."""
     return json.dumps(
         _finite(data), indent=indent, sort_keys=sort_keys, allow_nan=False
     )

@@ -19,8 +19,6 @@ from adadsf_modifier.checkpoint import (
     SIDECAR_NAME,
     AdaDSFCheckpointError,
     LayerEntry,
-    adadsf_config,
-    read_adadsf_config,
     read_sidecar,
     sidecar_for_model,
     write_sidecar,
@@ -62,7 +60,9 @@ def test_sidecar_round_trip_is_lossless(tmp_path):
     write_sidecar(tmp_path, sidecar)
     back = read_sidecar(tmp_path)
     assert back == sidecar
-    assert read_adadsf_config(tmp_path) == adadsf_config(model)
+    assert (
+        read_sidecar(tmp_path).to_json_dict() == sidecar_for_model(model).to_json_dict()
+    )
     assert [e.causal_threshold for e in back.layers] == [None, None, 0.0, math.inf]
     assert [e.routing_mode for e in back.layers] == [None, "auto", "causal", "causal"]
     assert [e.similarity for e in back.layers] == [0.9, 0.8, 0.7, 0.95]

@@ -1,10 +1,6 @@
-"""Workarounds for upstream behaviour that breaks AdaDSF checkpoints.
-
-Each one is tagged (:func:`_targets`) with the releases it was written against and
-says why it exists. When a tagged package moves, re-check the workaround: the upstream
-fix may make it unnecessary, or harmful. ``tests/test_checkpoint_compat.py`` compares
-the tags with the installed versions so that an upgrade cannot pass unnoticed.
-"""
+"""Workarounds for upstream behaviour that breaks AdaDSF checkpoints, each tagged with
+the releases it targets: ``tests/test_checkpoint_compat.py`` fails when an installed
+package moves on, so that the workaround is re-checked."""
 
 from __future__ import annotations
 
@@ -21,16 +17,7 @@ from torch import nn
 
 from adadsf_modifier.checkpoint.sidecar import AdaDSFCheckpointError
 
-__all__ = [
-    "WORKAROUNDS",
-    "load_with_expected_extra_keys",
-    "make_recipe_safe",
-    "single_decompress_hook",
-    "write_model_recipe",
-]
-
-WORKAROUNDS: dict[str, dict[str, str]] = {}
-"""``{workaround name: {distribution: release it targets (major.minor)}}``."""
+WORKAROUNDS: dict[str, dict[str, str]] = {}  # name -> {distribution: major.minor}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -43,24 +30,16 @@ def _targets(versions: dict[str, str]) -> Callable[[_F], _F]:
     return tag
 
 
-# ------------------------------------------------------------------------------------
-# compressed-tensors 0.19 + llm-compressor 0.14: a second decompress hook on save
-# ------------------------------------------------------------------------------------
-
-
 @_targets({"compressed-tensors": "0.19", "llmcompressor": "0.14"})
 @contextlib.contextmanager
 def single_decompress_hook(model: nn.Module) -> Iterator[None]:
     """Keep at most one pending "decompress on first forward" hook across a save.
 
-    A compressed model that has not run a forward yet (fresh from
-    :func:`~adadsf_modifier.checkpoint.from_pretrained`, or just saved by oneshot)
-    carries compressed-tensors' ``ct_decompress_hook``. llm-compressor's save wrapper
-    registers a second one without removing the first (compressed-tensors 0.19 keeps a
-    single handle attribute), and both then decompress: the weights get multiplied by
-    their scales twice. So the pending hook is removed before the inner save (whose
-    ``compress_model`` registers a fresh one) and put back if the inner save failed
-    before doing so.
+    llm-compressor's save wrapper registers compressed-tensors' ``ct_decompress_hook``
+    without removing a pending one (a compressed model before its first forward), and
+    both then decompress: weights multiplied by their scales twice. The pending hook
+    is removed before the inner save and put back if the save failed before adding
+    its own.
     """
     pending = getattr(model, "ct_decompress_hook", None)
     if pending is not None:
@@ -77,16 +56,10 @@ def single_decompress_hook(model: nn.Module) -> Iterator[None]:
                 compressor.add_decompress_hook(model)
 
 
-# ------------------------------------------------------------------------------------
-# llm-compressor 0.14: recipe.yaml that its own safe_load refuses
-# ------------------------------------------------------------------------------------
-
-
 class _PlainYamlLoader(yaml.SafeLoader):
-    """SafeLoader that turns the two Python tags llm-compressor's recipes contain into
-    plain data: ``!!python/tuple [...]`` -> list, ``!!python/object/apply:<Enum>
-    [value]`` -> value. Nothing is imported or called; any other Python tag still
-    fails."""
+    """SafeLoader reading the two Python tags llm-compressor's recipes contain as plain
+    data (``!!python/tuple`` -> list, ``!!python/object/apply:<Enum> [v]`` -> v);
+    nothing is imported or called, any other Python tag still fails."""
 
 
 def _enum_value(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
@@ -115,15 +88,12 @@ _PlainYamlLoader.add_multi_constructor(
 
 @_targets({"llmcompressor": "0.14"})
 def make_recipe_safe(path: Path) -> None:
-    """Rewrite ``recipe.yaml`` so that ``yaml.safe_load`` (llm-compressor's own reader)
-    reads it.
+    """Rewrite ``recipe.yaml`` so that llm-compressor's own ``yaml.safe_load`` reads it.
 
-    llm-compressor 0.14 writes the recipe with ``yaml.dump``, which serialises
-    SmoothQuant's ``mappings`` as ``!!python/tuple`` and GPTQ's resolved ``actorder`` as
-    a Python enum object; its own ``safe_load`` then refuses that file when the
-    checkpoint is saved again or used as the starting point of another oneshot. Lists
-    and the enum's string value parse back into the same modifier settings (pydantic
-    coerces them), so they are written instead.
+    llm-compressor writes it with ``yaml.dump``: SmoothQuant's ``mappings`` become
+    ``!!python/tuple`` and GPTQ's ``actorder`` a Python enum object, which its
+    ``safe_load`` then refuses on the next save or oneshot from the checkpoint. Lists
+    and the enum's value parse back into the same settings.
     """
     if not path.is_file():
         return
@@ -150,7 +120,6 @@ def _dump(data: Any) -> str:
 
 
 def _plain_recipe(text: str) -> dict[str, Any]:
-    """A recipe's YAML text as plain data (Python tags turned into plain values)."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -161,10 +130,6 @@ def _plain_recipe(text: str) -> dict[str, Any]:
         raise ValueError(f"a recipe is a mapping, not {type(data).__name__}")
     return data
 
-
-# ------------------------------------------------------------------------------------
-# llm-compressor 0.14: the recipe.yaml of a re-saved checkpoint that its parser skips
-# ------------------------------------------------------------------------------------
 
 # `append_recipe_dict`'s name for a stage key both recipes had: `X_stage` -> `X_stage_N`
 _MERGED_STAGE = re.compile(r"(?P<name>.+_stage)_\d+")
@@ -181,11 +146,11 @@ def _stage_name(key: str) -> str | None:
 def _distinct_stages(entries: list[tuple[str, Any]]) -> dict[str, Any]:
     """One recipe from ``(top-level key, body)`` pairs in the order they ran.
 
-    Empty stages and stages identical to an earlier one are dropped; stage keys come
-    out ending in ``_stage`` (the only ones ``Recipe.from_dict`` reads): a stage name
-    used once keeps it (``default_stage_0`` -> ``default_stage``), a repeated one
-    becomes ``default_0_stage``, ``default_1_stage``, ... in order (numbers already in
-    use are skipped). Other keys (``args``) are kept, the first of each.
+    Empty and repeated stages are dropped; stage keys end in ``_stage`` (the only ones
+    ``Recipe.from_dict`` reads): a name used once keeps it (``default_stage_0`` ->
+    ``default_stage``), a repeated one becomes ``default_0_stage``,
+    ``default_1_stage``, ... (skipping numbers in use). Of other keys (``args``) the
+    first is kept.
     """
     kept: list[tuple[str, str | None, Any]] = []
     bodies: list[Any] = []
@@ -218,35 +183,15 @@ def write_model_recipe(model: nn.Module, path: Path) -> None:
     """Rewrite the saved ``recipe.yaml`` as the recipe that made ``model``: each stage
     once, under keys llm-compressor parses, in plain YAML.
 
-    llm-compressor 0.14's save wrapper writes the recipe of the folder the model came
-    from (``model.name_or_path``) merged with the current session's recipe
-    (``Recipe.yaml`` -> ``append_recipe_dict``). For a model reloaded with
-    :func:`~adadsf_modifier.checkpoint.from_pretrained` and saved again that goes
-    wrong:
-
-    * a stage key in both recipes becomes ``X_stage_0`` / ``X_stage_1`` (the first one
-      moved after any other stage), and ``Recipe.from_dict`` reads only keys ending in
-      ``_stage``: none of them parse, and :mod:`adadsf_modifier.recipe_guard` refuses
-      the file. A fresh process clashes too: its empty session recipe is
-      ``default_stage: {}``, the stage of every recipe made from modifier objects;
-    * the session's recipe is appended whatever model it ran on. In the process that
-      ran ``oneshot``, a reloaded copy of its output got that recipe a second time:
-      re-running the file would route the model twice, which
-      :func:`~adadsf_modifier.targeting.check_not_routed` refuses.
-
-    What is right: a checkpoint's recipe says how its model was made, once. So the
-    folder's recipe comes first, and the session's is added only when the session
-    worked on this very model (oneshot's own save, or a reloaded checkpoint given to
-    another oneshot, e.g. GPTQ after AdaDSF); a session that ran on another model
-    adds nothing (an empty or model-less session is taken as llm-compressor takes
-    it). :func:`_distinct_stages` then keeps the stages in order, drops empty ones
-    and exact repeats, and names them so that llm-compressor reads every one. A
-    repeat only comes from a checkpoint re-saved before this fix: an identical stage
-    would run the same modifiers on a model they already changed, and a routing
-    modifier refuses a routed model. (Such a file's order cannot be restored: the
-    renamed stage was already moved last.) If either recipe cannot be read as plain
-    data, the file is left as llm-compressor wrote it (made safe by
-    :func:`make_recipe_safe`) with a warning.
+    llm-compressor's save merges the recipe of the folder the model came from with the
+    session's (``append_recipe_dict``). On a reloaded model saved again, a stage key in
+    both becomes ``X_stage_0`` / ``X_stage_1``, which ``Recipe.from_dict`` skips (a
+    fresh process clashes too: its empty session recipe is ``default_stage: {}``); and
+    the session's recipe is appended whatever model it ran on, so re-running the file
+    would route the model twice. So: the folder's recipe, then the session's only when
+    the session worked on this very model (oneshot's own save, or GPTQ on a reloaded
+    checkpoint), through :func:`_distinct_stages`. A recipe that cannot be read as
+    plain data leaves the file as llm-compressor merged it (made safe), with a warning.
     """
     from llmcompressor.core import active_session
     from llmcompressor.transformers.utils.helpers import infer_recipe_from_model_path
@@ -270,24 +215,15 @@ def write_model_recipe(model: nn.Module, path: Path) -> None:
     path.write_text(_dump(_distinct_stages(entries)))
 
 
-# ------------------------------------------------------------------------------------
-# transformers 5.17: router weights reported as UNEXPECTED keys on load
-# ------------------------------------------------------------------------------------
-
-
 @_targets({"transformers": "5.17"})
 def load_with_expected_extra_keys(
     base_cls: type, extra_keys: list[str], path: Path, **kwargs: Any
 ) -> nn.Module:
-    """``base_cls.from_pretrained(path, **kwargs)`` with ``extra_keys`` (regexes)
-    expected.
+    """``base_cls.from_pretrained(path, **kwargs)`` with ``extra_keys`` (regexes, the
+    router tensors :mod:`.tensors` reads) expected instead of reported UNEXPECTED.
 
-    The router tensors are in the checkpoint but not in the plain model transformers
-    builds; its load report would flag them as UNEXPECTED (they are read separately,
-    see :mod:`adadsf_modifier.checkpoint.tensors`). transformers only reads the class
-    attribute ``_keys_to_ignore_on_load_unexpected``, so a throw-away subclass adds the
-    patterns, and the model is switched back to the real class right after loading, so
-    nothing else sees the subclass.
+    transformers reads only the class attribute ``_keys_to_ignore_on_load_unexpected``,
+    so a throw-away subclass sets it; the model gets the real class back right after.
     """
     ignore = list(base_cls._keys_to_ignore_on_load_unexpected or []) + extra_keys
     loader = type(

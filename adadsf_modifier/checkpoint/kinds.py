@@ -1,20 +1,8 @@
-"""The kinds of checkpoint this package writes, and how to tell them apart on disk.
-
-Both kinds are ordinary (possibly compressed-tensors) Hugging Face checkpoints plus
-one sidecar file that says how to route the model again; the sidecar's name is the
-kind:
-
-* ``adadsf_config.json``: :class:`~adadsf_modifier.AdaDSFModifier`'s per-layer
-  ``TokenRouter`` s (schema in :mod:`.sidecar`);
-* ``ftp_routing.json``: :class:`~adadsf_modifier.FTPModifier`'s shared router
-  (written and read by :mod:`adadsf_modifier.ftp.checkpoint`).
-
-The save machinery (checks first, write into a temporary folder, read the router
-tensors back, sidecar last, one rename, source rank only under ``torchrun``) is the
-same for both, in :mod:`.save`; a :class:`CheckpointKind` holds the few steps that
-differ. Both names live here, in the package both kinds build on, so that the save
-(which must not carry another kind's stale sidecar into a new checkpoint) and the
-loader (which dispatches on the sidecar) need nothing from :mod:`adadsf_modifier.ftp`.
+"""The kinds of checkpoint this package writes, told apart by their sidecar:
+``adadsf_config.json`` (:mod:`.sidecar`) or FTP's ``ftp_routing.json``
+(:mod:`adadsf_modifier.ftp.checkpoint`). The save (:mod:`.save`) is shared; a
+:class:`CheckpointKind` holds the steps that differ. Both names live here so that the
+save and the loader need nothing from :mod:`adadsf_modifier.ftp`, which builds on this.
 """
 
 from __future__ import annotations
@@ -27,31 +15,15 @@ from typing import Any
 
 from adadsf_modifier.checkpoint.sidecar import SIDECAR_NAME, AdaDSFCheckpointError
 
-__all__ = [
-    "FTP_SIDECAR_NAME",
-    "LOADERS",
-    "SIDECAR_NAMES",
-    "CheckpointKind",
-    "checkpoint_sidecar",
-    "register_loader",
-]
-
 FTP_SIDECAR_NAME = "ftp_routing.json"
 SIDECAR_NAMES = (SIDECAR_NAME, FTP_SIDECAR_NAME)
-"""Every sidecar this package writes: a folder holding one of them is a routed
-checkpoint, and a save never carries one over from the folder it replaces."""
 
-
+# Sidecar name -> its loader (path, **kwargs -> routed model). FTP registers its own on
+# import, so that the generic loader need not import the package built on it.
 LOADERS: dict[str, Callable[..., Any]] = {}
-"""Sidecar name -> the loader that reloads a folder holding it (``path, **kwargs`` ->
-routed model). A modifier package registers its own when it is imported (FTP's in
-:mod:`adadsf_modifier.ftp.checkpoint`), so the generic loader dispatches without
-importing the packages that build on it."""
 
 
 def register_loader(sidecar: str, loader: Callable[..., Any]) -> None:
-    """Make ``adadsf_modifier.from_pretrained`` reload folders holding ``sidecar``
-    with ``loader``."""
     if sidecar not in SIDECAR_NAMES:
         raise ValueError(f"{sidecar!r} is not a sidecar this package writes")
     LOADERS[sidecar] = loader
@@ -61,14 +33,11 @@ def register_loader(sidecar: str, loader: Callable[..., Any]) -> None:
 class CheckpointKind:
     """The steps of a save that differ between AdaDSF and FTP checkpoints.
 
-    :param label: the modifier's name, for messages and logs (``"AdaDSF"``, ``"FTP"``)
-    :param describe: the sidecar (the file that marks the folder a complete
-        checkpoint of this kind) for a model, built and checked in memory before
-        anything is written (raises on a model that cannot be saved)
+    :param label: the modifier's name, for messages (``"AdaDSF"``, ``"FTP"``)
+    :param describe: model -> its sidecar, checked before anything is written
     :param as_json: the sidecar as JSON data, compared across ranks under torchrun
-    :param verify: reads the freshly written router tensors back from the temporary
-        folder and checks them against the sidecar (present, shapes, full precision)
-    :param write: writes the sidecar into the temporary folder, durably; called last
+    :param verify: reads the written router tensors back and checks them
+    :param write: writes the sidecar, durably; called last (completeness marker)
     :param summary: what was saved, for the log line
     """
 
@@ -81,14 +50,11 @@ class CheckpointKind:
 
 
 def checkpoint_sidecar(path: str | os.PathLike[str]) -> str | None:
-    """The name of the sidecar ``path`` holds, so which loader reloads it; ``None``
-    for anything else (a plain model folder, a hub id, a missing path).
+    """The name of the sidecar ``path`` holds; ``None`` for anything else (a plain
+    model folder, a hub id, a missing path).
 
-    :raises AdaDSFCheckpointError: the folder holds both sidecars, so which routing it
-        stores cannot be told (a save of this package never leaves both: each
-        replaces the whole folder); or neither, while its weights hold routers (the
-        sidecar was lost: loaded as a plain model it would be the dense-depth model,
-        measured as if it were the routed one)
+    :raises AdaDSFCheckpointError: both sidecars, or neither while the weights hold
+        routers (a lost sidecar: loaded plain it would be the dense-depth model)
     """
     path = Path(path)
     if not path.is_dir():
@@ -111,7 +77,6 @@ def checkpoint_sidecar(path: str | os.PathLike[str]) -> str | None:
 
 
 def _holds_routers(path: Path) -> bool:
-    """Whether the folder's safetensors files name router tensors (headers only)."""
     from adadsf_modifier.checkpoint.tensors import safetensors_files
 
     if not any(path.glob("*.safetensors")):

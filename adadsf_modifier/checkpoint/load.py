@@ -1,15 +1,8 @@
-"""Loading a checkpoint: :func:`from_pretrained` reloads either kind this package
-writes; :func:`load_adadsf` is AdaDSF's loader.
+"""Loading a checkpoint: :func:`from_pretrained` reloads either kind (FTP's loader is
+registered by :mod:`adadsf_modifier.ftp.checkpoint`); :func:`load_adadsf` is AdaDSF's.
 
-Order matters for the user's time: the sidecar is validated in full, then checked
-against ``config.json``, then the (small) router tensors are read and checked, and only
-then does the (large) base model load.
-
-Why the dispatch lives here: callers (evaluation, the CLI, users) should not have to
-know which modifier produced a folder. The ``ftp`` package builds on this one (its save
-reuses :mod:`.save`), so it registers its loader with :func:`.kinds.register_loader`
-when imported (``import adadsf_modifier`` imports it) instead of this module importing
-it: the dependency runs one way.
+The sidecar is validated, checked against ``config.json`` and the (small) router
+tensors are read before the (large) base model loads: a bad checkpoint fails fast.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from adadsf_modifier.checkpoint.kinds import (
     checkpoint_sidecar,
 )
 from adadsf_modifier.checkpoint.routed_config import (
-    base_config_of,
+    AdaDSFRoutedConfig,
     declares_routed_architecture,
 )
 from adadsf_modifier.checkpoint.save import install_save_hook
@@ -49,12 +42,9 @@ from adadsf_modifier.routing import (
     route_layer,
 )
 
-__all__ = ["from_pretrained", "load_adadsf", "load_base_model", "read_config"]
-
 
 def _any_topk_at_inference(layers: list[tuple[str, nn.Module]]) -> bool:
-    """True if some routed layer (0 < r < 1) would route top-k in eval mode (no KV
-    cache then)."""
+    """Some routed layer (0 < r < 1) would route top-k in eval mode (no KV cache)."""
     for _, layer in layers:
         if isinstance(layer, RoutedLayer) and 0.0 < float(layer.retention_ratio) < 1.0:
             resolve = getattr(layer, "resolved_routing_mode", None)
@@ -64,7 +54,6 @@ def _any_topk_at_inference(layers: list[tuple[str, nn.Module]]) -> bool:
 
 
 def _check_config(path: Path, sidecar: AdaDSFSidecar, config: Any) -> None:
-    """The sidecar must describe the model ``config.json`` builds."""
     if config.model_type != sidecar.model_type:
         raise AdaDSFCheckpointError(
             f"{path}: {SIDECAR_NAME} was written for model_type "
@@ -80,13 +69,8 @@ def _check_config(path: Path, sidecar: AdaDSFSidecar, config: Any) -> None:
 
 
 def read_config(path: Path, kwargs: dict[str, Any]) -> Any:
-    """``kwargs["config"]`` (removed from ``kwargs``), else ``PATH/config.json``: read
-    before the weights, so that a sidecar is checked against the model it describes
-    (layer count, hidden size) before the base model loads.
-
-    A routed config (``model_type: adadsf_routed``, what the save now writes, or what
-    ``AutoModelForCausalLM`` passes) gives its base config: the model that loads and is
-    routed again is the base architecture's."""
+    """``kwargs.pop("config")``, else ``PATH/config.json``; a routed config gives its
+    base config (the model that loads and is routed again)."""
     from transformers import AutoConfig
 
     config = kwargs.pop("config", None)
@@ -94,7 +78,7 @@ def read_config(path: Path, kwargs: dict[str, Any]) -> Any:
         config = AutoConfig.from_pretrained(
             str(path), trust_remote_code=kwargs.get("trust_remote_code", False)
         )
-    return base_config_of(config)
+    return config.base_config() if isinstance(config, AdaDSFRoutedConfig) else config
 
 
 def _causal_lm_class(path: Path, config: Any) -> type:
@@ -112,14 +96,9 @@ def _causal_lm_class(path: Path, config: Any) -> type:
 def load_base_model(
     path: str | os.PathLike[str], extra_keys: list[str], **kwargs: Any
 ) -> nn.Module:
-    """The checkpoint's plain causal LM, loaded the way both kinds load it.
-
-    ``from_pretrained`` of the config's causal-LM class with ``kwargs`` (a
-    compressed-tensors checkpoint goes through transformers' quantizer), the router
-    and skip-path tensors matching ``extra_keys`` (regexes) expected instead of
-    reported as UNEXPECTED: they are read and checked separately, by the loader of
-    each kind.
-    """
+    """The checkpoint's plain causal LM (``kwargs`` to its ``from_pretrained``), with
+    the tensors matching ``extra_keys`` (regexes) expected: the kind's loader reads
+    them."""
     path = Path(path)
     config = read_config(path, kwargs)
     base_cls = _causal_lm_class(path, config)
@@ -129,7 +108,6 @@ def load_base_model(
 
 
 def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) -> list:
-    """Route the layers the sidecar lists, with their saved routers and settings."""
     spec, layers = decoder_layers(model)
     if len(layers) != sidecar.num_hidden_layers:
         raise AdaDSFCheckpointError(
@@ -180,20 +158,23 @@ def _tensors_of(tensors: dict, prefix: str) -> dict:
 
 
 def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
-    """Reload any checkpoint this package writes, routed, ready for ``generate()``.
+    """Reload any checkpoint this package writes (AdaDSF's or FTP's), routed, ready
+    for ``generate()``; ``kwargs`` go to transformers' ``from_pretrained``.
 
-    A folder holding ``ftp_routing.json`` (saved after :class:`FTPModifier`) loads with
-    :func:`adadsf_modifier.ftp.load_ftp`; one holding ``adadsf_config.json`` (saved
-    after :class:`AdaDSFModifier`) with :func:`load_adadsf`. ``kwargs`` go to
-    transformers' ``from_pretrained`` either way.
-
-    :raises AdaDSFCheckpointError: a folder with neither sidecar (the message names
-        both) or with both; anything :func:`load_adadsf` raises
+    :raises AdaDSFCheckpointError: a folder with neither sidecar or with both;
+        anything the kind's loader raises
     """
     path = Path(path)
     sidecar = checkpoint_sidecar(path)
     if sidecar is not None and not declares_routed_architecture(path):
-        _warn_dense_depth_config(path)
+        logger.warning(
+            f"AdaDSF: {path} was saved before routed checkpoints declared their "
+            "architecture: its config.json names the base model, so "
+            "AutoModelForCausalLM, pipeline() and lm-eval load it as the DENSE-DEPTH "
+            "model (every layer on every token). Loading it routed here; save it again "
+            "(adadsf_modifier.from_pretrained(path).save_pretrained(new_path)) to make "
+            "every loader build the routed model or refuse"
+        )
     if sidecar in LOADERS:
         return LOADERS[sidecar](path, **kwargs)
     if sidecar is None and path.is_dir():
@@ -206,42 +187,17 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     return load_adadsf(path, **kwargs)
 
 
-def _warn_dense_depth_config(path: Path) -> None:
-    logger.warning(
-        f"AdaDSF: {path} was saved before routed checkpoints declared their "
-        "architecture: its config.json names the base model, so AutoModelForCausalLM, "
-        "pipeline() and lm-eval load it as the DENSE-DEPTH model (every layer on every "
-        "token). Loading it routed here; save it again "
-        "(adadsf_modifier.from_pretrained(path).save_pretrained(new_path)) to make "
-        "every loader build the routed model or refuse"
-    )
-
-
 def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     """Reload a checkpoint saved after :class:`AdaDSFModifier`, ready for
-    ``generate()``.
+    ``generate()`` (quantized layers load compressed and decompress on the first
+    forward; ``docs/recipes.md``, "Checkpoint layout").
 
-    The base model loads with ``AutoModelForCausalLM.from_pretrained(path, **kwargs)``:
-    a compressed-tensors checkpoint (GPTQ W8A8 / W4A16) goes through transformers'
-    compressed-tensors quantizer, so its Linear layers keep their quantization scheme
-    and load *compressed* (int8 / packed int4 weights plus scales); compressed-tensors
-    decompresses them on the first forward pass (pass
-    ``quantization_config=CompressedTensorsConfig(dequantize=True)`` to dequantize at
-    load time instead). The decoder layers listed as routed in ``adadsf_config.json``
-    are then routed again with their saved retention ratios, router sizes, skip paths,
-    and ``skipped_tokens_kv`` settings, and the router and skip-path
-    tensors (which transformers does not know about) are read from the safetensors files
-    with shape checks.
+    Top-k routing cannot continue from a KV cache: if a routed layer would route top-k
+    in eval mode (no causal threshold saved), ``generation_config.use_cache`` is False.
 
-    Top-k routing chooses over the whole sequence and cannot continue from a KV cache:
-    if any routed layer would route top-k in eval mode (no causal-mode threshold saved),
-    the returned model's ``generation_config.use_cache`` is False, so ``generate()``
-    re-runs the full sequence per new token. Checkpoints with causal-mode thresholds
-    keep the cache.
-
-    :raises AdaDSFCheckpointError: no/unknown/malformed AdaDSF data (any sidecar field
-        out of range, checked before any weight loads), ``model_type`` or size
-        mismatch with ``config.json``, a missing, mis-shaped or quantized router tensor
+    :raises AdaDSFCheckpointError: no, unknown or malformed sidecar (checked before any
+        weight loads), a mismatch with ``config.json``, a missing, mis-shaped or
+        quantized router tensor
     """
     path = Path(path)
     sidecar = read_sidecar(path)
@@ -268,4 +224,4 @@ def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     install_save_hook(model)
     n = len(sidecar.routed_layers)
     logger.info(f"AdaDSF: loaded {path} with {n}/{len(layers)} routed decoder layers")
-    return model.eval()
+    return model

@@ -1,59 +1,15 @@
-"""A routed checkpoint's ``config.json`` declares what it is: the routed architecture.
+"""A routed checkpoint's ``config.json`` declares the routed architecture, so that no
+loader builds the dense-depth model from it (``docs/recipes.md``, "Checkpoint layout").
 
-Before this, a saved AdaDSF or FTP checkpoint kept its base model's ``config.json``
-(``"model_type": "llama"``), so every standard loader (``AutoModelForCausalLM``, a
-``pipeline``, ``lm_eval --model hf``, a serving stack) silently built the *dense-depth*
-model: all layers on every token, with weights fine-tuned for routing. The save now
-rewrites ``config.json`` (:func:`declare_routed_architecture`) as::
-
-    {
-      "model_type": "adadsf_routed",
-      "architectures": ["AdaDSFRoutedForCausalLM"],
-      "auto_map": {
-        "AutoConfig": "configuration_adadsf_routed.AdaDSFRoutedConfig",
-        "AutoModelForCausalLM": "modeling_adadsf_routed.AdaDSFRoutedForCausalLM"
-      },
-      "base_model_type": "llama",
-      "base_architectures": ["LlamaForCausalLM"],
-      ...every other field of the base config, quantization_config included...
-    }
-
-and writes the two small files ``auto_map`` names next to it. The routing data itself
-stays in the sidecar (``adadsf_config.json`` / ``ftp_routing.json``): ``config.json``
-only says *that* the model is routed and which base architecture it routes, so nothing
-can disagree with the sidecar.
-
-Why this shape, among transformers' mechanisms for models outside its tree:
-
-* **Registration** (``AutoConfig.register`` / ``AutoModelForCausalLM.register``,
-  :mod:`.auto_model`, done by ``import adadsf_modifier``): with the package imported,
-  ``AutoConfig`` / ``AutoModelForCausalLM`` / ``pipeline`` / llm-compressor's
-  ``oneshot(model=PATH)`` build the routed model, no flag needed. This needs a
-  ``model_type`` of our own: transformers refuses to remap one of its own config
-  classes (``_LazyAutoMapping.register`` ignores keys from ``transformers.*``), which
-  is also why an *old* checkpoint (base ``model_type``) cannot be intercepted without a
-  monkeypatch.
-* **``auto_map`` + remote code**: a process that never imports the package (the
-  ``lm_eval`` command line, a notebook) finds ``auto_map``. With
-  ``trust_remote_code=True`` transformers imports the checkpoint's two files, which
-  import ``adadsf_modifier`` (that registers it) and re-export its classes, so the
-  same code builds the same routed model; the files hold no logic of their own, so a
-  checkpoint never carries a stale copy of the routing code. Without
-  ``trust_remote_code`` transformers refuses ("contains custom code ... pass
-  ``trust_remote_code=True``"); with it, but without the package installed, the
-  files raise one line naming ``adadsf-modifier``. Their import sits in a ``try``
-  block so that transformers' own import check (which would say ``pip install
-  adadsf_modifier``, the module name) leaves the message to them.
-* **A loader that knows neither** (an older transformers, vLLM without a plug-in)
-  refuses the unknown ``model_type`` instead of building the dense model.
-
-The base fields stay at the top level (not nested under a key) so that code that reads
-the config without building the model (lm-eval reads ``max_position_embeddings``,
-llm-compressor ``quantization_config`` and ``_name_or_path``) finds them where it
-looks, and :meth:`AdaDSFRoutedConfig.base_config` rebuilds the base config from them.
-llm-compressor's save rewrites ``config.json`` from the folder the model came from
-(``resave_config``), so :func:`declare_routed_architecture` runs after it, inside the
-package's save hook, and accepts either form (it is idempotent).
+The save rewrites it (:func:`declare_routed_architecture`) as the base config's fields,
+unchanged and at the top level (lm-eval and llm-compressor read some without building
+the model), plus ``model_type: adadsf_routed``, ``architectures``, ``auto_map`` and
+``base_model_type`` / ``base_architectures``; the routing data stays in the sidecar.
+``model_type`` must be our own: transformers refuses to remap its own config classes.
+With the package imported the Auto classes are registered (:mod:`.auto_model`);
+without it, ``trust_remote_code=True`` runs the two files ``auto_map`` names, which only
+import the package (no stale copy of its code in a checkpoint) and name it when it is
+missing. It runs after llm-compressor's ``resave_config`` and is idempotent.
 """
 
 from __future__ import annotations
@@ -67,18 +23,6 @@ from transformers import PreTrainedConfig
 
 from adadsf_modifier.atomic import write_text_durably
 from adadsf_modifier.checkpoint.sidecar import AdaDSFCheckpointError, read_json_object
-
-__all__ = [
-    "AUTO_MAP",
-    "CODE_FILES",
-    "ROUTED_ARCHITECTURE",
-    "ROUTED_MODEL_TYPE",
-    "AdaDSFRoutedConfig",
-    "base_config_of",
-    "declare_routed_architecture",
-    "declares_routed_architecture",
-    "routed_config_dict",
-]
 
 ROUTED_MODEL_TYPE = "adadsf_routed"
 ROUTED_ARCHITECTURE = "AdaDSFRoutedForCausalLM"
@@ -111,14 +55,12 @@ which registers the routed architecture with transformers' Auto classes, and re-
 its {what}. The routing data is the sidecar next to this file."""
 
 '''
-CODE_FILES = {
+CODE_FILES = {  # the files auto_map names, written into every routed checkpoint
     f"{_CONFIG_MODULE}.py": _HEADER.format(what="config class")
     + _IMPORT.format(name="AdaDSFRoutedConfig"),
     f"{_MODEL_MODULE}.py": _HEADER.format(what="model class (a loader)")
     + _IMPORT.format(name=ROUTED_ARCHITECTURE),
 }
-"""The files ``auto_map`` names, written into every routed checkpoint."""
-
 # Keys of the routed config that are not the base config's.
 _ROUTED_ONLY = (
     "model_type",
@@ -130,9 +72,7 @@ _ROUTED_ONLY = (
 
 
 class AdaDSFRoutedConfig(PreTrainedConfig):
-    """The config of a routed checkpoint: the base config's fields as they are, plus
-    ``base_model_type`` / ``base_architectures``; :meth:`base_config` rebuilds the
-    base config (what the routed model runs on)."""
+    """The base config's fields plus ``base_model_type`` / ``base_architectures``."""
 
     model_type = ROUTED_MODEL_TYPE
 
@@ -147,9 +87,7 @@ class AdaDSFRoutedConfig(PreTrainedConfig):
         super().__init__(**kwargs)
 
     def base_config(self) -> PreTrainedConfig:
-        """The base model's config: every field but the routed-only ones, as the
-        base architecture's config class reads them (``quantization_config``, and any
-        value given to ``from_pretrained`` that landed on this config, included)."""
+        """The base model's config: every field but the routed-only ones."""
         from transformers import CONFIG_MAPPING
 
         if not self.base_model_type:
@@ -172,15 +110,12 @@ class AdaDSFRoutedConfig(PreTrainedConfig):
 
     @classmethod
     def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
-        """Nothing: transformers calls this after importing the checkpoint's remote
-        code, and a registered class would then copy this package's module into
-        every folder it saves a config to. The package registers itself on import,
-        and its save writes ``auto_map``."""
+        """Nothing: else transformers would copy this module into every folder it saves
+        a config to; the package registers itself, and its save writes ``auto_map``."""
 
 
 def routed_config_dict(data: dict[str, Any]) -> dict[str, Any]:
-    """``config.json``'s content as the routed architecture's: a base config is
-    wrapped, a routed one refreshed (idempotent)."""
+    """``config.json``'s content as the routed architecture's (idempotent)."""
     base = _base_config_dict(data)
     routed = {
         "model_type": ROUTED_MODEL_TYPE,
@@ -207,9 +142,8 @@ def _base_config_dict(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def declare_routed_architecture(folder: Path) -> None:
-    """Rewrite ``folder/config.json`` as the routed architecture's and write the
-    remote-code files its ``auto_map`` names (durably: the sidecar, written after,
-    marks the folder complete)."""
+    """Rewrite ``folder/config.json`` as the routed architecture's, beside the files
+    ``auto_map`` names (durably: the sidecar, written after, marks completeness)."""
     file = folder / "config.json"
     data = read_json_object(file, "a model's config")
     write_text_durably(file, json.dumps(routed_config_dict(data), indent=2) + "\n")
@@ -219,7 +153,7 @@ def declare_routed_architecture(folder: Path) -> None:
 
 def declares_routed_architecture(path: str | os.PathLike[str]) -> bool:
     """Whether ``path/config.json`` names the routed architecture (False for a
-    checkpoint saved before it did, whose plain loads are the dense-depth model)."""
+    checkpoint saved before it did)."""
     file = Path(path) / "config.json"
     if not file.is_file():
         return False
@@ -227,10 +161,3 @@ def declares_routed_architecture(path: str | os.PathLike[str]) -> bool:
         return json.loads(file.read_text()).get("model_type") == ROUTED_MODEL_TYPE
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def base_config_of(config: Any) -> Any:
-    """``config``'s base config when it is a routed one, else ``config`` itself."""
-    if isinstance(config, AdaDSFRoutedConfig):
-        return config.base_config()
-    return config

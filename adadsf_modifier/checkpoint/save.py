@@ -1,34 +1,17 @@
 """Saving a routed model: every ``save_pretrained`` writes a complete, atomic
-checkpoint of the kind the model's routers need (AdaDSF's or FTP's,
-:class:`~adadsf_modifier.checkpoint.kinds.CheckpointKind`).
+checkpoint of the kind its routers need (:class:`.kinds.CheckpointKind`).
 
-The routed model is an ordinary Hugging Face causal LM whose decoder layers had their
-class swapped and a ``router`` child added, so llm-compressor's compressed-tensors
-``save_pretrained`` wrapper writes it as an ordinary checkpoint with the router weights
-as plain tensors under ``<layer>.router.fc1.weight`` etc. The hook installed here wraps
-that save:
+The hook wraps llm-compressor's compressed-tensors save (routers are plain tensors to
+it): checks that need no disk first; the inner save into a temporary sibling
+(:func:`adadsf_modifier.atomic.atomic_directory`), its ``recipe.yaml`` and
+``config.json`` rewritten (:mod:`._compat`, :mod:`.routed_config`); the router tensors
+read back and checked; the destination's other files (a tokenizer, a README) carried
+over, never a sidecar; the sidecar last, as the completeness marker; one rename. A
+failure leaves the destination as it was.
 
-1. everything that can fail without touching the disk first (a quantized router, a
-   model whose sidecar would not validate);
-2. the inner save into a temporary sibling of the destination
-   (:func:`adadsf_modifier.atomic.atomic_directory`), its ``recipe.yaml`` rewritten
-   as the recipe that made the model, once
-   (:func:`~adadsf_modifier.checkpoint._compat.write_model_recipe`), and its
-   ``config.json`` as the routed architecture's, with the remote-code files its
-   ``auto_map`` names (:mod:`.routed_config`: a loader builds the routed model or
-   refuses, never the dense-depth one);
-3. the router tensors read back and checked (present, full precision, right shapes);
-4. files of an existing destination that a model save does not own (a tokenizer, a
-   README) carried over; never a sidecar of either kind;
-5. the sidecar, last: it marks the folder a complete checkpoint;
-6. one rename puts the folder in place. A failure at any point leaves the destination
-   exactly as it was; a SIGKILL leaves a temporary folder that the next save removes.
-
-Under ``torchrun`` every rank calls ``save_pretrained`` (llm-compressor's wrapper
-compresses on every rank and synchronises them), but only the source rank writes.
-Every rank checks the model first, and the ranks must agree on the routers and the
-sidecar (else the checkpoint would depend on the rank that wrote it); any failure,
-the source rank's write included, is raised on every rank.
+Under ``torchrun`` every rank calls the save (llm-compressor's wrapper has collective
+steps) but only the source rank writes; the ranks must agree on routers and sidecar,
+and any failure is raised on every rank.
 """
 
 from __future__ import annotations
@@ -65,8 +48,6 @@ from adadsf_modifier.checkpoint.sidecar import (
 from adadsf_modifier.checkpoint.tensors import read_router_tensors
 from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 
-__all__ = ["ADADSF", "attach_checkpoint_support", "install_save_hook"]
-
 ADADSF = CheckpointKind(
     label="AdaDSF",
     describe=sidecar_for_model,
@@ -75,12 +56,10 @@ ADADSF = CheckpointKind(
     write=write_sidecar,
     summary=lambda s: f"{len(s.routed_layers)} routed layers and their routers",
 )
-"""AdaDSF's checkpoint: ``adadsf_config.json`` (:mod:`.sidecar`)."""
 
 
 def _modifier_settings(modifier: Any) -> dict[str, Any]:
-    """The modifier's own recipe fields (not llm-compressor's base ``Modifier``
-    fields), as JSON."""
+    """The modifier's own recipe fields (not the base ``Modifier``'s), as JSON."""
     from llmcompressor.modifiers import Modifier
 
     own = {k for k in type(modifier).model_fields if k not in Modifier.model_fields}
@@ -92,12 +71,8 @@ def _modifier_settings(modifier: Any) -> dict[str, Any]:
 def attach_checkpoint_support(
     model: nn.Module, modifier: Any = None, similarities: Any = None
 ) -> None:
-    """Record AdaDSF metadata on ``model`` and make every ``save_pretrained`` write it.
-
-    Called by :class:`AdaDSFModifier` right after routing (so before any later modifier
-    runs and before oneshot's ``post_process`` saves), and by
-    :func:`~adadsf_modifier.checkpoint.from_pretrained`.
-    """
+    """Record AdaDSF metadata on ``model`` and make every ``save_pretrained`` write it
+    (called by :class:`AdaDSFModifier` right after routing)."""
     meta = dict(getattr(model, METADATA_ATTR, None) or {})
     if modifier is not None:
         meta["modifier"] = {
@@ -115,15 +90,11 @@ def attach_checkpoint_support(
 
 def install_save_hook(model: nn.Module, kind: CheckpointKind = ADADSF) -> None:
     """Wrap ``model.save_pretrained`` (once) so that every save is a complete, atomic
-    checkpoint of ``kind`` (AdaDSF's unless told otherwise; FTP passes its own).
+    checkpoint of ``kind``; installing again only changes the kind.
 
-    The wrapped function is llm-compressor's compressed-tensors ``save_pretrained``
-    wrapper (``modify_save_pretrained``, applied here if oneshot has not applied it
-    yet), so ``save_compressed`` / ``quantization_format`` keep working. Ours carries
-    ``_overridden = True`` (copied by ``functools.wraps``), so a later
-    ``modify_save_pretrained`` (e.g. a second oneshot on the same model) leaves it in
-    place instead of wrapping it. Installing again only changes the kind the hook
-    writes (the last modifier that routed the model decides).
+    The wrapped save is llm-compressor's (``modify_save_pretrained``, so
+    ``save_compressed`` keeps working); ``_overridden = True`` makes a later
+    ``modify_save_pretrained`` (a second oneshot) leave ours in place.
     """
     if getattr(model.save_pretrained, "_adadsf_save_hook", None) is not None:
         model.save_pretrained._adadsf_save_hook = kind
@@ -151,23 +122,6 @@ def install_save_hook(model: nn.Module, kind: CheckpointKind = ADADSF) -> None:
     model.save_pretrained = save_pretrained
 
 
-def _check_model_routers_unquantized(model: nn.Module, label: str) -> None:
-    for name, module in model.named_modules():
-        scheme = getattr(module, "quantization_scheme", None)
-        if scheme is None:
-            continue
-        kinds = (
-            (".router", "router", ROUTER_HINT),
-            (".skip_path", "skip path", SKIP_PATH_HINT),
-        )
-        for part, what, hint in kinds:
-            if part in name:
-                raise AdaDSFCheckpointError(
-                    f"the {label} {what} `{name}` was quantized ({scheme}); {what}s "
-                    f"must stay in full precision: {hint} and run the recipe again"
-                )
-
-
 def _atomic_save(
     model: nn.Module, kind: CheckpointKind, save_directory, inner, *args, **kwargs
 ) -> None:
@@ -181,7 +135,6 @@ def _atomic_save(
             model, kind, save_directory, inner, *args, **kwargs
         )
     dest = _destination(save_directory)
-    # Everything that can fail without touching the disk, first.
     sidecar = _checked_sidecar(model, kind)
     _write(model, kind, dest, sidecar, inner, *args, **kwargs)
 
@@ -196,7 +149,19 @@ def _destination(save_directory) -> Path:
 
 
 def _checked_sidecar(model: nn.Module, kind: CheckpointKind):
-    _check_model_routers_unquantized(model, kind.label)
+    """Everything that can fail without touching the disk."""
+    for name, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None or not (".router" in name or ".skip_path" in name):
+            continue
+        router = ".router" in name
+        what, hint = (
+            ("router", ROUTER_HINT) if router else ("skip path", SKIP_PATH_HINT)
+        )
+        raise AdaDSFCheckpointError(
+            f"the {kind.label} {what} `{name}` was quantized ({scheme}); {what}s "
+            f"must stay in full precision: {hint} and run the recipe again"
+        )
     return kind.describe(model)
 
 
@@ -218,8 +183,6 @@ def _write(
 def _save_from_source_rank(
     model: nn.Module, kind: CheckpointKind, save_directory, inner, *args, **kwargs
 ):
-    """Under ``torchrun``: checks on every rank, the write on the source rank only,
-    every failure raised on every rank (no rank left waiting in a collective)."""
     source = distributed.is_source_process()
     sidecar = distributed.agree_on_errors(lambda: _checked_sidecar(model, kind))
     routers = {
@@ -236,9 +199,9 @@ def _save_from_source_rank(
         lambda: _destination(save_directory) if source else None
     )
     if not source:
-        # llm-compressor's wrapper writes only on the source rank; the others take
-        # part in its collective steps.
-        inner(save_directory, *args, **kwargs)
+        inner(
+            save_directory, *args, **kwargs
+        )  # its collective steps; it writes nothing
         failure = distributed.broadcast_object(None)
         if failure is not None:
             raise AdaDSFCheckpointError(
@@ -253,10 +216,8 @@ def _save_from_source_rank(
     distributed.broadcast_object(None)
 
 
-# Files a model save (re)writes; everything else already in the destination (a tokenizer
-# saved before the model, a README, ...) is carried over into the new checkpoint, as an
-# in-place `save_pretrained` would have left it. Every kind's sidecar is the model's:
-# an FTP sidecar carried into an AdaDSF checkpoint (or the reverse) would describe
+# Files a model save (re)writes; everything else in the destination is carried over, as
+# an in-place save would leave it. Never a sidecar: the other kind's would describe
 # routers the weights do not have.
 _MODEL_ARTIFACTS = re.compile(
     r"(.*\.safetensors|.*\.safetensors\.index\.json|.*\.bin|.*\.bin\.index\.json|"
@@ -267,11 +228,10 @@ _MODEL_ARTIFACTS = re.compile(
 
 
 def link_or_copy(src: str, dst: str) -> None:
-    """``dst`` as a hard link to ``src`` (a checkpoint's weights are not rewritten, and
-    the folder they came from stays as it was), a copy across filesystems. Whoever
-    changes such a file afterwards must replace it, not write into it."""
+    """``dst`` as a hard link to ``src`` (free; whoever changes it later must replace
+    it, not write into it), a copy across filesystems."""
     try:
-        os.link(src, dst)  # same filesystem: free, and leaves the old folder untouched
+        os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
 

@@ -1,50 +1,16 @@
-"""The ``adadsf_config.json`` sidecar: its typed schema, how it is built, read and
-written.
+"""The ``adadsf_config.json`` sidecar: which decoder layers are routed and how
+(:class:`AdaDSFSidecar`: one :class:`LayerEntry` per layer, the modifier's settings).
 
-A plain compressed-tensors checkpoint cannot say *which* decoder layers are routed and
-how; that lives in this versioned sidecar next to ``config.json``. A sidecar (instead of
-fields in ``config.json``) survives llm-compressor's ``resave_config``, which rewrites
-``config.json`` from the original model's file at save time, and it leaves
-``config.json`` loadable by vLLM / plain transformers.
+A sidecar, not fields in ``config.json``: llm-compressor's ``resave_config`` rewrites
+that file from the original model's. Versions: readers refuse a ``format_version``
+they do not know and ignore unknown keys; fields that change the model if ignored
+(skip paths, kept K/V) need version 2; version 3 marked a retired option
+(``route_target``), refused by name. The whole file is validated before any weight is
+read (a NaN threshold would otherwise keep no token but the first).
 
-Format (``format_version`` 1; 2 when a layer uses a field marked *v2*, 3 for *v3*)::
-
-    {
-      "format": "adadsf",
-      "format_version": 3,
-      "adadsf_modifier_version": "0.1.0",
-      "model_type": "llama",        # must equal config.json's model_type on reload
-      "num_hidden_layers": 4,
-      "hidden_size": 32,
-      "layers_path": "model.layers",
-      "router_dtype": "float32",    # informative; reload casts routers to model dtype
-      "layers": [                   # one entry per decoder layer, in order
-        {"index": 0, "name": "model.layers.0", "routed": true,
-         "retention_ratio": 1.0, "similarity": 0.93,
-         "router_hidden_size": 64, "router_eps": 1e-06,
-         "causal_threshold": null,  # null = none; a number, "inf" or "-inf"
-         "routing_mode": "auto",    # "auto", "topk" or "causal"
-         "skip_path": "ridge", "skip_path_rank": null,  # v2: default "identity", null
-         "skipped_tokens_kv": true},  # v2 (default false)
-        ...
-      ],
-      "modifier": {"class": "AdaDSFModifier", "settings": {"retention": 0.8, ...}}
-    }
-
-Readers reject any ``format_version`` they do not know; additive changes (new keys,
-which readers ignore) keep the version, anything that changes the meaning of an
-existing key bumps it. The *v2* fields change the model if ignored, so a sidecar
-using them is version 2 (older readers refuse it); others stay version 1. Version 3
-marked a retired option (routing one sub-block, ``route_target``): such a sidecar is
-refused with that reason, never loaded as whole-layer routing. The whole file is
-validated against :class:`AdaDSFSidecar` before any weight is read, so a bad value
-fails with the file and field named instead of after a long load or, worse, in the
-model's behaviour (a NaN threshold would keep no token but the first).
-
-:func:`read_sidecar_file` is the one reader of both kinds of sidecar (FTP's
-``ftp_routing.json`` too, with its own schema built on :class:`SidecarSchema` and the
-field types of :mod:`.sidecar_types`): text, JSON object, nesting, format, schema, each
-failure one :class:`AdaDSFCheckpointError` naming the file.
+:func:`read_sidecar_file` reads both kinds' sidecars (FTP's schema builds on
+:class:`SidecarSchema`): each failure is one :class:`AdaDSFCheckpointError` naming the
+file.
 """
 
 from __future__ import annotations
@@ -56,13 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
@@ -79,39 +39,12 @@ from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing import RoutedLayer, decoder_layers
 from adadsf_modifier.routing.skip_path import skip_path_of
 
-__all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "METADATA_ATTR",
-    "SIDECAR_NAME",
-    "SKIP_PATH_FORMAT_VERSION",
-    "SUPPORTED_FORMAT_VERSIONS",
-    "AdaDSFCheckpointError",
-    "AdaDSFSidecar",
-    "LayerEntry",
-    "MAX_NESTING",
-    "ModifierRecord",
-    "SidecarSchema",
-    "adadsf_config",
-    "describe_validation_error",
-    "package_version",
-    "read_adadsf_config",
-    "read_json_object",
-    "read_sidecar",
-    "read_sidecar_file",
-    "sidecar_for_model",
-    "write_sidecar",
-]
-
 SIDECAR_NAME = "adadsf_config.json"
 FORMAT_NAME = "adadsf"
 FORMAT_VERSION = 1  # written for a model that needs nothing newer
 SKIP_PATH_FORMAT_VERSION = 2  # written when a layer has a skip path or keeps K/V
 SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)  # 3: only to refuse a retired option by name
-METADATA_ATTR = "adadsf_metadata"
-"""Attribute on the model holding what the routed layers themselves do not know
-(similarities, modifier settings). Set by :class:`AdaDSFModifier` after routing and by
-:func:`~adadsf_modifier.checkpoint.from_pretrained`."""
+METADATA_ATTR = "adadsf_metadata"  # on the model: similarities, modifier settings
 
 
 class AdaDSFCheckpointError(InputError):
@@ -127,14 +60,7 @@ def package_version() -> str:
         return "unknown"
 
 
-# ------------------------------------------------------------------------------------
-# Schema
-# ------------------------------------------------------------------------------------
-
-
 class SidecarSchema(BaseModel):
-    """The base of both kinds' sidecar schemas (this file's and FTP's)."""
-
     # strict: no "0.5" -> 0.5 or true -> 1 coercion; ignore: additive keys of a later
     # writer keep the format version readable.
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -144,8 +70,6 @@ SchemaT = TypeVar("SchemaT", bound=SidecarSchema)
 
 
 class LayerEntry(SidecarSchema):
-    """One decoder layer, in model order."""
-
     index: Annotated[int, Field(ge=0)]
     name: Annotated[str, Field(min_length=1)]
     routed: bool
@@ -178,20 +102,15 @@ class LayerEntry(SidecarSchema):
 
     @property
     def needs_v2(self) -> bool:
-        """Uses a field of format version 2."""
         return self.skip_path != "identity" or self.skipped_tokens_kv
 
 
 class ModifierRecord(SidecarSchema):
-    """The modifier that routed the model: its class name and recipe settings."""
-
     class_name: str = Field(alias="class")
     settings: dict[str, Any] = Field(default_factory=dict)
 
 
 class AdaDSFSidecar(SidecarSchema):
-    """The whole sidecar file (see the module docstring for the format)."""
-
     format: Literal[FORMAT_NAME]  # type: ignore[valid-type]
     format_version: Literal[SUPPORTED_FORMAT_VERSIONS]  # type: ignore[valid-type]
     adadsf_modifier_version: str = "unknown"
@@ -229,8 +148,7 @@ class AdaDSFSidecar(SidecarSchema):
         return [entry for entry in self.layers if entry.routed]
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The file's content as plain JSON data (infinities as ``"inf"`` /
-        ``"-inf"``)."""
+        """The file's content as JSON data (infinities as ``"inf"`` / ``"-inf"``)."""
         return self.model_dump(mode="json", by_alias=True)
 
 
@@ -253,11 +171,6 @@ def describe_validation_error(error: ValidationError) -> str:
         got = f" (got {repr(e['input'])[:60]})" if scalar else ""
         parts.append(f"field `{_field(e['loc'])}`: {msg}{got}")
     return "; ".join(parts)
-
-
-# ------------------------------------------------------------------------------------
-# Building, reading, writing
-# ------------------------------------------------------------------------------------
 
 
 def _float_or_none(value: Any) -> float | None:
@@ -283,8 +196,6 @@ def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> di
             retention_ratio=float(layer.retention_ratio),
             router_hidden_size=int(layer.router.router_hidden_size),
             router_eps=float(layer.router.eps),
-            # Causal routing mode: the layer's inference threshold (None: not
-            # calibrated, so top-k over the whole sequence) and its mode setting.
             causal_threshold=None if threshold is None else float(threshold),
             routing_mode=getattr(layer, "routing_mode", None),
             skipped_tokens_kv=bool(getattr(layer, "skipped_tokens_kv", False)),
@@ -296,11 +207,8 @@ def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> di
 
 
 def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
-    """The sidecar for ``model``, read off its routed layers and its AdaDSF metadata.
-
-    Validated like a file being read, so a model that could not be reloaded as it is
-    (a NaN threshold, an unknown routing mode) is refused before anything is written.
-    """
+    """The sidecar for ``model``, validated like a file being read: a model that could
+    not be reloaded as it is (a NaN threshold) is refused before anything is written."""
     spec, layers = decoder_layers(model)
     routed = [layer for _, layer in layers if isinstance(layer, RoutedLayer)]
     if not routed:
@@ -343,27 +251,20 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
         ) from None
 
 
-def adadsf_config(model: nn.Module) -> dict[str, Any]:
-    """The sidecar for ``model`` as the JSON data the file holds."""
-    return sidecar_for_model(model).to_json_dict()
-
-
 def write_sidecar(folder: Path, sidecar: AdaDSFSidecar) -> None:
     """Write ``folder/adadsf_config.json`` (fsynced: it marks a complete checkpoint)."""
     text = json.dumps(sidecar.to_json_dict(), indent=2, allow_nan=False) + "\n"
     write_text_durably(folder / SIDECAR_NAME, text)
 
 
+# A checkpoint's JSON files nest 2 to 5 levels; deeper ones would exhaust the recursion
+# limit of pydantic or a later json.dumps.
 MAX_NESTING = 32
-"""The deepest nesting of lists and objects a JSON file of a checkpoint may have: far
-above what this package writes (a sidecar or shard index is 2 to 5 levels deep), far
-below the depth at which Python's JSON reader, pydantic or a later ``json.dumps``
-exhausts the interpreter's recursion limit."""
 
 
 def _nesting(data: Any) -> int:
-    """How deep ``data``'s lists and objects nest (a scalar is 0), walked without
-    recursion; stops counting past :data:`MAX_NESTING`."""
+    """How deep ``data`` nests (a scalar is 0), without recursion; stops past
+    :data:`MAX_NESTING`."""
     deepest, stack = 0, [(data, 1)]
     while stack and deepest <= MAX_NESTING:
         value, depth = stack.pop()
@@ -375,13 +276,8 @@ def _nesting(data: Any) -> int:
 
 
 def read_json_object(file: Path, what: str) -> dict[str, Any]:
-    """``file``'s content, which must be one JSON object (``what`` says which file it
-    should be, for the messages).
-
-    Everything a user's file can do wrong here (unreadable, empty, not JSON, not an
-    object, nested without end, which would otherwise be a bare ``RecursionError``)
-    is one :class:`AdaDSFCheckpointError` naming the file.
-    """
+    """``file``'s content, one JSON object (``what`` it should be, for messages); any
+    other content is one :class:`AdaDSFCheckpointError` naming the file."""
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -410,15 +306,9 @@ def read_sidecar_file(
     label: str,
     check_format: Callable[[Path, dict[str, Any]], None],
 ) -> SchemaT:
-    """The one reader of both kinds' sidecars: the file as a JSON object
-    (:func:`read_json_object`), then ``check_format`` (the kind's format and version,
-    first, so that a newer file says "upgrade" instead of listing the fields it
-    changed), then the whole ``schema``. Nothing else is read: a bad file fails before
-    any weight loads.
-
-    :raises AdaDSFCheckpointError: naming the file, and for a schema error every
-        offending field
-    """
+    """The reader of both kinds' sidecars: a JSON object, then ``check_format`` (first,
+    so that a newer file says "upgrade" instead of listing the fields it changed), then
+    ``schema``. :raises AdaDSFCheckpointError: naming the file and every bad field."""
     data = read_json_object(file, f"an {label} sidecar")
     check_format(file, data)
     try:
@@ -445,11 +335,7 @@ def _check_adadsf_format(file: Path, data: dict[str, Any]) -> None:
 
 def read_sidecar(path: str | os.PathLike[str]) -> AdaDSFSidecar:
     """Read and fully validate ``PATH/adadsf_config.json``, without touching any
-    weight.
-
-    :raises AdaDSFCheckpointError: no folder, no sidecar, not JSON, unknown format
-        version, or any field off (the message names the file and the field)
-    """
+    weight."""
     path = Path(path)
     if not path.is_dir():
         raise AdaDSFCheckpointError(
@@ -463,9 +349,3 @@ def read_sidecar(path: str | os.PathLike[str]) -> AdaDSFSidecar:
             "after AdaDSFModifier ran"
         )
     return read_sidecar_file(file, AdaDSFSidecar, "AdaDSF", _check_adadsf_format)
-
-
-def read_adadsf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate ``PATH/adadsf_config.json``; returns its content as JSON
-    data."""
-    return read_sidecar(path).to_json_dict()

@@ -1,7 +1,4 @@
-"""Field types of the sidecar schemas (``adadsf_config.json`` in
-:mod:`adadsf_modifier.checkpoint.sidecar`, ``ftp_routing.json`` in
-:mod:`adadsf_modifier.ftp.checkpoint`): thresholds that may be infinite but never NaN,
-ratios, and the literal option sets the routed layers accept."""
+"""Field types of both kinds' sidecar schemas."""
 
 from __future__ import annotations
 
@@ -13,21 +10,10 @@ from pydantic import BeforeValidator, Field, PlainSerializer
 from adadsf_modifier.routing import ROUTING_MODES
 from adadsf_modifier.routing.skip_path import SKIP_PATHS
 
-__all__ = [
-    "FiniteFloat",
-    "PositiveFloat",
-    "PositiveInt",
-    "Ratio",
-    "RoutingMode",
-    "SkipPathKind",
-    "Threshold",
-]
-
 
 def _threshold_in(value: Any) -> Any:
-    """JSON has no infinities: a layer that keeps every (-inf) or no (inf) token says
-    so in text. NaN (a bare ``NaN`` token, or ``"nan"``) is refused: compared with it,
-    every score is False, so the layer would silently run only the first token."""
+    """Infinities are written as text (JSON has none). NaN is refused: every score
+    compares False with it, so the layer would silently run only the first token."""
     if isinstance(value, str):
         if value in ("inf", "-inf"):
             return float(value)

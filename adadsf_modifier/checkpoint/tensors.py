@@ -1,10 +1,6 @@
-"""Reading the router (and skip-path) tensors of a checkpoint from its safetensors
-files.
-
-transformers does not know the routers and skip paths, so it neither loads nor checks
-them; they are read here, by name, with their presence, shape and full precision
-checked against the sidecar. The same reader verifies a freshly written checkpoint
-before it is published.
+"""Reading the router (and skip-path) tensors from a checkpoint's safetensors files,
+checked against the sidecar (presence, shape, full precision, finite): transformers
+does not know them. The save verifies what it wrote with the same reader.
 """
 
 from __future__ import annotations
@@ -24,8 +20,6 @@ from adadsf_modifier.checkpoint.sidecar import (
 from adadsf_modifier.recipe_checks import ROUTER_HINT, SKIP_PATH_HINT
 from adadsf_modifier.routing import SkipPath, TokenRouter
 
-__all__ = ["read_expected_tensors", "read_router_tensors", "safetensors_files"]
-
 # What compressed-tensors stores next to (or instead of) a quantized weight.
 _QUANT_SUFFIXES = (
     "_scale",
@@ -38,8 +32,7 @@ _QUANT_SUFFIXES = (
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:
-    """``{tensor name: file}`` over the checkpoint's safetensors files (sharded or
-    not)."""
+    """``{tensor name: file}`` over the checkpoint's safetensors files."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -57,8 +50,6 @@ def safetensors_files(path: Path) -> dict[str, Path]:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    """The index's ``weight_map`` ``{tensor name: shard file name}``, or a one-line
-    error naming the file."""
     data = read_json_object(index, "a shard index")
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not all(
@@ -71,9 +62,7 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def _shard(path: Path, index: Path, name: str) -> Path:
-    """The shard ``name`` inside the checkpoint folder; a name that leads elsewhere
-    (``../x.safetensors``, an absolute path) is refused: tensors are read from the
-    folder being loaded, nowhere else."""
+    """The shard ``name``, which must lie inside the checkpoint folder."""
     shard = path / name
     if Path(name).is_absolute() or path.resolve() not in shard.resolve().parents:
         raise AdaDSFCheckpointError(
@@ -94,39 +83,26 @@ def _expected_shapes(entry: LayerEntry, hidden_size: int) -> dict[str, tuple]:
     }
 
 
-def _missing(key: str, where: str, path: Path, files: dict) -> Exception:
-    quantized = [
-        k
-        for k in files
-        if k.startswith(key.rsplit(".", 1)[0] + ".") and k.endswith(_QUANT_SUFFIXES)
-    ]
-    what, hint = _kind(key)
-    extra = f" (found quantized tensors {quantized}: {hint})" if quantized else ""
-    return AdaDSFCheckpointError(
-        f"{what} tensor `{key}`{where} is missing from the safetensors files in "
-        f"{path}{extra}"
-    )
-
-
-def _kind(key: str) -> tuple[str, str]:
-    """``("router", ROUTER_HINT)`` or ``("skip path", SKIP_PATH_HINT)`` for a key."""
-    if ".skip_path." in key:
-        return "skip path", SKIP_PATH_HINT
-    return "router", ROUTER_HINT
-
-
 def _read_checked(
     path: Path, files: dict, key: str, shape: tuple, where: str, detail: str
 ) -> torch.Tensor:
-    """One router or skip-path tensor: present, of ``shape``, floating point."""
     from safetensors import safe_open
 
+    skip = ".skip_path." in key
+    what, hint = ("skip path", SKIP_PATH_HINT) if skip else ("router", ROUTER_HINT)
     file = files.get(key)
     if file is None:
-        raise _missing(key, where, path, files)
+        layer = key.rsplit(".", 1)[0] + "."
+        quantized = [
+            k for k in files if k.startswith(layer) and k.endswith(_QUANT_SUFFIXES)
+        ]
+        extra = f" (found quantized tensors {quantized}: {hint})" if quantized else ""
+        raise AdaDSFCheckpointError(
+            f"{what} tensor `{key}`{where} is missing from the safetensors files in "
+            f"{path}{extra}"
+        )
     with safe_open(str(file), framework="pt") as f:
         tensor = f.get_tensor(key)
-    what, hint = _kind(key)
     if tuple(tensor.shape) != tuple(shape):
         raise AdaDSFCheckpointError(
             f"{what} tensor `{key}` in {path} has shape {tuple(tensor.shape)}, "
@@ -148,9 +124,8 @@ def _read_checked(
 def read_expected_tensors(
     path: Path, expected: dict[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
-    """The tensors named in ``expected`` (``{name: shape}``), each checked for
-    presence, shape and full precision: how a save whose sidecar does not describe
-    the tensor shapes itself (FTP's) verifies what it wrote."""
+    """The tensors ``expected`` names (``{name: shape}``), checked (FTP's save: its
+    sidecar does not give the shapes)."""
     files = safetensors_files(path)
     return {
         key: _read_checked(path, files, key, shape, "", "")
@@ -159,8 +134,8 @@ def read_expected_tensors(
 
 
 def read_router_tensors(path: Path, sidecar: AdaDSFSidecar) -> dict[str, torch.Tensor]:
-    """Every routed layer's router (and skip-path) tensors, checked for presence, shape
-    and full precision."""
+    """Every routed layer's router (and skip-path) tensors, checked; a router tensor of
+    a layer the sidecar lists as not routed is refused."""
     files = safetensors_files(path)
     hidden = sidecar.hidden_size
     out: dict[str, torch.Tensor] = {}

@@ -65,8 +65,7 @@ __all__ = [
     "main",
 ]
 
-COMMAND_GROUP = "adadsf.commands"
-"""Entry-point group through which other distributions (the lab) add subcommands."""
+COMMAND_GROUP = "adadsf.commands"  # entry points through which the lab adds commands
 
 RECIPE_HELP = "YAML recipe (default recipes/adadsf_w8a8.yaml)"
 
@@ -119,7 +118,6 @@ _ROUTING_MODE_HELP = {
 
 
 def routing_mode_argument(parser: argparse.ArgumentParser, modes: tuple[str, ...]):
-    """``--routing-mode``: how a routed checkpoint's layers choose their tokens."""
     parser.add_argument(
         "--routing-mode",
         choices=list(modes),
@@ -138,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     add, model, dtype = add_command, add_model_argument, add_dtype_argument
     align_samples = add_align_samples_argument
+
+    def routed(sp: argparse.ArgumentParser) -> None:
+        help_ = "AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)"
+        sp.add_argument("--routed", type=model_name, required=True, help=help_)
 
     c = add(
         sub, "compress", "model + recipe -> compressed AdaDSF checkpoint", cmd_compress
@@ -167,12 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true")
 
     b = add(sub, "bench", "speed: routed checkpoint vs its dense twin", cmd_bench)
-    b.add_argument(
-        "--routed",
-        type=model_name,
-        required=True,
-        help="AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)",
-    )
+    routed(b)
     b.add_argument(
         "--seq-lens", type=positive_int, nargs="+", default=[256, 1024, 2048]
     )
@@ -191,12 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "refit a routed checkpoint's thresholds on your own text (weights untouched)",
         cmd_calibrate,
     )
-    k.add_argument(
-        "--routed",
-        type=model_name,
-        required=True,
-        help="AdaDSF or FTP checkpoint directory (e.g. `adadsf compress` output)",
-    )
+    routed(k)
     k.add_argument(
         "--text", nargs="+", required=True, help="UTF-8 text file(s) of your traffic"
     )
@@ -222,10 +214,10 @@ def _terminated(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    # SIGTERM (a scheduler, `kill`, torchrun taking a failed job down) ends the command
-    # as an exception, so that what it wrote half-way (a results folder being built
-    # beside its destination) is removed on the way out, as after any other failure
-    previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
+    # SIGTERM (a scheduler, torchrun taking a failed job down) becomes an exception, so
+    # that what the command wrote half-way is removed on the way out
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         args = parser.parse_args(argv)
         args.func(args)
@@ -239,7 +231,3 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 0
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()

@@ -1,5 +1,5 @@
 """The CLI's argument types, input checks and output helpers: whatever can be wrong
-must fail here, in one line, before any heavy work (see :mod:`adadsf_modifier.cli`)."""
+fails here, in one line, before any heavy work."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -31,8 +29,7 @@ class UsageError(CLIError):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line (``adadsf CMD: error: ...``) instead of argparse's usage block."""
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
@@ -57,9 +54,8 @@ token_count = _int_at_least(2)  # perplexity scores n - 1 tokens: at least one
 
 
 def model_name(text: str) -> str:
-    """A model folder, ``embedded``/``smollm2``, or a hub id already in the local
-    Hugging Face cache. Anything path-like (a separator, or a leading ``.``/``~``)
-    must exist: there is no hub to fall back on."""
+    """A model folder, ``embedded``/``smollm2``, or a hub id in the local Hugging Face
+    cache; anything path-like must exist."""
     if os.path.exists(os.path.expanduser(text)):
         return text
     path_like = text.startswith((".", "~")) or "/" in text or os.sep in text
@@ -106,7 +102,6 @@ def check_recipe(path: str) -> str:
 
 
 def check_tasks(tasks: str | None) -> list[str]:
-    """The task names (none when not given); lm-eval must be installed for any."""
     if not tasks or not tasks.strip():
         return []
     from adadsf_modifier.evaluation.lm_eval_tasks import check_tasks
@@ -124,14 +119,13 @@ def require(module: str, what: str, install: str = EVAL_EXTRA) -> None:
         raise CLIError(f"{what} needs {module}, which is not installed: {install}")
 
 
-#: Files of which a model folder needs one for its tokenizer (every command reads text).
+# A model folder needs one of them for its tokenizer (every command reads text).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def check_model(name: str | None) -> str:
-    """The model the command loads: a local folder must be a Hugging Face model folder
-    with its tokenizer (checked here, before the minutes a load and a calibration
-    take, instead of failing in transformers with a traceback)."""
+    """The model the command loads; a local folder must hold a config and a tokenizer
+    (else transformers fails with a traceback, after minutes)."""
     from adadsf_modifier.evaluation import resolve_model
 
     try:
@@ -155,8 +149,7 @@ def check_model(name: str | None) -> str:
 
 
 def check_parent(out: Path) -> None:
-    """The nearest existing folder above ``out`` must be a folder (else mkdir fails
-    only after the work is done)."""
+    """The nearest existing path above ``out`` must be a folder."""
     for parent in out.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
@@ -165,10 +158,8 @@ def check_parent(out: Path) -> None:
 
 
 def check_output_dir(path: str, overwrite: bool, keep: Sequence[str] = ()) -> Path:
-    """``keep``: for a folder that may hold other files, the only names that count as
-    an earlier output (all of them when empty). The folder must be writable where the
-    save writes it (:func:`~adadsf_modifier.destinations.check_destination`), checked
-    before the model loads."""
+    """``keep``: the only names that count as an earlier output in a folder that may
+    hold other files (all names when empty)."""
     out = Path(path)
     check_parent(out)
     if out.exists() and not out.is_dir():
@@ -200,9 +191,8 @@ def check_output_file(path: str | None, overwrite: bool) -> Path | None:
 
 
 def check_routed(path: str, required: bool = True) -> None:
-    """``path`` is a checkpoint :func:`adadsf_modifier.from_pretrained` reloads
-    (AdaDSF's or FTP's), or, unless ``required``, a plain model folder; never an
-    ambiguous folder holding both sidecars."""
+    """``path`` is a routed checkpoint (AdaDSF's or FTP's) or, unless ``required``, a
+    plain model folder."""
     from adadsf_modifier.checkpoint import (
         FTP_SIDECAR_NAME,
         SIDECAR_NAME,
@@ -228,29 +218,3 @@ def write_json(path: Path | None, data: Any) -> None:
         return
     atomic_write_text(path, json_text(data, indent=2, sort_keys=False))
     logger.info(f"wrote {path}")
-
-
-def sibling_dir(out: Path, suffix: str) -> Path:
-    """A new empty folder next to ``out`` (same file system: a rename swaps it in),
-    with the permissions a plain mkdir gives (``mkdtemp`` makes 0700)."""
-    path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o777 & ~umask)
-    return path
-
-
-def swap_in(new: Path, out: Path) -> None:
-    """Put the complete folder ``new`` (next to ``out``) in place of ``out``; the
-    earlier results are deleted only once the new ones are in place."""
-    old = sibling_dir(out, ".old") if out.exists() else None
-    if old is not None:
-        os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

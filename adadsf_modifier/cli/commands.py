@@ -23,12 +23,10 @@ from adadsf_modifier.cli.checks import (
 )
 from adadsf_modifier.constraints import InputError
 
-__all__ = ["bench", "calibrate", "compress", "evaluate", "text_rows"]
-
 
 def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
-    """Also under ``torchrun --nproc_per_node N`` (docs/distributed.md): the process
-    group is set up here (NCCL with GPUs, else gloo) and taken down afterwards."""
+    """Also under ``torchrun`` (docs/distributed.md): the process group is set up and
+    taken down here."""
     from adadsf_modifier import distributed
 
     recipe = check_recipe(args.recipe or default_recipe())
@@ -63,14 +61,10 @@ def compress(
     dtype: str = "float32",
     align_samples: int | None = None,
 ) -> dict[str, Any]:
-    """Under ``torchrun`` every rank builds the same calibration set and keeps its own
-    contiguous slice of it, so every modifier of the recipe (GPTQ included) calibrates
-    each rank on its own rows; only the source rank writes and logs. Alignment rows
-    (:mod:`.alignment_rows`) are given whole to every rank: the trainer splits them.
-
-    ``dtype`` is the precision the model is loaded and compressed in
-    (:func:`adadsf_modifier.precision.resolve_dtype`; ``auto``: bfloat16 where the
-    hardware runs it natively)."""
+    """Under ``torchrun`` each rank keeps its own slice of the calibration set, so every
+    modifier (GPTQ included) calibrates on its own rows; alignment rows go whole to
+    every rank (the trainer splits them). ``dtype``: see
+    :func:`adadsf_modifier.precision.resolve_dtype`."""
     import torch
     from llmcompressor import oneshot
     from llmcompressor.recipe import Recipe
@@ -208,9 +202,8 @@ def bench(
     dtype: str = "float32",
     routing_mode: str | None = None,
 ) -> dict[str, Any]:
-    """Routed checkpoint (its layers in ``routing_mode``; ``None``: as saved) vs the
-    same checkpoint with routing removed (identical weights), both loaded in
-    ``dtype``."""
+    """Routed checkpoint (in ``routing_mode``; ``None``: as saved) vs the same weights
+    with routing removed."""
     import torch
     from transformers import AutoTokenizer
 
@@ -280,7 +273,6 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def read_text_file(path: str) -> str:
-    """A UTF-8 text file's content, or a one-line reason it cannot be used."""
     file = Path(path)
     if not file.is_file():
         raise CLIError(f"--text {path}: no such file")
@@ -295,18 +287,15 @@ def read_text_file(path: str) -> str:
     return text
 
 
-#: Characters per token a text file is read up to, times the tokens needed: far above
-#: what tokenizers average on prose or code (3-6), so the cap only spares tokenizing a
-#: huge file whose tail would go unused.
+# Characters read per token needed: far above what tokenizers average (3-6), so it only
+# spares tokenizing a huge file's unused tail.
 CHARS_PER_TOKEN_CAP = 16
 
 
 def text_rows(tokenizer: Any, texts: Sequence[str], rows: int, seq_len: int):
-    """Up to ``rows`` consecutive rows of ``seq_len`` tokens of ``texts``, in order,
-    each followed by a blank line (as the calibration set joins documents), without
-    special tokens: ``[n, seq_len]`` ids. Only as much text as the rows need is
-    tokenized. Fewer rows than asked when the text is shorter (logged); none is an
-    error, before the model loads."""
+    """Up to ``rows`` consecutive ``[n, seq_len]`` token rows of ``texts``, each text
+    followed by a blank line (as the calibration set joins documents), no special
+    tokens; fewer when the text is short (logged), none is an error."""
     import torch
 
     needed = rows * seq_len
@@ -332,8 +321,7 @@ def text_rows(tokenizer: Any, texts: Sequence[str], rows: int, seq_len: int):
 def calibrate(
     routed_path: str, rows: Any, out: Path, dtype: str = "float32"
 ) -> dict[str, Any]:
-    """Refit ``routed_path``'s thresholds on ``rows`` into ``out``
-    (:func:`adadsf_modifier.recalibration.recalibrate_checkpoint`)."""
+    """Refit ``routed_path``'s thresholds on ``rows`` into ``out``."""
     from adadsf_modifier.precision import dtype_name, resolve_dtype
     from adadsf_modifier.recalibration import recalibrate_checkpoint
 

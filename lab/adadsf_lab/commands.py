@@ -9,7 +9,9 @@ the work and this module only strings them together and reports.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,6 @@ from adadsf_modifier.cli.checks import (
     default_recipe,
     positive_int,
     require,
-    sibling_dir,
-    swap_in,
     token_count,
     write_json,
 )
@@ -264,3 +264,29 @@ def _main_job(
     report = build_report(records, speed["results"], meta)
     write_report(report, work)
     return report
+
+
+def sibling_dir(out: Path, suffix: str) -> Path:
+    """A new empty folder next to ``out`` (a rename swaps it in), with the permissions
+    a plain mkdir gives (``mkdtemp`` makes 0700)."""
+    path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    return path
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Put the complete folder ``new`` in place of ``out``, deleting the earlier one
+    only then."""
+    old = sibling_dir(out, ".old") if out.exists() else None
+    if old is not None:
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
