@@ -142,9 +142,8 @@ def held_out_errors(
     other fold's sums are turned into that eigenbasis once (:class:`_HeldOut`), so a
     penalty's error costs one ``h^3`` product at full rank. At rank ``k`` the error
     itself is ``h^2 k``, and so are the penalty's top fitted-value directions, but for
-    the first penalty's (:func:`_leading_fitted_directions`). At a 1B model's width
-    (h = 2048) an ``h^3`` product is a fifth of a second in float64 on two threads, a
-    float32 ``eigh`` half a second, and a layer's search covers 14 fits.
+    the first penalty's (:func:`_leading_fitted_directions`): a layer's search covers
+    14 fits, and at a 1B model's width ``h^3`` work per fit would dominate it.
 
     At rank ``k`` the directions are computed in float32 and the rest in float64: the
     errors carry the directions' residual (:func:`_leading_fitted_directions`), which
@@ -205,12 +204,10 @@ def _leading_fitted_directions(
     value: by Davis-Kahan (with that Ritz value standing in for the next eigenvalue)
     the subspace is then within about that angle of the exact one. Directions the gap
     leaves undetermined (a flat spectrum) do not settle, and get a full ``eigh`` after
-    :data:`SEARCH_MAX_STEPS`. On a SmolLM2 compression's 29 layers (about three steps
-    a penalty) and on 12 random 1B-shaped layers (about six), the held-out errors moved
-    by at most 2e-5 (relative) against best-to-second gaps of 2.5e-4 and more, and
-    every layer chose the same penalty. Where the tracked directions are all ``h``,
-    one Rayleigh-Ritz step is exact. The fit of the chosen penalty (:func:`fit_ridge`)
-    is a full float64 ``eigh``.
+    :data:`SEARCH_MAX_STEPS`. The errors so computed can differ from a fresh ``eigh``'s
+    only far below the gaps between penalties, so the choice is the same. Where the
+    tracked directions are all ``h``, one Rayleigh-Ritz step is exact. The fit of the
+    chosen penalty (:func:`fit_ridge`) is a full float64 ``eigh``.
     """
     h = proj.shape[0]
     width = min(h, k + max(k, SEARCH_OVERSAMPLING))
