@@ -90,3 +90,36 @@ def test_a_routed_checkpoint_without_its_sidecar_is_not_taken_for_a_dense_model(
     assert main(["eval", "--model", str(saved), "--ppl-tokens", "64"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "routing data is missing" in err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied"])
+def test_a_damaged_weights_file_is_named_before_any_weight_loads(saved, damage):
+    file = saved / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:-100] if damage == "truncated" else b"")
+    with pytest.raises(AdaDSFCheckpointError, match="model.safetensors is not a"):
+        adadsf_modifier.from_pretrained(saved)
+
+
+def test_a_missing_shard_of_an_index_is_named(saved):
+    keys = list(load_file(saved / "model.safetensors"))
+    (saved / INDEX).write_text(
+        json.dumps(
+            {"weight_map": {k: "model-00002-of-00002.safetensors" for k in keys}}
+        )
+    )
+    with pytest.raises(AdaDSFCheckpointError, match="model-00002-of-00002.safetensors"):
+        adadsf_modifier.from_pretrained(saved)
+
+
+def test_the_command_line_reports_a_damaged_checkpoint_in_one_line(saved, capsys):
+    from tiny_models import tiny_tokenizer
+
+    from adadsf_modifier.cli import main
+
+    tiny_tokenizer().save_pretrained(saved)
+    file = saved / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    assert main(["eval", "--model", str(saved), "--ppl-tokens", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a readable safetensors file" in err and "Traceback" not in err

@@ -32,21 +32,40 @@ _QUANT_SUFFIXES = (
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:
-    """``{tensor name: file}`` over the checkpoint's safetensors files."""
-    from safetensors import safe_open
-
+    """``{tensor name: file}`` over the checkpoint's safetensors files, every file's
+    header read: a missing, emptied or truncated shard is named here, before the base
+    model loads (transformers' own error names neither the file nor the fix)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return {k: _shard(path, index, v) for k, v in _weight_map(index).items()}
+        out = {k: _shard(path, index, v) for k, v in _weight_map(index).items()}
+        for file in sorted(set(out.values())):
+            if not file.is_file():
+                raise AdaDSFCheckpointError(
+                    f"{index} lists the shard {file.name}, which is missing from "
+                    f"{path}: copy the checkpoint again, or save it again"
+                )
+            _tensor_names(file)
+        return out
     single = path / "model.safetensors"
     files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
         raise AdaDSFCheckpointError(f"no safetensors weights found in {path}")
-    out = {}
-    for file in files:
+    return {k: file for file in files for k in _tensor_names(file)}
+
+
+def _tensor_names(file: Path) -> list[str]:
+    """The tensors a safetensors file holds, from its header (and its data's length,
+    which safetensors checks against the header)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
         with safe_open(str(file), framework="pt") as f:
-            out.update({k: file for k in f.keys()})
-    return out
+            return list(f.keys())
+    except (SafetensorError, OSError) as err:
+        raise AdaDSFCheckpointError(
+            f"{file} is not a readable safetensors file ({err}): it is damaged or "
+            "truncated; copy the checkpoint again, or save it again"
+        ) from None
 
 
 def _weight_map(index: Path) -> dict[str, str]:
