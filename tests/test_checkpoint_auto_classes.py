@@ -40,6 +40,7 @@ from adadsf_modifier.checkpoint import SIDECAR_NAMES
 from adadsf_modifier.checkpoint.routed_config import (
     AUTO_MAP,
     CODE_FILES,
+    ROPE_GUARD,
     ROUTED_ARCHITECTURE,
     ROUTED_MODEL_TYPE,
 )
@@ -224,6 +225,46 @@ print(json.dumps({{"refusals": refusals, "same": same}}))
     assert result["same"] == {kind: [True, True] for kind in paths}
 
 
+def test_an_explicit_base_class_refuses_naming_the_loader(checkpoints, tmp_path):
+    """``LlamaForCausalLM.from_pretrained(path)`` or a base config handed to the Auto
+    class reads the config's fields, not its ``model_type``: the RoPE type the save
+    leaves there (:data:`ROPE_GUARD`) makes that load fail, naming the loader, with
+    or without the package imported."""
+    paths = {k: str(checkpoints[k]) for k in ("adadsf", "ftp_w8a8")}
+    code = f"""
+import json, sys
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+paths = {paths!r}
+out = {{}}
+for imported in (False, True):
+    if imported:
+        import adadsf_modifier
+    for kind, path in paths.items():
+        for how in ("class", "config"):
+            try:
+                if how == "class":
+                    LlamaForCausalLM.from_pretrained(path)
+                else:
+                    config = LlamaConfig.from_pretrained(path)
+                    AutoModelForCausalLM.from_pretrained(path, config=config)
+                out[f"{{imported}} {{kind}} {{how}}"] = None
+            except Exception as e:
+                out[f"{{imported}} {{kind}} {{how}}"] = str(e)
+print(json.dumps(out))
+"""
+    done = _run(code, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result) == 8
+    for case, message in result.items():
+        assert message is not None, f"{case}: built the dense-depth model"
+        assert "adadsf_modifier.from_pretrained(path)" in message, case
+    # the routed config gives the base model its own RoPE parameters back
+    config = AutoConfig.from_pretrained(checkpoints["adadsf"]).base_config()
+    assert config.rope_parameters["rope_type"] == "default"
+    assert ROPE_GUARD not in json.dumps(config.to_dict())
+
+
 def test_without_the_package_installed_remote_code_names_it_in_one_line(
     checkpoints, tmp_path
 ):
@@ -272,6 +313,7 @@ def _as_saved_before(path: Path, dest: Path) -> Path:
     config = json.loads((dest / "config.json").read_text())
     config["model_type"] = config.pop("base_model_type")
     config["architectures"] = config.pop("base_architectures")
+    config["rope_parameters"] = config.pop("base_rope_parameters")
     del config["auto_map"]
     (dest / "config.json").write_text(json.dumps(config))
     for name in CODE_FILES:

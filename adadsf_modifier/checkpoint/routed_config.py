@@ -6,6 +6,15 @@ unchanged and at the top level (lm-eval and llm-compressor read some without bui
 the model), plus ``model_type: adadsf_routed``, ``architectures``, ``auto_map`` and
 ``base_model_type`` / ``base_architectures``; the routing data stays in the sidecar.
 ``model_type`` must be our own: transformers refuses to remap its own config classes.
+
+An explicit class (``LlamaForCausalLM.from_pretrained(path)``, or
+``AutoModelForCausalLM`` given ``config=LlamaConfig.from_pretrained(path)``) reads
+the fields, not the ``model_type``: it would build the dense-depth model with a
+warning only. So the save moves ``rope_parameters`` to ``base_rope_parameters`` and
+leaves in its place a RoPE type no transformers knows, :data:`ROPE_GUARD`, which
+names the way to load the checkpoint: such a model fails to build, with that name in
+the error. The routed config restores the base's parameters.
+
 With the package imported the Auto classes are registered (:mod:`.auto_model`);
 without it, ``trust_remote_code=True`` runs the two files ``auto_map`` names, which only
 import the package (no stale copy of its code in a checkpoint) and name it when it is
@@ -28,6 +37,13 @@ ROUTED_MODEL_TYPE = "adadsf_routed"
 ROUTED_ARCHITECTURE = "AdaDSFRoutedForCausalLM"
 _BASE_TYPE = "base_model_type"
 _BASE_ARCHITECTURES = "base_architectures"
+_BASE_ROPE = "base_rope_parameters"
+#: The ``rope_type`` a routed ``config.json`` declares in place of the base model's.
+ROPE_GUARD = (
+    "adadsf_routed: a depth-routed checkpoint; load it with "
+    "adadsf_modifier.from_pretrained(path), or AutoModelForCausalLM after "
+    "`import adadsf_modifier`"
+)
 _CONFIG_MODULE = "configuration_adadsf_routed"
 _MODEL_MODULE = "modeling_adadsf_routed"
 AUTO_MAP = {
@@ -68,6 +84,7 @@ _ROUTED_ONLY = (
     "auto_map",
     _BASE_TYPE,
     _BASE_ARCHITECTURES,
+    _BASE_ROPE,
 )
 
 
@@ -97,6 +114,8 @@ class AdaDSFRoutedConfig(PreTrainedConfig):
             )
         data = {k: v for k, v in self.to_dict().items() if k not in _ROUTED_ONLY}
         data["architectures"] = self.base_architectures
+        if getattr(self, _BASE_ROPE, None) is not None:
+            data["rope_parameters"] = getattr(self, _BASE_ROPE)
         try:
             config_class = CONFIG_MAPPING[self.base_model_type]
         except KeyError:
@@ -125,7 +144,19 @@ def routed_config_dict(data: dict[str, Any]) -> dict[str, Any]:
         _BASE_ARCHITECTURES: base.get("architectures"),
     }
     routed.update({k: v for k, v in base.items() if k not in _ROUTED_ONLY})
+    rope = base.get("rope_parameters")
+    if isinstance(rope, dict) and rope:
+        routed[_BASE_ROPE] = rope
+        routed["rope_parameters"] = _guarded(rope)
     return routed
+
+
+def _guarded(rope: dict[str, Any]) -> dict[str, Any]:
+    """``rope`` with :data:`ROPE_GUARD` as its RoPE type (each layer type's, where
+    the parameters are given per layer type)."""
+    if all(isinstance(v, dict) for v in rope.values()):
+        return {k: _guarded(v) for k, v in rope.items()}
+    return {**rope, "rope_type": ROPE_GUARD}
 
 
 def _base_config_dict(data: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +167,8 @@ def _base_config_dict(data: dict[str, Any]) -> dict[str, Any]:
     base = {k: v for k, v in data.items() if k not in _ROUTED_ONLY}
     base["model_type"] = data.get(_BASE_TYPE)
     base["architectures"] = data.get(_BASE_ARCHITECTURES)
+    if data.get(_BASE_ROPE) is not None:
+        base["rope_parameters"] = data[_BASE_ROPE]
     if not base["model_type"]:
         raise AdaDSFCheckpointError(f"a routed config.json without {_BASE_TYPE}")
     return base
