@@ -68,10 +68,17 @@ def recalibrate_checkpoint(
     dest: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     tolerance: float = THRESHOLD_TOLERANCE,
+    allow_missed_plan: bool = False,
 ) -> Recalibration:
     """Refit ``source``'s causal thresholds on ``rows`` (``[n, seq]`` ids, every token
     real) and write the checkpoint to ``dest`` atomically (``source`` itself: in
-    place). Rows too short for a ratio are refused before the weights load."""
+    place). Rows too short for a ratio are refused before the weights load.
+
+    A refit in which a layer's kept share of the rows misses its planned ratio by more
+    than ``tolerance`` is refused before anything is written (:class:`InputError`):
+    repetitive text ties the router scores, so no threshold reaches the plan, and
+    such thresholds would spend another budget on ordinary text. ``allow_missed_plan``
+    writes it anyway, with a warning."""
     source, dest = Path(source), Path(dest)
     if distributed.is_distributed():
         raise InputError("recalibrating a checkpoint runs in one process, not torchrun")
@@ -107,6 +114,8 @@ def recalibrate_checkpoint(
     # every routed layer sees every token of the rows: the share a forward of the refit
     # model counts is the mean of the walk's per-layer kept fractions
     kept_after = sum(fit.kept_fraction) / len(fit.kept_fraction)
+    _check_plan(fit.layer_indices, fit.kept_fraction, fit.target_ratios, tolerance,
+                allow_missed_plan)  # fmt: skip
     entries = []
     for entry in sidecar.layers:  # FTP's sidecar lists its routed layers only
         if getattr(entry, "routed", True) and entry.index in layers:
@@ -135,6 +144,33 @@ def recalibrate_checkpoint(
         f"{report.target:.3f}); written to {dest}"
     )
     return report
+
+
+def _check_plan(
+    indices: list[int],
+    kept: list[float],
+    targets: list[float],
+    tolerance: float,
+    allow: bool,
+) -> None:
+    missed = [
+        f"layer {i} kept {k:.3f} against a plan of {t:.3f}"
+        for i, k, t in zip(indices, kept, targets)
+        if abs(k - t) > tolerance
+    ]
+    if not missed:
+        return
+    message = (
+        f"the refit thresholds miss their plan by more than {tolerance:g} on "
+        f"{len(missed)} routed layer(s): {'; '.join(missed)}. The text is too "
+        "repetitive (tied router scores) or too unlike what the model will serve"
+    )
+    if not allow:
+        raise InputError(
+            f"{message}: nothing was written; calibrate on more varied text, or "
+            "accept these thresholds (--allow-missed-plan, allow_missed_plan=True)"
+        )
+    logger.warning(f"{message}; written anyway (allow_missed_plan)")
 
 
 def check_destination_apart(source: Path, dest: Path) -> None:

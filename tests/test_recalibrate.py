@@ -254,3 +254,23 @@ def test_weights_are_shared_and_other_files_are_copies(checkpoint, tmp_path):
     before = (checkpoint / "config.json").read_text()
     (dest / "config.json").write_text("{}")
     assert (checkpoint / "config.json").read_text() == before
+
+
+def test_a_refit_that_misses_its_plan_is_refused_unless_allowed(
+    checkpoint, tmp_path, capsys, logged_warnings
+):
+    """One word repeated: every row is the same tokens, the router scores tie, and no
+    threshold reaches a layer's planned share. Nothing is written without the flag;
+    with it, the checkpoint is written and the miss is a warning."""
+    text = tmp_path / "one_word.txt"
+    text.write_text(" ".join(["w100"] * 3000))
+    argv = ["calibrate", "--routed", str(checkpoint), "--text", str(text),
+            "--rows", "8", "--seq-len", "32", "--output-dir"]  # fmt: skip
+    dest = tmp_path / "mine"
+    assert adadsf_modifier.cli.main([*argv, str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert "miss their plan" in err and "--allow-missed-plan" in err
+    assert "Traceback" not in err and not dest.exists()
+    assert adadsf_modifier.cli.main([*argv, str(dest), "--allow-missed-plan"]) == 0
+    assert (dest / SIDECAR_NAME).is_file()
+    assert any("written anyway" in m for m in logged_warnings)

@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seq-len", type=positive_int, default=512)
     dtype(k)
     k.add_argument("--overwrite", action="store_true")
+    k.add_argument(
+        "--allow-missed-plan",
+        action="store_true",
+        help="write the refit even where a layer's kept share misses its plan",
+    )
 
     for entry in importlib.metadata.entry_points(group=COMMAND_GROUP):
         entry.load()(sub)

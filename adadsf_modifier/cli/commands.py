@@ -269,7 +269,7 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
     tok = AutoTokenizer.from_pretrained(routed_path)
     rows = text_rows(tok, texts, args.rows, args.seq_len)
-    return calibrate(routed_path, rows, out, args.dtype)
+    return calibrate(routed_path, rows, out, args.dtype, args.allow_missed_plan)
 
 
 def read_text_file(path: str) -> str:
@@ -319,14 +319,20 @@ def text_rows(tokenizer: Any, texts: Sequence[str], rows: int, seq_len: int):
 
 
 def calibrate(
-    routed_path: str, rows: Any, out: Path, dtype: str = "float32"
+    routed_path: str,
+    rows: Any,
+    out: Path,
+    dtype: str = "float32",
+    allow_missed_plan: bool = False,
 ) -> dict[str, Any]:
     """Refit ``routed_path``'s thresholds on ``rows`` into ``out``."""
     from adadsf_modifier.precision import dtype_name, resolve_dtype
     from adadsf_modifier.recalibration import recalibrate_checkpoint
 
     torch_dtype = resolve_dtype(dtype)
-    report = recalibrate_checkpoint(routed_path, rows, out, dtype=torch_dtype)
+    report = recalibrate_checkpoint(
+        routed_path, rows, out, dtype=torch_dtype, allow_missed_plan=allow_missed_plan
+    )
     print(
         f"kept share of the text's tokens at the routed layers: "
         f"{report.kept_before:.3f} before, {report.kept_after:.3f} after the refit "
