@@ -75,7 +75,6 @@ def materialize_once(
     *,
     version: str = "1",
     check: Callable[[Path], None] | None = None,
-    lock_timeout_s: float = _LOCK_TIMEOUT_S,
 ) -> Path:
     """Create folder ``target`` with ``build`` once, safely across processes.
 
@@ -91,7 +90,7 @@ def materialize_once(
     if _problem(target, version, check) is None:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{target.name}.lock"), timeout=lock_timeout_s):
+    with FileLock(str(target.parent / f".{target.name}.lock"), timeout=_LOCK_TIMEOUT_S):
         problem = _problem(target, version, check)
         if problem is None:  # another process built it while we waited
             return target

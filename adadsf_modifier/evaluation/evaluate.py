@@ -53,13 +53,9 @@ def load_for_eval(
     (AdaDSF's or FTP's) reload routed, anything else dense."""
     path = resolve_model(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if checkpoint_sidecar(path) is not None:
-        model = from_pretrained(path, dtype=dtype)
-        routed = True
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        routed = False
-    return model.eval(), tokenizer, routed
+    routed = checkpoint_sidecar(path) is not None
+    load = from_pretrained if routed else AutoModelForCausalLM.from_pretrained
+    return load(path, dtype=dtype).eval(), tokenizer, routed
 
 
 def evaluate_model(
@@ -103,12 +99,7 @@ def evaluate_model(
     test_ids = test_ids[:ppl_max_tokens]
     if ppl:
         res = perplexity(
-            model,
-            None,
-            None,
-            max_length=ppl_max_length,
-            stride=ppl_stride,
-            input_ids=test_ids,
+            model, None, None, ppl_max_length, ppl_stride, input_ids=test_ids
         )
         record.ppl, record.ppl_tokens = float(res.ppl), int(res.tokens)
         logger.info(

