@@ -97,10 +97,7 @@ def count_flops(
     :param kv_only_tokens: skipped tokens whose keys/values the layer computed
     """
     shape = layer_shape(config)
-    lens = [
-        int(n)
-        for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
-    ]
+    lens = [int(n) for n in torch.as_tensor(seq_lens).tolist()]
     batch, L = len(lens), shape.num_layers
     kept_t = _as_table(kept, L, batch, "kept")
     past = _per_row(past_lens, batch, "past_lens")
