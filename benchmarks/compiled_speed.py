@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             f"# {name} decoding: first run {time.perf_counter() - t:.1f} s", flush=True
         )
     med = interleaved({k: lambda k=k: decode(k) for k in arms}, args.repeats)
-    ideal = 1.0 / _decode_flops(routed, prompt, fed["routed eager"]).normalized
+    ideal = 1.0 / _decode_flops(routed, prompt, fed["routed eager"])[0].normalized
     same = sum(
         int(torch.equal(a, b))
         for a, b in zip(fed["routed compiled"], fed["routed eager"])

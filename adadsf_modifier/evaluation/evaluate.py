@@ -1,9 +1,5 @@
-"""One evaluation record for one model: perplexity, lm-eval accuracies and normalized
-FLOPs.
-
-Shared by the CLI (``adadsf eval`` / ``adadsf run``) so dense and sparse models are
-measured by exactly the same code on exactly the same text.
-"""
+"""One model's evaluation record: perplexity, lm-eval accuracies, normalized FLOPs
+(``adadsf eval``; dense and sparse measured by the same code on the same text)."""
 
 from __future__ import annotations
 
@@ -18,9 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from adadsf_modifier.checkpoint import checkpoint_sidecar, from_pretrained
 from adadsf_modifier.constraints import NonNegativeFloat, PositiveFloat
-from adadsf_modifier.evaluation.assets import load_text_splits, resolve_model
 from adadsf_modifier.evaluation.budget import KeptShare
+from adadsf_modifier.evaluation.embedded_model import resolve_model
 from adadsf_modifier.evaluation.perplexity import perplexity, token_stream
+from adadsf_modifier.evaluation.text_splits import load_text_splits
 from adadsf_modifier.flops import stream_flops
 from adadsf_modifier.routing import routed_layers, routing_modes_of, set_routing_mode
 
@@ -33,17 +30,14 @@ class EvalRecord:
     model: str
     routed: bool
     routing_mode: str | None
-    # the annotations are what a record read back from disk is checked against
-    # (``adadsf report``): a perplexity or FLOPs ratio that is not a positive number
-    # is no measurement of a model
+    # the annotations check a record read back from disk (``adadsf report``)
     ppl: PositiveFloat | None = None
     ppl_tokens: int | None = None
     tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
     normalized_flops: PositiveFloat = 1.0
     normalized_flops_with_lm_head: PositiveFloat = 1.0
     flops_tokens: int = 0
-    # the routed layers' kept share of those tokens, and the share their retention
-    # ratios plan (None for a dense model): the budget, held or not on this text
+    # the routed layers' kept share and its target (evaluation.budget); None if dense
     kept_fraction: NonNegativeFloat | None = None
     retention_target: NonNegativeFloat | None = None
     seconds: NonNegativeFloat = 0.0
@@ -59,13 +53,9 @@ def load_for_eval(
     (AdaDSF's or FTP's) reload routed, anything else dense."""
     path = resolve_model(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if checkpoint_sidecar(path) is not None:
-        model = from_pretrained(path, dtype=dtype)
-        routed = True
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        routed = False
-    return model.eval(), tokenizer, routed
+    routed = checkpoint_sidecar(path) is not None
+    load = from_pretrained if routed else AutoModelForCausalLM.from_pretrained
+    return load(path, dtype=dtype).eval(), tokenizer, routed
 
 
 def evaluate_model(
@@ -82,17 +72,13 @@ def evaluate_model(
     routing_mode: str | None = None,
     flops_seq_len: int = 512,
 ) -> EvalRecord:
-    """Evaluate on the held-out *test* split (perplexity), lm-eval tasks and a FLOPs
-    probe.
+    """Perplexity on the *test* split, lm-eval ``tasks``, and normalized FLOPs.
 
-    Routed models are evaluated in ``routing_mode``; ``None`` keeps the modes their
-    layers are in (a loaded checkpoint's: those it was saved in, ``causal`` unless it
-    was saved otherwise), and the record names them. Normalized FLOPs are counted on
-    the perplexity's test tokens (the first ``ppl_max_tokens``), in rows of
-    ``flops_seq_len``, as the model routes them (1.0 for a dense model): causal routing
-    keeps a share of tokens that depends on the text, so a few rows can miss by points.
-    Counting them costs one forward over those tokens, also
-    with ``ppl=False``.
+    ``routing_mode=None`` keeps the layers' modes (a checkpoint's saved ones). FLOPs
+    are counted on the perplexity's tokens (the first ``ppl_max_tokens``, in rows of
+    ``flops_seq_len``), as the model routes them: causal routing's kept share depends
+    on the text, so a few rows could miss by points. That costs one forward over those
+    tokens, also with ``ppl=False``.
     """
     if ppl_max_tokens is not None and ppl_max_tokens < 2:
         raise ValueError(
@@ -113,12 +99,7 @@ def evaluate_model(
     test_ids = test_ids[:ppl_max_tokens]
     if ppl:
         res = perplexity(
-            model,
-            None,
-            None,
-            max_length=ppl_max_length,
-            stride=ppl_stride,
-            input_ids=test_ids,
+            model, None, None, ppl_max_length, ppl_stride, input_ids=test_ids
         )
         record.ppl, record.ppl_tokens = float(res.ppl), int(res.tokens)
         logger.info(

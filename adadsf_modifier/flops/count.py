@@ -19,20 +19,19 @@ __all__ = ["planned_kept", "count_flops"]
 
 
 def planned_kept(ratios: Sequence[float], seq_lens: Sequence[int]) -> list[list[int]]:
-    """Kept counts a routed model *would* use: ``max(1, floor(r_l * n_b))`` (0 for ``r_l
-    = 0``).
-
-    For planning without a model (e.g. the worked example in ``docs/flops.md``); a ratio
-    of 1 keeps every real token. The routed layers' own rule:
-    :func:`adadsf_modifier.routing.selection.tokens_to_keep`.
-    """
+    """``[layer][row]`` kept counts a routed model at ``ratios`` would use (the routed
+    layers' own rule), to count FLOPs without a model."""
     return [
         [int(n) if r >= 1.0 else tokens_to_keep(float(r), int(n)) for n in seq_lens]
         for r in ratios
     ]
 
 
-def _as_table(values: Any, num_layers: int, batch: int, name: str) -> list[list[int]]:
+def _as_table(
+    values: Any, num_layers: int, batch: int, name: str, default: Any = None
+) -> list[list[int]]:
+    if values is None:
+        return default
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     table = [[int(v) for v in row] for row in values]
@@ -75,55 +74,22 @@ def count_flops(
     kv_only_tokens: Sequence[Sequence[int]] | torch.Tensor | None = None,
     router_flops_per_token: Mapping[int, int] | None = None,
 ) -> FlopsReport:
-    """Dense vs routed FLOPs of one batch from per-layer, per-sequence kept counts.
+    """Dense vs routed FLOPs of one batch (``docs/flops.md`` names every term).
 
-    :param config: a llama / qwen2 / mistral / gpt_neox config (or a model carrying one)
-    :param kept: ``kept[l][b]`` = tokens of sequence ``b`` that ran decoder layer ``l``
-        (all real tokens for a dense layer, 0 for a removed one); a ``[layers, batch]``
-        tensor works too
-    :param seq_lens: real (non-padding) new tokens per sequence; the dense model runs
-        all of them through every layer
-    :param routed_layers: indices of the layers whose router runs (it scores every real
-        token of the sequence, whatever it then keeps)
-    :param router_hidden_size: the routers' hidden width ``r`` (one int, or ``{layer:
-        r}``) of AdaDSF's :class:`~adadsf_modifier.routing.TokenRouter`
-    :param router_flops_per_token: ``{layer: FLOPs per token}`` asked of each router
-        (``router.flops(1)``, any router kind); overrides the width
-    :param past_lens: cached tokens per sequence before this batch (decode / chunked
-        prefill; default 0): query ``i`` then sees ``past + i`` keys
-    :param routed_past_lens: ``[l][b]`` cached entries of each layer in the routed model
-        (a routed layer caches only the tokens that ran it); default: ``past_lens`` for
-        every layer. Kept query ``i`` then sees ``routed_past + i`` keys
-    :param attended_keys: exact (query, key) pair counts ``[l][b]`` of the routed model,
-        overriding the formula ``causal_key_count(kept, past, window)`` (which is exact
-        without a sliding window and an upper bound with one, since kept tokens keep
-        their original positions);
-        :func:`observe_routing` measures them
-    :param dense_keys: the same for the dense reference (default: the formula with
-        ``seq_lens``)
-    :param gather_layers: layers that gather/scatter (memory traffic); default: the
-        routed layers where some sequence kept ``0 < k < n`` tokens
-    :param dtype_bytes: bytes per hidden-state element for the memory-traffic estimate
-    :param skip_path_tokens: ``[l][b]`` skipped tokens that went through layer ``l``'s
-        fitted skip path (default: none, the identity skip path)
-    :param skip_path_ranks: ``{layer: rank}`` of those skip paths (``None``: full rank;
-        a layer missing here counts as full rank)
-    :param kv_only_tokens: ``[l][b]`` skipped tokens whose keys/values layer ``l``
-        computed anyway (``skipped_tokens_kv``; default: none)
+    Tables are ``[layer][sequence]``: ``kept`` the tokens that ran each layer,
+    ``attended_keys``/``dense_keys`` the (query, key) pairs (default: the causal
+    formula, an upper bound under a sliding window), ``skip_path_tokens`` and
+    ``kv_only_tokens`` the skipped tokens that took each cheap path. ``seq_lens``:
+    real new tokens per sequence; ``past_lens``: cached ones. ``router_hidden_size``
+    (one, or ``{layer: r}``) sizes AdaDSF's router unless ``router_flops_per_token``
+    says. :func:`normalized_flops` fills all of them from what a model ran.
     """
     shape = layer_shape(config)
-    lens = [
-        int(n)
-        for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
-    ]
+    lens = [int(n) for n in torch.as_tensor(seq_lens).tolist()]
     batch, L = len(lens), shape.num_layers
     kept_t = _as_table(kept, L, batch, "kept")
     past = _per_row(past_lens, batch, "past_lens")
-    r_past = (
-        _as_table(routed_past_lens, L, batch, "routed_past_lens")
-        if routed_past_lens is not None
-        else [past] * L
-    )
+    r_past = _as_table(routed_past_lens, L, batch, "routed_past_lens", [past] * L)
     routed = frozenset(int(i) for i in routed_layers)
     if any(not 0 <= i < L for i in routed):
         raise ValueError(f"routed_layers {sorted(routed)} out of range for {L} layers")
@@ -133,26 +99,11 @@ def count_flops(
                 raise ValueError(
                     f"kept[{li}][{b}] = {k} is not within [0, seq_len = {n}]"
                 )
-    att = (
-        _as_table(attended_keys, L, batch, "attended_keys")
-        if attended_keys is not None
-        else None
-    )
-    dk = (
-        _as_table(dense_keys, L, batch, "dense_keys")
-        if dense_keys is not None
-        else None
-    )
-    skips = (
-        _as_table(skip_path_tokens, L, batch, "skip_path_tokens")
-        if skip_path_tokens is not None
-        else [[0] * batch] * L
-    )
-    kv_only = (
-        _as_table(kv_only_tokens, L, batch, "kv_only_tokens")
-        if kv_only_tokens is not None
-        else [[0] * batch] * L
-    )
+    att = _as_table(attended_keys, L, batch, "attended_keys")
+    dk = _as_table(dense_keys, L, batch, "dense_keys")
+    zeros = [[0] * batch] * L
+    skips = _as_table(skip_path_tokens, L, batch, "skip_path_tokens", zeros)
+    kv_only = _as_table(kv_only_tokens, L, batch, "kv_only_tokens", zeros)
     for name, table in (("skip_path_tokens", skips), ("kv_only_tokens", kv_only)):
         for li, row in enumerate(table):
             for b, (s, k, n) in enumerate(zip(row, kept_t[li], lens)):
@@ -172,12 +123,10 @@ def count_flops(
     def router_cost(layer: int, tokens: int) -> int:
         if router_flops_per_token and layer in router_flops_per_token:
             return int(router_flops_per_token[layer]) * tokens
-        return shape.router_flops(tokens, r_of(layer))
-
-    def r_of(layer: int) -> int:
-        if isinstance(router_hidden_size, Mapping):
-            return int(router_hidden_size[layer])
-        return int(router_hidden_size)
+        r = router_hidden_size
+        return shape.router_flops(
+            tokens, int(r[layer] if isinstance(r, Mapping) else r)
+        )
 
     real_tokens = sum(lens)
     dense_layers, routed_layers_flops, traffic = [], [], []
@@ -214,8 +163,7 @@ def count_flops(
                 kv_only=shape.kv_only_flops(sum(kv_only[li])),
             )
         )
-        # gather in (k h) + scatter out (k h) + the copy of the hidden states scatter
-        # writes into
+        # gather in (k h) + scatter out (k h) + the copy of the hidden states
         traffic.append(
             (2 * k_tokens * h + real_tokens * h) * int(dtype_bytes)
             if li in gathers

@@ -1,13 +1,10 @@
-"""The FLOPs formulas: one decoder layer's terms, and the report of a batch.
-
-See :mod:`adadsf_modifier.flops` for the conventions and ``docs/flops.md`` for the
-derivations.
-"""
+"""The FLOPs formulas (``docs/flops.md``): one decoder layer's terms, and the report
+of a batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import asdict, astuple, dataclass, field, fields
 from typing import Any
 
 from adadsf_modifier.routing.architectures import (
@@ -28,16 +25,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What the FLOPs of one decoder layer depend on, read from a Hugging Face config.
+    """What the FLOPs of one decoder layer depend on, read from a config.
 
-    ``q_dim = num_heads * head_dim`` is the width of the query projection (and of the
-    input of the output projection); ``kv_dim = num_kv_heads * head_dim`` the width of
-    each of the key and value projections (smaller than ``q_dim`` under grouped-query
-    attention). ``mlp_matmuls`` is 3 for a gated (SwiGLU) MLP -- gate, up, down -- and 2
-    for a plain MLP (GPT-NeoX: h->4h, 4h->h). ``sliding_windows[l]`` is the attention
-    window of layer ``l`` (keys per query at most), or ``None`` for full causal
-    attention. ``fused_qkv``: one fused query/key/value projection (GPT-NeoX), so the
-    keys/values of a skipped token cost the whole projection.
+    ``mlp_matmuls``: 3 for SwiGLU, 2 for GPT-NeoX's MLP; ``sliding_windows[l]``: layer
+    ``l``'s window or ``None``; ``fused_qkv``: one fused QKV projection (GPT-NeoX), so
+    a skipped token's keys/values cost the whole projection.
     """
 
     model_type: str
@@ -61,46 +53,34 @@ class LayerShape:
         return self.num_kv_heads * self.head_dim
 
     def projection_flops(self, tokens: int) -> int:
-        """``2 n (h q_dim + 2 h kv_dim + q_dim h)``: Q, K, V and output projections of n
-        tokens."""
+        """Q, K, V and output projections: ``2 n (h q + 2 h kv + q h)``."""
         h = self.hidden_size
         return 2 * tokens * (h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h)
 
     def attention_flops(self, key_pairs: int) -> int:
-        """``2 * 2 * heads * head_dim * P``: ``Q K^T`` and ``A V`` over ``P`` (query,
-        key) pairs."""
+        """``Q K^T`` and ``A V`` over ``P`` (query, key) pairs: ``4 H d P``."""
         return 4 * self.num_heads * self.head_dim * key_pairs
 
     def mlp_flops(self, tokens: int) -> int:
-        """``2 n * mlp_matmuls * h * intermediate``."""
         return 2 * tokens * self.mlp_matmuls * self.hidden_size * self.intermediate_size
 
     def router_flops(self, tokens: int, router_hidden_size: int) -> int:
-        """The router's FLOPs on ``n`` tokens: :meth:`TokenRouter.flops_for`."""
         return TokenRouter.flops_for(tokens, self.hidden_size, router_hidden_size)
 
     def kv_only_flops(self, tokens: int) -> int:
-        """Keys/values of ``n`` tokens that skip the layer (``skipped_tokens_kv``):
-        ``2 n h (2 kv_dim)``, or the whole fused projection ``2 n h (q_dim + 2
-        kv_dim)``."""
+        """Keys/values of ``n`` skipped tokens (``skipped_tokens_kv``)."""
         width = 2 * self.kv_dim + (self.q_dim if self.fused_qkv else 0)
         return 2 * tokens * self.hidden_size * width
 
     def skip_path_flops(self, tokens: int, rank: int | None) -> int:
-        """A fitted skip path on ``n`` tokens: :meth:`SkipPath.flops_for`."""
         return SkipPath.flops_for(tokens, self.hidden_size, rank)
 
     def lm_head_flops(self, tokens: int) -> int:
-        """``2 n h V``."""
         return 2 * tokens * self.hidden_size * self.vocab_size
 
 
 def layer_shape(config: Any) -> LayerShape:
-    """The :class:`LayerShape` of a supported config (or a model carrying one).
-
-    Every per-architecture fact (MLP kind, where the key/value heads are) comes from the
-    :class:`~adadsf_modifier.routing.architectures.ArchitectureSpec` of the model type.
-    """
+    """The :class:`LayerShape` of a supported config (or a model carrying one)."""
     config = getattr(config, "config", config)  # accept a model as well
     spec = architecture_for_config(config)
     hidden = int(config.hidden_size)
@@ -122,13 +102,8 @@ def layer_shape(config: Any) -> LayerShape:
 
 
 def causal_key_count(queries: int, past: int = 0, window: int | None = None) -> int:
-    """(query, key) pairs of ``queries`` new tokens under a causal mask after ``past``
-    cached ones.
-
-    Query ``i`` (1-based) sees ``past + i`` keys, at most ``window`` under a sliding
-    window: ``sum_{j=past+1}^{past+n} min(j, w)``. A prefill (``past = 0``) gives ``n (n
-    + 1) / 2``.
-    """
+    """(query, key) pairs of ``queries`` new tokens after ``past`` cached ones:
+    ``sum_{j=past+1}^{past+n} min(j, window)``."""
     n, p = int(queries), int(past)
     if n <= 0:
         return 0
@@ -138,9 +113,7 @@ def causal_key_count(queries: int, past: int = 0, window: int | None = None) -> 
     w = int(window)
     if w <= 0:
         raise ValueError(f"sliding window must be positive, got {window}")
-    below_hi = min(
-        hi, w
-    )  # terms j in [lo, below_hi] contribute j, the rest contribute w
+    below_hi = min(hi, w)  # terms j in [lo, below_hi] contribute j, the rest w
     full = (lo + below_hi) * (below_hi - lo + 1) // 2 if below_hi >= lo else 0
     capped = hi - max(lo - 1, w)
     return full + w * capped
@@ -161,43 +134,22 @@ class LayerFlops:
 
     @property
     def total(self) -> int:
-        return (
-            self.projections
-            + self.attention
-            + self.mlp
-            + self.router
-            + self.skip_path
-            + self.kv_only
-        )
+        return sum(astuple(self))
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "projections": self.projections,
-            "attention": self.attention,
-            "mlp": self.mlp,
-            "router": self.router,
-            "skip_path": self.skip_path,
-            "kv_only": self.kv_only,
-            "total": self.total,
-        }
+        return {**asdict(self), "total": self.total}
 
     def __add__(self, other: LayerFlops) -> LayerFlops:
         """The same layer's FLOPs over two batches (every term is a sum over tokens)."""
-        return LayerFlops(
-            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
-        )
+        return LayerFlops(*map(sum, zip(astuple(self), astuple(other))))
 
 
 @dataclass(frozen=True)
 class FlopsReport:
-    """Dense vs routed FLOPs of one batch (or of several, :meth:`combine`).
-
-    ``dense_per_layer`` / ``routed_per_layer`` hold a :class:`LayerFlops` per decoder
-    layer (the routed one includes that layer's router). ``dense`` and ``routed`` are
-    the decoder-stack totals (without ``lm_head``); ``normalized = routed / dense``. The
-    ``*_with_lm_head`` variants add the ``lm_head`` term to both.
-    ``memory_traffic_bytes`` (not FLOPs) is the gather/scatter traffic of the routed
-    layers, per layer in ``memory_traffic_per_layer``.
+    """Dense vs routed FLOPs of one batch (or of several, :meth:`combine`), per
+    decoder layer; totals and :attr:`normalized` leave ``lm_head`` out, the
+    ``*_with_lm_head`` ones add it to both sides. ``memory_traffic_*``: the routed
+    layers' gather/scatter bytes (not FLOPs).
     """
 
     shape: LayerShape
@@ -247,16 +199,10 @@ class FlopsReport:
     def memory_traffic_bytes(self) -> int:
         return sum(self.memory_traffic_per_layer)
 
-    def _by_term(self, layers: Iterable[LayerFlops]) -> dict[str, int]:
-        layers = list(layers)
-        return {
-            "projections": sum(x.projections for x in layers),
-            "attention": sum(x.attention for x in layers),
-            "mlp": sum(x.mlp for x in layers),
-            "router": sum(x.router for x in layers),
-            "skip_path": sum(x.skip_path for x in layers),
-            "kv_only": sum(x.kv_only for x in layers),
-        }
+    @staticmethod
+    def _by_term(layers: Sequence[LayerFlops]) -> dict[str, int]:
+        names = [f.name for f in fields(LayerFlops)]
+        return {k: sum(getattr(x, k) for x in layers) for k in names}
 
     @property
     def dense_by_term(self) -> dict[str, int]:
@@ -268,14 +214,9 @@ class FlopsReport:
 
     @classmethod
     def combine(cls, reports: Sequence[FlopsReport]) -> FlopsReport:
-        """One report over the sequences of several batches of the same model.
-
-        Every FLOPs count is a sum over tokens (and token pairs), so the batches'
-        sequences are concatenated and their per-layer FLOPs added: the combined ratio
-        weighs each batch by its FLOPs, as one large batch would (a mean of per-batch
-        ratios would not). The gather/scatter memory traffic is summed over the batches
-        as they ran: one padded batch of all the rows could move a different amount.
-        """
+        """One report over several batches of one model: sequences concatenated,
+        per-layer FLOPs added, so each batch weighs by its FLOPs as in one large batch
+        (a mean of per-batch ratios would not)."""
         if not reports:
             raise ValueError("combine needs at least one FlopsReport")
         first = reports[0]
@@ -300,7 +241,6 @@ class FlopsReport:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready summary (totals, ratios, per-term and per-layer breakdowns)."""
         return {
             "model_type": self.shape.model_type,
             "seq_lens": list(self.seq_lens),

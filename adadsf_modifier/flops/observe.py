@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -29,18 +29,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ObservedRouting:
-    """What a model did on one batch, layer by layer (``[layer][sequence]`` tables).
+    """What a model ran on one batch: :func:`count_flops`'s arguments, observed.
 
-    ``kept``: tokens that ran the layer; ``seq_lens``: real tokens per sequence;
-    ``attended_keys``: (query, key) pairs the layer's attention computed among real/kept
-    tokens; ``dense_keys``: the pairs the dense layer would compute on the same batch;
-    ``routed_layers``: routed layers that were not removed (their router's cost is
-    charged, also at ratio 1 where inference skips it); ``gather_layers``: layers that
-    gathered/scattered a compacted batch; ``router_hidden_sizes``: ``{layer: r}``;
-    ``dtype_bytes``: element size of the hidden states; ``skip_path_tokens``: skipped
-    tokens that went through the layer's fitted skip path, of rank
-    ``skip_path_ranks[layer]`` (``None``: full rank); ``kv_only_tokens``: skipped
-    tokens whose keys/values the layer computed (``skipped_tokens_kv``).
+    ``routed_layers``: routed layers whose router ran (charged also at ratio 1, where
+    inference skips it); ``dense_keys``: the pairs the dense layer computes on the
+    same batch.
     """
 
     kept: list[list[int]]
@@ -54,20 +47,16 @@ class ObservedRouting:
     skip_path_tokens: list[list[int]] | None = None
     skip_path_ranks: dict[int, int | None] | None = None
     kv_only_tokens: list[list[int]] | None = None
-    #: each routed layer's router cost per token, asked of the router itself (AdaDSF's
-    #: ``TokenRouter`` and FTP's shared router alike)
+    #: asked of each router itself (AdaDSF's and FTP's alike)
     router_flops_per_token: dict[int, int] | None = None
 
 
 def _dense_pairs(
     mask: torch.Tensor | None, real: torch.Tensor, past: int, window: int | None
 ) -> torch.Tensor:
-    """``[batch]`` (query, key) pairs the dense layer computes for the real queries.
-
-    Read off the layer's own 4D mask (causality, padding, sliding window, cached
-    length); without one (SDPA's causal fast path, or a 2D padding mask) the causal
-    rule after ``past`` cached keys, narrowed to ``window``.
-    """
+    """``[batch]`` (query, key) pairs the dense layer computes for the real queries:
+    read off its 4D mask, else (SDPA's causal fast path, a 2D padding mask) the causal
+    rule after ``past`` cached keys within ``window``."""
     batch, n = real.shape
     if mask is not None and mask.dim() == 4:
         allowed = allowed_by_mask(mask[:, 0, -n:, :]).expand(batch, n, -1)
@@ -86,19 +75,14 @@ def _dense_pairs(
 
 @torch.no_grad()
 def observe_routing(model: nn.Module, batch: Any) -> ObservedRouting:
-    """Run ``model`` once on ``batch`` and record, per decoder layer and sequence, what
-    ran.
+    """Run ``model`` once on ``batch`` (model inputs, or an ``input_ids`` tensor;
+    ``use_cache=False`` unless it says otherwise: pass ``past_key_values`` and
+    ``use_cache=True`` for one decoding step) in its current mode.
 
-    ``batch`` is a mapping of model inputs (``input_ids``, ``attention_mask``, ...) or
-    an ``input_ids`` tensor; the model is called with ``use_cache=False`` unless the
-    batch says otherwise (pass ``past_key_values`` and ``use_cache=True`` to measure one
-    decoding step). The model runs in its current train/eval state and routing mode.
-
-    The routed layers report what they ran (kept tokens, attended pairs, gather or
-    in-place) through a :class:`~adadsf_modifier.routing.recorder.RoutingRecorder`, so
-    the counts are the layers' own, not re-derived. A forward pre-hook on every decoder
-    layer reads the real tokens and the dense reference's (query, key) pairs off the
-    layer's inputs. Hooks and recorder are removed afterwards, also on error.
+    The routed layers report what they ran through a
+    :class:`~adadsf_modifier.routing.recorder.RoutingRecorder`, so the counts are
+    theirs, not re-derived; a hook on every decoder layer reads the real tokens and the
+    dense reference's pairs off its inputs.
     """
     spec, layers = decoder_layers(model)
     shape = layer_shape(model.config)
@@ -204,15 +188,11 @@ def _assemble(layers, dense, recorder: RoutingRecorder) -> ObservedRouting:
 def stream_flops(
     model: nn.Module, input_ids: torch.Tensor, seq_len: int, batch_size: int = 4
 ) -> FlopsReport:
-    """:func:`normalized_flops` over a whole 1-D token stream: consecutive rows of
-    ``seq_len`` tokens (the last one shorter if the stream does not divide),
-    ``batch_size`` rows per forward, combined into one report
-    (:meth:`FlopsReport.combine`).
+    """:func:`normalized_flops` over a 1-D token stream in rows of ``seq_len`` (the
+    last one shorter), ``batch_size`` rows per forward, combined into one report.
 
-    Why a stream and not one batch: causal routing keeps a different share of tokens on
-    different text (a threshold, not a count, decides), so the FLOPs of a few rows can
-    miss those of the text a perplexity is measured on by points. Measure on the same
-    tokens as the metric the FLOPs are plotted against.
+    Causal routing's kept share follows the text, so a few rows' FLOPs can miss the
+    text's by points: measure on the tokens the quality metric uses.
     """
     if input_ids.dim() != 1 or input_ids.numel() == 0:
         raise ValueError(
@@ -234,36 +214,13 @@ def stream_flops(
 
 
 def observe_kept_tokens(model: nn.Module, batch: Any) -> list[list[int]]:
-    """``kept[l][b]``: how many tokens of sequence ``b`` ran decoder layer ``l`` on
-    ``batch``.
-
-    Dense (unrouted) layers and routed layers at ratio 1 run every real token; a routed
-    layer at ratio 0 runs none. See :func:`observe_routing`.
-    """
+    """``kept[l][b]``: tokens of sequence ``b`` that ran decoder layer ``l``."""
     return observe_routing(model, batch).kept
 
 
 def normalized_flops(model: nn.Module, batch: Any) -> FlopsReport:
-    """:func:`count_flops` of ``model`` on ``batch`` from the counts
-    :func:`observe_routing` saw.
-
-    The dense reference is the same model with every layer running every real token and
-    no routers. Attention pairs are the observed ones (exact also under sliding windows
-    and padding).
-    """
-    obs = observe_routing(model, batch)
-    return count_flops(
-        model.config,
-        obs.kept,
-        obs.seq_lens,
-        routed_layers=obs.routed_layers,
-        router_hidden_size=obs.router_hidden_sizes,
-        attended_keys=obs.attended_keys,
-        dense_keys=obs.dense_keys,
-        gather_layers=obs.gather_layers,
-        dtype_bytes=obs.dtype_bytes,
-        skip_path_tokens=obs.skip_path_tokens,
-        skip_path_ranks=obs.skip_path_ranks,
-        kv_only_tokens=obs.kv_only_tokens,
-        router_flops_per_token=obs.router_flops_per_token,
-    )
+    """:func:`count_flops` on what :func:`observe_routing` saw ``model`` run on
+    ``batch``, against every layer running every real token without routers."""
+    obs = asdict(observe_routing(model, batch))  # its fields: count_flops' arguments
+    obs["router_hidden_size"] = obs.pop("router_hidden_sizes")
+    return count_flops(model.config, **obs)

@@ -1,32 +1,10 @@
 """Save and reload an FTP-routed model: ``ftp_routing.json`` next to the weights.
 
-AdaDSF's sidecar schema is built around its per-layer ``TokenRouter`` (``fc1``/``fc2``
-of ``hidden -> r -> 1``), so it cannot describe FTP's shared router; this module
-writes a small FTP sidecar instead. The routed model's ordinary ``save_pretrained``
-already writes the router tensors (``<layer>.router.probe``, ``.quantiles``, and the
-shared MLP once under the first routed layer's ``router.mlp``) and skip paths
-(``<layer>.skip_path.*``); the sidecar adds the scalars and each layer's ratio,
-threshold, skip path (``identity`` or ``ridge`` and its rank) and
-``skipped_tokens_kv``. Sidecars written before those two existed load as ``identity``
-/ ``false``. :func:`load_ftp` loads the dense model, routes it again and restores those
-tensors, so the reloaded model gives the same logits.
-
-The save itself is AdaDSF's (:mod:`adadsf_modifier.checkpoint.save`, given the
-:data:`FTP` kind): checks first, write into a temporary folder, router tensors read
-back, sidecar last, one rename (an interrupted save leaves the previous folder as it
-was), the source rank only under ``torchrun``. ``adadsf_modifier.from_pretrained``
-reloads FTP folders through :func:`load_ftp`. Not done: schema versioning beyond
-``format``.
-
-The sidecar has a schema, :class:`FTPSidecar`, read by the same reader as AdaDSF's
-(:func:`adadsf_modifier.checkpoint.sidecar.read_sidecar_file`) with the same field
-types, and checked at the save too: a value the routed model cannot run with (a NaN
-threshold, a zero score deviation, a layer index twice or past the model) is refused in
-one line naming the file. :func:`load_ftp` checks the sidecar, then it against
-``config.json``, then reads the router tensors it implies (present, shapes, finite),
-all before the base model's weights load. Thresholds are written as AdaDSF's are
-(``"inf"`` / ``"-inf"``, strict JSON); files holding bare ``-Infinity`` tokens, as
-earlier versions wrote, still read.
+AdaDSF's sidecar describes per-layer ``TokenRouter``s, not FTP's shared router, so FTP
+has its own small one (:class:`FTPSidecar`): scalars and each layer's ratio, threshold
+and skip path; ``save_pretrained`` writes the tensors (the shared MLP once, under the
+first routed layer). The save is AdaDSF's atomic one, given the :data:`FTP` kind; the
+sidecar goes through AdaDSF's reader and field types.
 """
 
 from __future__ import annotations
@@ -65,13 +43,13 @@ from adadsf_modifier.ftp.router import (
     FTPLayerRouter,
     FTPRouterMLP,
     attach_context_hooks,
+    ftp_layers,
 )
 from adadsf_modifier.routing import (
     SkipPath,
     architecture_for_config,
     decoder_layers,
     route_layer,
-    routed_layers,
 )
 from adadsf_modifier.routing.skip_path import skip_path_of
 
@@ -91,9 +69,6 @@ _FORMAT = 1
 
 
 class FTPLayerEntry(SidecarSchema):
-    """One FTP-routed decoder layer: its ratio, threshold, router statistics and skip
-    path."""
-
     index: Annotated[int, Field(ge=0)]
     retention_ratio: Ratio
     causal_threshold: Threshold
@@ -115,8 +90,8 @@ class FTPLayerEntry(SidecarSchema):
 
 
 class FTPSidecar(SidecarSchema):
-    """The whole ``ftp_routing.json``: the shared router's sizes and one entry per
-    routed layer, in model order (the first owns the shared MLP's tensors)."""
+    """``ftp_routing.json``: one entry per routed layer, in model order (the first
+    owns the shared MLP's tensors)."""
 
     format: Literal[_FORMAT]  # type: ignore[valid-type]
     mlp_hidden: PositiveInt
@@ -148,46 +123,45 @@ def _check_ftp_format(file: Path, data: dict[str, Any]) -> None:
 
 
 def read_ftp_sidecar(path: str | Path) -> FTPSidecar:
-    """Read and fully validate ``PATH/ftp_routing.json``, without touching any weight
-    (the reader AdaDSF's sidecar goes through).
+    """Read and validate ``PATH/ftp_routing.json``, without touching any weight.
 
-    :raises AdaDSFCheckpointError: not JSON, unknown format, or any field off (the
-        message names the file and the field)
+    :raises AdaDSFCheckpointError: naming the file and the field
     """
     return read_sidecar_file(
         Path(path) / FTP_SIDECAR, FTPSidecar, "FTP", _check_ftp_format
     )
 
 
-def _ftp_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in routed_layers(model) if isinstance(m.router, FTPLayerRouter)]
-
-
 def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
     """The JSON-able description of every FTP-routed layer of ``model``."""
-    layers = _ftp_layers(model)
+    layers = ftp_layers(model)
     if not layers:
         raise ValueError("the model has no FTP-routed layers")
+    entries = []
+    for m in layers:
+        router, skip, threshold = m.router, skip_path_of(m), m.causal_threshold
+        entries.append(
+            {
+                "index": m.layer_index,
+                "retention_ratio": float(m.retention_ratio),
+                "causal_threshold": None if threshold is None else float(threshold),
+                "retention": router.retention,
+                "probe_bias": router.probe_bias,
+                "norm_eps": router.norm_eps,
+                "score_mean": router.score_mean,
+                "score_std": router.score_std,
+                "skip_path": "identity" if skip is None else "ridge",
+                "skip_path_rank": None if skip is None else skip.rank,
+                "skipped_tokens_kv": bool(m.skipped_tokens_kv),
+            }
+        )
     first = layers[0].router
     data = {
         "format": _FORMAT,
         "mlp_hidden": first.router_hidden_size,
         "position_scale": first.position_scale,
         "keep_last": first.keep_last,
-        "layers": [
-            {
-                "index": m.layer_index,
-                "retention_ratio": float(m.retention_ratio),
-                "causal_threshold": _float_or_none(m.causal_threshold),
-                "retention": m.router.retention,
-                "probe_bias": m.router.probe_bias,
-                "norm_eps": m.router.norm_eps,
-                "score_mean": m.router.score_mean,
-                "score_std": m.router.score_std,
-                **_skip_entry(m),
-            }
-            for m in layers
-        ],
+        "layers": entries,
     }
     try:  # as a file being read: nothing is written that no reload would accept
         sidecar = FTPSidecar.model_validate(data)
@@ -199,26 +173,13 @@ def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
     return sidecar.model_dump(mode="json")
 
 
-def _float_or_none(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _skip_entry(layer: nn.Module) -> dict[str, Any]:
-    skip = skip_path_of(layer)
-    return {
-        "skip_path": "identity" if skip is None else "ridge",
-        "skip_path_rank": None if skip is None else skip.rank,
-        "skipped_tokens_kv": bool(layer.skipped_tokens_kv),
-    }
-
-
 def _save_record(model: nn.Module) -> dict[str, Any]:
     """The sidecar, and the router and skip-path tensors (``{name: shape}``) the
-    weights files must hold for it: FTP's sidecar does not give the shapes itself."""
+    weights must hold for it (FTP's sidecar does not give the shapes)."""
     sidecar = ftp_sidecar(model)  # raises for a model without FTP routers
     names = {m: n for n, m in model.named_modules()}
     tensors = {}
-    for layer in _ftp_layers(model):
+    for layer in ftp_layers(model):
         for part in ("router", "skip_path"):
             module = layer._modules.get(part)
             if module is not None:
@@ -244,19 +205,16 @@ FTP = CheckpointKind(
     write=_write_sidecar,
     summary=lambda r: f"{len(r['sidecar']['layers'])} FTP-routed layers and the router",
 )
-"""FTP's checkpoint kind: ``ftp_routing.json`` through AdaDSF's atomic save."""
 
 
 def install_ftp_save_hook(model: nn.Module) -> None:
-    """Make every ``save_pretrained`` of ``model`` (oneshot's included) an atomic FTP
-    checkpoint: the package's save hook (``checkpoint.install_save_hook``, which wraps
-    llm-compressor's compressed-tensors wrapper once) with the :data:`FTP` kind."""
+    """Make every ``save_pretrained`` of ``model`` (oneshot's too) an atomic FTP
+    checkpoint."""
     install_save_hook(model, FTP)
 
 
 def _layer_names(path: Path, sidecar: FTPSidecar, config: Any) -> list[str]:
-    """Each listed layer's module name, once every index is checked against the
-    model ``config.json`` builds."""
+    """Each listed layer's module name, its index checked against ``config.json``."""
     spec = architecture_for_config(config)
     count = int(config.num_hidden_layers)
     for j, entry in enumerate(sidecar.layers):
@@ -271,8 +229,8 @@ def _layer_names(path: Path, sidecar: FTPSidecar, config: Any) -> list[str]:
 def _new_router(
     mlp: FTPRouterMLP, sidecar: FTPSidecar, j: int, hidden: int
 ) -> FTPLayerRouter:
-    """Layer ``j``'s router as the sidecar describes it; its probe and rank table are
-    zeros until the saved tensors are loaded into it."""
+    """Layer ``j``'s router as the sidecar describes it (probe and rank table zero
+    until the saved tensors load)."""
     entry = sidecar.layers[j]
     stats = LayerFeatureStats(
         torch.zeros(hidden),
@@ -302,10 +260,9 @@ def _new_skip_path(entry: FTPLayerEntry, hidden: int) -> SkipPath | None:
 def _read_router_tensors(
     path: Path, sidecar: FTPSidecar, names: list[str], hidden: int
 ) -> dict[str, torch.Tensor]:
-    """The router and skip-path tensors the sidecar implies, read before the base
-    model: present, of the shapes its sizes give (built on the meta device: shapes
-    only), finite; and none the sidecar does not describe (a sidecar and weights of
-    different saves)."""
+    """The router and skip-path tensors the sidecar implies, read and checked before
+    the base model loads (present, shaped as the sidecar's sizes give, finite), and
+    none it does not describe (sidecar and weights of different saves)."""
     expected: dict[str, tuple[int, ...]] = {}
     with torch.device("meta"):
         mlp = FTPRouterMLP(sidecar.mlp_hidden)
@@ -345,19 +302,13 @@ def _load_into(module: nn.Module, tensors: dict, prefix: str, what: str) -> None
 
 
 def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
-    """Reload a model saved after :class:`FTPModifier`: dense weights, then the FTP
-    routers, ratios and thresholds. ``kwargs`` go to ``from_pretrained``.
+    """Reload a model saved after :class:`FTPModifier` (``kwargs`` go to
+    ``from_pretrained``): everything is checked before the base model loads, so a
+    bad folder costs no model load.
 
-    ``adadsf_modifier.from_pretrained`` calls this for a folder holding
-    ``ftp_routing.json``; the base model loads as AdaDSF's does
-    (``checkpoint.load_base_model``: compressed-tensors checkpoints included, the
-    router tensors expected rather than reported as unexpected keys). Before it
-    does, the sidecar is validated, checked against ``config.json`` and the router
-    tensors are read and checked, so a bad folder costs no model load.
-
-    :raises AdaDSFCheckpointError: a sidecar that is not valid (the file and field
-        named), a layer index the model does not have, a router or skip-path tensor
-        missing, mis-shaped, not finite, or not described by the sidecar
+    :raises AdaDSFCheckpointError: an invalid sidecar (file and field named), a layer
+        the model does not have, a router or skip-path tensor missing, mis-shaped,
+        not finite or not described by the sidecar
     """
     path = Path(path)
     if not (path / FTP_SIDECAR).is_file():

@@ -1,20 +1,10 @@
-"""FTP's four per-token router features, and the calibration that makes them cheap.
+"""FTP's four router features per token: position, the attention score the token
+receives, that score's rank, and the layer's required sparsity.
 
-FTP (arXiv 2412.11494) feeds its router four scalars per token instead of the hidden
-state: the token's position, the attention score it receives, that score's relative
-rank, and the layer's required sparsity. The paper reads the attention scores from
-the attention maps; here they come from a *key probe* instead, so that routing never
-needs an eager-attention pass (``[heads, seq, seq]`` probabilities in memory at every
-layer) and stays causal (a token's attention received in a full forward depends on
-*later* queries, which a KV-cache decoding step does not have).
-
-Key probe of layer ``l``: the attention logit that the layer's mean calibration query
-gives this token's key, averaged over heads, ``s = mean_h qbar_h . k_h(x) / sqrt(d)``
-(pre-RoPE). Keys are affine in the normalised layer input, so the whole thing folds
-into one vector: ``s = <rms_norm(x), probe> + bias`` -- ``2 h`` FLOPs per token, no
-extra projection (docs/ftp.md). The rank is the score's empirical CDF under the layer's
-calibration scores (a fixed table of quantiles), which makes scores of different layers
-comparable for the one MLP they share and needs no per-sequence state in a KV cache.
+The score is a *key probe*, not read off attention maps (``docs/ftp.md``): the maps
+need eager attention and are not causal (later queries attend to the token), and the
+probe folds into ``<rms_norm(x), probe> + bias``. The rank is taken against the layer's
+calibration scores, so features need no per-sequence state in a KV cache.
 """
 
 from __future__ import annotations
@@ -46,8 +36,7 @@ NUM_QUANTILES = 33  # entries of a layer's rank table (its calibration CDF)
 
 @dataclass
 class LayerFeatureStats:
-    """What one layer's router needs besides its input: the folded key probe and the
-    calibration distribution of its scores."""
+    """One layer's folded key probe and its scores' calibration distribution."""
 
     probe: torch.Tensor  # [hidden], float32
     bias: float
@@ -58,7 +47,6 @@ class LayerFeatureStats:
 
 
 def check_probe_supported(layer: nn.Module, name: str) -> None:
-    """One-line error, before any work, for a layer the key probe cannot read."""
     attn = getattr(layer, "self_attn", None)
     parts = (attn, getattr(attn, "q_proj", None), getattr(attn, "k_proj", None))
     if any(p is None for p in parts) or getattr(layer, "input_layernorm", None) is None:
@@ -70,8 +58,7 @@ def check_probe_supported(layer: nn.Module, name: str) -> None:
 
 
 def norm_eps(norm: nn.Module) -> float:
-    """The epsilon of an RMSNorm module (Llama-style ``variance_epsilon`` or
-    ``eps``)."""
+    """An RMSNorm's epsilon (Llama's ``variance_epsilon``, or ``eps``)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     return float(eps if eps is not None else 1e-6)
 
@@ -81,11 +68,8 @@ def key_probe(
     layer: nn.Module, mean_input: torch.Tensor, config
 ) -> tuple[torch.Tensor, float]:
     """``(probe, bias)`` with ``<rms_norm(x), probe> + bias == mean_h qbar_h . k_h(x) /
-    sqrt(d)``, ``qbar = q_proj(mean of input_layernorm(x))`` (exact: q_proj is affine).
-
-    The norm's learned scale is folded into ``probe`` (measured on a ones vector, so
-    ``1 + w`` style norms fold too).
-    """
+    sqrt(d)``, ``qbar = q_proj(mean_input)``. The norm's scale is folded in, measured
+    on a ones vector so that ``1 + w`` style norms fold too."""
     attn, norm = layer.self_attn, layer.input_layernorm
     w_q, w_k = attn.q_proj.weight, attn.k_proj.weight
     hidden = w_k.shape[1]
@@ -124,8 +108,8 @@ def token_features(
     sparsity: float,
     position_scale: float,
 ) -> torch.Tensor:
-    """``[batch, seq, 4]`` float32: log-position, standardised probe score, its rank
-    (calibration CDF, in [0, 1]) and the layer's required sparsity ``1 - r``."""
+    """``[batch, seq, 4]``: log-position, standardised probe score, its rank (the
+    calibration CDF) and the layer's required sparsity."""
     pos = positions.float().clamp(min=0).expand_as(scores)
     f_pos = torch.log1p(pos) / math.log1p(max(position_scale, 1.0))
     f_abs = (scores - stats_mean) / max(stats_std, 1e-6)
@@ -135,56 +119,46 @@ def token_features(
     return torch.stack([f_pos, f_abs, f_rank, f_sparse], dim=-1)
 
 
-class _Collector:
-    """Fed each decoder layer's inputs (:meth:`record`): pass 1 sums
-    ``input_layernorm(x)`` over real tokens; pass 2 collects probe scores (a bounded
-    sample) for the rank table."""
-
-    def __init__(self, layers: list[nn.Module], sample: int, seed: int):
-        self.layers = layers
-        self.sums = [None] * len(layers)
-        self.counts = [0] * len(layers)
-        self.scores: list[list[torch.Tensor]] = [[] for _ in layers]
-        self.probes: list[tuple[torch.Tensor, float, float]] | None = None
-        self.max_len = 1
-        self.sample = sample
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def record(self, call: LayerCall) -> None:
-        i, x, real = call.index, call.hidden_states, call.real_tokens()
-        self.max_len = max(self.max_len, int(real.sum(1).max()))
-        if self.probes is None:
-            z = call.module.input_layernorm(x)[real].double().sum(0)
-            self.sums[i] = z if self.sums[i] is None else self.sums[i] + z
-            self.counts[i] += int(real.sum())
-        else:
-            probe, bias, eps = self.probes[i]
-            self.scores[i].append(probe_scores(x, probe, bias, eps)[real].cpu())
-
-
 def calibrate_features(
     model: nn.Module, layers: list[nn.Module], batches: list, seed: int = 0
 ) -> tuple[list[LayerFeatureStats], int]:
-    """Two dense passes over ``batches``: per-layer key probes, then their score
-    distribution. Returns the stats of every layer in ``layers`` and the longest real
-    row seen (the position feature's scale)."""
-    col = _Collector(layers, sample=65536, seed=seed)
+    """Two dense passes over ``batches``: key probes, then their score distribution.
+    Returns each layer's stats and the longest real row (the position scale)."""
+    sums: list[torch.Tensor | None] = [None] * len(layers)
+    counts = [0] * len(layers)
+    scores: list[list[torch.Tensor]] = [[] for _ in layers]
+    probes: list[tuple[torch.Tensor, float, float]] | None = None
+    max_len = 1
+
+    def record(call: LayerCall) -> None:
+        nonlocal max_len
+        i, x, real = call.index, call.hidden_states, call.real_tokens()
+        max_len = max(max_len, int(real.sum(1).max()))
+        if probes is None:  # pass 1: sum input_layernorm(x) over real tokens
+            z = call.module.input_layernorm(x)[real].double().sum(0)
+            sums[i] = z if sums[i] is None else sums[i] + z
+            counts[i] += int(real.sum())
+        else:  # pass 2: the probe scores, for the rank table
+            probe, bias, eps = probes[i]
+            scores[i].append(probe_scores(x, probe, bias, eps)[real].cpu())
+
     base = getattr(model, "base_model", model)
-    with capture_layers(layers, col.record, at="input"):
+    with capture_layers(layers, record, at="input"):
         run_calibration_batches(base, batches, desc="FTP features (probes)")
-        col.probes = []
+        probes = []
         for i, m in enumerate(layers):
-            mean = (col.sums[i] / max(col.counts[i], 1)).float()
+            mean = (sums[i] / max(counts[i], 1)).float()
             probe, bias = key_probe(m, mean, model.config)
-            col.probes.append((probe, bias, norm_eps(m.input_layernorm)))
+            probes.append((probe, bias, norm_eps(m.input_layernorm)))
         run_calibration_batches(base, batches, desc="FTP features (scores)")
-    out = []
+    out, sample = [], 65536
+    gen = torch.Generator().manual_seed(seed)
     grid = torch.linspace(0, 1, NUM_QUANTILES)
-    for i, (probe, bias, eps) in enumerate(col.probes):
-        s = torch.cat(col.scores[i]).float()
-        if s.numel() > col.sample:
-            s = s[torch.randperm(s.numel(), generator=col.gen)[: col.sample]]
+    for i, (probe, bias, eps) in enumerate(probes):
+        s = torch.cat(scores[i]).float()
+        if s.numel() > sample:
+            s = s[torch.randperm(s.numel(), generator=gen)[:sample]]
         std = float(s.std()) if s.numel() > 1 else 1.0
         q = torch.quantile(s, grid)
         out.append(LayerFeatureStats(probe, bias, eps, float(s.mean()), std, q))
-    return out, col.max_len
+    return out, max_len

@@ -1,18 +1,9 @@
-"""FTP's router: one small MLP shared by every routed layer, fed four scalars per
-token.
+"""FTP's router: one small MLP shared by every routed layer, fed four features.
 
-Each routed layer gets an :class:`FTPLayerRouter` as its ``router`` child, so the
-routed layer, its causal thresholds, KV caches and FLOPs recorder work unchanged
-(they only call ``router(x) -> [batch, seq]`` scores). The layer router computes the
-token features (:mod:`~adadsf_modifier.ftp.features`) and asks the shared
-:class:`FTPRouterMLP`; the MLP is registered as a child of the *first* layer router
-only (the others hold a plain reference), so its weights exist once in the state dict
-and in an optimizer.
-
-Position and the layer's ratio are not in ``x``: a forward pre-hook on the routed
-layer (:func:`attach_context_hooks`) hands the router the ``position_ids`` and the
-attention mask of the current call, the same positions the model uses for RoPE, so a
-prefill and the decoding steps that follow see identical features.
+Each routed layer's ``router`` child is an :class:`FTPLayerRouter`. The MLP is a child
+of the first one only (the others hold a plain reference), so its weights exist once in
+the state dict. Positions come from a pre-hook (:func:`attach_context_hooks`): the
+``position_ids`` RoPE sees, so prefill and decoding see the same features.
 """
 
 from __future__ import annotations
@@ -30,22 +21,21 @@ from adadsf_modifier.ftp.features import (
     token_features,
 )
 from adadsf_modifier.ftp.static import static_scores
+from adadsf_modifier.routing import RoutedLayer, routed_layers
 from adadsf_modifier.utils import real_token_mask
 
 __all__ = [
     "FTPRouterMLP",
     "FTPLayerRouter",
     "attach_context_hooks",
-    "detach_context_hooks",
-    "ftp_routers",
+    "ftp_layers",
 ]
 
 RouterMode = Literal["learned", "static"]
 
 
 class FTPRouterMLP(nn.Module):
-    """``score = w2 . gelu(W1 f + b1) + b2`` on the four features ``f``; shared by all
-    layers (the layer enters through its sparsity feature)."""
+    """``w2 . gelu(W1 f + b1) + b2`` on the features ``f``, in float32."""
 
     def __init__(self, hidden: int = 16):
         super().__init__()
@@ -62,13 +52,8 @@ class FTPRouterMLP(nn.Module):
 
 
 class FTPLayerRouter(nn.Module):
-    """One routed layer's router: features from ``x`` + context, scored by the shared
-    MLP.
-
-    ``mode="static"`` returns the static router's scores instead (first and last
-    ``keep_last`` real tokens first, then the key-probe score); it needs the whole
-    sequence, so it is for top-k routing only (scheduler, guide targets).
-    """
+    """One routed layer's router: features of ``x`` and its context, scored by the
+    shared MLP; ``mode="static"`` gives the static router's scores (top-k only)."""
 
     def __init__(
         self,
@@ -106,28 +91,23 @@ class FTPLayerRouter(nn.Module):
 
     def detach_from(self, layer: nn.Module) -> None:
         """Called by ``routing.unroute_layer``: the layer's context hooks go too."""
-        detach_context_hooks(layer)
+        for handle in layer.__dict__.pop("_ftp_hooks", ()) or ():
+            handle.remove()
 
     def flops(self, tokens: int) -> int:
-        """Matmul FLOPs on ``tokens`` tokens: the probe dot product (``2 h``) and the
-        MLP (``2 (4 r + r)``); the norm, GELU and the rank lookup are not counted,
-        like the rest of the FLOPs model."""
+        """Matmul FLOPs: the probe's ``2 h`` and the MLP's ``2 (4 r + r)`` a token."""
         r = self.router_hidden_size
         return 2 * int(tokens) * (self.hidden_size + NUM_FEATURES * r + r)
 
-    def _positions_and_real(self, x: torch.Tensor):
-        b, s = x.shape[:2]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        (b, s), device = hidden_states.shape[:2], hidden_states.device
         ctx = self._context or {}
         pos = ctx.get("position_ids")
         if pos is None or pos.shape[-1] != s:
-            pos = torch.arange(s, device=x.device).unsqueeze(0)
-        real = real_token_mask(ctx.get("attention_mask"), b, s, x.device)
-        ratio = ctx.get("ratio", self.retention)
-        return pos.to(x.device), real, float(ratio)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq, hidden] -> [batch, seq]`` float32 scores."""
-        pos, real, ratio = self._positions_and_real(hidden_states)
+            pos = torch.arange(s, device=device).unsqueeze(0)
+        pos = pos.to(device)
+        real = real_token_mask(ctx.get("attention_mask"), b, s, device)
+        ratio = float(ctx.get("ratio", self.retention))
         probe = probe_scores(hidden_states, self.probe, self.probe_bias, self.norm_eps)
         if self.mode == "static":
             return static_scores(probe, real, self.keep_last)
@@ -169,11 +149,8 @@ def _clear(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
 
 
 def attach_context_hooks(layer: nn.Module) -> None:
-    """Give ``layer.router`` each call's positions and mask (idempotent).
-
-    ``prepend=True`` so the context is in place before any other pre-hook (threshold
-    calibration's) calls the router.
-    """
+    """Give ``layer.router`` each call's positions and mask (idempotent); prepended,
+    so the context is in place before another pre-hook (threshold fitting) calls it."""
     if getattr(layer, "_ftp_hooks", None):
         return
     layer._ftp_hooks = (
@@ -182,11 +159,6 @@ def attach_context_hooks(layer: nn.Module) -> None:
     )
 
 
-def detach_context_hooks(layer: nn.Module) -> None:
-    for handle in layer.__dict__.pop("_ftp_hooks", ()) or ():
-        handle.remove()
-
-
-def ftp_routers(model: nn.Module) -> list[FTPLayerRouter]:
-    """Every FTP layer router of ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, FTPLayerRouter)]
+def ftp_layers(model: nn.Module) -> list[RoutedLayer]:
+    """The routed layers of ``model`` that FTP routes, in model order."""
+    return [m for m in routed_layers(model) if isinstance(m.router, FTPLayerRouter)]

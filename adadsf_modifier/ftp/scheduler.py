@@ -1,15 +1,10 @@
-"""FTP's sparsity scheduler: a genetic algorithm over per-layer retention ratios under
-a global budget.
+"""FTP's sparsity scheduler: a seeded genetic search over per-layer ratios.
 
-A candidate is one ratio per routed layer with mean exactly ``retention`` (every
-candidate is projected onto the budget with :func:`adadsf_modifier.fitting.allocation.
-clip_to_budget`, so the budget holds by construction, not by penalty). Its fitness is
-the next-token loss of the model routed by the *static* router at those ratios, on a
-validation set held out from everything the router trains or calibrates on (the paper
-tuned and reported on the same benchmark; this does not). The search is seeded
-(``random.Random(seed)``) and memoises evaluated candidates, so the same seed and data
-give the same ratios, and its cost is bounded: at most ``population * (generations +
-1)`` candidate evaluations, each one forward pass per validation batch.
+Every candidate is projected onto the budget (``clip_to_budget``), so the budget holds
+by construction, not by penalty. Fitness: the next-token loss of the model routed by
+the static router, on batches held out from everything the router trains or calibrates
+on (the paper tuned on its benchmark). Evaluations are memoised: at most ``population
+* (generations + 1)``, each one forward per validation batch.
 """
 
 from __future__ import annotations
@@ -31,8 +26,6 @@ __all__ = ["ScheduleResult", "genetic_schedule", "validation_loss"]
 
 @dataclass
 class ScheduleResult:
-    """The best ratios found, their validation loss, and the search's history."""
-
     ratios: list[float]
     loss: float
     uniform_loss: float
@@ -55,14 +48,10 @@ def genetic_schedule(
     seed: int = 0,
     elite: int = 2,
 ) -> ScheduleResult:
-    """Minimise ``evaluate(ratios)`` over ratios with mean ``retention``, each in
-    ``[min_retention, 1]``.
-
-    Generation 0 is the uniform schedule plus log-normal perturbations of it; each
-    later generation keeps the ``elite`` best, and fills the rest with uniform
-    crossover of two tournament winners followed by a log-normal mutation of scale
-    ``mutation``.
-    """
+    """Minimise ``evaluate(ratios)`` over ratios of mean ``retention`` in
+    ``[min_retention, 1]``: generation 0 is the uniform schedule and log-normal
+    mutations of it; each next one keeps the ``elite`` best and adds mutated uniform
+    crossovers of tournament winners."""
     if num_layers < 1:
         raise ValueError("the scheduler needs at least one routed layer")
     if population < 2 or generations < 0 or not 0 <= elite < population:

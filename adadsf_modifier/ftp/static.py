@@ -1,10 +1,8 @@
-"""FTP's static router: always keep the first token (the attention sink) and the last
-few tokens, fill the rest of the layer's budget by key-probe score.
+"""FTP's static router: the first token (the attention sink) and the last few always
+run, the rest of the budget goes by key-probe score.
 
-It needs no training, so it bootstraps the two things that need a router before one
-is trained: the sparsity scheduler scores candidate ratios with it, and the guide loss
-teaches the learned router to imitate it early on. It looks at the end of the sequence,
-so it is a top-k (whole-sequence) rule, never used for KV-cache decoding.
+Untrained, it bootstraps what needs a router before one is trained: the scheduler's
+fitness and the guide loss. It looks at the sequence's end: top-k only, never decoding.
 """
 
 from __future__ import annotations
@@ -13,27 +11,20 @@ import torch
 
 from adadsf_modifier.routing.selection import select_topk, tokens_to_keep_per_row
 
-__all__ = ["first_and_last", "static_scores", "static_keep_mask"]
+__all__ = ["static_scores", "static_keep_mask"]
 
 _BOOST = 1e30  # finite, so a sigmoid or a sort of these scores stays well defined
-
-
-def first_and_last(real: torch.Tensor, keep_last: int) -> torch.Tensor:
-    """``[batch, seq]`` bool: each row's first real token and its last ``keep_last``
-    real tokens."""
-    first = real & (real.cumsum(dim=1) == 1)
-    if keep_last <= 0:
-        return first
-    from_end = real.flip(1).cumsum(dim=1).flip(1)
-    return first | (real & (from_end <= keep_last))
 
 
 def static_scores(
     probe: torch.Tensor, real: torch.Tensor, keep_last: int
 ) -> torch.Tensor:
-    """Probe scores with the first and last ``keep_last`` real tokens pushed to the
-    top."""
-    forced = first_and_last(real, keep_last)
+    """Probe scores with each row's first and last ``keep_last`` real tokens pushed to
+    the top."""
+    forced = real & (real.cumsum(dim=1) == 1)
+    if keep_last > 0:
+        from_end = real.flip(1).cumsum(dim=1).flip(1)
+        forced = forced | (real & (from_end <= keep_last))
     return probe.float().masked_fill(forced, _BOOST)
 
 
@@ -41,8 +32,8 @@ def static_scores(
 def static_keep_mask(
     probe: torch.Tensor, real: torch.Tensor, ratio: float, keep_last: int
 ) -> torch.Tensor:
-    """``[batch, seq]`` bool: the tokens the static router keeps at retention
-    ``ratio`` (the same keep-count rule as AdaDSF's top-k routing)."""
+    """``[batch, seq]``: the tokens the static router keeps at ``ratio`` (AdaDSF's
+    top-k keep-count rule)."""
     if ratio >= 1.0:
         return real.clone()
     keep = tokens_to_keep_per_row(real, ratio)

@@ -1,20 +1,11 @@
-"""Train FTP's shared router MLP with the LLM frozen.
+"""Train FTP's shared router MLP with the LLM frozen (``docs/ftp.md``).
 
-Which tokens run while training (``FTPTrainConfig.routing``):
-
-- ``threshold`` (FTP's rule): *causal* mode with every threshold at 0, so the gate is
-  the hard rule ``s > 0`` and the sparsity loss pulls each layer's hard kept fraction to
-  its scheduled ratio. Inference does not use that gate: the final thresholds are
-  re-fitted afterwards by :func:`adadsf_modifier.fitting.calibrate_thresholds`, which
-  makes the ratios exact. The sparsity loss does not hold the hard gate at the ratios
-  (on SmolLM2 it drifts away from them while training), so under this rule the router
-  is trained on decisions inference never makes.
-- ``quantile`` (inference's rule, as AdaDSF's ``align_routing: quantile``): each layer's
-  threshold is fitted on the batch itself, so every layer runs its ratio of the tokens
-  while the router learns which; the sparsity loss then only centres the gate at 0.
-
-Either way the routed layer's straight-through gate (``RoutedLayer``'s ``gated``)
-passes the distillation gradient to the kept tokens' scores.
+Losses: distillation to the dense model, sparsity (each layer's straight-through kept
+fraction against its ratio), and guide (imitate the static router, weighted down to 0
+over the first steps). ``FTPTrainConfig.routing`` picks which tokens run: FTP's
+``threshold`` (the gate ``s > 0``; thresholds are refitted afterwards, so the router
+trains on decisions inference never makes) or inference's ``quantile`` (each layer
+runs its ratio of every batch while the router learns which).
 """
 
 from __future__ import annotations
@@ -26,19 +17,15 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
-from adadsf_modifier.ftp.losses import (
-    distillation_loss,
-    guide_loss,
-    guide_weight_at,
-    sparsity_loss,
-)
-from adadsf_modifier.ftp.router import FTPLayerRouter
+from adadsf_modifier.ftp.router import ftp_layers
+from adadsf_modifier.ftp.static import static_keep_mask
 from adadsf_modifier.routing import RoutedLayer, routed_layers, routing_override
-from adadsf_modifier.utils import model_device, tensors_to_device
+from adadsf_modifier.utils import model_device, real_token_mask, tensors_to_device
 
 __all__ = [
     "TRAIN_ROUTINGS",
@@ -49,8 +36,7 @@ __all__ = [
     "dense_forward",
 ]
 
-TrainRouting = Literal["threshold", "quantile"]
-"""Which tokens run while the router trains (the module docstring)."""
+TrainRouting = Literal["threshold", "quantile"]  # the module docstring
 TRAIN_ROUTINGS: tuple[str, ...] = get_args(TrainRouting)
 
 
@@ -86,8 +72,43 @@ class FTPTrainReport:
     tokens: int = 0
 
 
-def ftp_layers(model: nn.Module) -> list[RoutedLayer]:
-    return [m for m in routed_layers(model) if isinstance(m.router, FTPLayerRouter)]
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, real: torch.Tensor
+) -> torch.Tensor:
+    """Mean over real tokens of ``KL(softmax(teacher) || softmax(student))``."""
+    log_s = F.log_softmax(student_logits.float(), dim=-1)
+    log_t = F.log_softmax(teacher_logits.float(), dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+    return kl[real].mean()
+
+
+def sparsity_loss(collected: list[tuple]) -> torch.Tensor:
+    """Mean over layers of ``(kept fraction - ratio)^2``; ``collected``: the layer
+    routers' ``(scores, probe scores, real, ratio)``."""
+    terms = []
+    for scores, _, real, ratio in collected:
+        free = real & (real.cumsum(dim=1) > 1)  # the first token always runs
+        if ratio >= 1.0 or not bool(free.any()):
+            continue
+        p = torch.sigmoid(scores)
+        gate = (scores > 0).float() + p - p.detach()  # straight-through
+        terms.append((gate[free].mean() - ratio) ** 2)
+    if not terms:
+        return torch.zeros(())
+    return torch.stack(terms).mean()
+
+
+def guide_loss(collected: list[tuple], keep_last: int) -> torch.Tensor:
+    """Mean over layers of the BCE of the gate logits against the static keep mask."""
+    terms = []
+    for scores, probe, real, ratio in collected:
+        if ratio >= 1.0 or not bool(real.any()):
+            continue
+        target = static_keep_mask(probe, real, ratio, keep_last).float()
+        terms.append(F.binary_cross_entropy_with_logits(scores[real], target[real]))
+    if not terms:
+        return torch.zeros(())
+    return torch.stack(terms).mean()
 
 
 @contextmanager
@@ -101,8 +122,8 @@ def dense_forward(model: nn.Module) -> Iterator[None]:
 def _training_state(
     model: nn.Module, layers: list[RoutedLayer], mlp: nn.Module, routing: str
 ):
-    """Only the router MLP trains; the tokens that run chosen by ``routing`` (hard
-    gates at threshold 0, or each layer's ratio of the batch); everything restored."""
+    """Only the router MLP trains, the tokens that run chosen by ``routing``; all
+    restored afterwards."""
     grads = [(p, p.requires_grad) for p in model.parameters()]
     modes = [(m, m.routing_mode, m.causal_threshold) for m in layers]
     was_training = model.training
@@ -153,12 +174,8 @@ def train_router(
                 {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch},
                 device,
             )
-            mask = inputs.get("attention_mask")
-            real = (
-                torch.ones_like(inputs["input_ids"], dtype=torch.bool)
-                if mask is None
-                else mask.bool()
-            )
+            ids = inputs["input_ids"]
+            real = real_token_mask(inputs.get("attention_mask"), *ids.shape, ids.device)
             with torch.no_grad(), dense_forward(model):
                 teacher = model(**inputs, use_cache=False).logits
             for r in routers:
@@ -169,18 +186,17 @@ def train_router(
                 r.collect = None
             d = distillation_loss(student, teacher, real)
             s = sparsity_loss(collected).to(d.device)
-            g_w = guide_weight_at(step, config.guide_weight, config.guide_steps)
+            g_w = 0.0  # decays linearly to 0 over guide_steps
+            if config.guide_steps > 0:
+                g_w = config.guide_weight * max(0.0, 1.0 - step / config.guide_steps)
             g = guide_loss(collected, config.keep_last).to(d.device) if g_w else d * 0
             loss = config.distill_weight * d + config.sparsity_weight * s + g_w * g
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             report.tokens += int(real.sum())
-            for name, value in (
-                ("total", loss),
-                ("distill", d),
-                ("sparsity", s),
-                ("guide", g),
+            for name, value in zip(
+                ("total", "distill", "sparsity", "guide"), (loss, d, s, g)
             ):
                 getattr(report, name).append(float(value.detach()))
     report.seconds = time.perf_counter() - start
