@@ -218,3 +218,26 @@ def test_oneshot_recipe_yaml_round_trips_through_from_pretrained(tmp_path):
         assert [type(m).__name__ for m in recipe.modifiers] == ["FTPModifier"]
     third = adadsf_modifier.from_pretrained(tmp_path / "resaved", dtype=torch.float32)
     torch.testing.assert_close(logits(third), logits(model), atol=0, rtol=0)
+
+
+def test_a_left_padded_batch_gives_each_row_its_logits_alone(ftp_dir):
+    """The router's position feature is absolute: without ``position_ids`` a padded
+    row would count its padding. The reloaded model derives them from the mask, as
+    ``generate()`` does, so rows of lengths 12, 3, 7 and 1 padded to one batch give
+    what each gives alone."""
+    path, _ = ftp_dir
+    model = adadsf_modifier.from_pretrained(path, dtype=torch.float32).eval()
+    lengths, width = (12, 3, 7, 1), 12
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(4, 60, (n,), generator=g) for n in lengths]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask).logits
+        for i, row in enumerate(rows):
+            alone = model(input_ids=row[None]).logits[0]
+            torch.testing.assert_close(
+                batch[i, width - len(row) :], alone, atol=1e-4, rtol=0
+            )

@@ -2,8 +2,12 @@
 
 Each routed layer's ``router`` child is an :class:`FTPLayerRouter`. The MLP is a child
 of the first one only (the others hold a plain reference), so its weights exist once in
-the state dict. Positions come from a pre-hook (:func:`attach_context_hooks`): the
-``position_ids`` RoPE sees, so prefill and decoding see the same features.
+the state dict. A pre-hook (:func:`attach_context_hooks`) gives the router each call's
+mask and positions. The position feature is absolute, so padding must not count: a
+token's position is the number of real tokens before it, read off the layer's mask
+(the positions ``generate()`` derives; a plain forward on left-padded rows would
+otherwise count the padding); without a mask, or under a sliding window, it is the
+``position_ids`` RoPE sees.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from adadsf_modifier.ftp.features import (
 )
 from adadsf_modifier.ftp.static import static_scores
 from adadsf_modifier.routing import RoutedLayer, routed_layers
-from adadsf_modifier.utils import real_token_mask
+from adadsf_modifier.utils import allowed_by_mask, real_token_mask
 
 __all__ = [
     "FTPRouterMLP",
@@ -102,11 +106,16 @@ class FTPLayerRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         (b, s), device = hidden_states.shape[:2], hidden_states.device
         ctx = self._context or {}
+        mask = ctx.get("attention_mask")
         pos = ctx.get("position_ids")
-        if pos is None or pos.shape[-1] != s:
+        if mask is not None and mask.dim() == 4 and not ctx.get("windowed"):
+            pos = allowed_by_mask(mask[:, 0, -s:, :]).sum(-1) - 1  # real keys seen
+        elif mask is not None and mask.dim() == 2:
+            pos = mask.long().cumsum(-1)[:, -s:] - 1
+        elif pos is None or pos.shape[-1] != s:
             pos = torch.arange(s, device=device).unsqueeze(0)
         pos = pos.to(device)
-        real = real_token_mask(ctx.get("attention_mask"), b, s, device)
+        real = real_token_mask(mask, b, s, device)
         ratio = float(ctx.get("ratio", self.retention))
         probe = probe_scores(hidden_states, self.probe, self.probe_bias, self.norm_eps)
         if self.mode == "static":
@@ -138,6 +147,7 @@ def _stash(module: nn.Module, args: tuple, kwargs: dict) -> None:
         router._context = {
             "position_ids": kwargs.get("position_ids"),
             "attention_mask": kwargs.get("attention_mask"),
+            "windowed": getattr(module, "attention_window", None) is not None,
             "ratio": float(getattr(module, "retention_ratio", router.retention)),
         }
 
