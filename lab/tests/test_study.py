@@ -408,15 +408,16 @@ def test_a_dense_control_trains_with_its_arms_alignment_and_nothing_else():
     for m in controls:
         f = finetune_fields(s, m.name, 2, tuned)
         arm = modifier_fields(s, m.base, 0.8, 2, tuned)
-        assert {k: f[k] for k in ("steps", "lr", "layer_lr", "seed", "batch_size",
-                                  "seq_len", "bf16", "trainable", "lr_schedule")} == {
-            k: arm[f"align_{k}"] for k in ("steps", "lr", "layer_lr", "seed",
-                                           "batch_size", "seq_len", "bf16",
-                                           "trainable", "lr_schedule")}  # fmt: skip
-        assert f["weights"] == {"kl": 0.0, "hidden": 0.0, "lm": 1.0}
+        keys = [f"align_{k}" for k in ("steps", "lr", "layer_lr", "batch_size",
+                                       "seq_len", "bf16", "trainable")]  # fmt: skip
+        assert {k: f[k] for k in keys} == {k: arm[k] for k in keys}
+        assert f["seed"] == arm["align_seed"] == 2
+        assert f["align_loss"] == "lm"
         assert f["ignore"] == list(s.ignore)
-    assert finetune_fields(s, "dense_lm", 0, tuned)["layer_lr"] == 3e-4  # shared rates
-    assert finetune_fields(s, "dense_lm_ridge_kv_err", 0, tuned)["layer_lr"] == 1e-5
+    shared = finetune_fields(s, "dense_lm", 0, tuned)
+    assert shared["align_layer_lr"] == 3e-4  # shared rates
+    own = finetune_fields(s, "dense_lm_ridge_kv_err", 0, tuned)
+    assert own["align_layer_lr"] == 1e-5
     with pytest.raises(ValueError, match="not a dense control"):
         finetune_fields(s, "dense", 0, tuned)
     # a control is not tuned: it trains as its arm does

@@ -177,7 +177,7 @@ def test_a_dense_control_fine_tunes_dense_as_its_arm_aligns_paired_at_each_budge
     configs = [json.loads(p.read_text())["config"]
                for p in (tmp_path / "cache").rglob("dense_lm/*.json")]  # fmt: skip
     assert sorted(c["finetune"]["seed"] for c in configs) == [0, 1]
-    assert all(c["finetune"]["weights"] == {"kl": 0, "hidden": 0, "lm": 1}
+    assert all(c["finetune"]["align_loss"] == "lm"
                and c["finetune"]["ignore"] == [r"re:.*layers\.0$"]
                and c["modifier"] is None for c in configs)  # fmt: skip
     pairs = {(c["a"], c["b"], c["budget"], c["n_seeds"]) for c in res["comparisons"]}

@@ -42,23 +42,25 @@ def _settings(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "versions": versions}
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _read(path: Path, computed: bool = False) -> dict[str, Any] | None:
     """A cache file's run, or None (with a warning naming the file) when it is not
-    one: unreadable, not JSON, or without the configuration (model, device, versions)
-    and record every reader needs."""
+    one: unreadable, not JSON, not an object with a ``config`` and a ``record``; with
+    ``computed``, also without the model, device and versions a computed run keeps
+    (what :meth:`RunCache.computed_context` reads)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         logger.warning(f"study cache: ignoring unreadable {path}: {err}")
         return None
     config = data.get("config") if isinstance(data, dict) else None
-    if not (
-        isinstance(config, dict)
-        and isinstance(data.get("record"), dict)
-        and isinstance(config.get("model"), dict)
-        and isinstance(config.get("versions"), dict)
-        and isinstance(config.get("device"), str)
-    ):
+    ok = isinstance(config, dict) and isinstance(data.get("record"), dict)
+    if ok and computed:
+        ok = (
+            isinstance(config.get("model"), dict)
+            and isinstance(config.get("versions"), dict)
+            and isinstance(config.get("device"), str)
+        )
+    if not ok:
         logger.warning(
             f"study cache: ignoring {path}: not a cached run (a JSON object with "
             "`config` {model, device, versions} and `record`)"
@@ -189,7 +191,7 @@ class RunCache:
         if not self.root.is_dir():
             return
         for path in sorted(self.root.rglob("*.json")):
-            if (data := _read(path)) is not None:
+            if (data := _read(path, computed=True)) is not None:
                 yield data
 
 
