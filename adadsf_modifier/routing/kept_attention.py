@@ -99,7 +99,6 @@ __all__ = [
     "project_kv",
     "query_rows_mask",
     "selected_attention_mask",
-    "skipped_kv",
     "stored_keys",
     "to_attention_dtype",
 ]
@@ -307,24 +306,6 @@ def gather_for_kept(kwargs: dict[str, Any], index: torch.Tensor) -> dict[str, An
     if kwargs.get("position_ids") is not None:
         inner["position_ids"] = gather_tokens(kwargs["position_ids"], index)
     return inner
-
-
-def skipped_kv(
-    layer: Any,
-    spec: ArchitectureSpec,
-    x_skipped: torch.Tensor,
-    position_embeddings: Any,
-    skip_index: torch.Tensor,
-    seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The skipped tokens' keys/values ``[batch, kv_heads, seq + 1, head_dim]`` at their
-    positions (zeros elsewhere; unused slots of ``skip_index`` land in the extra one).
-    """
-    pe = gather_position_embeddings(position_embeddings, skip_index)
-    k, v = project_kv(layer, spec, x_skipped, pe)
-    return place_kv(None, k, skip_index, seq_len), place_kv(
-        None, v, skip_index, seq_len
-    )
 
 
 def project_kv(

@@ -1,27 +1,17 @@
 """KV cache of a routed layer: only the tokens that ran the layer leave keys and values.
 
-A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` (or, for a sliding-window
-layer, the ``DynamicSlidingWindowLayer``) of a routed decoder layer inside any
-transformers ``DynamicCache`` (so ``generate()`` works with its default cache). It
-stores the keys and values of the *selected* tokens, compacted per step into ``[batch,
-slots, ...]`` with a ``slot_valid`` mask (rows of a batch select different numbers of
-tokens), and it reports the true number of positions seen, because transformers derives
-positions and mask sizes from ``cache.get_seq_length()`` and ``get_mask_sizes()``.
+A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` (or
+``DynamicSlidingWindowLayer``) of a routed decoder layer inside any transformers
+``DynamicCache``, so ``generate()`` works with its default cache. It stores the selected
+tokens' keys/values compacted per step into ``[batch, slots, ...]`` with a
+``slot_valid`` mask (rows select different numbers of tokens), and reports the true
+number of positions seen: transformers derives positions and mask sizes from
+``get_seq_length()`` and ``get_mask_sizes()``.
 
-Under a sliding window of ``w`` keys a query at sequence index ``q`` sees the keys at
-indices ``> q - w``. Compacted slots no longer sit at their index, so a windowed layer
-also keeps each slot's sequence index and masks the slots that left the window; whole
-steps whose slots every later query has left behind are dropped (no host sync: the
-bounds are known per step).
-
-Rank routing (:func:`~adadsf_modifier.routing.selection.choose_by_rank`) decides a new
-token against the router scores of its row's earlier tokens at the same layer, so those
-scores live with the layer's cache (:class:`RankScoresMixin`): on the
-:class:`RoutedCacheLayer` of a layer that caches only the tokens that ran, and on the
-model's own dense cache layer, its class swapped for a scored subclass
-(:func:`scored_cache_layer`), for a layer that caches every position
-(``skipped_tokens_kv``). Both follow the batch through
-``generate()``'s reorders.
+Under a sliding window of ``w`` keys, compacted slots no longer sit at their index, so a
+windowed layer also keeps each slot's sequence index to mask the slots that left the
+window, and drops whole steps every later query has left behind (bounds known per step:
+no host sync).
 """
 
 from __future__ import annotations
@@ -33,48 +23,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from adadsf_modifier.routing.selection import RankState, choose_by_rank
+from adadsf_modifier.routing.rank import RankScoresMixin
 
-__all__ = [
-    "RankScoresMixin",
-    "RoutedCacheLayer",
-    "rank_select",
-    "routed_cache_layer",
-    "scored_cache_layer",
-]
-
-
-class RankScoresMixin:
-    """Rank routing's :class:`~adadsf_modifier.routing.selection.RankState` of every
-    position a cache layer has seen: the router scores, how many were real, how many
-    ran. ``None`` until rank routing first runs on the cache.
-    """
-
-    __slots__ = ()  # a dense layer's class is swapped in place: same layout
-    rank_state: RankState | None = None
-
-    def rank_length(self) -> int:
-        return 0 if self.rank_state is None else int(self.rank_state.scores.shape[1])
-
-    def rank_rows(self, fn) -> None:
-        """Apply a batch-dim operation (reorder, repeat, select) to the state."""
-        state = self.rank_state
-        if state is not None:
-            kept = None if state.kept is None else fn(state.kept)
-            self.rank_state = RankState(fn(state.scores), fn(state.count), kept)
-
-    def rank_crop(self, tokens_to_remove: int) -> None:
-        """Forget the last positions; how many of those left ran is recounted by the
-        next rank decision (:func:`~adadsf_modifier.routing.selection.choose_by_rank`),
-        which knows the layer's ratio."""
-        if self.rank_state is not None and tokens_to_remove:
-            scores = self.rank_state.scores[:, : -abs(tokens_to_remove)]
-            # nothing left: as if rank routing never ran
-            self.rank_state = (
-                RankState(scores, (~scores.isnan()).sum(1), None)
-                if scores.shape[1]
-                else None
-            )
+__all__ = ["RoutedCacheLayer", "check_dense_cache", "routed_cache_layer"]
 
 
 class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
@@ -342,104 +293,14 @@ def routed_cache_layer(
     return routed
 
 
-def _scored_class(base: type) -> type:
-    """``RankScored<Base>``: ``base`` (a dense cache layer class) also keeping rank
-    routing's scores through ``generate()``'s batch operations. Built with ``base`` as
-    its only base (the mixin's methods copied in): CPython swaps an object's class in
-    place only between classes of the same base chain."""
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        base.reorder_cache(self, beam_idx)
-        self.rank_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        base.batch_repeat_interleave(self, repeats)
-        self.rank_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        base.batch_select_indices(self, indices)
-        self.rank_rows(lambda t: t[indices, ...])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        before = self.get_seq_length()
-        base.crop(self, tokens_to_remove)
-        self.rank_crop(before - self.get_seq_length())
-
-    def reset(self) -> None:
-        base.reset(self)
-        self.rank_state = None
-
-    namespace = {
-        name: value
-        for name, value in vars(RankScoresMixin).items()
-        if name in ("rank_state", "rank_length", "rank_rows", "rank_crop")
-    }
-    namespace.update(
-        __slots__=(),
-        __module__=__name__,
-        reorder_cache=reorder_cache,
-        batch_repeat_interleave=batch_repeat_interleave,
-        batch_select_indices=batch_select_indices,
-        crop=crop,
-        reset=reset,
-    )
-    return type(f"RankScored{base.__name__}", (base,), namespace)
-
-
-_SCORED_CLASSES: dict[type, type] = {}
-
-
-def scored_cache_layer(cache: Any, layer_idx: int) -> RankScoresMixin:
-    """The model's own (dense) cache layer ``layer_idx`` of ``cache``, able to keep
-    rank routing's scores: its class is swapped once for a subclass that carries them,
-    so its keys, values and everything transformers reads stay as they are."""
-    if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
-        raise TypeError(
-            "AdaDSF rank routing supports transformers' DynamicCache, got "
-            f"{type(cache).__name__}"
-        )
-    layers = cache.layers
-    replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
-    while len(layers) <= layer_idx:
-        layers.append(replicate())
-    current = layers[layer_idx]
-    if hasattr(current, "rank_rows"):  # a RoutedCacheLayer, or swapped before
-        return current
-    base = type(current)
-    if base not in (DynamicLayer, DynamicSlidingWindowLayer):
-        raise TypeError(
-            "AdaDSF rank routing needs a DynamicLayer or DynamicSlidingWindowLayer at "
-            f"cache layer {layer_idx}, found {base.__name__}"
-        )
-    cls = _SCORED_CLASSES.get(base)
-    if cls is None:
-        cls = _SCORED_CLASSES[base] = _scored_class(base)
-    current.__class__ = cls
-    return current
-
-
-def rank_select(
-    store: RankScoresMixin | None,
-    past_len: int,
-    scores: torch.Tensor,
-    real: torch.Tensor,
-    ratio: float,
-    keep_first: bool,
-) -> torch.Tensor:
-    """``[batch, Q]`` bool: the new tokens that run under rank routing
-    (:func:`~adadsf_modifier.routing.selection.choose_by_rank`), against the scores
-    ``store`` (a cache layer; ``None``: no cache) holds for the ``past_len`` positions
-    before them, which it then holds for these too."""
-    if store is None:
-        return choose_by_rank(scores, real, ratio, keep_first)[0]
-    if store.rank_length() != past_len:
-        raise RuntimeError(
-            f"AdaDSF rank routing needs the router scores of every earlier position "
-            f"at this layer; the cache has {past_len} positions and scores for "
-            f"{store.rank_length()} (it was filled in another routing mode): start a "
-            "new cache after switching to rank routing"
-        )
-    selected, store.rank_state = choose_by_rank(
-        scores, real, ratio, keep_first, store.rank_state
-    )
-    return selected
+def check_dense_cache(cache: Any, layer_idx: int) -> None:
+    """A layer keeping skipped tokens' K/V caches every position in the model's own
+    cache layer, never in a routed one."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None and layer_idx < len(layers):
+        if isinstance(layers[layer_idx], RoutedCacheLayer):
+            raise RuntimeError(
+                f"cache layer {layer_idx} was filled by a routed layer that did not "
+                "keep skipped tokens' keys/values; start a new cache after changing "
+                "skipped_tokens_kv"
+            )
