@@ -1,12 +1,11 @@
 """Rank routing: the ``p``-th real token of a row runs a layer iff it is in the top
 ``ratio`` of its row so far, the row's count of tokens that ran held in a band around
 ``ratio * p``. No threshold, so the kept share holds on text unlike the calibration
-set's. The decisions compare scores only, so a prefill, a chunked prefill and decoding
-steps decide alike; the row's past scores and counts live with the layer's KV cache
-(:class:`RankScoresMixin`), on the routed cache layer or, for a layer keeping skipped
-tokens' K/V, on the model's dense cache layer (its class swapped,
-:func:`scored_cache_layer`).
-"""
+set's. Decisions compare scores only, and every table is made of host integers, so a
+prefill, a chunked prefill and decoding steps decide alike. The row's past scores and
+counts live with the layer's KV cache (:class:`RankScoresMixin`): on the routed cache
+layer, or, for a layer keeping skipped tokens' K/V, on the model's dense cache layer
+(its class swapped, :func:`scored_cache_layer`)."""
 
 from __future__ import annotations
 
@@ -39,30 +38,20 @@ __all__ = [
 #: Absorbs float error in ``ratio * p``.
 _KEEP_EPS = 1e-6
 
-#: Most elements of per-query work (searches and comparisons, a tie band's two edges)
-#: :func:`rank_ahead` builds at once; longer prefills count a chunk of queries at a
-#: time.
+#: Most elements of per-query work a prefill builds at once (:func:`_count_earlier`).
 RANK_CHUNK_ELEMENTS = 1 << 24
 
-#: Positions per block when a prefill counts each token's earlier rivals
-#: (:func:`_count_earlier`): the keys of whole earlier blocks are counted by binary
-#: search, those of the token's own block one by one.
+#: Positions per sorted block in :func:`_count_earlier`.
 RANK_BLOCK = 64
 
 
 def rank_tie_tolerance(dtype: torch.dtype) -> float:
-    """Relative width within which two router scores are tied under rank routing.
-
-    The same hidden state scored alone (a decoding step) and inside a row (a prefill)
-    differs in its last bits: the router's matmul takes another kernel for one token
-    (measured up to 2.2e-7 on float32 scores of spread 0.2). Equal hidden states are
-    common (a repeated token that skipped the layers below), so a strict comparison
-    would rank such a pair one way in the full forward (equal) and either way when
-    decoding. Within the tolerance a pair is tied, and a new token's ties are split by
-    how many it has (:func:`choose_by_rank`), which keeps that decision the same on
-    both paths. 16-bit models feed the router's first matmul in their own precision,
-    whose one-ulp rounding flips are ~2^-8.
-    """
+    """Relative width within which two router scores tie. The same hidden state
+    scored alone (decoding) and inside a row (prefill) differs in its last bits
+    (another matmul kernel), and equal hidden states are common (a repeated token
+    that skipped the layers below): a strict comparison would then decide the two
+    paths differently. 16-bit models feed the router in their own precision, whose
+    rounding flips are ~2^-8."""
     return 2.0**-14 if dtype in (torch.float32, torch.float64) else 2.0**-7
 
 
@@ -88,9 +77,8 @@ _DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def _on_device(host: Callable[..., tuple], args: tuple, device: torch.device):
-    """``host(*args)``, one of rank routing's integer tables computed on the host, as
-    an int64 tensor on ``device``, made once per table and device: every path and
-    device reads the same integers."""
+    """``host(*args)``, an integer table computed on the host, as an int64 tensor on
+    ``device``, made once per table and device."""
     key = (host.__name__, args, str(device))
     table = _DEVICE_TABLES.get(key)
     if table is None:
@@ -100,8 +88,8 @@ def _on_device(host: Callable[..., tuple], args: tuple, device: torch.device):
 
 
 def _table_size(length: int) -> int:
-    """The last position rank routing's tables cover for rows of ``length``: a power of
-    two (at least 64), so a growing row rebuilds them a logarithmic number of times."""
+    """The last position the tables cover for rows of ``length``: a power of two (at
+    least 64), so a growing row rebuilds them a logarithmic number of times."""
     size = 64
     while size < length:
         size *= 2
@@ -111,31 +99,22 @@ def _table_size(length: int) -> int:
 def rank_quota(
     ratio: float, keep_first: bool, length: int, device: torch.device
 ) -> torch.Tensor:
-    """``[L + 1]`` int64, ``L >= length``: ``quota[p]``, how many of its rivals may be
-    ahead of a row's ``p``-th real token for it to run (it runs iff fewer are). Its
-    rivals are the ``p`` real tokens so far, less the first one when ``keep_first``:
-    that token runs anyway (quota 1 at ``p = 1``) and, being the attention sink, scores
-    unlike any other (measured on SmolLM2: below every later token at most layers,
-    above all at two), so as a rival it would shift every later decision by one.
+    """``[L + 1]`` int64, ``L >= length``: ``quota[p]``, how many rivals may be ahead of
+    a row's ``p``-th real token for it to run. Its rivals are the real tokens so far,
+    less the forced first one (it runs anyway and, as the attention sink, scores unlike
+    any other, so as a rival it would shift every later decision).
 
-    If scores arrive in random order, the token's rank among its ``n_p`` rivals is
-    uniform, so it runs with probability ``quota[p] / n_p`` and the expected count kept
-    among the first ``p`` tokens is ``E_p = sum quota[q] / n_q``. Each ``quota[p]`` is
-    the integer in ``[0, n_p]`` that brings ``E_p`` nearest to ``ratio * p`` (the lower
-    of two as near): the kept fraction tracks the ratio from the first tokens on
-    (within ``1 / (2 n_p)`` tokens once reachable), where a plain ``ceil(ratio * p)``
-    keeps ~``ln(N) / (2 N)`` too many over ``N`` tokens, and the forced first token is
-    paid back by the tokens right after it (at ``ratio`` 0.5 the second never runs). A
-    fixed table of ``(ratio, p)``, so prefill and decoding read the same quota.
-    """
+    With scores in random order a token runs with probability ``quota[p] / n_p``;
+    each ``quota[p]`` is the integer that brings the expected kept count of the first
+    ``p`` tokens nearest to ``ratio * p`` (the lower when two are as near), so the
+    kept fraction tracks the ratio from the first tokens on, where ``ceil(ratio *
+    p)`` keeps too many."""
     args = (float(ratio), bool(keep_first), _table_size(length))
     return _on_device(_quota_table, args, device)
 
 
-#: How far a row's count of tokens that ran a layer may stray from ``ratio * p`` under
-#: rank routing (:func:`rank_band`), in tokens: room for the rank to choose which
-#: tokens run, small enough that a short decoding continuation cannot spend much more
-#: or less than its share.
+#: How far a row's kept count may stray from ``ratio * p``, in tokens: room for the
+#: rank to choose, small enough that a short continuation cannot overspend its share.
 RANK_SLACK = 4
 
 
@@ -157,12 +136,10 @@ def _band_table(
 def rank_band(
     ratio: float, keep_first: bool, length: int, device: torch.device
 ) -> torch.Tensor:
-    """``[L + 1, 2]`` int64, ``L >= length``: the fewest and the most of a row's first
-    ``p`` real tokens that may have run a layer under rank routing, ``ratio * p``
-    less and plus :data:`RANK_SLACK` (rounded inwards, within ``0 .. p``; the forced
-    first token always runs). Consecutive bounds move by at most one, so a token can
-    always keep its row inside. Integers from the host, as :func:`rank_quota`'s, so
-    every path reads the same table."""
+    """``[L + 1, 2]`` int64, ``L >= length``: the fewest and most of a row's first
+    ``p`` real tokens that may have run, ``ratio * p`` less and plus
+    :data:`RANK_SLACK` (rounded inwards, within ``0 .. p``). Consecutive bounds move
+    by at most one, so a token can always keep its row inside."""
     args = (float(ratio), bool(keep_first), _table_size(length), RANK_SLACK)
     return _on_device(_band_table, args, device)
 
@@ -171,12 +148,10 @@ def clamped_counts(
     steps: torch.Tensor, low: torch.Tensor, high: torch.Tensor, start: torch.Tensor
 ) -> torch.Tensor:
     """``[batch, Q]``: ``c_q = clamp(c_{q-1} + steps_q, low_q, high_q)`` from ``c_0 =
-    start [batch]``, every ``q`` at once. Each position's map ``c -> min(high,
-    max(low, c + step))`` is one of a family closed under composition (``g . f`` is
-    ``(clamp(low_f + step_g, low_g, high_g), clamp(high_f + step_g, low_g, high_g),
-    step_f + step_g)``), so an inclusive scan of the maps (``log2 Q`` rounds of a few
-    element-wise ops) gives every prefix's map, applied to ``start`` at the end: the
-    counts one token at a time would give, without a loop over the tokens."""
+    start``, every ``q`` at once. The maps ``c -> clamp(c + step, low, high)`` are
+    closed under composition, so an inclusive scan of them (``log2 Q`` rounds) gives
+    every prefix's map: the counts one token at a time would give, without a loop
+    over the tokens."""
     bounds = torch.stack([low, high])  # [2, batch, Q]
     q_len, shift = steps.shape[1], 1
     while shift < q_len:
@@ -191,21 +166,17 @@ def clamped_counts(
     return (start.unsqueeze(1) + steps).clamp(low, high)
 
 
-#: ``2^32`` over the golden ratio (Knuth's multiplicative hash): ``u_k = RANK_TIE_STEP
-#: * k mod 2^32``, over ``2^32``, is the Weyl sequence ``frac(0.618... * k)``, which
-#: spreads evenly over ``[0, 1)`` from its first terms on (:func:`rank_tie_ranks`).
+#: ``2^32`` over the golden ratio: ``u_k = (RANK_TIE_STEP * k mod 2^32) / 2^32`` is
+#: the Weyl sequence ``frac(0.618... k)``, even over ``[0, 1)`` from its first terms.
 RANK_TIE_STEP = 0x9E3779B9
 
 _TIE_BANDS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
 
 
 def rank_tie_ranks(length: int, device: torch.device) -> torch.Tensor:
-    """``[L + 1]`` int64, ``L >= length``: ``ranks[k] = floor(u_k * (k + 1))``, with
-    ``u_k = frac(RANK_TIE_STEP * k / 2^32)`` (:data:`RANK_TIE_STEP`): how many of its
-    ``k`` tied earlier rivals a new token counts as ahead of it
-    (:func:`choose_by_rank`), a rank among the ``k + 1`` twins spread evenly as ``k``
-    grows (``ranks[0]`` is 0: no tie, no change). In integers on the host, so every
-    path and device reads the same table."""
+    """``[L + 1]`` int64: ``ranks[k] = floor(u_k (k + 1))`` with ``u_k`` the Weyl
+    sequence of :data:`RANK_TIE_STEP`: how many of its ``k`` tied earlier rivals a
+    new token counts as ahead of it (:func:`choose_by_rank`)."""
     return _on_device(_tie_rank_table, (_table_size(length),), device)
 
 
@@ -218,8 +189,8 @@ def _tie_rank_table(length: int) -> tuple[int, ...]:
 
 
 def _tie_band(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[-tol, +tol]`` (:func:`rank_tie_tolerance`) in ``dtype`` on ``device``, made
-    once: scaled by ``max(1, |score|)`` and added to a score, a tie band's two edges."""
+    """``[-tol, +tol]`` in ``dtype`` on ``device``, made once: scaled by ``max(1,
+    |score|)`` and added to a score, its tie band's two edges."""
     key = (dtype, str(device))
     band = _TIE_BANDS.get(key)
     if band is None:
@@ -231,21 +202,12 @@ def _tie_band(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def rank_ahead(
     new: torch.Tensor, past: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts [batch, Q, 2], keys [batch, S + Q])``: for each new token ``t``, how
-    many earlier real tokens of its row score at least the floor of its tie band
-    (``score_t - tol * max(1, |score_t|)``, :func:`rank_tie_tolerance`) and how many
-    at least its ceiling (``score_t + tol * max(1, |score_t|)``); and the row's scores
-    so far. The second count is the tokens ahead of ``t``, the difference the ones tied
-    with it (:func:`choose_by_rank` splits those).
-
-    ``new [batch, Q]``: the new tokens' router scores as the row keeps them (padding
-    NaN, a token that is no rival ``-inf``); ``past [batch, S]``: the same of the row's
-    earlier positions at this layer. NaN compares false and ``-inf`` is never at least
-    a finite edge, so neither is ever counted, and a padding query counts none.
-    Comparisons only, so a prefill and a decoding step given the same scores count the
-    same; both edges in one comparison (a decoding step's ops are those of one edge); a
-    long prefill compares :data:`RANK_CHUNK_ELEMENTS` at a time.
-    """
+    """``(counts [batch, Q, 2], keys [batch, S + Q])``: for each new token, how many
+    earlier real tokens of its row score at least its tie band's floor and at least
+    its ceiling (the tokens tied with it and ahead of it, and ahead of it), and the
+    row's scores so far. ``new``: the new tokens' scores as the row keeps them
+    (padding NaN, the forced first token ``-inf``, neither ever counted); ``past``:
+    the earlier positions'."""
     batch, q_len = new.shape
     if past is not None:
         past = past.to(new.dtype)
@@ -262,17 +224,12 @@ def rank_ahead(
 
 
 def _count_earlier(keys: torch.Tensor, edges: torch.Tensor, start: int) -> torch.Tensor:
-    """``[batch, Q, 2]``: for the queries at positions ``start .. start + Q - 1`` of
-    rows ``keys [batch, W]``, how many strictly earlier keys are at least each of their
-    ``edges [batch, Q, 2]``, in about ``W^2 / RANK_BLOCK`` binary searches of
-    ``log2 RANK_BLOCK`` steps plus ``W * RANK_BLOCK`` comparisons, rather than ``W^2``
-    comparisons: the keys are cut into blocks of :data:`RANK_BLOCK` positions and each
-    block sorted once; a query counts the blocks wholly before its own by a binary
-    search in each, and its own block's earlier keys one by one. The same integers as
-    comparing every pair (NaN keys are never counted, as no comparison with them holds;
-    a query whose edge is NaN or ``-inf``, padding or the forced first token, has no
-    earlier real key and counts none). A long prefill takes :data:`RANK_CHUNK_ELEMENTS`
-    elements of queries at a time."""
+    """``[batch, Q, 2]``: for the queries at ``start .. start + Q - 1`` of ``keys``,
+    how many strictly earlier keys are at least each of their ``edges``: the same
+    integers as comparing every pair, in about ``W^2 / RANK_BLOCK`` binary searches
+    instead of ``W^2`` comparisons. The keys are cut into sorted blocks; a query
+    searches the blocks before its own and compares its own block's earlier keys one
+    by one, a chunk of queries (:data:`RANK_CHUNK_ELEMENTS`) at a time."""
     batch, width = keys.shape
     q_len = edges.shape[1]
     size = RANK_BLOCK
@@ -315,14 +272,10 @@ def _count_earlier(keys: torch.Tensor, edges: torch.Tensor, start: int) -> torch
 
 
 class RankState(NamedTuple):
-    """What rank routing keeps of a row's past at one layer, with its KV cache.
-
-    ``scores [batch, positions]``: the router scores of the row's positions so far
-    (padding NaN, the forced first token ``-inf``: neither is any token's rival, and a
-    crop can still count the real ones); ``count [batch]``: the real tokens among them;
-    ``kept [batch]``: how many of those ran the layer (``None`` after a crop, until
-    :func:`_replay_rank_kept` recounts it).
-    """
+    """Rank routing's past of each row at one layer: ``scores [batch, positions]``
+    (padding NaN, the forced first token ``-inf``), ``count [batch]`` real tokens
+    among them, ``kept [batch]`` those that ran (``None`` after a crop, until
+    recounted)."""
 
     scores: torch.Tensor
     count: torch.Tensor
@@ -336,51 +289,22 @@ def choose_by_rank(
     keep_first: bool,
     past: RankState | None = None,
 ) -> tuple[torch.Tensor, RankState]:
-    """Rank routing: ``(selected [batch, Q], state)``. The ``p``-th real token of a
-    row is a candidate iff ``ahead + ranks[tied] < quota[p]`` (:func:`rank_quota`,
-    about ``ratio * p``): ``ahead`` and ``tied`` count the earlier real tokens of the
-    row (the forced first one aside) that score above the new token's tie band and
-    within it (:func:`rank_ahead`), and ``ranks[k]`` (:func:`rank_tie_ranks`) is how
-    many of ``k`` tied rivals it counts as ahead, ``floor(u_k (k + 1))`` for a fraction
-    ``u_k`` of ``[0, 1)``. Untied (``tied = 0``) that is ``ahead < quota[p]``: the
-    token is in the top ``ratio`` of its row so far. A candidate runs, and any other
-    token skips, unless that would take the count of the row's tokens that ran out of
-    its band (:func:`rank_band`: ``ratio * p`` within :data:`RANK_SLACK` tokens, for
-    every prefix ``p``): at the band's top a candidate skips, at its bottom a token
-    runs. No threshold, so a shift of every score (text unlike the calibration set)
-    leaves the kept share where it was.
+    """Rank routing: ``(selected [batch, Q], state after these tokens)``. The ``p``-th
+    real token of a row is a candidate iff ``ahead + ranks[tied] < quota[p]``
+    (:func:`rank_ahead`, :func:`rank_tie_ranks`, :func:`rank_quota`); untied, iff it is
+    in the top ``ratio`` of its row so far. A candidate runs and any other token skips
+    unless that takes the row's kept count out of its band (:func:`rank_band`).
 
-    Why the band: the rank alone holds the share only if scores arrive in random order
-    along the row. They do not: later tokens score higher at most layers (more
-    context), so a new token outranks most early ones, and a decoding continuation
-    keeps more than the ratio. A ceiling alone holds that, but cuts off only the
-    count's upward wanderings, so rows then keep less than the ratio. Inside the band
-    the
-    rank alone decides. A prefill takes the counts from :func:`clamped_counts`, a
-    decoding step from the row's kept count; both give the decisions of one token at
-    a time.
+    Why the band: later tokens score higher at most layers (more context), so the rank
+    alone lets a decoding continuation keep more than the ratio; a ceiling alone makes
+    rows keep less. Inside the band the rank decides.
 
-    Why ties are split so: identical hidden states score identically (a repeated token,
-    a degenerate stream), and ties that went to the earlier token put every new twin
-    behind all its earlier ones, so a run of identical tokens kept almost none after the
-    first few and the budget did not hold. Counting a tie as half a rival (mid-rank)
-    keeps all or none of a long run (all of it at 0.81, none at 0.2). With ``u_k``
-    spread evenly (a Weyl sequence) the new token's rank among itself and its ``k``
-    earlier twins is spread evenly over ``0 .. k``, as a random tie-break would make it,
-    so among tied scores the kept share tends to the ratio (within 0.005 over 400
-    identical scores at every ratio from 0.1 to 0.95). ``u`` is indexed by ``k``, the
-    token's place among its twins, not by its position: a fraction of the position, the
-    same at every layer, would replay one layer's split at the next (the twins that
-    skipped a layer all drew high fractions and lose most ties at the next one; a tiny
-    model's repeated-token stream kept 0.63 at ratio 0.8 there), and a fixed order of
-    positions would need a key per past token in the cache. ``k`` is a count the
-    comparison gives anyway, so a decoding step adds a subtraction, a lookup and an
-    addition, padding moves no decision, and prefill, chunked prefill and decoding
-    decide alike.
-
-    ``past``: the row's :class:`RankState` before these tokens (``None``: none);
-    ``state``: the same after them, for the cache to keep.
-    """
+    Why ties split so: identical hidden states score identically, and ties that went
+    to the earlier token kept almost none of a run of repeated tokens. A rank among
+    ``k`` tied rivals spread evenly (a Weyl sequence indexed by ``k``, the token's
+    place among its twins, not by its position, which would replay one layer's split
+    at the next) keeps about the ratio of them, and ``k`` is a count the comparison
+    gives anyway."""
     # Decisions take no gradient (the router learns through the kept tokens' gate), and
     # the state a cache keeps must hold no graph; detached, the comparisons also mix
     # freely with the cached constant tables, whatever mode made those.
@@ -419,8 +343,8 @@ def choose_by_rank(
 
 
 def _host_step(scores: torch.Tensor) -> bool:
-    """A decoding step of one row on the CPU, float32 scores: :func:`choose_by_rank`
-    decides it with host integers (:func:`_rank_step_on_host`)."""
+    """A one-row decoding step on the CPU with float32 scores: decided with host
+    integers (:func:`_rank_step_on_host`)."""
     return (
         scores.shape[0] == 1
         and scores.shape[1] == 1
@@ -436,12 +360,10 @@ def _rank_step_on_host(
     keep_first: bool,
     past: RankState,
 ) -> tuple[torch.Tensor, RankState]:
-    """:func:`choose_by_rank` for one row's decoding step on the CPU, the same decision
-    from the same tables with the integers on the host: every op of the tensor path
-    is a dispatch of a few microseconds on one element, ~30 of them a routed layer a
-    step, where this takes two comparisons over the row's past and a few tensors for
-    the cache. The tie band's edges are float32 arithmetic as the tensor path's
-    (numpy float32 rounds alike), compared with the same float32 scores."""
+    """:func:`choose_by_rank` for one row's decoding step on the CPU, the same
+    decision from the same tables with host integers: the tensor path is ~30
+    dispatches on one element per layer and step, this two comparisons over the row's
+    past. numpy's float32 rounds the tie band's edges as the tensor path does."""
     count, kept = int(past.count[0]), int(past.kept[0])
     if not bool(real[0, 0]):  # padding: stored NaN, never runs
         nan = torch.full_like(scores, float("nan"))
@@ -474,18 +396,15 @@ def _rank_step_on_host(
 
 
 def _replay_rank_kept(state: RankState, ratio: float, keep_first: bool) -> RankState:
-    """``state`` with ``kept`` recounted from its scores (after a crop): the stored
-    scores decide again exactly as they did token by token (:func:`choose_by_rank`
-    compares scores only), the forced first token (``-inf``) running again."""
+    """``state`` with ``kept`` recounted from its scores after a crop: the stored
+    scores decide again exactly as they did token by token."""
     _, replayed = choose_by_rank(state.scores, ~state.scores.isnan(), ratio, keep_first)
     return RankState(state.scores, state.count, replayed.kept)
 
 
 class RankScoresMixin:
-    """Rank routing's :class:`~adadsf_modifier.routing.selection.RankState` of every
-    position a cache layer has seen: the router scores, how many were real, how many
-    ran. ``None`` until rank routing first runs on the cache.
-    """
+    """A cache layer's :class:`RankState` (``None`` until rank routing runs on it),
+    kept through ``generate()``'s batch operations."""
 
     __slots__ = ()  # a dense layer's class is swapped in place: same layout
     rank_state: RankState | None = None
@@ -501,9 +420,8 @@ class RankScoresMixin:
             self.rank_state = RankState(fn(state.scores), fn(state.count), kept)
 
     def rank_crop(self, tokens_to_remove: int) -> None:
-        """Forget the last positions; how many of those left ran is recounted by the
-        next rank decision (:func:`~adadsf_modifier.routing.selection.choose_by_rank`),
-        which knows the layer's ratio."""
+        """Forget the last positions; the next decision recounts how many of the rest
+        ran."""
         if self.rank_state is not None and tokens_to_remove:
             scores = self.rank_state.scores[:, : -abs(tokens_to_remove)]
             # nothing left: as if rank routing never ran
@@ -515,10 +433,9 @@ class RankScoresMixin:
 
 
 def _scored_class(base: type) -> type:
-    """``RankScored<Base>``: ``base`` (a dense cache layer class) also keeping rank
-    routing's scores through ``generate()``'s batch operations. Built with ``base`` as
-    its only base (the mixin's methods copied in): CPython swaps an object's class in
-    place only between classes of the same base chain."""
+    """``RankScored<Base>``: a dense cache layer class that also keeps rank routing's
+    state. ``base`` is its only base (the mixin's methods copied in): CPython swaps
+    an object's class in place only between classes of the same layout."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         base.reorder_cache(self, beam_idx)
@@ -562,9 +479,9 @@ _SCORED_CLASSES: dict[type, type] = {}
 
 
 def scored_cache_layer(cache: Any, layer_idx: int) -> RankScoresMixin:
-    """The model's own (dense) cache layer ``layer_idx`` of ``cache``, able to keep
-    rank routing's scores: its class is swapped once for a subclass that carries them,
-    so its keys, values and everything transformers reads stay as they are."""
+    """The model's own cache layer ``layer_idx``, its class swapped once for one that
+    keeps rank routing's state; its keys, values and all transformers reads stay as
+    they are."""
     if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
         raise TypeError(
             "AdaDSF rank routing supports transformers' DynamicCache, got "
@@ -598,10 +515,9 @@ def rank_select(
     ratio: float,
     keep_first: bool,
 ) -> torch.Tensor:
-    """``[batch, Q]`` bool: the new tokens that run under rank routing
-    (:func:`~adadsf_modifier.routing.selection.choose_by_rank`), against the scores
-    ``store`` (a cache layer; ``None``: no cache) holds for the ``past_len`` positions
-    before them, which it then holds for these too."""
+    """``[batch, Q]`` bool: the new tokens that run under rank routing, against the
+    past ``store`` (a cache layer; ``None``: no cache) holds for the ``past_len``
+    positions before them; ``store`` then holds these too."""
     if store is None:
         return choose_by_rank(scores, real, ratio, keep_first)[0]
     if store.rank_length() != past_len:

@@ -52,13 +52,10 @@ class Selection(NamedTuple):
 
 
 class DecodeChoice(NamedTuple):
-    """The rows of a decoding step (one new token per row) that run a layer.
-
-    ``selected [batch]`` bool (``None`` at batch size 1); ``n``: how many rows run;
-    ``rows`` / ``skip_rows`` (ascending): the rows that run and those that skip, both
-    ``None`` unless some rows run and some skip; ``real [batch]``: the rows whose new
-    token is not padding (``None``: all).
-    """
+    """The rows of a decoding step that run a layer: ``selected [batch]`` (``None``
+    at batch 1), ``rows`` / ``skip_rows`` (both ``None`` unless some rows run and
+    some skip), ``n`` rows running, ``real [batch]`` the rows whose token is not
+    padding (``None``: all)."""
 
     selected: torch.Tensor | None
     rows: torch.Tensor | None
@@ -76,18 +73,11 @@ def choose_tokens(
     threshold: float | None = None,
     owner: Callable[[], str] = lambda: "this layer",
 ) -> Selection:
-    """The :class:`Selection` ``(index, valid, k_max)`` of the tokens that run a layer
-    keeping ``ratio`` of its real tokens, under routing ``mode``
-    (:mod:`~adadsf_modifier.routing.modes`): ``topk`` (each row's ``K`` best scores),
-    ``causal`` (scores above the calibrated ``threshold``), ``quantile`` (scores
-    above the threshold fitted on this batch) or ``rank`` (each token in the top
-    ``ratio`` of its row so far, :func:`choose_by_rank`; here with no cached past).
-    ``first`` (``[batch, seq]`` bool or None): tokens that run whatever their score
-    (in top-k they count toward ``K``).
-    ``index`` is None when nothing runs. ``owner`` names the layer in an error, called
-    only then: a layer's index read on every call would make ``torch.compile``
-    specialise on it and compile the routing once per layer, past its recompile limit
-    (eager after the eighth layer)."""
+    """The :class:`Selection` of the tokens that run a layer keeping ``ratio`` of its
+    real tokens under ``mode``: ``topk`` (each row's ``K`` best), ``causal`` (scores
+    above ``threshold``), ``quantile`` (above a threshold fitted on this batch) or
+    ``rank`` (with no cached past). ``first``: tokens that run whatever their score
+    (in top-k they count toward ``K``). ``owner()`` names the layer in an error."""
     if ratio <= 0.0:
         return Selection(None, None, 0)
     if mode == "topk":
@@ -124,11 +114,10 @@ def choose_decode_rows(
     threshold: float,
     keep_first_token: bool,
 ) -> DecodeChoice:
-    """The :class:`DecodeChoice` ``(selected, rows, skip_rows, n, real)`` of a
-    decoding step: the rows whose token ``x [batch, 1, hidden]`` scores above the
-    causal ``threshold`` run (``n`` of them, with one host sync). ``first``: the step
-    opens the layer's cache, so every real row runs; ``keep_first_token``: a row whose
-    past was all padding runs its first real token."""
+    """The :class:`DecodeChoice` of a causal decoding step: the rows whose token
+    scores above ``threshold`` run. ``first``: the step opens the layer's cache, so
+    every real row runs; ``keep_first_token``: a row whose past was all padding runs
+    its first real token."""
     batch = x.shape[0]
     real = late = None
     if attention_mask is not None:
@@ -151,10 +140,8 @@ def choose_decode_rows(
 
 
 def decode_choice_of(selected: torch.Tensor, real: torch.Tensor | None) -> DecodeChoice:
-    """The :class:`DecodeChoice` of a decoding step whose rows that run are decided
-    (``selected [batch]`` bool, padding rows False; ``real [batch]`` or None), with one
-    host sync: the rows to gather and to skip. Shared by the causal threshold
-    (:func:`choose_decode_rows`) and rank routing."""
+    """The :class:`DecodeChoice` of the decided rows ``selected [batch]`` (padding
+    rows False), with the step's one host sync."""
     batch = selected.shape[0]
     if batch == 1:
         return DecodeChoice(None, None, None, int(selected[0]), real)
@@ -170,12 +157,9 @@ _KEEP_EPS = 1e-6
 
 
 def keep_counts(real_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
-    """The keep-count rule: ``K = max(1, floor(ratio * n))`` for each real length ``n``.
-
-    The one place the rule lives (top-k routing, :func:`tokens_to_keep` and the FLOPs
-    model's planned counts all call it). A sequence with no real token keeps none, and
-    a ratio of 0 (a removed layer) keeps none. Computed in float64.
-    """
+    """The keep-count rule ``K = max(1, floor(ratio * n))`` per real length ``n`` (0
+    for no real token or ratio 0), in float64: top-k routing and the FLOPs model's
+    planned counts both call it."""
     n = real_lengths
     if ratio <= 0:
         return torch.zeros_like(n)
@@ -196,19 +180,11 @@ def tokens_to_keep_per_row(real: torch.Tensor, ratio: float) -> torch.Tensor:
 def select_topk(
     scores: torch.Tensor, real: torch.Tensor, keep: torch.Tensor, k_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``keep[b]`` real tokens of each row by score, returned in position order.
-
-    Returns ``index [batch, k_max]`` (positions ascending; unused slots hold
-    ``seq_len``, one past the end, so they sort last and scatter into a discarded slot)
-    and ``valid [batch, k_max]``. Padding gets ``-inf`` and is never chosen while a real
-    token remains (``keep <= n_real``).
-
-    Equal scores are common (a repeated token that skipped the earlier layers has the
-    same hidden state, hence the same score, at every occurrence), so ties are broken
-    explicitly: the earlier token wins. A stable sort does that, and because padding
-    never reorders the real tokens of a row, a prompt selects the same tokens alone and
-    inside a padded batch (``topk`` breaks ties by memory layout instead).
-    """
+    """Each row's top ``keep[b]`` real tokens by score as ``(index, valid)`` in
+    position order. Equal scores are common (a repeated token that skipped the layers
+    below scores the same), so a stable sort breaks ties toward the earlier token: a
+    prompt then selects the same tokens alone and inside a padded batch, which
+    ``topk``'s memory-order ties would not."""
     batch, seq_len = scores.shape
     masked = scores.masked_fill(~real, float("-inf"))
     order = masked.sort(dim=1, descending=True, stable=True).indices
@@ -224,11 +200,7 @@ def select_topk(
 def select_by_mask(
     selected: torch.Tensor, k_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of the ``selected`` tokens of each row, ascending, padded to ``k_max``
-    slots.
-
-    Same output convention as :func:`select_topk` (unused slots hold ``seq_len``).
-    """
+    """Positions of each row's ``selected`` tokens, ascending, in ``k_max`` slots."""
     batch, seq_len = selected.shape
     pos = torch.arange(seq_len, device=selected.device).expand(batch, seq_len)
     key = torch.where(selected, pos, torch.full_like(pos, seq_len))
@@ -237,11 +209,9 @@ def select_by_mask(
 
 
 def positions_of(selected: torch.Tensor) -> Selection:
-    """The :class:`Selection` ``(index, valid, k_max)`` of the ``selected [batch,
-    seq]`` tokens, laid out as :func:`select_by_mask` does (``index`` None, ``k_max`` 0
-    when none is selected), with one host sync. One row (a prompt) takes ``nonzero``:
-    its width is the row's own count, so no slot is unused and no padded sort is
-    needed."""
+    """The :class:`Selection` of the ``selected [batch, seq]`` tokens, with one host
+    sync. One row takes ``nonzero``: its width is its own count, so no slot is
+    unused."""
     if selected.shape[0] == 1:
         index = selected[0].nonzero().view(1, -1)
         if index.shape[1] == 0:
@@ -262,10 +232,9 @@ def batch_threshold(
     first: torch.Tensor | None,
     ratio: float,
 ) -> float:
-    """The causal rule's threshold fitted on this batch: ``ratio`` of its real tokens
-    score above it, the forced first tokens (``first``) counted as running, as
-    :func:`~adadsf_modifier.fitting.calibrate_thresholds` fits it on calibration
-    data."""
+    """The quantile rule: the threshold above which ``ratio`` of this batch's real
+    tokens score, the forced first tokens counted as running (as thresholds are
+    fitted on calibration data)."""
     free = real if first is None else real & ~first
     total = int(real.sum())
     threshold, _ = threshold_beside_forced(
@@ -276,11 +245,7 @@ def batch_threshold(
 
 def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
     """A threshold with ``mean(scores > t) ~= ratio``, midway between neighbouring
-    distinct scores.
-
-    Equal scores fall on the same side of any threshold, so with ties the cut goes to
-    the gap between distinct values whose kept count is closest to ``ratio * n``.
-    """
+    distinct scores; with ties, at the gap whose kept count is nearest ``ratio * n``."""
     return cut_for_ratio(scores, ratio)[0]
 
 
@@ -312,10 +277,9 @@ def threshold_beside_forced(
     free_scores: torch.Tensor, total: int, forced: int, ratio: float
 ) -> tuple[float, float]:
     """``(threshold, kept fraction)``: the threshold over the scores of the tokens
-    that are free to skip (``free_scores``) at which ``ratio`` of all ``total`` real
-    tokens run, ``forced`` of them (the attention sinks) running whatever their score;
-    the fraction is what that threshold actually keeps (ties and the forced tokens can
-    make ``ratio`` itself unreachable)."""
+    free to skip at which ``ratio`` of all ``total`` real tokens run, ``forced`` of
+    them running anyway; the fraction is what it really keeps (ties and forced tokens
+    can make ``ratio`` unreachable)."""
     if total == forced:  # every token is forced: nothing left to choose
         return (float("inf") if ratio < 1.0 else float("-inf")), 1.0
     free_ratio = (ratio * total - forced) / (total - forced)
@@ -324,10 +288,8 @@ def threshold_beside_forced(
 
 
 def flat_positions(index: torch.Tensor, row_len: int) -> torch.Tensor:
-    """``[batch * K]`` positions of ``index [batch, K]`` in a tensor whose batch and
-    sequence dims are flattened into one of ``batch * row_len`` rows: what a row-wise
-    ``index_select`` / ``index_copy_`` over ``[batch, seq, ...]`` reads or writes.
-    ``index`` is int64, as the selection makes it (one row returns it as it is)."""
+    """``[batch * K]`` row positions of ``index [batch, K]`` in the ``[batch *
+    row_len]`` flattening of a ``[batch, row_len, ...]`` tensor."""
     if index.shape[0] == 1:  # no offsets: a view (a prefill or decode of one prompt)
         return index.reshape(-1)
     offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
@@ -335,14 +297,9 @@ def flat_positions(index: torch.Tensor, row_len: int) -> torch.Tensor:
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[b, index[b, k]]`` along dim 1; out-of-range (unused) slots read the last
-    token. ``x`` may have batch 1 for any ``index`` batch (broadcast, e.g. rotary
-    tables).
-
-    One ``index_select`` over the flattened ``[batch * seq]`` rows: a row copy, where
-    ``gather`` with an index expanded over the hidden size costs an index read per
-    element.
-    """
+    """``x[b, index[b, k]]`` along dim 1 (unused slots read the last token; ``x`` of
+    batch 1 broadcasts), as one row-wise ``index_select``: cheaper on CPU than
+    ``gather`` with an index expanded over the hidden size."""
     batch, k = index.shape
     seq = x.shape[1]
     idx = index.clamp(max=seq - 1)
@@ -358,8 +315,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def gather_position_embeddings(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rotary ``(cos, sin)`` of the selected tokens, so each keeps its original
-    position."""
+    """Rotary ``(cos, sin)`` at the selected tokens' own positions."""
     if position_embeddings is None:
         return None
     cos, sin = position_embeddings
@@ -373,14 +329,9 @@ def scatter_tokens(
     more: tuple[torch.Tensor, torch.Tensor] | None = None,
     covers_all: bool = False,
 ) -> torch.Tensor:
-    """``x`` with ``values`` written at ``index`` (unused slots land in a dropped extra
-    slot), then ``more = (index, values)`` if given (e.g. the skip path's outputs).
-
-    Tokens that were not selected come back bit-identical to ``x``. One buffer and a
-    row-wise ``index_copy_`` per write (cheaper on CPU than ``scatter`` with an index
-    expanded over the hidden size, like :func:`gather_tokens`); ``covers_all``: the
-    writes reach every position, so ``x`` is not copied into the buffer first.
-    """
+    """``x`` with ``values`` written at ``index``, then ``more = (index, values)`` if
+    given; unselected tokens come back bit-identical. ``covers_all``: the writes
+    reach every position, so ``x`` is not copied first."""
     batch, seq_len, hidden = x.shape
     if covers_all:
         padded = x.new_empty(batch, seq_len + 1, hidden)
