@@ -55,6 +55,7 @@ from adadsf_modifier.routing.rank import rank_select, scored_cache_layer
 from adadsf_modifier.routing.routed_cache import check_dense_cache, routed_cache_layer
 from adadsf_modifier.routing.router import TokenRouter, gated
 from adadsf_modifier.routing.selection import (
+    DecodeChoice,
     Selection,
     choose_decode_rows,
     choose_tokens,
@@ -270,75 +271,34 @@ class RoutedLayer(nn.Module):
         """The selected tokens run the original layer on a compacted batch ``[batch,
         k_max]``, the others take the skip path, and both are scattered back."""
         idx, rec = self.layer_index, self.routing_recorder
-        keep_kv = self.skipped_tokens_kv
+        keep_kv, impl = self.skipped_tokens_kv, self._attn_implementation
         attention_mask = kwargs.get("attention_mask")
         q_len = x.shape[1]
-        if keep_kv and cache is not None:
-            check_dense_cache(cache, idx)
-        real = real_token_mask(attention_mask, x.shape[0], q_len, x.device)
-        if mode == "rank":
-            selected = self._rank_decisions(scores, real, cache, cache_layer)
-            index, valid, k_max = positions_of(selected)
-        else:
-            if keep_kv:
-                has_past = stored_keys(cache, idx) > 0
-            else:
-                has_past = cache_layer is not None and cache_layer.seen_tokens > 0
-            if mode in ("topk", "quantile") and has_past:
-                raise RuntimeError(
-                    f"AdaDSF {mode} routing chooses tokens over the whole "
-                    f"{'sequence' if mode == 'topk' else 'batch'} and cannot continue "
-                    "from a KV cache: use causal routing for incremental decoding "
-                    "(model.eval() after threshold calibration, or "
-                    "set_routing_mode(model, 'causal'))"
-                )
-            index, valid, k_max = self.select_tokens(
-                scores, real, mode, has_past, attention_mask
-            )
-        # skipped tokens' K/V kept, no gradient: attention on every token instead
-        # (except where the compacted kept queries would attend in chunks)
+        real, (index, valid, k_max) = self._prefill_tokens(
+            x, scores, mode, attention_mask, cache, cache_layer
+        )
+        if k_max == 0:
+            return self._no_token_runs(x, real, kwargs, cache, cache_layer)
+        # skipped tokens' K/V kept, no gradient: attention on every token instead,
+        # unless the compacted kept queries would attend in chunks
         if (
             keep_kv
-            and k_max > 0
             and not torch.is_grad_enabled()
             and self.attends_every_token()
             and not kept_queries_go_in_chunks(
-                x,
-                k_max,
-                attention_mask,
-                self._attn_implementation,
-                stored_keys(cache, idx),
-            )  # fmt: skip
+                x, k_max, attention_mask, impl, stored_keys(cache, idx)
+            )
         ):
             return self.run_kept_mlp(x, index, valid, real, kwargs, cache)
 
         skip_map = skip_path_of(self)
-        need_kv = keep_kv and (k_max > 0 or cache is not None)
-        slots = None  # (index, valid) of the skipped real tokens
-        if skip_map is not None or need_kv:
-            slots = skipped_slots(real, index if k_max else None)
-        x_s = gather_tokens(x, slots[0]) if slots is not None else None
-        n_skip = slots[1].sum(1) if slots is not None and rec is not None else None
-        pe = kwargs.get("position_embeddings")
-
-        if k_max == 0:  # no token runs
-            kv = None
-            if need_kv:  # later tokens (decoding) attend to these positions
-                spec = architecture_for_config(self._adadsf_config)
-                cache.update(*project_kv(self, spec, x, pe), idx)
-                kv = real.sum(1)
-            out = x
-            if skip_map is not None and slots is not None:
-                out = scatter_tokens(x, slots[0], x_s + skip_map(x_s))
-            if rec is not None:
-                skipped = n_skip if skip_map is not None else None
-                rec.record(idx, "skipped", batch=x.shape[0], skip_path=skipped, kv=kv)
-            if cache_layer is not None:
-                cache_layer.record_step(q_len)
-            return out
-
+        slots = x_s = n_skip = None  # the skipped real tokens: (index, valid)
+        if skip_map is not None or keep_kv:
+            slots = skipped_slots(real, index)
+        if slots is not None:
+            x_s = gather_tokens(x, slots[0])
+            n_skip = slots[1].sum(1) if rec is not None else None
         inner = gather_for_kept(kwargs, index)
-        impl = self._attn_implementation
         causal_kernel = False
         if keep_kv:
             # the layer's cache.update merges the kept tokens' keys/values with the
@@ -346,8 +306,10 @@ class RoutedLayer(nn.Module):
             keys = values = None
             if slots is not None:
                 spec = architecture_for_config(self._adadsf_config)
-                pe_s = gather_position_embeddings(pe, slots[0])
-                k, v = project_kv(self, spec, x_s, pe_s)
+                pe = gather_position_embeddings(
+                    kwargs.get("position_embeddings"), slots[0]
+                )
+                k, v = project_kv(self, spec, x_s, pe)
                 keys = place_kv(None, k, slots[0], q_len)
                 values = place_kv(None, v, slots[0], q_len)
             kv_len = stored_keys(cache, idx) + q_len
@@ -358,7 +320,7 @@ class RoutedLayer(nn.Module):
                 allowed = rows.unsqueeze(1)
             inner[self.cache_kwarg] = MergedKV(keys, values, index, q_len, cache)
             inner["use_cache"] = cache is not None
-        else:
+        else:  # among themselves and the kept tokens the routed cache holds
             allowed = selected_attention_mask(
                 attention_mask, index, valid, cache_layer, impl
             )
@@ -398,6 +360,69 @@ class RoutedLayer(nn.Module):
         if torch.is_grad_enabled():
             y = self._gate(y, x_sel, scores.gather(1, index.clamp(max=q_len - 1)))
         return _join(self._scatter_back(x, index, y, slots, x_s, attention_mask), rest)
+
+    def _prefill_tokens(
+        self,
+        x: torch.Tensor,
+        scores: torch.Tensor,
+        mode: str,
+        attention_mask: torch.Tensor | None,
+        cache: Any,
+        cache_layer: Any,
+    ) -> tuple[torch.Tensor, Selection]:
+        """``(real tokens, the tokens that run)`` of a prefill: rank routing against
+        the row's past, any other mode by :meth:`select_tokens`."""
+        idx = self.layer_index
+        if self.skipped_tokens_kv and cache is not None:
+            check_dense_cache(cache, idx)
+        real = real_token_mask(attention_mask, *x.shape[:2], x.device)
+        if mode == "rank":
+            selected = self._rank_decisions(scores, real, cache, cache_layer)
+            return real, positions_of(selected)
+        if self.skipped_tokens_kv:
+            has_past = stored_keys(cache, idx) > 0
+        else:
+            has_past = cache_layer is not None and cache_layer.seen_tokens > 0
+        if mode in ("topk", "quantile") and has_past:
+            raise RuntimeError(
+                f"AdaDSF {mode} routing chooses tokens over the whole "
+                f"{'sequence' if mode == 'topk' else 'batch'} and cannot continue "
+                "from a KV cache: use causal routing for incremental decoding "
+                "(model.eval() after threshold calibration, or "
+                "set_routing_mode(model, 'causal'))"
+            )
+        return real, self.select_tokens(scores, real, mode, has_past, attention_mask)
+
+    def _no_token_runs(
+        self,
+        x: torch.Tensor,
+        real: torch.Tensor,
+        kwargs: dict,
+        cache: Any,
+        cache_layer: Any,
+    ) -> torch.Tensor:
+        """A prefill in which no token runs: the real tokens take the skip path (and
+        leave their keys/values in the cache, when the layer keeps them)."""
+        skip_map, rec = skip_path_of(self), self.routing_recorder
+        out, skipped, kv = x, None, None
+        if self.skipped_tokens_kv and cache is not None:
+            spec = architecture_for_config(self._adadsf_config)
+            k, v = project_kv(self, spec, x, kwargs.get("position_embeddings"))
+            cache.update(k, v, self.layer_index)
+            kv = real.sum(1)
+        slots = skipped_slots(real, None) if skip_map is not None else None
+        if slots is not None:
+            x_s = gather_tokens(x, slots[0])
+            out = scatter_tokens(x, slots[0], x_s + skip_map(x_s))
+            skipped = slots[1].sum(1) if rec is not None else None
+        if rec is not None:
+            batch = x.shape[0]
+            rec.record(
+                self.layer_index, "skipped", batch=batch, skip_path=skipped, kv=kv
+            )
+        if cache_layer is not None:
+            cache_layer.record_step(x.shape[1])
+        return out
 
     def run_kept_mlp(
         self,
@@ -455,37 +480,11 @@ class RoutedLayer(nn.Module):
         batch, idx = x.shape[0], self.layer_index
         rec, keep_kv = self.routing_recorder, self.skipped_tokens_kv
         attention_mask = kwargs.get("attention_mask")
-        if keep_kv and cache is not None:
-            check_dense_cache(cache, idx)
-        if mode == "rank":
-            real = real_token_mask(attention_mask, batch, 1, x.device)
-            selected = self._rank_decisions(scores, real, cache, cache_layer)
-            real = None if attention_mask is None else real[:, 0]
-            choice = decode_choice_of(selected[:, 0], real)
-        else:  # causal: the layer's threshold; the cache's first step always runs
-            if keep_kv:
-                opens = stored_keys(cache, idx) == 0
-            else:
-                opens = cache_layer is None or cache_layer.seen_tokens == 0
-            first = self.keep_first_token
-            choice = choose_decode_rows(
-                x, scores, attention_mask, first and opens, self.causal_threshold, first
-            )
-        selected, rows, skip_rows, n, real = choice
-
-        if n == 0:  # no row runs
-            kv = None
-            if keep_kv and cache is not None:  # later steps attend to this token
-                spec = architecture_for_config(self._adadsf_config)
-                pe = kwargs.get("position_embeddings")
-                cache.update(*project_kv(self, spec, x, pe), idx)
-                kv = _rows_mask(batch, None, real) if rec is not None else None
-            out, skipped = self._skip_rows(x, None, real)
-            if rec is not None:
-                rec.record(idx, "skipped", batch=batch, skip_path=skipped, kv=kv)
-            if cache_layer is not None:
-                cache_layer.record_step(1)
-            return out
+        selected, rows, skip_rows, n, real = self._decode_rows(
+            x, scores, mode, attention_mask, cache, cache_layer
+        )
+        if n == 0:
+            return self._no_row_runs(x, real, kwargs, cache, cache_layer)
 
         inner = dict(kwargs)
         x_in, base, skipped, kv = x, x, None, None
@@ -522,7 +521,8 @@ class RoutedLayer(nn.Module):
             elif hidden or rec is not None:
                 past = cache_layer.visible_slots(batch, x.device)
                 past = past.reshape(batch, past.shape[-1])  # one query: [batch, slots]
-                visible = 1 + past.sum(1)
+                if rec is not None:
+                    visible = 1 + past.sum(1)
             if hidden:  # filler slots (a row skipped a step another ran), or windowed
                 seen = past if rows is None else past.index_select(0, rows)
                 allowed = torch.cat([seen, seen.new_ones(seen.shape[0], 1)], dim=1)
@@ -554,6 +554,60 @@ class RoutedLayer(nn.Module):
             valid = None if rows is None else selected.unsqueeze(1)
             cache_layer.record_step(1, valid, appended=1)
         return _join(y, rest)
+
+    def _decode_rows(
+        self,
+        x: torch.Tensor,
+        scores: torch.Tensor,
+        mode: str,
+        attention_mask: torch.Tensor | None,
+        cache: Any,
+        cache_layer: Any,
+    ) -> DecodeChoice:
+        """The rows of a decoding step that run: by rank against the row's past, or
+        by the causal threshold (every real row at the step that opens the cache)."""
+        idx, keep_kv = self.layer_index, self.skipped_tokens_kv
+        if keep_kv and cache is not None:
+            check_dense_cache(cache, idx)
+        if mode == "rank":
+            real = real_token_mask(attention_mask, x.shape[0], 1, x.device)
+            selected = self._rank_decisions(scores, real, cache, cache_layer)
+            real = None if attention_mask is None else real[:, 0]
+            return decode_choice_of(selected[:, 0], real)
+        if keep_kv:
+            opens = stored_keys(cache, idx) == 0
+        else:
+            opens = cache_layer is None or cache_layer.seen_tokens == 0
+        first = self.keep_first_token
+        return choose_decode_rows(
+            x, scores, attention_mask, first and opens, self.causal_threshold, first
+        )
+
+    def _no_row_runs(
+        self,
+        x: torch.Tensor,
+        real: torch.Tensor | None,
+        kwargs: dict,
+        cache: Any,
+        cache_layer: Any,
+    ) -> torch.Tensor:
+        """A decoding step in which no row runs: every row takes the skip path (and
+        leaves its keys/values in the cache, when the layer keeps them)."""
+        batch, rec = x.shape[0], self.routing_recorder
+        kv = None
+        if self.skipped_tokens_kv and cache is not None:
+            spec = architecture_for_config(self._adadsf_config)
+            k, v = project_kv(self, spec, x, kwargs.get("position_embeddings"))
+            cache.update(k, v, self.layer_index)
+            kv = _rows_mask(batch, None, real) if rec is not None else None
+        out, skipped = self._skip_rows(x, None, real)
+        if rec is not None:
+            rec.record(
+                self.layer_index, "skipped", batch=batch, skip_path=skipped, kv=kv
+            )
+        if cache_layer is not None:
+            cache_layer.record_step(1)
+        return out
 
     # -- pieces of the paths -----------------------------------------------------------
 
