@@ -29,7 +29,7 @@ __all__ = ["RoutedCacheLayer", "check_dense_cache", "routed_cache_layer"]
 
 
 class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
-    """Compacted keys/values of selected tokens plus their validity and the true
+    """The compacted keys/values of the tokens that ran, their validity, the true
     length."""
 
     is_croppable = False
@@ -37,9 +37,8 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
     def __init__(
         self, sliding_window: int | None = None, is_sliding: bool = False, **kwargs: Any
     ):
-        """``sliding_window``: the routed layer's attention window (masks cached slots);
-        ``is_sliding``: this replaces a ``DynamicSlidingWindowLayer``, whose mask sizes
-        (and ``is_sliding`` flag, which transformers reads) it keeps."""
+        """``sliding_window``: the layer's attention window; ``is_sliding``: this
+        replaces a ``DynamicSlidingWindowLayer``, whose mask sizes and flag it keeps."""
         super().__init__(**kwargs)
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.is_sliding = bool(is_sliding and self.sliding_window)
@@ -55,13 +54,10 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
 
     @contextmanager
     def only_rows(self, rows: torch.Tensor, batch: int) -> Iterator[None]:
-        """While active, the layer runs on rows ``rows`` of a ``batch``-row cache only.
-
-        Used when some rows of a decoding step skip the layer: :meth:`update` receives
-        the new keys/values of those rows, stores them in a fresh slot of every row (the
-        others get a zero filler the caller marks invalid with :meth:`record_step`) and
-        returns the cached keys/values of those rows alone.
-        """
+        """While active, :meth:`update` gets the keys/values of rows ``rows`` only (a
+        decoding step some rows skip): it stores them in a new slot of every row
+        (zero filler elsewhere, marked invalid by :meth:`record_step`) and returns
+        those rows' cache."""
         self._rows = (rows, batch)
         try:
             yield
@@ -92,9 +88,8 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
         return self.seen_tokens
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` of the model's mask: those of the dense layer this
-        cache replaced (a sliding-window layer keeps the last ``w - 1`` keys), so every
-        layer that shares the model's mask reads it the same way."""
+        """``(kv_length, kv_offset)``: those of the dense layer this replaced, so
+        every layer sharing the model's mask reads it alike."""
         if not self.is_sliding:
             return self.seen_tokens + query_length, 0
         w = self.sliding_window
@@ -102,18 +97,10 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
             self.seen_tokens - w + 1, 0
         )
 
-    @property
-    def all_slots_valid(self) -> bool:
-        """True while every cached slot holds a real token (always so at batch size
-        1)."""
-        return self._slot_valid is None
-
     def past_fully_visible(self, query_length: int) -> bool:
-        """Whether the next ``query_length`` queries may attend to every cached slot:
-        no filler slot and, under a sliding window, none out of any query's window.
-
-        Decided on the host (no device sync), so it is cheap to ask every step.
-        """
+        """Whether the next ``query_length`` queries see every cached slot (no
+        filler, none out of the window), decided on the host: cheap to ask every
+        step."""
         if self._slot_valid is not None:
             return False
         if self.sliding_window is None or not self._steps:
@@ -122,8 +109,7 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
         return self._steps[0][1] > last_query - self.sliding_window
 
     def slot_valid(self, batch: int, device: torch.device) -> torch.Tensor:
-        """``[batch, num_slots]`` bool: which cached slots hold a token (the rest are
-        filler)."""
+        """``[batch, num_slots]`` bool: which cached slots hold a token."""
         if self._slot_valid is None:
             return torch.ones(batch, self.num_slots, dtype=torch.bool, device=device)
         return self._slot_valid
@@ -134,13 +120,9 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
         device: torch.device,
         query_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Which cached slots each new query may attend to.
-
-        ``query_offsets [batch, K]``: positions of the queries within the step
-        (``None``: one query, the step's only token). Returns ``[batch, num_slots]``
-        without a sliding window (every query sees every valid slot) and ``[batch, K,
-        num_slots]`` (``K = 1`` for ``None``) with one.
-        """
+        """The cached slots each new query may see: ``[batch, num_slots]`` without a
+        window, ``[batch, K, num_slots]`` with one (``query_offsets [batch, K]``: the
+        queries' positions within the step; ``None``: one query)."""
         valid = self.slot_valid(batch, device)
         if self.sliding_window is None:
             return valid
@@ -161,12 +143,9 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
         index: torch.Tensor | None = None,
     ) -> None:
         """After a forward over ``query_length`` tokens that appended ``appended``
-        slots.
-
-        ``valid [batch, appended]`` marks which appended slots are real; ``None`` means
-        all. ``index [batch, appended]``: the position within the step of each appended
-        slot's token (``None``: the step's first token); only a windowed layer uses it.
-        """
+        slots: ``valid [batch, appended]`` which are real (``None``: all), ``index``
+        their tokens' positions within the step (``None``: the first; a windowed
+        layer reads it)."""
         start = self.seen_tokens
         self.seen_tokens += query_length
         if appended:
@@ -201,8 +180,7 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
         self._steps.append((appended, start, start + query_length - 1))
 
     def _evict(self, lowest: int) -> None:
-        """Drop the oldest steps whose slots no query at index ``> lowest + w - 1``
-        sees."""
+        """Drop the oldest steps no query after ``lowest + w - 1`` sees."""
         drop = 0
         while self._steps and self._steps[0][2] <= lowest:
             drop += self._steps.pop(0)[0]
@@ -250,12 +228,8 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
 def routed_cache_layer(
     cache: Any, layer_idx: int, sliding_window: int | None = None
 ) -> RoutedCacheLayer:
-    """The routed cache layer for ``layer_idx`` inside ``cache``, installing it on first
-    use.
-
-    ``sliding_window``: the routed layer's attention window (from its config); a
-    ``DynamicSlidingWindowLayer`` there must have the same one.
-    """
+    """The routed cache layer ``layer_idx`` of ``cache``, installed on first use in
+    place of an empty dense one (a sliding-window one must have the layer's window)."""
     if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
         raise TypeError(
             "AdaDSF routing supports transformers' DynamicCache, got "
