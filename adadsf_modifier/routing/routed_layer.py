@@ -52,7 +52,11 @@ from adadsf_modifier.routing.kept_attention import (
     stored_keys,
 )
 from adadsf_modifier.routing.rank import rank_select, scored_cache_layer
-from adadsf_modifier.routing.routed_cache import check_dense_cache, routed_cache_layer
+from adadsf_modifier.routing.routed_cache import (
+    RoutedCacheLayer,
+    check_dense_cache,
+    routed_cache_layer,
+)
 from adadsf_modifier.routing.router import TokenRouter, gated
 from adadsf_modifier.routing.selection import (
     DecodeChoice,
@@ -95,6 +99,8 @@ class RoutedLayer(nn.Module):
 
     router: TokenRouter
     retention_ratio: float
+    #: read only where used: torch.compile specialises on each int attribute it
+    #: reads, and would compile the routing once per layer
     layer_index: int
     cache_kwarg: str
     routing_mode: str = "auto"
@@ -147,9 +153,7 @@ class RoutedLayer(nn.Module):
             self.forced_tokens(real, has_past, attention_mask),
             float(self.retention_ratio),
             self.causal_threshold,
-            # named only in an error: reading the index on every call would make
-            # torch.compile specialise on it, once per layer
-            lambda: f"layer {self.layer_index}",
+            lambda: f"layer {self.layer_index}",  # read only for an error
         )
 
     def selected_mask(
@@ -178,7 +182,7 @@ class RoutedLayer(nn.Module):
         scores: torch.Tensor,
         real: torch.Tensor,
         cache: Any,
-        cache_layer: Any,
+        cache_layer: RoutedCacheLayer | None,
     ) -> torch.Tensor:
         """Rank routing's ``[batch, Q]`` decisions, against the past scores the
         layer's cache keeps (the model's dense cache layer when skipped tokens' K/V
@@ -228,7 +232,9 @@ class RoutedLayer(nn.Module):
             return self._decode_step(x, scores, mode, kwargs, cache, cache_layer)
         return self._prefill(x, scores, mode, kwargs, cache, cache_layer)
 
-    def _skip_layer(self, x: torch.Tensor, kwargs: dict, cache_layer: Any) -> Any:
+    def _skip_layer(
+        self, x: torch.Tensor, kwargs: dict, cache_layer: RoutedCacheLayer | None
+    ) -> torch.Tensor:
         """Ratio 0: no token runs the layer and its router is not evaluated."""
         rec = self.routing_recorder
         skip_map = skip_path_of(self)
@@ -266,11 +272,11 @@ class RoutedLayer(nn.Module):
         mode: str,
         kwargs: dict,
         cache: Any,
-        cache_layer: Any,
+        cache_layer: RoutedCacheLayer | None,
     ) -> Any:
         """The selected tokens run the original layer on a compacted batch ``[batch,
         k_max]``, the others take the skip path, and both are scattered back."""
-        idx, rec = self.layer_index, self.routing_recorder
+        rec = self.routing_recorder
         keep_kv, impl = self.skipped_tokens_kv, self._attn_implementation
         attention_mask = kwargs.get("attention_mask")
         q_len = x.shape[1]
@@ -286,7 +292,7 @@ class RoutedLayer(nn.Module):
             and not torch.is_grad_enabled()
             and self.attends_every_token()
             and not kept_queries_go_in_chunks(
-                x, k_max, attention_mask, impl, stored_keys(cache, idx)
+                x, k_max, attention_mask, impl, stored_keys(cache, self.layer_index)
             )
         ):
             return self.run_kept_mlp(x, index, valid, real, kwargs, cache)
@@ -312,7 +318,7 @@ class RoutedLayer(nn.Module):
                 k, v = project_kv(self, spec, x_s, pe)
                 keys = place_kv(None, k, slots[0], q_len)
                 values = place_kv(None, v, slots[0], q_len)
-            kv_len = stored_keys(cache, idx) + q_len
+            kv_len = stored_keys(cache, self.layer_index) + q_len
             causal_kernel = causal_kernel_applies(attention_mask, impl, kv_len, q_len)
             rows = allowed = None
             if not causal_kernel:
@@ -337,7 +343,9 @@ class RoutedLayer(nn.Module):
                     attention_mask, index, valid, cache_layer, allowed
                 )
             skipped = n_skip if skip_map is not None else None
-            rec.record(idx, "gather", kept, pairs, skip_path=skipped, kv=kv)
+            rec.record(
+                self.layer_index, "gather", kept, pairs, skip_path=skipped, kv=kv
+            )
         if causal_kernel:  # see KeptQueries
             inner.update(
                 attention_mask=None,
@@ -368,19 +376,18 @@ class RoutedLayer(nn.Module):
         mode: str,
         attention_mask: torch.Tensor | None,
         cache: Any,
-        cache_layer: Any,
+        cache_layer: RoutedCacheLayer | None,
     ) -> tuple[torch.Tensor, Selection]:
         """``(real tokens, the tokens that run)`` of a prefill: rank routing against
         the row's past, any other mode by :meth:`select_tokens`."""
-        idx = self.layer_index
         if self.skipped_tokens_kv and cache is not None:
-            check_dense_cache(cache, idx)
+            check_dense_cache(cache, self.layer_index)
         real = real_token_mask(attention_mask, *x.shape[:2], x.device)
         if mode == "rank":
             selected = self._rank_decisions(scores, real, cache, cache_layer)
             return real, positions_of(selected)
         if self.skipped_tokens_kv:
-            has_past = stored_keys(cache, idx) > 0
+            has_past = stored_keys(cache, self.layer_index) > 0
         else:
             has_past = cache_layer is not None and cache_layer.seen_tokens > 0
         if mode in ("topk", "quantile") and has_past:
@@ -399,7 +406,7 @@ class RoutedLayer(nn.Module):
         real: torch.Tensor,
         kwargs: dict,
         cache: Any,
-        cache_layer: Any,
+        cache_layer: RoutedCacheLayer | None,
     ) -> torch.Tensor:
         """A prefill in which no token runs: the real tokens take the skip path (and
         leave their keys/values in the cache, when the layer keeps them)."""
@@ -473,11 +480,11 @@ class RoutedLayer(nn.Module):
         mode: str,
         kwargs: dict,
         cache: Any,
-        cache_layer: Any,
+        cache_layer: RoutedCacheLayer | None,
     ) -> Any:
         """One new token per row: only the rows whose token runs go through the layer
         (gathered along the batch, one host sync), the others take the skip path."""
-        batch, idx = x.shape[0], self.layer_index
+        batch = x.shape[0]
         rec, keep_kv = self.routing_recorder, self.skipped_tokens_kv
         attention_mask = kwargs.get("attention_mask")
         selected, rows, skip_rows, n, real = self._decode_rows(
@@ -510,7 +517,7 @@ class RoutedLayer(nn.Module):
                 if attention_mask is not None and attention_mask.dim() == 4:
                     visible = allowed_by_mask(attention_mask[:, 0, -1, :]).sum(-1)
                 else:
-                    visible = stored_keys(cache, idx) + 1
+                    visible = stored_keys(cache, self.layer_index) + 1
         else:  # the routed cache: a mask only where a cached slot is hidden
             inner["attention_mask"] = None
             past, visible = None, 1
@@ -539,7 +546,12 @@ class RoutedLayer(nn.Module):
             ran = ran.to(x.device)
             path = "in_place" if rows is None else "gather"
             rec.record(
-                idx, path, kept=ran, attended=ran * visible, skip_path=skipped, kv=kv
+                self.layer_index,
+                path,
+                kept=ran,
+                attended=ran * visible,
+                skip_path=skipped,
+                kv=kv,
             )
         only_rows = cache_layer is not None and rows is not None
         with cache_layer.only_rows(rows, batch) if only_rows else nullcontext():
@@ -562,20 +574,20 @@ class RoutedLayer(nn.Module):
         mode: str,
         attention_mask: torch.Tensor | None,
         cache: Any,
-        cache_layer: Any,
+        cache_layer: RoutedCacheLayer | None,
     ) -> DecodeChoice:
         """The rows of a decoding step that run: by rank against the row's past, or
         by the causal threshold (every real row at the step that opens the cache)."""
-        idx, keep_kv = self.layer_index, self.skipped_tokens_kv
+        keep_kv = self.skipped_tokens_kv
         if keep_kv and cache is not None:
-            check_dense_cache(cache, idx)
+            check_dense_cache(cache, self.layer_index)
         if mode == "rank":
             real = real_token_mask(attention_mask, x.shape[0], 1, x.device)
             selected = self._rank_decisions(scores, real, cache, cache_layer)
             real = None if attention_mask is None else real[:, 0]
             return decode_choice_of(selected[:, 0], real)
         if keep_kv:
-            opens = stored_keys(cache, idx) == 0
+            opens = stored_keys(cache, self.layer_index) == 0
         else:
             opens = cache_layer is None or cache_layer.seen_tokens == 0
         first = self.keep_first_token
@@ -589,7 +601,7 @@ class RoutedLayer(nn.Module):
         real: torch.Tensor | None,
         kwargs: dict,
         cache: Any,
-        cache_layer: Any,
+        cache_layer: RoutedCacheLayer | None,
     ) -> torch.Tensor:
         """A decoding step in which no row runs: every row takes the skip path (and
         leaves its keys/values in the cache, when the layer keeps them)."""
