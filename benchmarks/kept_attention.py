@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from adadsf_modifier.evaluation import resolve_model
     from adadsf_modifier.evaluation.speed import load_pair
     from adadsf_modifier.flops import normalized_flops
-    from adadsf_modifier.routing import kept_attention, routed_layer
+    from adadsf_modifier.routing import RoutedLayer, kept_attention
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     # the test split's first tokens (only the documents the longest prompt needs)
     streams = TokenStreams(AutoTokenizer.from_pretrained(path))
     shipped = kept_attention.cpu_chunks_for
-    every_token = routed_layer.attends_every_token
+    every_token = RoutedLayer.attends_every_token
     rng = random.Random(0)
     print(f"# kept-queries attention, retention {args.retention}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def run(model, chunked: bool, compacted: bool = True) -> float:
                 kept_attention.cpu_chunks_for = lambda dtype: chunked  # the arm decides
-                routed_layer.attends_every_token = (
+                RoutedLayer.attends_every_token = (
                     (lambda layer: False) if compacted else every_token
                 )
                 t = time.perf_counter()
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 rng,
             )
             kept_attention.cpu_chunks_for = shipped
-            routed_layer.attends_every_token = every_token
+            RoutedLayer.attends_every_token = every_token
             if args.profile_threads:
                 _profile(dense, routed, ids, args.profile_threads, args.repeats)
                 torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """How wide should rank routing's band be? Budget per text and perplexity per slack.
 
-Rank routing (``routing/selection.py`` ``choose_by_rank``) runs a token that ranks in
+Rank routing (``routing/rank.py`` ``choose_by_rank``) runs a token that ranks in
 the top ``r`` of its row so far, unless the row's count of tokens that ran the layer
 would leave ``r * p`` +- ``RANK_SLACK`` tokens. A narrow band holds the budget on
 short continuations; a wide one leaves the router more of the choice. For each
@@ -41,9 +41,9 @@ from adadsf_lab.study.measure import TokenStreams, budget_sizes, measure_budget_
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.flops import stream_flops
 from adadsf_modifier.routing import (
+    rank,
     routed_layers,
     routing_mode,
-    selection,
     set_routing_mode,
 )
 
@@ -54,12 +54,12 @@ NO_BAND = 1 << 30  # a slack no row reaches: the rank alone decides
 def band_slack(slack: int):
     """Rank routing's band at ``slack`` tokens for the length of the block (the
     plug-in's constant, set and restored; its tables are keyed by it)."""
-    before = selection.RANK_SLACK
-    selection.RANK_SLACK = slack
+    before = rank.RANK_SLACK
+    rank.RANK_SLACK = slack
     try:
         yield
     finally:
-        selection.RANK_SLACK = before
+        rank.RANK_SLACK = before
 
 
 def measure(model, streams, rows, args, mode: str = "rank") -> dict:
@@ -111,7 +111,7 @@ def main() -> None:
     lowest = min(m.retention_ratio for m in routed_layers(model) if m.retention_ratio)
     if any(o >= lowest for o in args.offsets):
         parser.error(f"every offset must be below the lowest routed ratio {lowest}")
-    slack_now = str(selection.RANK_SLACK)
+    slack_now = str(rank.RANK_SLACK)
     variants = (
         [("rank", s, 0.0) for s in args.slacks]
         + [("rank", "none", -o) for o in args.offsets]

@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.compacted_kv:
-        from adadsf_modifier.routing import routed_layer
+        from adadsf_modifier.routing import RoutedLayer
 
-        routed_layer.attends_every_token = lambda layer: False
+        RoutedLayer.attends_every_token = lambda layer: False
     torch.set_num_threads(args.threads)
     dense, routed = build_twins(
         args.shape, args.retention, getattr(torch, args.dtype), args.rank,

@@ -15,7 +15,12 @@ from test_routing import route_all
 from tiny_models import ARCHITECTURES, tiny_model
 
 from adadsf_modifier.flops import normalized_flops
-from adadsf_modifier.routing import kept_attention, routed_layer, routed_layers
+from adadsf_modifier.routing import (
+    RoutedLayer,
+    kept_attention,
+    routed_layer,
+    routed_layers,
+)
 
 RATIOS = [0.8, 0.5, 1.0, 0.6]
 
@@ -31,7 +36,7 @@ def ids(batch=3, seq=14, seed=0):
 
 @pytest.fixture(autouse=True)
 def compacted(monkeypatch):
-    monkeypatch.setattr(routed_layer, "attends_every_token", lambda layer: False)
+    monkeypatch.setattr(RoutedLayer, "attends_every_token", lambda layer: False)
 
 
 @pytest.fixture

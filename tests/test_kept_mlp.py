@@ -13,14 +13,14 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 from adadsf_modifier.flops import normalized_flops
-from adadsf_modifier.routing import kept_attention, routed_layer, routed_layers
+from adadsf_modifier.routing import RoutedLayer, kept_attention, routed_layers
 
 SEQUENTIAL = ["llama", "qwen2", "mistral"]
 RATIOS = [1.0, 0.6, 0.3, 0.8]
 
 
 def compacted(monkeypatch):
-    monkeypatch.setattr(routed_layer, "attends_every_token", lambda layer: False)
+    monkeypatch.setattr(RoutedLayer, "attends_every_token", lambda layer: False)
 
 
 def padded_inputs():
@@ -70,9 +70,9 @@ def test_with_a_gradient_the_compacted_path_runs(arch, monkeypatch):
 
 def count_calls(monkeypatch) -> list:
     calls = []
-    real = routed_layer.run_kept_mlp
+    real = RoutedLayer.run_kept_mlp
     monkeypatch.setattr(
-        routed_layer, "run_kept_mlp", lambda *a, **k: calls.append(1) or real(*a, **k)
+        RoutedLayer, "run_kept_mlp", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     return calls
 
@@ -135,8 +135,8 @@ def test_the_dense_attention_prefill_runs_fewer_ops(monkeypatch):
 def test_gpt_neox_parallel_residual_keeps_the_compacted_path():
     neox = keep_kv(route_all(tiny_model("gpt_neox", 2), [1.0, 0.5]))
     llama = keep_kv(route_all(tiny_model("llama", 2), [1.0, 0.5]))
-    assert not routed_layer.attends_every_token(routed_layers(neox)[1])
-    assert routed_layer.attends_every_token(routed_layers(llama)[1])
+    assert not routed_layers(neox)[1].attends_every_token()
+    assert routed_layers(llama)[1].attends_every_token()
 
 
 @pytest.mark.parametrize("chunk", [2, 256])

@@ -19,11 +19,11 @@ from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.routing import (
     get_routing_modes,
+    rank,
     routed_layers,
-    selection,
     set_routing_mode,
 )
-from adadsf_modifier.routing.selection import (
+from adadsf_modifier.routing.rank import (
     RANK_SLACK,
     choose_by_rank,
     clamped_counts,
@@ -157,7 +157,7 @@ def test_decoding_token_by_token_and_chunked_prefill_decide_the_same(
 ):
     """The past carried as stored scores gives the decisions of the whole row, and a
     prefill chunked over queries gives those of one comparison."""
-    monkeypatch.setattr(selection, "RANK_CHUNK_ELEMENTS", 50)
+    monkeypatch.setattr(rank, "RANK_CHUNK_ELEMENTS", 50)
     scores, real = random_rows(5, seq=30)
     whole = reference_rank(scores, real, 0.6, keep_first)
     chunked, _ = choose_by_rank(scores, real, 0.6, keep_first)
@@ -189,7 +189,7 @@ def test_one_row_s_decoding_steps_decided_on_the_host_equal_the_rule(keep_first,
         got, past = choose_by_rank(s[:, :1], r[:, :1], ratio, keep_first)
         parts = [got]
         for t in range(1, s.shape[1]):
-            assert selection._host_step(s[:, t : t + 1])
+            assert rank._host_step(s[:, t : t + 1])
             got, past = choose_by_rank(
                 s[:, t : t + 1], r[:, t : t + 1], ratio, keep_first, past
             )
@@ -328,8 +328,8 @@ def test_counts_of_earlier_rivals_equal_comparing_every_pair(monkeypatch, past_l
     )[None, :, :, None]
     expected = pairs.sum(2).masked_fill(edges.isnan() | (edges == -math.inf), 0)
     for chunk in (1 << 24, 700):
-        monkeypatch.setattr(selection, "RANK_CHUNK_ELEMENTS", chunk)
-        got = selection._count_earlier(keys, edges[:, past_len:], past_len)
+        monkeypatch.setattr(rank, "RANK_CHUNK_ELEMENTS", chunk)
+        got = rank._count_earlier(keys, edges[:, past_len:], past_len)
         assert torch.equal(got, expected[:, past_len:]), chunk
 
 

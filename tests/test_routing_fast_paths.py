@@ -159,8 +159,11 @@ def test_one_row_selection_and_its_complement_equal_the_batched_path():
     """A prompt alone takes the one-row forms (``nonzero`` instead of the padded sort,
     flat positions without offsets); each row of a batch must select, alone, the tokens
     and skipped tokens the batched path gives it, gathers and flat positions too."""
-    from adadsf_modifier.routing.routed_layer import skipped_slots
-    from adadsf_modifier.routing.selection import choose_tokens, flat_positions
+    from adadsf_modifier.routing.selection import (
+        choose_tokens,
+        flat_positions,
+        skipped_slots,
+    )
 
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(4, 12, generator=g)

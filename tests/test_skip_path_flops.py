@@ -12,9 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.flops import count_flops, layer_shape, normalized_flops
 from adadsf_modifier.routing import (
+    RoutedLayer,
     SkipPath,
     decoder_layers,
-    routed_layer,
     routed_layers,
 )
 
@@ -68,7 +68,7 @@ def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv, monkeypa
 
     A kv-keeping layer runs here on the compacted path, which computes exactly the
     method's work; the default path's documented extra is checked below."""
-    monkeypatch.setattr(routed_layer, "attends_every_token", lambda layer: False)
+    monkeypatch.setattr(RoutedLayer, "attends_every_token", lambda layer: False)
     model = variant_model(arch, kv)
     n = 20
     ids, counts, report, selected = counted_and_modelled(model, n)

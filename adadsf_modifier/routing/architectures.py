@@ -1,15 +1,8 @@
 """Every per-architecture fact AdaDSF uses, one :class:`ArchitectureSpec` per model
-type.
-
-Routing itself is architecture-agnostic (it calls the original layer on a compacted
-batch); it needs to know which modules are the decoder layers, that they take rotary
-``position_embeddings`` plus a 4D attention mask, and the keyword of the cache
-argument. The FLOPs model needs the MLP kind and where the config keeps the number of
-key/value heads. Keeping the keys/values of skipped tokens
-(:mod:`adadsf_modifier.routing.kept_attention`) needs the names of the layer's input
-norm and key/value projections. Adding an architecture is one entry in
-:data:`SUPPORTED_ARCHITECTURES`.
-"""
+type: adding an architecture is one entry in :data:`SUPPORTED_ARCHITECTURES`. Routing
+calls the original layer, so it needs only where the layers are and their cache
+keyword; the FLOPs model the MLP kind and key/value heads; skipped tokens'
+keys/values and the kv-keeping prefill the names of the layer's submodules."""
 
 from __future__ import annotations
 
@@ -44,27 +37,15 @@ class UnsupportedArchitectureError(InputError):
 class ArchitectureSpec:
     """Where an architecture keeps its decoder layers and what they compute.
 
-    ``layers_path``: dotted attribute path from the ``*ForCausalLM`` model to the
-    ``ModuleList`` of decoder layers; ``layer_class``: their class name;
-    ``cache_kwarg``: keyword under which a decoder layer receives the KV cache;
-    ``gated_mlp``: a gated (SwiGLU: gate, up, down) MLP rather than a plain two-matmul
-    one; ``kv_heads_attr``: the config attribute holding the number of key/value heads
-    (``None``: full multi-head attention, as many as query heads).
-
-    The decoder layer's structure, for computing the keys/values of a token that skips
-    it (its input, after ``input_norm``, through the attention module's key/value
-    projections, rotated like the layer rotates them): ``input_norm`` and
-    ``attention`` name the layer's submodules; ``kv_projections`` the attention
-    module's separate key and value projections, or ``fused_qkv`` its single fused
-    query/key/value projection (GPT-NeoX: per head ``[q, k, v]``, so the queries are
-    computed too); ``head_dim_attr``: the attention module's head-size attribute.
-
-    A kv-keeping layer's inference prefill runs the attention on every token and the
-    MLP on the kept ones (``run_kept_mlp``), which needs a sequential pre-norm layer,
-    ``h = x + attention(input_norm(x)); out = h + mlp(post_attention_norm(h))``:
-    ``post_attention_norm`` and ``mlp`` name those submodules, ``post_attention_norm``
-    is ``None`` for a layer that is not of that form (GPT-NeoX's parallel residual).
-    """
+    ``layers_path``: from the ``*ForCausalLM`` to the layers' ``ModuleList``;
+    ``layer_class``: their class name; ``cache_kwarg``: their KV-cache keyword;
+    ``gated_mlp``: SwiGLU rather than two matmuls; ``kv_heads_attr``: the config's
+    key/value head count (``None``: as many as query heads). For a skipped token's
+    keys/values: ``input_norm``, ``attention``, the attention's ``kv_projections`` or
+    ``fused_qkv`` (GPT-NeoX, per head ``[q, k, v]``) and ``head_dim_attr``. For the
+    kv-keeping prefill (``run_kept_mlp``), a sequential pre-norm layer's
+    ``post_attention_norm`` and ``mlp``; ``post_attention_norm`` is ``None`` for a
+    parallel residual (GPT-NeoX)."""
 
     model_type: str
     layers_path: str
@@ -124,8 +105,8 @@ _REQUIRED_LAYER_ARGS = ("attention_mask", "position_ids", "position_embeddings")
 
 
 def architecture_for_config(config: Any) -> ArchitectureSpec:
-    """The spec for a Hugging Face config (or a model carrying one), or an error naming
-    what was missing."""
+    """The spec of a config (or a model carrying one), or an error naming what is
+    missing."""
     config = getattr(config, "config", config)  # accept a model as well
     model_type = getattr(config, "model_type", None)
     if model_type is None:
@@ -159,13 +140,9 @@ def architecture_of(model: nn.Module) -> ArchitectureSpec:
 
 
 def sliding_windows(config: Any) -> tuple[int | None, ...]:
-    """The attention window of each decoder layer (keys per query at most), ``None``
-    for full causal attention.
-
-    Read the way transformers builds its masks and caches: per-layer ``layer_types``
-    when the config has them (Qwen2 and newer configs; Qwen2 only sets them to sliding
-    with ``use_sliding_window``), else ``sliding_window`` for every layer (Mistral).
-    """
+    """Each decoder layer's attention window (``None``: full causal), read as
+    transformers builds its masks: per-layer ``layer_types`` when present, else
+    ``sliding_window`` for every layer (Mistral)."""
     config = getattr(config, "config", config)
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
@@ -181,12 +158,8 @@ def sliding_windows(config: Any) -> tuple[int | None, ...]:
 
 
 def original_class(layer_class: type) -> type:
-    """The model's own class behind a (possibly routed) decoder-layer class.
-
-    Routing swaps a layer's class for ``Routed<Name>(RoutedLayer, <Name>)``; this walks
-    the MRO past every class routing made. A class routing never touched is returned
-    as is.
-    """
+    """The model's own class behind a (possibly routed) decoder-layer class: the MRO
+    past every class routing made."""
     return next(
         c for c in layer_class.__mro__ if not getattr(c, ROUTED_CLASS_MARKER, False)
     )

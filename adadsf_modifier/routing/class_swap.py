@@ -1,9 +1,5 @@
-"""Swapping a decoder layer's class in place, offloading wrappers included.
-
-:mod:`adadsf_modifier.routing.routed_layer` routes and unroutes a layer by swapping
-its class; this module holds the swap itself, which has to see through
-compressed-tensors' offloading wrappers.
-"""
+"""Swapping a decoder layer's class in place, through compressed-tensors' offloading
+wrappers."""
 
 from __future__ import annotations
 
@@ -14,16 +10,11 @@ __all__ = ["swap_class"]
 
 
 def swap_class(layer: nn.Module, new_class: type) -> None:
-    """``layer.__class__ = new_class``, carrying any instance-level ``forward`` along.
-
-    compressed-tensors' offloading (which llm-compressor's pipelines put on every
-    module) replaces ``layer.forward`` by a wrapper that calls the class's forward
-    *captured when it was installed*, and ``remove_dispatch`` leaves a bound copy of
-    that function behind. Either would silently bypass (or keep) routing after a class
-    swap. ``unwrap_offload_forward`` exposes the wrapped forward as a bound method
-    and re-wraps whatever forward the layer has on exit, so re-binding it to the new
-    class re-points the wrapper; a leftover bound copy is simply removed.
-    """
+    """``layer.__class__ = new_class``, carrying any instance-level ``forward``
+    along. compressed-tensors' offloading replaces ``layer.forward`` by a wrapper
+    calling the class's forward captured at install time (and ``remove_dispatch``
+    leaves a bound copy behind), either of which would bypass or keep routing after a
+    swap: the wrapper is re-pointed, a leftover copy removed."""
     old_forward = type(layer).forward
     offloaded = "_original_forward_func" in layer.__dict__
     with unwrap_offload_forward(layer):

@@ -1,67 +1,27 @@
 """How the tokens that run a routed layer attend, and what the skipped tokens give them.
 
-The kept (selected) tokens run the original layer on a compacted batch
-(:mod:`~adadsf_modifier.routing.selection`), at their original positions. Their
-attention needs a mask of its own and, with ``skipped_tokens_kv``, the skipped tokens'
-keys and values. This module holds both, in three parts.
+**Kept tokens among themselves** (the default). The kept queries see the kept keys and
+the keys this layer cached for earlier tokens that ran it. Their mask is read off the
+layer's own 4D mask at the kept (query, key) positions, so causality, padding and
+sliding windows carry over (:func:`compact_attention_mask`); where SDPA's causal kernel
+is already exact no mask is built (:func:`selected_attention_mask`).
 
-**Kept tokens attending among themselves** (the default, as in the paper). The kept
-queries see the kept keys, plus the keys this layer cached for earlier tokens that ran
-it (:mod:`~adadsf_modifier.routing.routed_cache`). Their boolean mask is read off the
-layer's own 4D mask at the kept (query, key) positions, so causality, padding and any
-sliding window carry over (:func:`compact_attention_mask`). When the kernel's own
-causal behaviour is already exact (no cached past, a mask that is only causal +
-padding) no mask is built at all, which keeps SDPA's fast causal kernel
-(:func:`selected_attention_mask`). A mask reaches a grouped-query layer as
-transformers' ``position_bias``: an ``attention_mask`` would make transformers' SDPA
-path give up grouped-query attention and copy every cached key and value once per query
-head (:func:`attention_mask_kwargs`).
+**Skipped tokens keep their keys/values** (``skipped_tokens_kv``). A skipped token still
+gives the keys/values the layer would have made from it (:func:`project_kv`), so the
+kept tokens attend to the full context and their outputs equal the dense layer's. The
+kept tokens run the original layer with a :class:`MergedKV` in place of its cache: its
+``update`` puts their keys/values among the skipped tokens' (and through the model's
+cache, when there is one). No attention is re-implemented per architecture.
 
-**Skipped tokens keep their keys/values** (``skipped_tokens_kv``). On Llama, Qwen2 and
-Mistral a prefill without a gradient does not compact such a layer at all: every token
-runs its attention sub-block, the kept tokens its MLP (``routed_layer.run_kept_mlp``),
-except where the kept queries go in chunks (below, :func:`kept_queries_go_in_chunks`).
-What follows is the compacted form, for those cases, training, GPT-NeoX's
-parallel-residual layers and the decoding steps in which only some rows run. A token
-that skips layer ``l`` still produces the keys and values the layer would have made from
-it (its input, after the layer's input norm, through the key/value projections, rotated
-at its position: :func:`project_kv`), so the tokens that run the layer attend to the
-*full* context, as in the dense model; only their queries, the attention output
-projection and the MLP are saved for the skipped tokens. A kept token's output then
-equals the dense layer's output on the same inputs exactly. This needs no
-re-implementation of attention per architecture: the kept tokens run the original layer
-as usual, but the layer receives a :class:`MergedKV` in place of its KV cache. When the
-attention module hands it the kept tokens' new keys/values (``cache.update``), it puts
-them at their original positions among the skipped tokens' and returns the full-length
-keys/values, passing them through the model's real cache first when there is one. The
-kept queries attend with the rows of the layer's own mask at their positions
-(:func:`query_rows_mask`). The KV cache of such a layer is the model's ordinary dense
-cache layer (every position has keys), so incremental decoding equals one full forward.
-
-**The kept queries on SDPA's causal kernel.** With the skipped tokens' keys the kept
-queries sit at scattered positions of a full-length key sequence. Written as an
-explicit ``[K, seq]`` mask, SDPA computes every (query, key) block and reads the mask.
-When the layer's mask is plain causal and nothing is cached yet (a prefill,
-:func:`causal_kernel_applies`), the same result comes from the causal kernel: the kept
-queries are put at their positions in a full-length query tensor (zeros elsewhere),
-attention runs with ``is_causal=True``, and the kept rows are read back. That form
-still does the dense layer's attention work (the skipped positions' query rows are
-zeros, not absent), so on a CPU in bfloat16 running one thread, when more than
-:data:`CPU_QUERY_CHUNK` queries are kept, they are instead split by position into a few
-equal chunks, each attending (through an explicit mask) only to the keys up to its last
-query: about half the keys per query on average, as the causal kernel would, and no
-zero rows. Where the chunks did not pay when measured (float32; more than
-:data:`CPU_CHUNKED_MAX_THREADS` threads) the causal kernel stays, as it does on CUDA (an
-arbitrary mask would leave the flash kernel).
-
-The causal form reaches the kernel without re-implementing each architecture's
-attention: the routed layer passes a :class:`KeptQueries` as transformers'
-``position_bias`` (with ``attention_mask=None, is_causal=False``, which
-``sdpa_attention_forward`` hands to ``torch.nn.functional.scaled_dot_product_attention``
-unchanged as ``attn_mask``); its ``__torch_function__`` turns that one call into the
-causal form. Any other use of it raises, so a transformers change that touches the bias
-fails loudly instead of computing something else.
-"""
+**The kept queries on SDPA's causal kernel.** Scattered kept queries against a
+full-length key sequence would need an explicit ``[K, seq]`` mask. With plain causal
+attention and nothing cached, the kept queries are instead put at their positions in
+a full-length query tensor and attend with ``is_causal=True`` (:class:`KeptQueries`);
+on one CPU thread in bfloat16 they go in chunks, each against the keys up to its last
+query. The marker reaches SDPA as transformers' ``position_bias``, which
+``sdpa_attention_forward`` passes to ``scaled_dot_product_attention`` as
+``attn_mask`` unchanged; any other use of it raises, so a transformers change fails
+loudly."""
 
 from __future__ import annotations
 
@@ -99,7 +59,6 @@ __all__ = [
     "project_kv",
     "query_rows_mask",
     "selected_attention_mask",
-    "skipped_kv",
     "stored_keys",
     "to_attention_dtype",
 ]
@@ -115,17 +74,10 @@ def selected_attention_mask(
     cache_layer: Any,
     impl: str,
 ) -> torch.Tensor | None:
-    """The mask the selected tokens attend with: ``None`` when the attention kernel's
-    own behaviour is exact, else :func:`compact_attention_mask`.
-
-    Without a cached past, SDPA's causal kernel is exact whenever the layer's own mask
-    is plain causal + padding: the selected tokens of a row sit in position order,
-    padding is never selected, and unused slots trail every used one (so no used slot
-    sees them). That keeps the fast causal kernel (it skips the upper triangle) for
-    rows that keep different numbers of tokens. One query whose cached past is all
-    visible may see everything. ``cache_layer``: the layer's
-    :class:`~adadsf_modifier.routing.routed_cache.RoutedCacheLayer` or ``None``.
-    """
+    """The mask the selected tokens attend with: ``None`` where the kernel's own
+    causal behaviour is exact (no cached past and a causal + padding mask: the
+    selected tokens sit in position order and unused slots trail, so SDPA keeps its
+    fast causal kernel), else :func:`compact_attention_mask`."""
     batch, k = index.shape
     num_past = cache_layer.num_slots if cache_layer is not None else 0
     if num_past == 0 and impl != "eager" and is_causal_padding_mask(attention_mask):
@@ -145,14 +97,9 @@ _MASK_VERDICTS: dict[int, tuple[weakref.ref, bool]] = {}
 
 
 def is_causal_padding_mask(attention_mask: torch.Tensor | None) -> bool:
-    """Whether a layer's mask (no cached past) is nothing but causal + padding of keys.
-
-    ``None`` (SDPA's causal fast path) is. A 4D mask qualifies when, for every real
-    query, the allowed keys are exactly the real keys at or before it (no sliding
-    window, no packed sequences, no custom pattern). Every decoder layer of a forward
-    receives the same mask object, so the verdict is computed once per mask and
-    remembered while it lives.
-    """
+    """Whether a layer's mask (no cached past) is causal + key padding and nothing
+    else (no window, no packing). Every layer of a forward gets the same mask object,
+    so the verdict is remembered per object while it lives."""
     if attention_mask is None:
         return True
     if (
@@ -185,16 +132,11 @@ def compact_attention_mask(
     valid: torch.Tensor,
     past_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The boolean ``[batch, 1, K, past_slots + K]`` mask of the selected queries.
-
-    Among the new tokens it is read off the layer's own 4D mask at the selected (query,
-    key) positions, so causality, padding and any sliding window carry over; ``None``
-    means plain causal. Cached slots are visible where ``past_valid`` says so: ``[batch,
-    past_slots]`` (the same for every query) or ``[batch, K, past_slots]`` (per query,
-    under a sliding window). Unused slots are masked as keys, and each slot may attend
-    to itself so no row is fully masked (SDPA would return NaN; those rows are
-    discarded anyway).
-    """
+    """The boolean ``[batch, 1, K, past_slots + K]`` mask of the selected queries:
+    the layer's own mask at the selected (query, key) positions (``None``: causal),
+    after the cached slots ``past_valid`` (``[batch, slots]``, or ``[batch, K,
+    slots]`` under a window). Each slot sees itself, so no row is fully masked (SDPA
+    would give NaN)."""
     batch, k = index.shape
     device = index.device
     if attention_mask is None:
@@ -236,11 +178,8 @@ def attended_pairs(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[batch]`` (query, key) pairs the selected tokens attend to, cached keys
-    included.
-
-    ``allowed``: what :func:`selected_attention_mask` returned (rebuilt explicitly when
-    it is ``None``, i.e. when the kernel's own causal mask ran).
-    """
+    included; ``allowed``: the mask used (``None``: the kernel's causal one, rebuilt
+    here)."""
     if allowed is None:
         allowed = compact_attention_mask(
             attention_mask, index, valid, _past(cache_layer, index)
@@ -255,18 +194,10 @@ def attention_mask_kwargs(
     grouped_query: bool,
     float_mask: bool = False,
 ) -> dict[str, Any]:
-    """The decoder-layer keyword(s) that apply the boolean mask ``allowed`` (``None``:
-    no mask).
-
-    transformers' SDPA path gives up grouped-query attention whenever an
-    ``attention_mask`` is passed and copies every cached key and value ``num_heads /
-    num_kv_heads`` times (``repeat_kv``), which on SmolLM2 costs more than the layers a
-    token skips. Its ``position_bias`` argument (an additive mask applied inside the
-    same SDPA call, made for T5-style biases) keeps ``enable_gqa``, so grouped-query
-    layers (``grouped_query``) get the mask that way; others get the usual boolean
-    (SDPA) or additive (eager, or ``float_mask``: the model passed an additive one)
-    mask.
-    """
+    """The decoder-layer keywords that apply the boolean mask ``allowed`` (``None``:
+    none). A grouped-query layer under SDPA gets it as ``position_bias``: an
+    ``attention_mask`` would make transformers drop ``enable_gqa`` and copy every
+    cached key and value per query head, which costs more than the routing saves."""
     if allowed is None:
         return {"attention_mask": None}
     if impl == "sdpa" and grouped_query:
@@ -299,7 +230,7 @@ def to_attention_dtype(
 
 
 def gather_for_kept(kwargs: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-    """The kept tokens' rotary embeddings and position ids (original positions)."""
+    """The kept tokens' rotary embeddings and position ids (their own positions)."""
     inner = dict(kwargs)
     inner["position_embeddings"] = gather_position_embeddings(
         kwargs.get("position_embeddings"), index
@@ -309,36 +240,16 @@ def gather_for_kept(kwargs: dict[str, Any], index: torch.Tensor) -> dict[str, An
     return inner
 
 
-def skipped_kv(
-    layer: Any,
-    spec: ArchitectureSpec,
-    x_skipped: torch.Tensor,
-    position_embeddings: Any,
-    skip_index: torch.Tensor,
-    seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The skipped tokens' keys/values ``[batch, kv_heads, seq + 1, head_dim]`` at their
-    positions (zeros elsewhere; unused slots of ``skip_index`` land in the extra one).
-    """
-    pe = gather_position_embeddings(position_embeddings, skip_index)
-    k, v = project_kv(layer, spec, x_skipped, pe)
-    return place_kv(None, k, skip_index, seq_len), place_kv(
-        None, v, skip_index, seq_len
-    )
-
-
 def project_kv(
     layer: Any,
     spec: ArchitectureSpec,
     x: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[batch, kv_heads, seq, head_dim]`` the layer makes from ``x``.
-
-    The layer's own modules compute them (its input norm, its key/value or fused
-    projection, the rotary function of its attention module's source file), so
-    quantized projections and biases behave exactly as inside the layer.
-    """
+    """Keys and values ``[batch, kv_heads, seq, head_dim]`` the layer makes from
+    ``x``, through its own modules (input norm, key/value or fused projection, the
+    rotary function of its attention's source file), so quantized projections behave
+    as inside the layer."""
     attn = getattr(layer, spec.attention)
     h = getattr(layer, spec.input_norm)(x)
     batch, seq = x.shape[:2]
@@ -364,16 +275,11 @@ def place_kv(
     seq_len: int,
     inplace: bool = False,
 ) -> torch.Tensor:
-    """``base`` ``[batch, heads, seq + 1, d]`` (``None``: zeros) with ``new``
-    ``[batch, heads, n, d]`` written at the positions ``index [batch, n]`` (unused
-    slots at ``seq``, the extra position). ``base`` is left as it was unless
-    ``inplace`` (the caller owns it) and it has the layout this function returns.
-
-    Stored position-major (a ``[batch, heads, seq + 1, d]`` view of ``[batch, seq + 1,
-    heads, d]`` memory, the layout the attention module's own keys have), so the write
-    is a row-wise ``index_copy`` over the flattened ``batch * (seq + 1)`` positions:
-    cheaper on CPU than ``scatter`` with an index expanded over heads and dims.
-    """
+    """``base [batch, heads, seq + 1, d]`` (``None``: zeros) with ``new [batch,
+    heads, n, d]`` written at positions ``index [batch, n]`` (unused slots at
+    ``seq``); ``base`` is written in place only if ``inplace`` and it has this
+    function's layout. Position-major memory, so the write is one row-wise
+    ``index_copy`` (cheaper than ``scatter`` on CPU)."""
     batch, heads, _, dim = new.shape
     rows = flat_positions(index, seq_len + 1)
     src = new.transpose(1, 2).reshape(-1, heads, dim)
@@ -389,16 +295,13 @@ def place_kv(
 
 
 class MergedKV:
-    """Stands in for the KV cache inside a kv-keeping layer's call on its kept tokens.
+    """Stands in for the KV cache while a kv-keeping layer runs its kept tokens.
 
-    ``keys``/``values`` ``[batch, kv_heads, seq + 1, head_dim]`` hold the skipped
-    tokens' keys/values at their positions (``None``: none were skipped); the attention
-    module's ``update`` with the kept tokens' keys/values (slots ``index [batch, K]``,
-    unused slots at ``seq``) returns the full-length merge, after appending it to
-    ``cache`` (the model's cache, or ``None``). ``rows``: decoding with only some rows
-    of the batch running: their keys go to those rows of ``keys`` (one position) and
-    only those rows come back.
-    """
+    ``keys``/``values [batch, kv_heads, seq + 1, head_dim]`` hold the skipped tokens'
+    keys/values at their positions (``None``: none skipped); ``update`` puts the kept
+    tokens' at ``index`` and returns the full-length merge, after appending it to
+    ``cache`` (the model's, or ``None``). ``rows``: a decoding step in which only
+    those rows run."""
 
     def __init__(
         self,
@@ -447,15 +350,10 @@ def query_rows_mask(
     seq_len: int,
     kv_len: int,
 ) -> torch.Tensor:
-    """``[batch, K, kv_len]`` bool: the keys each kept query (position ``index`` among
-    the ``seq_len`` new tokens) may see.
-
-    The rows of the layer's own 4D mask at the kept positions (causality, padding,
-    sliding window and cached length as the dense layer has them); ``None`` (plain
-    causal: transformers leaves the mask out only then) gives the causal rule after
-    ``kv_len - seq_len`` cached keys. Unused query slots may see every key (their
-    output is dropped; a fully masked row would be NaN).
-    """
+    """``[batch, K, kv_len]`` bool: the keys each kept query may see: the rows of the
+    layer's own mask at the kept positions (``None``: causal after ``kv_len -
+    seq_len`` cached keys). Unused query slots see every key (their output is
+    dropped)."""
     batch = index.shape[0]
     if attention_mask is None:
         # unused slots hold ``seq_len`` (select_by_mask's convention): they see all
@@ -498,13 +396,13 @@ def causal_kernel_applies(
     attention_mask: torch.Tensor | None, impl: str, kv_len: int, q_len: int
 ) -> bool:
     """Whether :class:`KeptQueries` can stand in for the explicit mask: SDPA, plain
-    causal attention (transformers passes no mask only then), no cached keys."""
+    causal attention (transformers passes no mask only then), nothing cached."""
     return impl == "sdpa" and attention_mask is None and kv_len == q_len
 
 
 class KeptQueries(torch.Tensor):
-    """An empty tensor carrying the kept queries' positions ``index [batch, K]``
-    (unused slots hold ``seq_len``) to the attention call (see the module doc)."""
+    """An empty tensor carrying the kept queries' positions ``index [batch, K]`` to
+    the one ``scaled_dot_product_attention`` call it is the ``attn_mask`` of."""
 
     index: torch.Tensor
     seq_len: int
@@ -548,8 +446,9 @@ def _attend(
     scale: float | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """``query [batch, heads, K, d]`` at ``attn_mask.index`` against the
-    ``seq_len`` keys, causally: through a full-length causal call."""
+    """``query [batch, heads, K, d]`` at ``attn_mask.index`` against the ``seq_len``
+    keys, causally: through one full-length causal call (or in chunks,
+    :func:`cpu_chunks_for`)."""
     index, n = attn_mask.index, attn_mask.seq_len
     if index.device != query.device:  # the queries were moved, the positions not
         index = index.to(query.device)
@@ -574,9 +473,8 @@ def _attend(
 
 
 def cpu_chunks_for(dtype: torch.dtype) -> bool:
-    """Whether kept queries of ``dtype`` on a CPU go in chunks (when more than
-    :data:`CPU_QUERY_CHUNK` are kept) at the current thread count: the one place the
-    rule lives, for :func:`_attend` and for the benchmark that labels its default."""
+    """Whether kept queries of ``dtype`` on a CPU go in chunks at the current thread
+    count (when more than :data:`CPU_QUERY_CHUNK` are kept)."""
     return (
         dtype in CPU_CHUNKED_DTYPES
         and torch.get_num_threads() <= CPU_CHUNKED_MAX_THREADS
@@ -590,11 +488,9 @@ def kept_queries_go_in_chunks(
     impl: str,
     past_keys: int,
 ) -> bool:
-    """Whether the compacted prefill of a kv-keeping layer (the kept tokens on their
-    own, the skipped tokens' keys/values merged in) would attend its ``k_max`` kept
-    queries of ``x`` in chunks: the one case in which that path computes less
-    attention than the dense layer, so the routed layer takes it there rather than
-    running its attention on every token (``routed_layer.run_kept_mlp``)."""
+    """Whether a kv-keeping compacted prefill would attend its ``k_max`` kept queries
+    in chunks: the one case in which it computes less attention than the dense layer,
+    so the routed layer keeps it rather than run attention on every token."""
     q_len = x.shape[1]
     return _chunked(x.device, k_max, x.dtype) and causal_kernel_applies(
         attention_mask, impl, past_keys + q_len, q_len
@@ -609,10 +505,9 @@ def _chunked(device: torch.device, kept: int, dtype: torch.dtype) -> bool:
 def kept_kv_pairs(
     index: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor | None
 ) -> torch.Tensor:
-    """``[batch]`` (query, key) pairs the kept queries at ``index`` attend to when the
-    skipped tokens keep their keys/values: ``rows``, the kept queries' mask
-    (:func:`query_rows_mask`), or ``None`` for plain causal attention with nothing
-    cached, where position ``p`` sees ``p + 1`` keys."""
+    """``[batch]`` (query, key) pairs of the kept queries when skipped tokens keep
+    their keys/values: from ``rows`` (:func:`query_rows_mask`), or ``p + 1`` keys for
+    position ``p`` under plain causal attention with nothing cached (``None``)."""
     if rows is None:
         return ((index + 1) * valid).sum(1)
     return (rows & valid.unsqueeze(-1)).sum((1, 2))
@@ -628,9 +523,9 @@ def _attend_in_chunks(
     scale: float | None,
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """The same result as the causal form: the kept queries in equal chunks along
-    their slots, each chunk against the keys up to its last real position, causality
-    through the mask (unused slots, at ``n``, see every key: their rows are dropped)."""
+    """:func:`_attend`'s result with the kept queries in equal chunks, each against
+    the keys up to its last position, causality through the mask (unused slots see
+    every key)."""
     k = query.shape[2]
     chunks = -(-k // CPU_QUERY_CHUNK)
     size = -(-k // chunks)

@@ -1,31 +1,15 @@
 """Routing modes: which tokens a routed layer runs.
 
-- ``topk``: per sequence, the ``K = max(1, floor(r * real_length))`` highest-scoring
-  real tokens. Needs the whole sequence, so it is for training and paper-style
-  evaluation; it cannot continue from a KV cache.
-- ``causal``: each token runs the layer iff its own router score exceeds the layer's
-  calibrated threshold (set so that the expected kept fraction is ``r``). A token's
-  decision depends only on itself and the past, so prefill + incremental decoding equals
-  one full forward.
-- ``quantile``: the causal rule with each layer's threshold fitted on the batch itself
-  so that the layer's ratio of the batch's real tokens runs (the first token of each
-  row counted as running). For training that sees inference's decisions while the
-  router, and so the right threshold, moves; like ``topk`` it needs the whole batch.
-- ``rank``: the ``p``-th real token of a row runs iff fewer than about ``r * p`` of
-  the row's earlier real tokens score higher at this layer: it is in the top ``r`` of
-  its row so far (:func:`~adadsf_modifier.routing.selection.choose_by_rank`; tied
-  scores are split so that about ``r`` of a repeated token's occurrences run too),
-  unless the count of the row's tokens that ran the layer would leave a band of
-  :data:`~adadsf_modifier.routing.selection.RANK_SLACK` tokens around ``r * p``
-  (scores rise along a row, and without the band a continuation outran its share).
-  No threshold: on text whose scores sit higher or lower than the calibration set's,
-  each layer still keeps ``r`` of every row's tokens within the band, where
-  ``causal``'s fitted thresholds drift. Causal as well (the row's past scores and
-  count per layer are kept with the KV cache), so prefill + incremental decoding
-  equals one full forward. Opt-in.
-- ``auto`` (default): ``topk`` while training, ``causal`` in eval mode once a threshold
-  has been calibrated (top-k before that).
-"""
+- ``topk``: each row's ``max(1, floor(r * n))`` best-scoring real tokens; needs the
+whole sequence (training, paper-style evaluation), no KV cache. - ``causal``: a token
+runs iff its score exceeds the layer's calibrated threshold; its decision depends
+only on itself, so prefill + decoding equals one forward. - ``quantile``: the causal
+rule with the threshold fitted on the batch itself, so training sees inference's
+decisions while the router moves; needs the whole batch. - ``rank``: a token runs iff
+it is in the top ``r`` of its row so far, the row's kept count held in a band around
+``r * p`` (:mod:`~adadsf_modifier.routing.rank`): no threshold, so the kept share
+holds on any text. Causal. Opt-in. - ``auto`` (default): ``topk`` while training,
+``causal`` in eval mode once thresholds are calibrated."""
 
 from __future__ import annotations
 
@@ -63,8 +47,7 @@ def _check_known(mode: str) -> None:
 
 
 def _check_thresholds(layers: Sequence[RoutedLayer], mode: str) -> None:
-    """Causal routing of a layer that keeps some but not all tokens needs its
-    calibrated threshold."""
+    """Causal routing of a layer with ``0 < r < 1`` needs its calibrated threshold."""
     if mode == "causal":
         missing = [
             m.layer_index
@@ -89,8 +72,8 @@ def set_routing_mode(model: nn.Module, mode: str) -> None:
 
 
 def routing_modes_of(model: nn.Module) -> str:
-    """The mode every routed layer of ``model`` resolves to, or the distinct ones
-    joined by commas (``"causal,rank"``): how a record names what it measured."""
+    """The mode every routed layer resolves to, or the distinct ones joined by
+    commas: how a record names what it measured."""
     return ",".join(sorted(set(get_routing_modes(model))))
 
 
@@ -106,16 +89,10 @@ def routing_override(
     retention_ratio: float | None = None,
     mode: str | None = None,
 ) -> Iterator[list[RoutedLayer]]:
-    """Within the block, the routed layers of ``target`` keep ``retention_ratio`` of
-    their tokens and/or route in ``mode``; each layer's own values come back when the
-    block ends, also on error. Yields those layers.
-
-    ``target``: a model or one layer (its routed layers; none is an error, as for
-    :func:`set_routing_mode`), or a sequence of decoder layers (its routed ones; the
-    dense ones have no routing to change). Calibration passes use it to run layers
-    densely (ratio 1), to pass inputs straight through (ratio 0) or to fit under a
-    given mode, without touching what allocation and calibration decided.
-    """
+    """Within the block, the routed layers of ``target`` (a model, a layer, or a
+    sequence of decoder layers) keep ``retention_ratio`` of their tokens and/or route
+    in ``mode``; their own values come back after it, also on error. Yields the
+    layers."""
     if isinstance(target, nn.Module):
         layers = _routed(target)
     else:

@@ -1,14 +1,8 @@
-"""What routed layers did in a forward pass, written by the layers themselves.
-
-A routed layer that has a :class:`RoutingRecorder` attached reports, for every call,
-the path it took, how many tokens of each row ran it, how many (query, key) pairs
-its attention computed, and the work done for the tokens that skipped it (a fitted skip
-path, keys/values of skipped tokens). The FLOPs model
-(:func:`adadsf_modifier.flops.observe_routing`) reads these records instead of
-re-deriving the layer's decisions, so what is counted is what ran. With no recorder
-attached the layer only checks one attribute: the counts are computed (with their host
-syncs) only while recording.
-"""
+"""What routed layers did in a forward, written by the layers themselves: the path
+each call took, the tokens of each row that ran, the (query, key) pairs attended and
+the work done for skipped tokens. The FLOPs model reads these records rather than
+re-deriving the layers' decisions, so what is counted is what ran; without a recorder
+a layer computes none of the counts (nor their host syncs)."""
 
 from __future__ import annotations
 
@@ -33,13 +27,9 @@ PATHS = ("removed", "full", "skipped", "gather", "in_place")
 
 @dataclass(frozen=True)
 class LayerRecord:
-    """One call of one routed layer.
-
-    ``kept [batch]``: tokens of each row that ran the layer; ``attended [batch]``:
-    (query, key) pairs its attention computed for each row, cached keys included. Both
-    are ``None`` for ``full`` (the layer's own, dense, computation) and zero for
-    ``removed`` / ``skipped``.
-    """
+    """One call of one routed layer: ``kept [batch]`` tokens that ran and ``attended
+    [batch]`` (query, key) pairs, cached keys included (``None`` for ``full``, zero
+    for ``removed`` / ``skipped``)."""
 
     path: str
     kept: torch.Tensor | None
@@ -71,8 +61,8 @@ class RoutingRecorder:
         skip_path: torch.Tensor | None = None,
         kv: torch.Tensor | None = None,
     ) -> None:
-        """Called by a routed layer; ``removed`` / ``skipped`` may give ``batch``
-        instead of zero counts. ``skip_path`` / ``kv``: see :class:`LayerRecord`."""
+        """Called by a routed layer; ``removed`` / ``skipped`` may give ``batch`` for
+        zero counts."""
         if path not in PATHS:
             raise ValueError(f"unknown routing path {path!r}; expected one of {PATHS}")
         if path in ("removed", "skipped") and kept is None:
@@ -91,8 +81,7 @@ class RoutingRecorder:
 
     @contextmanager
     def attached(self, layers: Iterable[nn.Module]) -> Iterator[RoutingRecorder]:
-        """Attach to ``layers`` (routed decoder layers) for the duration of the
-        block."""
+        """Attach to ``layers`` (routed decoder layers) for the block."""
         layers = list(layers)
         for layer in layers:
             layer.routing_recorder = self

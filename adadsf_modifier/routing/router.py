@@ -1,6 +1,5 @@
-"""The per-layer token router: a small MLP that scores how much a token needs a
-layer, and the straight-through gate through which a routed layer passes the router
-its gradient (:func:`gated`)."""
+"""The per-layer token router and the straight-through gate through which a routed
+layer passes it its gradient (:func:`gated`)."""
 
 from __future__ import annotations
 
@@ -15,14 +14,9 @@ __all__ = ["TokenRouter", "gated"]
 
 
 class TokenRouter(nn.Module):
-    """``score = w2 . gelu(W1 . norm(h) + b1) + b2``, one scalar per token.
-
-    The input is RMS-normalised (without a learned scale) because the residual stream's
-    norm grows by orders of magnitude with depth; without it one learning rate cannot
-    suit every layer. Kept deliberately tiny (``hidden_size * router_hidden_size``
-    weights) so its cost is a rounding error next to the layer it gates (counted in the
-    FLOPs model).
-    """
+    """``score = w2 . gelu(W1 . rms_norm(h) + b1) + b2``, one scalar per token. The
+    input is RMS-normalised (no learned scale) because the residual stream's norm
+    grows by orders of magnitude with depth, which one learning rate could not suit."""
 
     def __init__(
         self, hidden_size: int, router_hidden_size: int = 64, eps: float = 1e-6
@@ -40,18 +34,14 @@ class TokenRouter(nn.Module):
 
     @staticmethod
     def flops_for(tokens: int, hidden_size: int, router_hidden_size: int) -> int:
-        """``2 n (h r + r)``: the two linear layers (``h -> r -> 1``) on ``n`` tokens.
-
-        Matmuls only, like the rest of the FLOPs model (the norm, GELU and biases are
-        not counted). A static method so the FLOPs model can count routers from a
-        config and a width alone.
-        """
+        """``2 n (h r + r)``: the two matmuls on ``n`` tokens (static: the FLOPs
+        model counts routers from a config)."""
         r = int(router_hidden_size)
         return 2 * int(tokens) * (int(hidden_size) * r + r)
 
     def shape_fields(self) -> dict[str, Any]:
-        """What, besides the model's hidden size, rebuilds this router's shape (the
-        fields a checkpoint stores next to its tensors)."""
+        """What, besides the hidden size, rebuilds this router's shape (stored in
+        checkpoints)."""
         return {
             "router_hidden_size": int(self.router_hidden_size),
             "router_eps": self.eps,
@@ -61,8 +51,8 @@ class TokenRouter(nn.Module):
     def from_shape_fields(
         cls, hidden_size: int, fields: Mapping[str, Any]
     ) -> TokenRouter:
-        """A freshly initialised router of the shape :meth:`shape_fields` described
-        (``router_eps`` optional: older checkpoints lack it)."""
+        """A new router of the shape :meth:`shape_fields` described (``router_eps``
+        optional: older checkpoints)."""
         eps = fields.get("router_eps")
         return cls(
             int(hidden_size),
@@ -75,21 +65,13 @@ class TokenRouter(nn.Module):
         return self.flops_for(tokens, self.hidden_size, self.router_hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq, hidden] -> [batch, seq]`` router logits, computed in float32
-        (for a stable top-k and thresholds that mean the same in every dtype).
-
-        Written with few ops: a decoding step calls the router of every layer for a
-        single token, where the cost is per-op dispatch, not arithmetic. The whole MLP
-        runs in float32 whatever the model's dtype: on CPU a one-row bfloat16 matmul
-        costs several times its float32 twin, and a float32 ``rms_norm`` of one row is
-        one cheap op, so the float32 router is both the faster and the more exact one
-        at decode; in a prefill its matmul is a small share of a layer's.
-        """
+        """``[batch, seq, hidden] -> [batch, seq]`` logits, in float32 whatever the
+        model's dtype: thresholds mean the same in every dtype, and for the one-token
+        calls of decoding a float32 matmul is the cheaper one on a CPU."""
         return self.score(self.normalise(hidden_states))
 
     def normalise(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The router's input: ``hidden_states`` RMS-normalised in float32, no learned
-        scale (so a fit that trains the router on fixed inputs normalises them once)."""
+        """The router's input, RMS-normalised in float32 (a fit can normalise once)."""
         return F.rms_norm(hidden_states.float(), (self.hidden_size,), eps=self.eps)
 
     def score(self, normalised: torch.Tensor) -> torch.Tensor:
@@ -98,15 +80,9 @@ class TokenRouter(nn.Module):
         return F.linear(F.gelu(F.linear(normalised, w1, b1)), w2, b2).squeeze(-1)
 
     def _float_params(self) -> tuple[torch.Tensor, ...]:
-        """``fc1``'s and ``fc2``'s weights and biases in float32.
-
-        Without a gradient, the float32 copies of low-precision parameters are kept
-        between calls (four fewer copies in every decoding step of every routed layer)
-        and made again when a parameter is replaced or changed in place (its storage
-        or version counter moves: ``.to()``, ``load_state_dict``, an optimizer step).
-        With a gradient they are made on each call, so the gradient reaches the
-        parameters.
-        """
+        """The weights and biases in float32; without a gradient the copies are kept
+        until a parameter is replaced or changed in place (its storage or version
+        moves), saving four copies per layer and decoding step."""
         params = (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return tuple(p.float() for p in params)
@@ -119,13 +95,8 @@ class TokenRouter(nn.Module):
 
 
 def gated(y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """``y * g + x * (1 - g)`` with the straight-through gate ``g = 1 + sigmoid(s) -
-    sg(...)``.
-
-    ``g`` is exactly 1 in value, so the result equals ``y``; only the router's gradient
-    ``d/ds = (y - x) * sigmoid'(s)`` is added. Callers skip it when no gradient is
-    needed.
-    """
+    """``y * g + x * (1 - g)`` with ``g = 1 + sigmoid(s) - sg(sigmoid(s))``: equal to
+    ``y`` in value, it adds the router's gradient ``(y - x) sigmoid'(s)``."""
     p = torch.sigmoid(scores)
     gate = (1.0 + (p - p.detach())).unsqueeze(-1).to(y.dtype)
     return y * gate + x * (1 - gate)

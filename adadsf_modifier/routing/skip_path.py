@@ -1,17 +1,9 @@
-"""What a token that skips a routed layer gets instead of the layer: a cheap affine map.
-
-Paper-faithful AdaDSF passes a skipped token through unchanged (``identity``). A
-:class:`SkipPath` instead adds ``u(x) = x W^T + b`` (full rank) or ``u(x) = (x D^T) U^T
-+ b`` (rank ``k``), an approximation of the layer's update ``layer(x) - x`` fitted in
-closed form (ridge regression, :mod:`adadsf_modifier.fitting.ridge`) on calibration
-activations: no gradient training. It runs on every token that skips the layer (the
-FLOPs model counts ``2 h^2`` or ``4 h k`` per such token), never on the tokens that run
-it.
-
-The map is not an ``nn.Linear`` on purpose: a quantization recipe targeting ``Linear``
-cannot reach it (it is fitted to the float activations and is a rounding error of the
-model's size); :mod:`adadsf_modifier.recipe_checks` refuses recipes that name it.
-"""
+"""What a token that skips a routed layer gets instead of the layer: ``identity``
+(the paper) or an affine map ``u(x) = x W^T + b`` (or rank ``k``: ``(x D^T) U^T +
+b``) fitted in closed form to the layer's update ``layer(x) - x``
+(:mod:`adadsf_modifier.fitting.ridge`). Not an ``nn.Linear`` on purpose: a
+quantization recipe targeting ``Linear`` cannot reach it (it is fitted to float
+activations and tiny)."""
 
 from __future__ import annotations
 
@@ -27,11 +19,8 @@ SKIP_PATHS = ("identity", "ridge")
 
 
 class SkipPath(nn.Module):
-    """The affine update a skipped token receives: ``[.., h] -> [.., h]``.
-
-    ``rank=None``: full rank (``weight [h, h]``, ``bias [h]``); else ``down [k, h]``,
-    ``up [h, k]``, ``bias [h]``. Starts at zero, i.e. as the identity skip path.
-    """
+    """The update a skipped token receives: ``weight [h, h]`` (``rank=None``) or
+    ``down [k, h]``, ``up [h, k]``; ``bias [h]``. Starts at zero: the identity."""
 
     def __init__(self, hidden_size: int, rank: int | None = None):
         super().__init__()
@@ -83,10 +72,9 @@ def skip_path_of(layer: nn.Module) -> SkipPath | None:
 
 
 def install_skip_path(layer: nn.Module, hidden_size: int, rank: int | None) -> SkipPath:
-    """Give ``layer`` a zero (identity) :class:`SkipPath` on the device and in the
-    dtype of the layer's own weights (its first parameter: the router and skip path are
-    registered after them). Not the router's: an FTP router may own no parameter (one
-    MLP is shared) or train in float32."""
+    """Give ``layer`` a zero :class:`SkipPath` on the device and in the dtype of the
+    layer's own first parameter (not the router's: an FTP router may own none, or
+    train in float32)."""
     param = next(layer.parameters())
     dtype = param.dtype if param.is_floating_point() else None
     skip = SkipPath(int(hidden_size), rank).to(device=param.device, dtype=dtype)
