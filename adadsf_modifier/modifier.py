@@ -77,6 +77,7 @@ from adadsf_modifier.recipe_checks import (
 from adadsf_modifier.routing import (
     TokenRouter,
     decoder_layers,
+    refuse_empty_inputs,
     route_layer,
     set_routing_mode,
     unroute_layer,
@@ -318,6 +319,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF
         # sidecar.
         attach_checkpoint_support(model, self)
+        refuse_empty_inputs(model)
         return True
 
     def on_finalize(self, state: State, **kwargs: Any) -> bool:

@@ -723,3 +723,29 @@ def test_a_recipe_asking_for_rank_routing_saves_a_rank_checkpoint(tmp_path):
     torch.testing.assert_close(got, reference, rtol=0, atol=0)
     with pytest.raises(ValueError, match="routing_mode"):
         adadsf_modifier.AdaDSFModifier(routing_mode="topk")
+
+
+@pytest.mark.parametrize("kind", ["causal", "rank", "ftp"])
+def test_generate_on_an_empty_prompt_is_refused_in_one_line(kind, tmp_path):
+    """Rank routing indexed the row's last score, FTP the last logits, a dense layer
+    fails to reshape: a routed model (reloaded, or as FTPModifier leaves it) refuses
+    an input of 0 tokens by name."""
+    from test_checkpoint_save_load import routed_model
+    from test_ftp_routing import ftp_model
+
+    import adadsf_modifier
+    from adadsf_modifier.constraints import InputError
+    from adadsf_modifier.routing import set_routing_mode
+
+    if kind == "ftp":
+        model = ftp_model("llama")[0]
+    else:
+        routed_model("llama").save_pretrained(tmp_path / "m")
+        model = adadsf_modifier.from_pretrained(tmp_path / "m")
+        if kind == "rank":
+            set_routing_mode(model, "rank")
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(InputError, match="0 tokens"):
+        model.eval().generate(input_ids=empty, max_new_tokens=2, do_sample=False)
+    with pytest.raises(InputError, match="0 tokens"):
+        model(empty)

@@ -39,6 +39,7 @@ from adadsf_modifier.routing import (
     SkipPath,
     TokenRouter,
     decoder_layers,
+    refuse_empty_inputs,
     route_layer,
 )
 
@@ -222,6 +223,7 @@ def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     }
     object.__setattr__(model, METADATA_ATTR, meta)
     install_save_hook(model)
+    refuse_empty_inputs(model)
     n = len(sidecar.routed_layers)
     logger.info(f"AdaDSF: loaded {path} with {n}/{len(layers)} routed decoder layers")
     return model

@@ -49,6 +49,7 @@ from adadsf_modifier.routing import (
     SkipPath,
     architecture_for_config,
     decoder_layers,
+    refuse_empty_inputs,
     route_layer,
 )
 from adadsf_modifier.routing.skip_path import skip_path_of
@@ -344,6 +345,7 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
         router = model.get_submodule(name).router
         _load_into(router, tensors, f"{name}.router.", f"{path}: router")
     install_ftp_save_hook(model)
+    refuse_empty_inputs(model)
     return model.eval()
 
 

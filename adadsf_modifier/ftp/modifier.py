@@ -66,7 +66,12 @@ from adadsf_modifier.recipe_checks import (
     check_recipe_keeps_routers_unquantized,
     session_recipe_of,
 )
-from adadsf_modifier.routing import decoder_layers, route_layer, unroute_layer
+from adadsf_modifier.routing import (
+    decoder_layers,
+    refuse_empty_inputs,
+    route_layer,
+    unroute_layer,
+)
 from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
 from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
@@ -244,6 +249,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             self._thresholds = thresholds_after(model, train, last)
             # every later save_pretrained (oneshot's output_dir too) writes the sidecar
             install_ftp_save_hook(model)
+            refuse_empty_inputs(model)
         except BaseException:
             self._unroute(targeted)
             raise

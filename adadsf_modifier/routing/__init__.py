@@ -27,6 +27,7 @@ from adadsf_modifier.routing.recorder import LayerRecord, RoutingRecorder
 from adadsf_modifier.routing.routed_cache import RoutedCacheLayer
 from adadsf_modifier.routing.routed_layer import (
     RoutedLayer,
+    refuse_empty_inputs,
     route_layer,
     routed_class_for,
     routed_layers,
@@ -55,6 +56,7 @@ __all__ = [
     "routing_override",
     "set_routing_mode",
     "RoutedLayer",
+    "refuse_empty_inputs",
     "route_layer",
     "routed_class_for",
     "unroute_layer",

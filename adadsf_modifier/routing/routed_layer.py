@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing.architectures import (
     ROUTED_CLASS_MARKER,
     architecture_for_config,
@@ -75,6 +76,7 @@ from adadsf_modifier.utils import allowed_by_mask, first_real_tokens, real_token
 
 __all__ = [
     "RoutedLayer",
+    "refuse_empty_inputs",
     "route_layer",
     "routed_class_for",
     "routed_layers",
@@ -810,3 +812,23 @@ def unroute_layer(layer: nn.Module) -> nn.Module:
 def routed_layers(model: nn.Module) -> list[RoutedLayer]:
     """All routed decoder layers of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, RoutedLayer)]
+
+
+def _refuse_empty(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is not None and ids.dim() >= 2 and ids.shape[1] == 0:
+        raise InputError(
+            "a routed model got an input of 0 tokens: give it (or generate()) at "
+            "least one token per row, e.g. the tokenizer's BOS token"
+        )
+
+
+def refuse_empty_inputs(model: nn.Module) -> None:
+    """A call of ``model`` with 0 tokens per row fails by name (the routing rules
+    read a row's last token; dense layers fail with a reshape error). Idempotent."""
+    if getattr(model, "_adadsf_empty_hook", None) is None:
+        model._adadsf_empty_hook = model.register_forward_pre_hook(
+            _refuse_empty, with_kwargs=True
+        )
