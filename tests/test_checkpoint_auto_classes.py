@@ -169,6 +169,28 @@ def test_a_second_oneshot_that_would_quantize_the_routers_is_refused_first(
     assert not started and not (tmp_path / "out").exists()
 
 
+def test_adadsf_compress_of_a_routed_checkpoint_quantizing_its_routers_is_one_line(
+    checkpoints, tmp_path, capsys
+):
+    """The same refusal through the command line: one line, exit 2, no traceback."""
+    import yaml
+
+    from adadsf_modifier.cli import main
+
+    recipe = tmp_path / "gptq.yaml"
+    gptq = {"GPTQModifier": {"ignore": ["lm_head"], **W8A8}}
+    stage = {"quantization_stage": {"quantization_modifiers": gptq}}
+    recipe.write_text(yaml.safe_dump(stage))
+    out = tmp_path / "out"
+    argv = ["compress", "--model", checkpoints["adadsf"], "--recipe", recipe,
+            "--output-dir", out, "--calibration-samples", "4",
+            "--seq-len", "16"]  # fmt: skip
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "would quantize the AdaDSF router" in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "m"))
     return subprocess.run(
