@@ -9,8 +9,6 @@ as in ``recipes/adadsf_w8a8.yaml``, the same calibration rows and seed):
 * ``ridge``                 - ``skip_path: ridge`` (full rank, fit on the tokens each
   router skips, on the routed model's own activations, layer by layer)
 * ``ridge_r64``             - the same at ``skip_path_rank: 64``
-* ``ridge_dense_inputs``    - full rank fit on the *dense* model's activations (one
-  pass, as METHOD.md section 3 measured), then thresholds re-calibrated
 * ``ridge_auto`` / ``ridge_r64_auto`` / ``ridge_r32`` - ``skip_path_ridge: auto`` (per
   layer penalty by two-fold held-out error), and a lower rank
 * ``ridge_r64_kv_auto_err``  - ``ridge_r64_kv_auto`` with ``router_init: skip_error``
@@ -63,7 +61,6 @@ ROUTED = {
     "identity": {},
     "ridge": {"skip_path": "ridge"},
     "ridge_r64": {"skip_path": "ridge", "skip_path_rank": 64},
-    "ridge_dense_inputs": {},  # fitted by hand after oneshot, see _dense_input_fit
     "kv": {"skipped_tokens_kv": True},
     "ridge_kv": {"skip_path": "ridge", "skipped_tokens_kv": True},
     "ridge_r64_kv": {"skip_path": "ridge", "skip_path_rank": 64,
@@ -81,7 +78,7 @@ ROUTED = {
                               "router_init": "skip_error"},
 }  # fmt: skip
 DEFAULT_METHODS = (
-    "dense,identity,ridge,ridge_r64,ridge_dense_inputs,kv,ridge_kv,"
+    "dense,identity,ridge,ridge_r64,kv,ridge_kv,"
     "ridge_r64_kv,layer_drop_5,layer_drop_6,layer_drop_7,layer_drop_6_ridge"
 )
 
@@ -144,15 +141,6 @@ def _modifier_kwargs(method: str, args: argparse.Namespace, num_layers: int) -> 
     return kw
 
 
-def _dense_input_fit(model, calib) -> dict:
-    """Refit full-rank skip paths on dense activations, then re-calibrate thresholds."""
-    from adadsf_modifier.fitting import calibrate_thresholds, fit_skip_paths
-
-    rep = fit_skip_paths(model, calib, inputs="dense", tokens="skipped")
-    calibrate_thresholds(model, calib)
-    return {"skip_r2": rep.r2}
-
-
 def build_model(method: str, args, env: dict) -> tuple[Any, Any, dict]:
     """``(model, modifier, fields)`` of a row: the dense model (modifier None) or a
     fresh ``oneshot`` of ``AdaDSFModifier`` with the row's fields on it."""
@@ -187,8 +175,6 @@ def run_method(method: str, args, env: dict) -> dict[str, Any]:
         row["settings"] = {k: v for k, v in kw.items() if k != "ignore"}
         if mod.skip_path_report is not None:
             row["skip_r2"] = mod.skip_path_report.r2
-        if method.partition("@")[0] == "ridge_dense_inputs":
-            row.update(_dense_input_fit(model, env["calib_batches"]))
         row["compress_s"] = time.perf_counter() - t0
     model.eval()
     val = env["val"]
@@ -210,7 +196,6 @@ def run_method(method: str, args, env: dict) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    import torch
     from transformers import AutoTokenizer
 
     from adadsf_lab.study.measure import TokenStreams
@@ -221,14 +206,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tok = AutoTokenizer.from_pretrained(path)
     rows = calibration_dataset(tok, args.calib_samples, args.calib_seq_len,
                                seed=args.seed)  # fmt: skip
-    batches = [
-        {k: torch.tensor([r[k]]) for k in ("input_ids", "attention_mask")} for r in rows
-    ]
     env = {
         "path": path,
         "tok": tok,
         "calib_rows": rows,
-        "calib_batches": batches,
         "val": TokenStreams(tok).get("validation", args.ppl_tokens),
     }
     if args.align_steps:

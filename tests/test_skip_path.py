@@ -97,7 +97,7 @@ def test_fitted_skip_path_beats_identity_on_held_out_tokens(arch):
 
 def test_fit_on_skipped_tokens_falls_back_to_all_when_too_few():
     model = route_all(tiny_model("llama", 2), [1.0, 0.9]).eval()
-    report = fit_skip_paths(model, batches(1, rows=1, length=40), tokens="skipped")
+    report = fit_skip_paths(model, batches(1, rows=1, length=40))
     assert report.tokens == [40]  # 4 skipped < hidden 32: every token
 
 

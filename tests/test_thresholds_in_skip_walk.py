@@ -62,12 +62,10 @@ def test_thresholds_fitted_in_the_skip_walk_are_those_a_walk_of_their_own_fits(
             torch.testing.assert_close(m[k], maps[i][k], atol=1e-6, rtol=1e-5)
 
 
-def test_the_skip_walk_fits_no_thresholds_unless_asked_or_on_dense_inputs():
+def test_the_skip_walk_fits_no_thresholds_unless_asked():
     model = route_all(tiny_model("llama", 4), RATIOS)
     assert fit_skip_paths(model, batches(1), rank=4).thresholds is None
     assert all(m.causal_threshold is None for m in routed_layers(model))
-    with pytest.raises(ValueError, match="inputs='routed'"):
-        fit_skip_paths(model, batches(1), inputs="dense", fit_thresholds=True)
 
 
 def test_whole_layers_only_leave_the_thresholds_to_their_own_check():

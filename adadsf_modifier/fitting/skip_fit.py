@@ -7,9 +7,9 @@ already been fitted and run routed (their skipped tokens take their fitted skip 
 their kept tokens attend as routing lets them), so each fit sees the activations it
 will meet at inference, not the dense model's. For each routed layer it regresses the
 dense layer's update ``layer(x) - x`` (the layer run on every token of those inputs)
-on ``[x, 1]`` over the real tokens the router skips (``tokens="skipped"``, what the map
-is used for) or over every real token (``tokens="all"``), then runs the routed layer
-to produce the next layer's inputs.
+on ``[x, 1]`` over the real tokens the router skips (what the map is used for; all
+real tokens where too few skip), then runs the routed layer to produce the next layer's
+inputs.
 
 With ``refit_routers`` (``router_init: skip_error``), each layer's router is refit,
 right after its map, to predict the relative error the fitted map makes on each token
@@ -135,8 +135,6 @@ def fit_skip_paths(
     batches: Iterable[Mapping[str, Any]],
     rank: int | None = None,
     ridge: float | Literal["auto"] = "auto",
-    tokens: Literal["skipped", "all"] = "skipped",
-    inputs: Literal["routed", "dense"] = "routed",
     refit_routers: RouterRefit | None = None,
     fit_thresholds: bool = False,
 ) -> SkipPathReport:
@@ -147,36 +145,15 @@ def fit_skip_paths(
         :func:`~adadsf_modifier.fitting.ridge.fit_ridge`); ``"auto"``: per layer,
         the value of :data:`~adadsf_modifier.fitting.ridge.RIDGE_GRID` with the
         least two-fold held-out error (calibration rows alternate between the folds)
-    :param tokens: fit on the real tokens the router skips (in the layer's current
-        routing mode: causal once thresholds exist, else top-k) or on all real tokens;
-        a layer whose router skipped fewer tokens than the hidden size falls back to all
-    :param inputs: ``routed`` (each layer sees the routed model's activations, the
-        layers below already fitted) or ``dense`` (the dense model's, as a one-pass fit
-        on dense calibration activations would)
     :param refit_routers: also refit each router to its layer's skip error, then the
-        map on the tokens it skips (see the module docstring); needs ``tokens``
-        ``skipped`` and ``inputs`` ``routed``
+        map on the tokens it skips (see the module docstring)
     :param fit_thresholds: also fit every routed layer's causal threshold in this
         walk, once its router is final, and fit its map on the tokens the threshold
         skips (see the module docstring); only for a model nothing trains after this
-        walk, which the thresholds must fit as it is. Needs ``inputs`` ``routed``; a
-        model whose routed layers all run every token or none has nothing to fit
-        (``report.thresholds`` stays ``None``)
+        walk, which the thresholds must fit as it is; a model whose routed layers all
+        run every token or none has nothing to fit (``report.thresholds`` stays
+        ``None``)
     """
-    if tokens not in ("skipped", "all"):
-        raise ValueError(f"tokens must be 'skipped' or 'all', got {tokens!r}")
-    if inputs not in ("routed", "dense"):
-        raise ValueError(f"inputs must be 'routed' or 'dense', got {inputs!r}")
-    if refit_routers is not None and (tokens, inputs) != ("skipped", "routed"):
-        raise ValueError(
-            "refitting the routers to the skip error needs tokens='skipped' and "
-            f"inputs='routed', got {tokens!r} and {inputs!r}"
-        )
-    if fit_thresholds and inputs != "routed":
-        raise ValueError(
-            "fitting thresholds in the skip-path walk needs inputs='routed', got "
-            f"{inputs!r}"
-        )
     targets = install_skip_paths(model, rank)
     report = SkipPathReport()
     if not targets:
@@ -195,22 +172,17 @@ def fit_skip_paths(
             if report.thresholds is not None and step.layer in routed:
                 fit_layer_threshold(step, report.thresholds)
             continue
-        from_dense = (
-            inputs == "routed"
-            and step.index < last  # the walk needs no outputs of the last layer
-            and kept_tokens_run_densely(step.layer)
-        )
+        # the walk needs no outputs of the last layer
+        from_dense = step.index < last and kept_tokens_run_densely(step.layer)
         ys, skipped = _fit_layer(
-            step, rank, ridge, tokens, device, report, refit_routers, from_dense,
+            step, rank, ridge, device, report, refit_routers, from_dense,
             report.thresholds,
         )  # fmt: skip
-        if inputs == "dense":
-            step.outputs = ys
-        elif from_dense:
+        if from_dense:
             step.outputs = _routed_from_dense(step, ys, skipped)
     logger.info(
-        f"AdaDSF skip paths (rank {rank or 'full'}, {tokens} tokens, {inputs} "
-        f"inputs, ridge {ridge}): R^2 [{', '.join(f'{r:.2f}' for r in report.r2)}]"
+        f"AdaDSF skip paths (rank {rank or 'full'}, ridge {ridge}): R^2 "
+        f"[{', '.join(f'{r:.2f}' for r in report.r2)}]"
         f", ridge [{', '.join(f'{r:g}' for r in report.ridge)}]"
         + (
             f", routers refit to the skip error (held-out rank correlation "
@@ -238,7 +210,6 @@ def _fit_layer(
     step: LayerStep,
     rank: int | None,
     ridge: float | str,
-    tokens: str,
     device: torch.device,
     report: SkipPathReport,
     refit: RouterRefit | None = None,
@@ -256,7 +227,7 @@ def _fit_layer(
     refits = refit is not None and layer.retention_ratio > 0.0
     if thresholds is not None and not refits:  # the router is final already
         fit_layer_threshold(step, thresholds)
-    use_skipped = tokens == "skipped" and layer.retention_ratio > 0.0
+    use_skipped = layer.retention_ratio > 0.0
     skipped = None
     if use_skipped or want_skipped:
         skipped = _skipped_tokens(layer, xs, calls)
