@@ -44,3 +44,44 @@ def test_a_routed_model_is_evaluated_in_the_routing_mode_asked_for():
         assert records[mode].routing_mode == mode
         assert records[mode].retention_target == pytest.approx(0.725)  # the mean
     assert records["rank"].kept_fraction != records["causal"].kept_fraction
+
+
+def test_eval_on_the_users_text_scores_what_the_perplexity_function_scores(
+    tmp_path, capsys
+):
+    """``adadsf eval --text FILE``: the perplexity and FLOPs of those tokens, the
+    project's own sliding-window protocol; a missing file is refused in one line
+    before any model loads."""
+    import json
+
+    import torch
+    from tiny_models import save_tiny_model
+
+    from adadsf_modifier.cli import main
+    from adadsf_modifier.evaluation.perplexity import perplexity, token_stream
+
+    path = save_tiny_model("llama", str(tmp_path / "m"), 2)
+    g = torch.Generator().manual_seed(3)
+    text = " ".join(f"w{int(i)}" for i in torch.randint(4, 60, (400,), generator=g))
+    file = tmp_path / "mine.txt"
+    file.write_text(text)
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", path, "--text", str(file), "--ppl-tokens", "300",
+            "--dtype", "float32",
+            "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = token_stream(tiny_tokenizer(), [text], None)[:300]
+    expected = perplexity(model, None, None, 512, 256, input_ids=ids)
+    assert record["text"] == str(file) and record["flops_tokens"] == 300
+    assert record["ppl_tokens"] == expected.tokens == 299
+    assert record["ppl"] == pytest.approx(float(expected.ppl), rel=1e-6)
+    # another text gives another perplexity: the file was read, not the test split
+    default = evaluate_model(model, tiny_tokenizer(), "dense", ppl_max_tokens=300)
+    assert default.text == "test split" and default.ppl != pytest.approx(record["ppl"])
+    argv = ["eval", "--model", path, "--text", str(tmp_path / "absent.txt")]
+    assert main(argv) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--limit", type=positive_int, default=None, help="examples per task")
     e.add_argument("--no-ppl", action="store_true")
+    e.add_argument(
+        "--text",
+        nargs="+",
+        default=None,
+        help="UTF-8 text file(s) to measure perplexity and FLOPs on (default: the "
+        "embedded test split)",
+    )
     e.add_argument("--ppl-tokens", type=token_count, default=16384)
     routing_mode_argument(e, ("causal", "rank", "topk"))
     dtype(e)

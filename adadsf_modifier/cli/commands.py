@@ -129,6 +129,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     out = check_output_file(args.output, args.overwrite)
     model_path = check_model(args.model)
     check_routed(model_path, required=False)
+    texts = {path: read_text_file(path) for path in args.text or ()}
     record = evaluate(
         model_path,
         args.label,
@@ -138,6 +139,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         args.ppl_tokens,
         args.routing_mode,
         dtype=args.dtype,
+        texts=texts or None,
     )
     write_json(out, record)
     return record
@@ -153,8 +155,10 @@ def evaluate(
     routing_mode: str | None,
     name: str | None = None,
     dtype: str = "float32",
+    texts: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One evaluation record; ``name`` is the model's name in it (default the path)."""
+    """One evaluation record; ``name`` is the model's name in it (default the path);
+    ``texts`` (``{file: text}``) replace the embedded test split."""
     from adadsf_modifier.evaluation.evaluate import evaluate_model, load_for_eval
     from adadsf_modifier.precision import dtype_name, resolve_dtype
 
@@ -170,6 +174,7 @@ def evaluate(
         tasks=tasks,
         limit=limit,
         routing_mode=routing_mode,
+        texts=texts,
     )
     return {**record.as_dict(), "dtype": dtype_name(torch_dtype)}
 
@@ -273,6 +278,7 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def read_text_file(path: str) -> str:
+    """A ``--text`` file's content, or a one-line refusal before any model loads."""
     file = Path(path)
     if not file.is_file():
         raise CLIError(f"--text {path}: no such file")

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from adadsf_modifier.checkpoint import checkpoint_sidecar, from_pretrained
-from adadsf_modifier.constraints import NonNegativeFloat, PositiveFloat
+from adadsf_modifier.constraints import InputError, NonNegativeFloat, PositiveFloat
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.evaluation.embedded_model import resolve_model
 from adadsf_modifier.evaluation.perplexity import perplexity, token_stream
@@ -30,6 +30,8 @@ class EvalRecord:
     model: str
     routed: bool
     routing_mode: str | None
+    # what the perplexity and FLOPs read: the embedded test split, or the user's files
+    text: str = "test split"
     # the annotations check a record read back from disk (``adadsf report``)
     ppl: PositiveFloat | None = None
     ppl_tokens: int | None = None
@@ -71,8 +73,10 @@ def evaluate_model(
     limit: int | None = None,
     routing_mode: str | None = None,
     flops_seq_len: int = 512,
+    texts: dict[str, str] | None = None,
 ) -> EvalRecord:
-    """Perplexity on the *test* split, lm-eval ``tasks``, and normalized FLOPs.
+    """Perplexity on the *test* split (or on ``texts``, ``{name: text}``, joined as
+    the split's documents are), lm-eval ``tasks``, and normalized FLOPs.
 
     ``routing_mode=None`` keeps the layers' modes (a checkpoint's saved ones). FLOPs
     are counted on the perplexity's tokens (the first ``ppl_max_tokens``, in rows of
@@ -95,15 +99,25 @@ def evaluate_model(
         routed=routed,
         routing_mode=routing_modes_of(model) if routed else None,
     )
-    test_ids = token_stream(tokenizer, load_text_splits()["test"]["text"], None)
+    if texts:
+        record.text = ", ".join(texts)
+        test_ids = token_stream(tokenizer, list(texts.values()), None)
+    else:
+        test_ids = token_stream(tokenizer, load_text_splits()["test"]["text"], None)
     test_ids = test_ids[:ppl_max_tokens]
+    if test_ids.numel() < 2:
+        raise InputError(
+            f"{record.text} holds {test_ids.numel()} token(s): perplexity needs at "
+            "least 2"
+        )
     if ppl:
         res = perplexity(
             model, None, None, ppl_max_length, ppl_stride, input_ids=test_ids
         )
         record.ppl, record.ppl_tokens = float(res.ppl), int(res.tokens)
         logger.info(
-            f"{label}: perplexity {record.ppl:.3f} over {record.ppl_tokens} test tokens"
+            f"{label}: perplexity {record.ppl:.3f} over {record.ppl_tokens} tokens of "
+            f"{record.text}"
         )
     if tasks:
         from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
@@ -116,6 +130,6 @@ def evaluate_model(
     share = KeptShare(model)
     share.add(report)
     record.kept_fraction, record.retention_target = share.fraction, share.target
-    share.warn(f"{label} on the test split")
+    share.warn(f"{label} on {record.text}")
     record.seconds = time.perf_counter() - t0
     return record
