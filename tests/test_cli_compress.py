@@ -125,3 +125,109 @@ def test_a_recipe_quantizing_the_routers_ends_in_one_line_not_a_traceback(
     err = capsys.readouterr().err
     assert "would quantize the AdaDSF router" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def _words(n: int, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(4, 60, (n,), generator=g))
+
+
+@pytest.fixture
+def spied_oneshot(monkeypatch):
+    """``oneshot``'s calibration rows, recorded instead of compressing."""
+    import llmcompressor
+
+    seen: dict = {}
+
+    def spy(**kwargs):
+        seen["rows"] = kwargs["dataset"]["input_ids"]
+
+    monkeypatch.setattr(llmcompressor, "oneshot", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "save_to_disk", "txt"])
+def test_compress_calibrates_on_the_users_dataset(
+    tmp_path, dense_dir, spied_oneshot, kind
+):
+    """``--dataset``: the calibration rows are the user's text, packed as the embedded
+    text is, whatever form it comes in."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from adadsf_modifier.evaluation.text_splits import packed_rows
+
+    texts = [_words(40, seed) for seed in range(6)]
+    column = "text"
+    if kind == "jsonl":
+        source = tmp_path / "code.jsonl"
+        source.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    elif kind == "save_to_disk":
+        source, column = tmp_path / "folder", "content"
+        split = datasets.Dataset.from_dict({column: texts})
+        datasets.DatasetDict({"train": split}).save_to_disk(str(source))
+    else:
+        source = tmp_path / "mine.txt"
+        source.write_text("\n\n".join(texts))
+        texts = ["\n\n".join(texts)]
+    argv = ["compress", "--model", dense_dir, "--output-dir", tmp_path / "out",
+            "--calibration-samples", "4", "--seq-len", "16", "--dataset", source,
+            "--text-column", column, "--align-samples", "0"]  # fmt: skip
+    assert main([str(a) for a in argv]) == 0
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+    expected = packed_rows(tok, texts, 4, 16, "x")["input_ids"]
+    assert spied_oneshot["rows"] == expected
+    embedded = calibration_dataset(tok, 4, 16, seed=0)["input_ids"]
+    assert expected != embedded
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [("column", "no column 'text'"), ("empty", "holds no text"),
+     ("name", "cannot be read"), ("short", "text too short"),
+     ("missing", "no such file")],
+)  # fmt: skip
+def test_a_dataset_that_cannot_calibrate_is_refused_before_the_model_loads(
+    tmp_path, dense_dir, monkeypatch, capsys, case, message
+):
+    from transformers import AutoModelForCausalLM
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the dataset was checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    source = {
+        "column": tmp_path / "a.jsonl",
+        "empty": tmp_path / "b.txt",
+        "name": "no-such-user/no-such-dataset",
+        "short": tmp_path / "c.txt",
+        "missing": tmp_path / "absent.jsonl",
+    }[case]
+    if case == "column":
+        source.write_text(json.dumps({"content": _words(50, 0)}))
+    elif case == "empty":
+        source.write_text("  \n")
+    elif case == "short":
+        source.write_text(_words(20, 0))
+    argv = ["compress", "--model", dense_dir, "--output-dir", tmp_path / "out",
+            "--calibration-samples", "4", "--seq-len", "16",
+            "--dataset", source]  # fmt: skip
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_alignment_rows_come_from_the_users_text_too(tok):
+    from adadsf_modifier.evaluation.text_splits import packed_rows
+
+    texts = [_words(80, seed) for seed in range(4)]
+    trains = aligned(align_steps=3, align_batch_size=2)
+    assert alignment_rows([trains], tok, None, 0, texts, "mine.jsonl") == 6
+    assert (
+        trains.align_dataset["input_ids"]
+        == packed_rows(tok, texts, 6, 16, "x")["input_ids"]
+    )
+    with pytest.raises(ValueError, match="--dataset mine.jsonl has only"):
+        alignment_rows([aligned(align_steps=500)], tok, None, 0, texts, "mine.jsonl")

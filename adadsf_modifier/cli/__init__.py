@@ -150,6 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration-samples", type=positive_int, default=64)
     c.add_argument("--seq-len", type=positive_int, default=256)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--dataset",
+        default=None,
+        help="your calibration (and alignment) text: a .txt, .jsonl, .json, .csv or "
+        ".parquet file, a save_to_disk folder, or a dataset name (default: the "
+        "embedded English text)",
+    )
+    c.add_argument("--split", default="train", help="the --dataset split to read")
+    c.add_argument(
+        "--text-column", default="text", help="the --dataset column holding the text"
+    )
     dtype(c)
     align_samples(c)
     c.add_argument("--overwrite", action="store_true")

@@ -10,13 +10,19 @@ from loguru import logger
 
 from adadsf_modifier import distributed
 from adadsf_modifier.evaluation import calibration_dataset
+from adadsf_modifier.evaluation.text_splits import packed_rows
 from adadsf_modifier.modifier import AdaDSFModifier
 
 __all__ = ["alignment_rows"]
 
 
 def alignment_rows(
-    modifiers: Sequence[Any], tok: Any, rows: int | None, seed: int
+    modifiers: Sequence[Any],
+    tok: Any,
+    rows: int | None,
+    seed: int,
+    texts: list[str] | None = None,
+    source: str | None = None,
 ) -> int | None:
     """Gives each AdaDSF modifier of the recipe that trains (``align_steps > 0``) and
     has no ``align_dataset`` its own training rows of the calibration text, cut to its
@@ -26,7 +32,7 @@ def alignment_rows(
     rows (few, and short, by default). Returns the row count given (``None``: none).
 
     The same text and seed as the calibration rows: what the results study measured
-    (``docs/results/``)."""
+    (``docs/results/``); ``texts``: the user's documents (``--dataset source``)."""
     given = None
     if rows == 0:
         return given
@@ -35,7 +41,12 @@ def alignment_rows(
         if not trains or mod.align_dataset is not None:
             continue
         n = rows or mod.align_steps * mod.align_batch_size * distributed.world_size()
-        mod.align_dataset = calibration_dataset(tok, n, mod.align_seq_len, seed=seed)
+        seq_len = mod.align_seq_len
+        mod.align_dataset = (
+            calibration_dataset(tok, n, seq_len, seed=seed)
+            if texts is None
+            else packed_rows(tok, texts, n, seq_len, f"--dataset {source}")
+        )
         logger.info(
             f"alignment: {n} rows of {mod.align_seq_len} tokens "
             f"({mod.align_steps} steps x {mod.align_batch_size} rows)"

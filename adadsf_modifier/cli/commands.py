@@ -32,6 +32,11 @@ def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
     recipe = check_recipe(args.recipe or default_recipe())
     out = check_output_dir(args.output_dir, args.overwrite)
     model_path = check_model(args.model)
+    texts = None
+    if args.dataset is not None:
+        from adadsf_modifier.cli.user_data import load_texts
+
+        texts = load_texts(args.dataset, args.split, args.text_column)
     created = distributed.init_distributed()
     try:
         return compress(
@@ -43,6 +48,8 @@ def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
             args.seed,
             args.dtype,
             args.align_samples,
+            texts,
+            args.dataset,
         )
     finally:
         if created:
@@ -60,11 +67,15 @@ def compress(
     seed: int,
     dtype: str = "float32",
     align_samples: int | None = None,
+    texts: list[str] | None = None,
+    source: str | None = None,
 ) -> dict[str, Any]:
     """Under ``torchrun`` each rank keeps its own slice of the calibration set, so every
     modifier (GPTQ included) calibrates on its own rows; alignment rows go whole to
     every rank (the trainer splits them). ``dtype``: see
-    :func:`adadsf_modifier.precision.resolve_dtype`."""
+    :func:`adadsf_modifier.precision.resolve_dtype`. ``texts``: the user's documents
+    (named ``source``), packed into the calibration and alignment rows instead of the
+    embedded text."""
     import torch
     from llmcompressor import oneshot
     from llmcompressor.recipe import Recipe
@@ -73,6 +84,7 @@ def compress(
     from adadsf_modifier import distributed
     from adadsf_modifier.cli.alignment_rows import alignment_rows
     from adadsf_modifier.evaluation import calibration_dataset
+    from adadsf_modifier.evaluation.text_splits import packed_rows
     from adadsf_modifier.precision import dtype_name, resolve_dtype
 
     t0 = time.perf_counter()
@@ -80,8 +92,11 @@ def compress(
     tok = AutoTokenizer.from_pretrained(model_path)
     modifiers = Recipe.create_instance(recipe).modifiers
     try:  # before the model loads: too little text, or no rows at all
-        data = calibration_dataset(tok, samples, seq_len, seed=seed)
-        aligned = alignment_rows(modifiers, tok, align_samples, seed)
+        if texts is None:
+            data = calibration_dataset(tok, samples, seq_len, seed=seed)
+        else:
+            data = packed_rows(tok, texts, samples, seq_len, f"--dataset {source}")
+        aligned = alignment_rows(modifiers, tok, align_samples, seed, texts, source)
     except ValueError as e:
         raise CLIError(f"calibration data: {e}") from e
     if len(data) == 0:
@@ -120,6 +135,7 @@ def compress(
         "output_dir": str(out),
         "dtype": dtype_name(torch_dtype),
         "alignment_rows": aligned,
+        "dataset": source or "embedded",
         "seconds": seconds,
     }
 

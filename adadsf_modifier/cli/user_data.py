@@ -1,0 +1,90 @@
+"""The user's own text for ``adadsf compress`` / ``calibrate`` / ``eval``
+(``--dataset``, ``--split``, ``--text-column``), read before any model loads.
+
+``--dataset`` names a plain ``.txt`` file, a ``.jsonl`` / ``.json`` / ``.csv`` /
+``.parquet`` file, a folder written by ``datasets``' ``save_to_disk``, or a dataset
+name that ``datasets.load_dataset`` resolves (the words of llm-compressor's
+``oneshot``: ``dataset``, ``splits``, ``text_column``). What cannot be read is refused
+in one line naming the input and what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from adadsf_modifier.cli.checks import CLIError
+
+__all__ = ["DATA_FILE_KINDS", "load_texts"]
+
+#: file suffixes read through ``datasets``' builders of the same name
+DATA_FILE_KINDS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+
+def load_texts(
+    dataset: str, split: str = "train", text_column: str = "text"
+) -> list[str]:
+    """The documents of ``dataset`` (see the module docstring), non-empty ones only."""
+    path = Path(dataset)
+    if path.suffix == ".txt":
+        if not path.is_file():
+            raise CLIError(f"--dataset {dataset}: no such file")
+        try:
+            texts = [path.read_text(encoding="utf-8")]
+        except (UnicodeDecodeError, OSError) as e:
+            raise CLIError(f"--dataset {dataset}: not readable UTF-8 text ({e})") from e
+    else:
+        texts = _column(_rows(dataset, path, split), dataset, text_column)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise CLIError(f"--dataset {dataset}: holds no text")
+    return texts
+
+
+def _rows(dataset: str, path: Path, split: str) -> Any:
+    import datasets
+
+    try:
+        if path.is_dir():
+            rows = datasets.load_from_disk(str(path))
+        elif path.suffix in DATA_FILE_KINDS:
+            if not path.is_file():
+                raise CLIError(f"--dataset {dataset}: no such file")
+            kind = DATA_FILE_KINDS[path.suffix]
+            rows = datasets.load_dataset(kind, data_files=str(path), split="train")
+        else:
+            rows = datasets.load_dataset(dataset, split=split)
+    except CLIError:
+        raise
+    except Exception as e:  # an offline hub, a missing builder, a malformed file
+        raise CLIError(
+            f"--dataset {dataset}: cannot be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); offline, pass a local "
+            "file (.txt, .jsonl, .json, .csv, .parquet) or a save_to_disk folder"
+        ) from None
+    if isinstance(rows, datasets.DatasetDict):
+        if split not in rows:
+            raise CLIError(
+                f"--dataset {dataset}: no split {split!r} (it has {sorted(rows)}); "
+                "pass --split"
+            )
+        rows = rows[split]
+    return rows
+
+
+def _column(rows: Any, dataset: str, text_column: str) -> list[str]:
+    columns = list(getattr(rows, "column_names", []) or [])
+    if text_column not in columns:
+        raise CLIError(
+            f"--dataset {dataset}: no column {text_column!r} (it has {columns}); "
+            "pass --text-column"
+        )
+    values = rows[text_column]
+    if not all(isinstance(v, str) for v in values):
+        raise CLIError(f"--dataset {dataset}: column {text_column!r} is not text")
+    return list(values)
