@@ -274,3 +274,40 @@ def test_a_refit_that_misses_its_plan_is_refused_unless_allowed(
     assert adadsf_modifier.cli.main([*argv, str(dest), "--allow-missed-plan"]) == 0
     assert (dest / SIDECAR_NAME).is_file()
     assert any("written anyway" in m for m in logged_warnings)
+
+
+def test_cli_refits_from_a_dataset_as_from_the_same_text_files(checkpoint, tmp_path):
+    """``--dataset`` (a .jsonl here) gives the thresholds ``--text`` gives on the
+    same documents."""
+    import json
+
+    docs = [" ".join(f"w{100 + (i * 7 + j) % 3}" for i in range(200)) for j in range(3)]
+    data = tmp_path / "traffic.jsonl"
+    data.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    files = []
+    for j, d in enumerate(docs):
+        files.append(tmp_path / f"doc{j}.txt")
+        files[-1].write_text(d)
+    common = ["--routed", str(checkpoint), "--rows", "8", "--seq-len", "32",
+              "--allow-missed-plan"]  # fmt: skip
+    a, b = tmp_path / "from_dataset", tmp_path / "from_files"
+    assert (
+        adadsf_modifier.cli.main(
+            ["calibrate", *common, "--dataset", str(data), "--output-dir", str(a)]
+        )
+        == 0
+    )
+    assert (
+        adadsf_modifier.cli.main(
+            ["calibrate", *common, "--text", *map(str, files), "--output-dir", str(b)]
+        )
+        == 0
+    )
+    thresholds = [
+        [
+            e["causal_threshold"]
+            for e in json.loads((d / SIDECAR_NAME).read_text())["layers"]
+        ]
+        for d in (a, b)
+    ]
+    assert thresholds[0] == thresholds[1]

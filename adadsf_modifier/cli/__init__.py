@@ -207,8 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_calibrate,
     )
     routed(k)
+    texts = k.add_mutually_exclusive_group(required=True)
+    texts.add_argument("--text", nargs="+", help="UTF-8 text file(s) of your traffic")
+    texts.add_argument(
+        "--dataset",
+        help="or your traffic as a .jsonl, .json, .csv or .parquet file, a "
+        "save_to_disk folder, or a dataset name",
+    )
+    k.add_argument("--split", default="train", help="the --dataset split to read")
     k.add_argument(
-        "--text", nargs="+", required=True, help="UTF-8 text file(s) of your traffic"
+        "--text-column", default="text", help="the --dataset column holding the text"
     )
     k.add_argument(
         "--output-dir",

@@ -285,7 +285,12 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
             "to replace its thresholds in place"
         )
     out = check_output_dir(args.output_dir, args.overwrite)
-    texts = [read_text_file(path) for path in args.text]
+    if args.dataset is not None:
+        from adadsf_modifier.cli.user_data import load_texts
+
+        texts = load_texts(args.dataset, args.split, args.text_column)
+    else:
+        texts = [read_text_file(path) for path in args.text]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(routed_path)
