@@ -42,7 +42,6 @@ from adadsf_modifier.constraints import (
     PositiveFloat,
     PositiveInt,
     drop_retired_fields,
-    refuse_booleans_as_numbers,
 )
 from adadsf_modifier.fitting import (
     RouterRefit,
@@ -203,7 +202,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
                 )
             logger.warning("AdaDSFModifier: `align_seed` is retired (`seed` seeds "
                            "the alignment); remove it from the recipe")  # fmt: skip
-        data = refuse_booleans_as_numbers(cls, data, "AdaDSFModifier")
+        # booleans given for numbers: AlignmentConfig's validator checks every field
         return drop_retired_fields(data, "AdaDSFModifier")
 
     @field_validator("align_dataset")

@@ -145,6 +145,8 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     out = check_output_file(args.output, args.overwrite)
     model_path = check_model(args.model)
     check_routed(model_path, required=False)
+    from adadsf_modifier.cli.user_data import read_text_file
+
     texts = {path: read_text_file(path) for path in args.text or ()}
     record = evaluate(
         model_path,
@@ -285,9 +287,9 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
             "to replace its thresholds in place"
         )
     out = check_output_dir(args.output_dir, args.overwrite)
-    if args.dataset is not None:
-        from adadsf_modifier.cli.user_data import load_texts
+    from adadsf_modifier.cli.user_data import load_texts, read_text_file
 
+    if args.dataset is not None:
         texts = load_texts(args.dataset, args.split, args.text_column)
     else:
         texts = [read_text_file(path) for path in args.text]
@@ -296,22 +298,6 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(routed_path)
     rows = text_rows(tok, texts, args.rows, args.seq_len)
     return calibrate(routed_path, rows, out, args.dtype, args.allow_missed_plan)
-
-
-def read_text_file(path: str) -> str:
-    """A ``--text`` file's content, or a one-line refusal before any model loads."""
-    file = Path(path)
-    if not file.is_file():
-        raise CLIError(f"--text {path}: no such file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise CLIError(f"--text {path}: not UTF-8 text ({e.reason})") from e
-    except OSError as e:
-        raise CLIError(f"--text {path}: cannot be read ({e.strerror})") from e
-    if not text.strip():
-        raise CLIError(f"--text {path}: the file holds no text")
-    return text
 
 
 # Characters read per token needed: far above what tokenizers average (3-6), so it only

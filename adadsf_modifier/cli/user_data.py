@@ -15,7 +15,7 @@ from typing import Any
 
 from adadsf_modifier.cli.checks import CLIError
 
-__all__ = ["DATA_FILE_KINDS", "load_texts"]
+__all__ = ["DATA_FILE_KINDS", "load_texts", "read_text_file"]
 
 #: file suffixes read through ``datasets``' builders of the same name
 DATA_FILE_KINDS = {
@@ -32,12 +32,7 @@ def load_texts(
     """The documents of ``dataset`` (see the module docstring), non-empty ones only."""
     path = Path(dataset)
     if path.suffix == ".txt":
-        if not path.is_file():
-            raise CLIError(f"--dataset {dataset}: no such file")
-        try:
-            texts = [path.read_text(encoding="utf-8")]
-        except (UnicodeDecodeError, OSError) as e:
-            raise CLIError(f"--dataset {dataset}: not readable UTF-8 text ({e})") from e
+        texts = [read_text_file(dataset, "--dataset")]
     else:
         texts = _column(_rows(dataset, path, split), dataset, text_column)
     texts = [t for t in texts if t.strip()]
@@ -88,3 +83,20 @@ def _column(rows: Any, dataset: str, text_column: str) -> list[str]:
     if not all(isinstance(v, str) for v in values):
         raise CLIError(f"--dataset {dataset}: column {text_column!r} is not text")
     return list(values)
+
+
+def read_text_file(path: str, option: str = "--text") -> str:
+    """A text file's content, or a one-line refusal (naming ``option``) before any
+    model loads."""
+    file = Path(path)
+    if not file.is_file():
+        raise CLIError(f"{option} {path}: no such file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{option} {path}: not UTF-8 text ({e.reason})") from e
+    except OSError as e:
+        raise CLIError(f"{option} {path}: cannot be read ({e.strerror})") from e
+    if not text.strip():
+        raise CLIError(f"{option} {path}: the file holds no text")
+    return text

@@ -478,20 +478,26 @@ def _scored_class(base: type) -> type:
 _SCORED_CLASSES: dict[type, type] = {}
 
 
-def scored_cache_layer(cache: Any, layer_idx: int) -> RankScoresMixin:
-    """The model's own cache layer ``layer_idx``, its class swapped once for one that
-    keeps rank routing's state; its keys, values and all transformers reads stay as
-    they are."""
+def cache_layer(cache: Any, layer_idx: int, who: str) -> Any:
+    """Layer ``layer_idx`` of a transformers ``DynamicCache``, created (as the cache
+    would) where the cache has not reached it yet; ``who`` names the caller in the
+    refusal of any other cache."""
     if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
         raise TypeError(
-            "AdaDSF rank routing supports transformers' DynamicCache, got "
-            f"{type(cache).__name__}"
+            f"{who} supports transformers' DynamicCache, got {type(cache).__name__}"
         )
     layers = cache.layers
     replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
     while len(layers) <= layer_idx:
         layers.append(replicate())
-    current = layers[layer_idx]
+    return layers[layer_idx]
+
+
+def scored_cache_layer(cache: Any, layer_idx: int) -> RankScoresMixin:
+    """The model's own cache layer ``layer_idx``, its class swapped once for one that
+    keeps rank routing's state; its keys, values and all transformers reads stay as
+    they are."""
+    current = cache_layer(cache, layer_idx, "AdaDSF rank routing")
     if hasattr(current, "rank_rows"):  # a RoutedCacheLayer, or swapped before
         return current
     base = type(current)

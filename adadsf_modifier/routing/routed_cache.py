@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from adadsf_modifier.routing.rank import RankScoresMixin
+from adadsf_modifier.routing.rank import RankScoresMixin, cache_layer
 
 __all__ = ["RoutedCacheLayer", "check_dense_cache", "routed_cache_layer"]
 
@@ -230,16 +230,7 @@ def routed_cache_layer(
 ) -> RoutedCacheLayer:
     """The routed cache layer ``layer_idx`` of ``cache``, installed on first use in
     place of an empty dense one (a sliding-window one must have the layer's window)."""
-    if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
-        raise TypeError(
-            "AdaDSF routing supports transformers' DynamicCache, got "
-            f"{type(cache).__name__}"
-        )
-    layers = cache.layers
-    replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
-    while len(layers) <= layer_idx:
-        layers.append(replicate())
-    current = layers[layer_idx]
+    current = cache_layer(cache, layer_idx, "AdaDSF routing")
     if isinstance(current, RoutedCacheLayer):
         return current
     if type(current) is DynamicSlidingWindowLayer:
@@ -261,7 +252,7 @@ def routed_cache_layer(
             "tokens: a routed model cannot continue from a cache filled by another "
             "model"
         )
-    layers[layer_idx] = routed = RoutedCacheLayer(
+    cache.layers[layer_idx] = routed = RoutedCacheLayer(
         sliding_window, is_sliding=type(current) is DynamicSlidingWindowLayer
     )
     return routed
