@@ -17,6 +17,7 @@ from typing import Any
 
 from loguru import logger
 
+from adadsf_lab.study.per_text import worst_other_text
 from adadsf_modifier.atomic import atomic_write_text
 
 __all__ = ["BEGIN", "END", "ROWS", "block", "render_into"]
@@ -75,9 +76,10 @@ def block(results: dict[str, Any]) -> list[str]:
         ),
         "",
         "| model | seeds | test PPL | x dense | 7-task mean | measured FLOPs |"
-        " prefill x dense | decode x dense |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        " prefill x dense | decode x dense | worst other text: PPL x dense (FLOPs) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    per_text = results.get("quality_per_text") or []
     for method, label in ROWS:
         if method not in rows:
             continue
@@ -91,9 +93,18 @@ def block(results: dict[str, Any]) -> list[str]:
             format(m["normalized_flops"]["mean"], ".3f"),
             _with_ci(m.get("prefill_speedup"), ".2f"),
             _with_ci(m.get("decode_speedup"), ".2f"),
+            _worst(per_text, method, rows[method]["budget"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _worst(per_text: list[dict[str, Any]], method: str, budget: float) -> str:
+    """The out-of-domain text on which ``method`` loses most to dense, or ``-``."""
+    w = worst_other_text(per_text, method, budget)
+    if w is None:
+        return "-"
+    return f"{w['x_dense']:.2f} on {w['text']} ({w['normalized_flops']['mean']:.3f})"
 
 
 def render_into(readme: str, results: dict[str, Any]) -> str:

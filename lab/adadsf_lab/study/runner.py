@@ -26,6 +26,7 @@ from adadsf_lab.study.measure import (
     keep_model,
     measure_budget_per_text,
     measure_flops,
+    measure_other_texts,
     measure_perplexity,
     measure_speed,
     measure_tasks,
@@ -255,12 +256,17 @@ def _evaluate(
         if routed
         else res["ppl"]
     )
-    if routes_tokens(model):
-        # issue 52: does the budget hold on other text, and what does rank routing
-        # (which needs no threshold) cost in quality on the same run
-        record["ppl_test_rank"] = measure_perplexity(
-            model, test, ml, stride, "rank", bs
-        )["ppl"]
+    record["other_texts"] = measure_other_texts(
+        model,
+        env.streams,
+        ev["ppl_val_tokens"],
+        ml,
+        stride,
+        ev["flops_batch"],
+        ev["flops_seq_len"],
+        bs,
+    )
+    if routes_tokens(model):  # does the kept share hold on each offline text
         record["budget_per_text"] = measure_budget_per_text(
             model, env.streams, ev["flops_batch"], budget_sizes(ev["flops_seq_len"])
         )
