@@ -47,6 +47,11 @@ RETIRED_FIELDS: dict[str, tuple[object, str]] = {
     "align_routers_first_steps": (0, "every trainable parameter trains from step 1"),
     "align_grad_clip": (1.0, "the alignment clips gradients to norm 1"),
     "align_weight_decay": (0.0, "the alignment uses no weight decay"),
+    "routing_mode": (
+        "causal",
+        "each token runs a layer iff its score passes the layer's calibrated "
+        "threshold; `adadsf calibrate` refits them on your text",
+    ),
 }
 
 

@@ -78,7 +78,6 @@ from adadsf_modifier.routing import (
     decoder_layers,
     refuse_empty_inputs,
     route_layer,
-    set_routing_mode,
     unroute_layer,
 )
 from adadsf_modifier.stage_clock import StageClock
@@ -118,7 +117,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense
           model taken just before routing (``align_*`` fields: see ``AlignmentConfig``)
         - causal thresholds: per-layer router-score thresholds for eval / generate()
-        - ``routing_mode: rank``: the routed layers switch to rank routing
     - on_finalize: nothing left to do; the routed model stays routed
 
     :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens
@@ -147,15 +145,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         keeps the random initialisation (the ablation)
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
-    :param routing_mode: how the compressed model chooses tokens in eval mode and
-        ``generate()``, saved with its checkpoint: ``causal`` (each token against its
-        layer's calibrated threshold) or ``rank`` (each token against its own row's
-        earlier scores, within a band around the layer's ratio: the budget holds on
-        text unlike the calibration set's; see
-        :mod:`~adadsf_modifier.routing.modes`). The thresholds are fitted either way,
-        so ``set_routing_mode`` can switch a rank model to causal routing. Pair
-        ``rank`` with ``align_routing: rank``: alignment then trains under the
-        decisions the model will make
     :param skip_path*, skipped_tokens_kv: what skipped tokens get (default: nothing,
         as in the paper), see
         :class:`~adadsf_modifier.fitting.SkipPathFields`
@@ -174,7 +163,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
     ignore: list[str] = Field(default_factory=list)
     router_hidden_size: PositiveInt = 64
     seed: int = 0
-    routing_mode: Literal["causal", "rank"] = "causal"
     router_init: Literal["similarity", "skip_error", "random"] = "similarity"
     router_init_steps: PositiveInt = 100
     router_init_tokens: PositiveInt = 2048
@@ -312,8 +300,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         with clock.stage("thresholds"):
             # those the last walk fitted, else a walk of their own
             self._threshold_report = thresholds_after(model, calib, last_walk)
-        if self.routing_mode != "causal":
-            set_routing_mode(model, self.routing_mode)
         logger.info(f"AdaDSF construction: {clock.summary()}")
         # Every later save_pretrained (oneshot's output_dir included) writes the AdaDSF
         # sidecar.

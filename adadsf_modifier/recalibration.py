@@ -6,7 +6,7 @@ that needs no training: :func:`recalibrate_checkpoint` refits every routed layer
 threshold in one bottom-up walk (:func:`~adadsf_modifier.fitting.calibrate_thresholds`,
 about two forward passes in all) and writes a checkpoint that differs only in the
 sidecar's ``causal_threshold`` (weights hard-linked). Every routed layer must route
-causally (``rank`` / ``topk`` read no threshold); one process only; either kind.
+causally (``topk`` reads no threshold); one process only; either kind.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ benchmark's own distribution, so every routed layer keeps ``--retention`` of suc
 tokens (the kept fraction is forced, as the issue asks of a speed test at a shape whose
 routers were never trained; the table's ``kept (target)`` column shows what the timed
 tokens really kept). Prefill (one forward of ``--seq-len`` tokens) and greedy decoding
-(``--decode-tokens`` steps after a ``--decode-prompt`` prompt) run in causal mode
-(``--routing-mode rank``: rank routing, which needs no threshold), timed by the
+(``--decode-tokens`` steps after a ``--decode-prompt`` prompt) run in causal mode,
+timed by the
 plug-in's own ``measure_prefill`` / ``measure_decode`` (the twins interleaved, medians,
 the measured FLOPs of the same tokens): each speedup and the fraction of the FLOPs ideal
 it reaches. The prefill is also set against the work it really runs
@@ -153,11 +153,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="CPU intra-op threads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--routing-mode", choices=["causal", "rank"], default="causal",
-        help="rank: each token against its row's earlier scores, the row's count held "
-        "in its band (no threshold; the kept share is the ratio's by construction)",
-    )  # fmt: skip
-    p.add_argument(
         "--compacted-kv", action="store_true",
         help="prefill the routed twin on the compacted batch, not its attention on "
         "every token",
@@ -172,13 +167,12 @@ def main(argv: list[str] | None = None) -> None:
         args.shape, args.retention, getattr(torch, args.dtype), args.rank,
         device=args.device,
     )  # fmt: skip
-    set_routing_mode(routed, args.routing_mode)
+    set_routing_mode(routed, "causal")
     vocab = dense.config.vocab_size
     where = args.device if args.device != "cpu" else f"cpu, {args.threads} threads"
     print(
         f"{args.shape}, {args.dtype}, {where}, retention {args.retention} forced, "
-        f"{args.routing_mode} routing"
-        + (", compacted kv prefill" if args.compacted_kv else "")
+        "causal routing" + (", compacted kv prefill" if args.compacted_kv else "")
     )
     ids = torch.randint(0, vocab, (1, args.seq_len), device=args.device)
     prompts = [

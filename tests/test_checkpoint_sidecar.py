@@ -172,6 +172,19 @@ def test_unknown_routing_mode_is_refused_at_load_not_at_first_forward(ckpt):
         adadsf_modifier.from_pretrained(ckpt)
 
 
+def test_a_layer_saved_in_retired_rank_routing_loads_causal_with_a_warning(
+    ckpt, logged_warnings
+):
+    """Rank routing is retired; its checkpoints hold causal thresholds too, so they
+    load routing by them (the same logits as a causal save), and say so."""
+    reference = logits_of(adadsf_modifier.from_pretrained(ckpt))
+    edit(ckpt, set_layer(2, routing_mode="rank"))
+    model = adadsf_modifier.from_pretrained(ckpt)
+    assert model.model.layers[2].routing_mode == "causal"
+    torch.testing.assert_close(logits_of(model), reference, rtol=0, atol=0)
+    assert any("saved in rank routing" in m for m in logged_warnings)
+
+
 def test_unknown_keys_are_ignored_and_optional_keys_default(ckpt):
     reference = logits_of(adadsf_modifier.from_pretrained(ckpt))
 

@@ -31,19 +31,19 @@ def test_flops_are_counted_on_the_tokens_the_perplexity_scores():
 
 
 def test_a_routed_model_is_evaluated_in_the_routing_mode_asked_for():
-    """``adadsf eval --routing-mode rank``: the record says which mode measured it, and
-    its kept share is the one that mode ran (rank and causal part on this text)."""
+    """``adadsf eval --routing-mode topk``: the record says which mode measured it, and
+    its kept share is the one that mode ran (top-k and causal part on this text)."""
     from test_causal_routing import causal_model
 
     records = {}
-    for mode in ("causal", "rank"):
+    for mode in ("causal", "topk"):
         model, _ = causal_model()
         records[mode] = evaluate_model(model, tiny_tokenizer(), mode,
                                        ppl_max_tokens=300, flops_seq_len=128,
                                        routing_mode=mode)  # fmt: skip
         assert records[mode].routing_mode == mode
         assert records[mode].retention_target == pytest.approx(0.725)  # the mean
-    assert records["rank"].kept_fraction != records["causal"].kept_fraction
+    assert records["topk"].kept_fraction != records["causal"].kept_fraction
 
 
 def test_eval_on_the_users_text_scores_what_the_perplexity_function_scores(

@@ -179,6 +179,7 @@ def test_layer_drop_removes_whole_layers(model_dirs):
         (dict(align_anneal_steps=5), "align_anneal_steps", "remove it from the recipe"),
         (dict(align_grad_clip=0.0), "align_grad_clip", "norm 1"),
         (dict(align_weight_decay=0.01), "align_weight_decay", "no weight decay"),
+        (dict(routing_mode="rank"), "routing_mode", "adadsf calibrate"),
         (dict(seed=1, align_seed=2), "align_seed", "seeded by `seed`"),
         (dict(align_w_kl=1.0, align_w_lm=1.0), "align_w_kl", "align_loss: kl_hidden"),
         (dict(align_w_lm=1.0, align_loss="kl_hidden"), "align_w_kl", "align_loss"),
@@ -195,7 +196,8 @@ def test_a_retired_field_at_what_the_plug_in_does_loads_with_a_warning(
 ):
     """An older recipe naming a retired field at the value that describes what the
     plug-in still does (or a field that had no effect) builds the same modifier."""
-    old = AdaDSFModifier(threshold_passes=2, route_target="layer", align_warmup_steps=0)
+    old = AdaDSFModifier(threshold_passes=2, route_target="layer", align_warmup_steps=0,
+                         routing_mode="causal")  # fmt: skip
     assert old.model_dump() == AdaDSFModifier().model_dump()
     assert any("`route_target` is no longer a recipe" in m for m in logged_warnings)
     # the alignment's former knobs at the values that are now fixed or implied

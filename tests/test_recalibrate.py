@@ -225,19 +225,19 @@ def test_an_ftp_checkpoint_gets_its_thresholds_refit_too(tmp_path):
 def test_a_layer_that_reads_no_threshold_is_refused_before_loading(
     checkpoint, tmp_path, monkeypatch
 ):
-    """A checkpoint saved in rank mode routes without thresholds: nothing to refit,
+    """A checkpoint saved in top-k mode routes without thresholds: nothing to refit,
     and a threshold above such a layer would be fitted on inputs it never sees."""
     from adadsf_modifier.constraints import InputError
     from adadsf_modifier.routing import set_routing_mode
 
     model = adadsf_modifier.from_pretrained(checkpoint)
-    set_routing_mode(model, "rank")
+    set_routing_mode(model, "topk")
     ranked = tmp_path / "ranked"
     model.save_pretrained(ranked)
     monkeypatch.setattr(
         adadsf_modifier.recalibration, "from_pretrained", lambda *a, **k: 1 / 0
     )
-    with pytest.raises(InputError, match="mode 'rank', which reads no threshold"):
+    with pytest.raises(InputError, match="mode 'topk', which reads no threshold"):
         recalibrate_checkpoint(ranked, rows_of(100, 103), tmp_path / "mine")
 
 

@@ -44,7 +44,7 @@ __all__ = [
 
 TRAINABLE_SETS = ("routers", "routers_and_layers")
 PARALLEL_MODES = ("ddp", "fsdp")
-TRAINING_ROUTING = ("topk", "quantile", "rank")
+TRAINING_ROUTING = ("topk", "quantile")
 ALIGNMENT_LOSSES = tuple(LOSS_WEIGHTS)
 
 Steps = Annotated[
@@ -55,9 +55,7 @@ LearningRate = Annotated[
     constrained(lambda v: math.isfinite(v) and v > 0, "a finite learning rate > 0"),
 ]
 Trainable = Annotated[Literal["routers", "routers_and_layers"], one_of(TRAINABLE_SETS)]
-TrainingRouting = Annotated[
-    Literal["topk", "quantile", "rank"], one_of(TRAINING_ROUTING)
-]
+TrainingRouting = Annotated[Literal["topk", "quantile"], one_of(TRAINING_ROUTING)]
 AlignmentLoss = Annotated[Literal["kl_hidden", "lm"], one_of(ALIGNMENT_LOSSES)]
 Parallel = Annotated[Literal["ddp", "fsdp"], one_of(PARALLEL_MODES)]
 
@@ -90,8 +88,7 @@ class AlignmentConfig(BaseModel):
     :param align_routing: which tokens run each routed layer while training: ``topk``
         (each row's highest-scoring tokens, the paper), ``quantile`` (causal routing's
         rule, a score threshold re-fitted on each batch to the layer's ratio: training
-        sees the decisions ``generate()`` makes) or ``rank`` (rank routing's rule, for
-        a model served in rank mode)
+        sees the decisions ``generate()`` makes)
     :param align_batch_size: rows per step (per rank under ``torchrun``)
     :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
     :param align_loss: ``kl_hidden``: ``KL(P_dense || P_sparse)`` plus the per-layer

@@ -5,8 +5,10 @@ A sidecar, not fields in ``config.json``: llm-compressor's ``resave_config`` rew
 that file from the original model's. Versions: readers refuse a ``format_version``
 they do not know and ignore unknown keys; fields that change the model if ignored
 (skip paths, kept K/V) need version 2; version 3 marked a retired option
-(``route_target``), refused by name. The whole file is validated before any weight is
-read (a NaN threshold would otherwise keep no token but the first).
+(``route_target``), refused by name. A layer saved in the retired rank routing loads
+in causal routing, on the thresholds every checkpoint holds. The whole file is
+validated before any weight is read (a NaN threshold would otherwise keep no token but
+the first).
 
 :func:`read_sidecar_file` reads both kinds' sidecars (FTP's schema builds on
 :class:`SidecarSchema`): each failure is one :class:`AdaDSFCheckpointError` naming the
@@ -22,7 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from loguru import logger
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
@@ -83,6 +93,19 @@ class LayerEntry(SidecarSchema):
     skip_path_rank: PositiveInt | None = None
     skipped_tokens_kv: bool = False
     route_target: str = "layer"
+
+    @field_validator("routing_mode", mode="before")
+    @classmethod
+    def _rank_is_retired(cls, mode: Any) -> Any:
+        if mode != "rank":
+            return mode
+        logger.warning(
+            "this checkpoint was saved in rank routing, which adadsf_modifier no "
+            "longer runs: it routes by the causal thresholds it also holds, whose kept "
+            "share holds on calibration-like text (`adadsf calibrate` refits them on "
+            "yours)"
+        )
+        return "causal"
 
     @model_validator(mode="after")
     def _routed_needs_a_router(self) -> LayerEntry:

@@ -209,7 +209,6 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         args.decode_tokens,
         args.threads,
         args.dtype,
-        args.routing_mode,
     )
     write_json(out, result)
     return result
@@ -223,10 +222,9 @@ def bench(
     decode_tokens: int,
     threads: int | None = None,
     dtype: str = "float32",
-    routing_mode: str | None = None,
 ) -> dict[str, Any]:
-    """Routed checkpoint (in ``routing_mode``; ``None``: as saved) vs the same weights
-    with routing removed."""
+    """Routed checkpoint (routed as saved) vs the same weights with routing
+    removed."""
     import torch
     from transformers import AutoTokenizer
 
@@ -237,15 +235,13 @@ def bench(
         run_speed_benchmark,
     )
     from adadsf_modifier.precision import dtype_name, resolve_dtype
-    from adadsf_modifier.routing import routing_modes_of, set_routing_mode
+    from adadsf_modifier.routing import routing_modes_of
 
     if threads:
         torch.set_num_threads(threads)
     torch_dtype = resolve_dtype(dtype, "cpu")
     tok = AutoTokenizer.from_pretrained(routed_path)
     dense, routed = load_pair(routed_path, dtype=torch_dtype)
-    if routing_mode is not None:
-        set_routing_mode(routed, routing_mode)
     text = "\n\n".join(load_text_splits()["test"]["text"])
     stream = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     results = run_speed_benchmark(

@@ -60,7 +60,6 @@ class KeptShare:
             "does not hold its budget, so its compute (and speed) is not the budget's. "
             "Causal thresholds are fitted on the calibration text: `adadsf calibrate "
             "--routed CKPT --text YOUR_TEXT --output-dir OUT` refits them on text like "
-            "yours, and routing mode 'rank' (set_routing_mode(model, 'rank')) ranks "
-            "each token against its own row's earlier scores instead"
+            "yours"
         )
         return True

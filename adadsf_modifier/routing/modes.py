@@ -5,11 +5,8 @@ whole sequence (training, paper-style evaluation), no KV cache. - ``causal``: a 
 runs iff its score exceeds the layer's calibrated threshold; its decision depends
 only on itself, so prefill + decoding equals one forward. - ``quantile``: the causal
 rule with the threshold fitted on the batch itself, so training sees inference's
-decisions while the router moves; needs the whole batch. - ``rank``: a token runs iff
-it is in the top ``r`` of its row so far, the row's kept count held in a band around
-``r * p`` (:mod:`~adadsf_modifier.routing.rank`): no threshold, so the kept share
-holds on any text. Causal. Opt-in. - ``auto`` (default): ``topk`` while training,
-``causal`` in eval mode once thresholds are calibrated."""
+decisions while the router moves; needs the whole batch. - ``auto`` (default):
+``topk`` while training, ``causal`` in eval mode once thresholds are calibrated."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ __all__ = [
     "routing_modes_of",
 ]
 
-ROUTING_MODES = ("auto", "topk", "causal", "quantile", "rank")
+ROUTING_MODES = ("auto", "topk", "causal", "quantile")
 
 
 def _routed(model: nn.Module):

@@ -21,14 +21,27 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from adadsf_modifier.routing.rank import RankScoresMixin, cache_layer
-
-__all__ = ["RoutedCacheLayer", "check_dense_cache", "routed_cache_layer"]
+__all__ = ["RoutedCacheLayer", "cache_layer", "check_dense_cache", "routed_cache_layer"]
 
 
-class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
+def cache_layer(cache: Any, layer_idx: int, who: str) -> Any:
+    """Layer ``layer_idx`` of a transformers ``DynamicCache``, created (as the cache
+    would) where the cache has not reached it yet; ``who`` names the caller in the
+    refusal of any other cache."""
+    if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
+        raise TypeError(
+            f"{who} supports transformers' DynamicCache, got {type(cache).__name__}"
+        )
+    layers = cache.layers
+    replicate = getattr(cache, "layer_class_to_replicate", None) or DynamicLayer
+    while len(layers) <= layer_idx:
+        layers.append(replicate())
+    return layers[layer_idx]
+
+
+class RoutedCacheLayer(DynamicLayer):
     """The compacted keys/values of the tokens that ran, their validity, the true
     length."""
 
@@ -204,19 +217,16 @@ class RoutedCacheLayer(RankScoresMixin, DynamicLayer):
         if self.num_slots:
             super().reorder_cache(beam_idx)
             self._per_row(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        self.rank_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.num_slots:
             super().batch_repeat_interleave(repeats)
             self._per_row(lambda t: t.repeat_interleave(repeats, dim=0))
-        self.rank_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.num_slots:
             super().batch_select_indices(indices)
             self._per_row(lambda t: t[indices, ...])
-        self.rank_rows(lambda t: t[indices, ...])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(

@@ -12,12 +12,12 @@ The file reads like a transformers modeling file: :class:`RoutedLayer`, whose
 - ``_prefill``: the selected tokens run the layer on a compacted batch, the others
   take the skip path; ``run_kept_mlp`` is its fast form for a layer keeping skipped
   tokens' keys/values at inference;
-- ``_decode_step``: one new token per row (causal or rank routing), only the rows
-  whose token runs go through the layer; the hot path of ``generate()``;
+- ``_decode_step``: one new token per row (causal routing), only the rows whose
+  token runs go through the layer; the hot path of ``generate()``;
 
 then :func:`route_layer` / :func:`unroute_layer`. The branches inside each path are
-the variants: skipped tokens' keys/values kept or not (``skipped_tokens_kv``), rank or
-causal routing, identity or fitted skip path, recorder attached or not.
+the variants: skipped tokens' keys/values kept or not (``skipped_tokens_kv``),
+identity or fitted skip path, recorder attached or not.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from adadsf_modifier.routing.kept_attention import (
     selected_attention_mask,
     stored_keys,
 )
-from adadsf_modifier.routing.rank import rank_select, scored_cache_layer
 from adadsf_modifier.routing.routed_cache import (
     RoutedCacheLayer,
     check_dense_cache,
@@ -64,10 +63,8 @@ from adadsf_modifier.routing.selection import (
     Selection,
     choose_decode_rows,
     choose_tokens,
-    decode_choice_of,
     gather_position_embeddings,
     gather_tokens,
-    positions_of,
     scatter_tokens,
     skipped_slots,
 )
@@ -179,25 +176,6 @@ class RoutedLayer(nn.Module):
             out = out.scatter(1, index, valid)
         return out[:, :q_len]
 
-    def _rank_decisions(
-        self,
-        scores: torch.Tensor,
-        real: torch.Tensor,
-        cache: Any,
-        cache_layer: RoutedCacheLayer | None,
-    ) -> torch.Tensor:
-        """Rank routing's ``[batch, Q]`` decisions, against the past scores the
-        layer's cache keeps (the model's dense cache layer when skipped tokens' K/V
-        are kept, else the routed one)."""
-        store, past_len = None, 0
-        if self.skipped_tokens_kv and cache is not None:
-            past_len = stored_keys(cache, self.layer_index)
-            store = scored_cache_layer(cache, self.layer_index)
-        elif cache_layer is not None:
-            past_len, store = cache_layer.seen_tokens, cache_layer
-        ratio, keep_first = float(self.retention_ratio), bool(self.keep_first_token)
-        return rank_select(store, past_len, scores, real, ratio, keep_first)
-
     # -- the forward -------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -227,11 +205,9 @@ class RoutedLayer(nn.Module):
             return self._run_every_token(x, kwargs)
         scores = self.router(x)
         mode = self.resolved_routing_mode()
-        decoding = mode == "rank" or (
-            mode == "causal" and self.causal_threshold is not None
-        )
+        decoding = mode == "causal" and self.causal_threshold is not None
         if decoding and x.shape[1] == 1:
-            return self._decode_step(x, scores, mode, kwargs, cache, cache_layer)
+            return self._decode_step(x, scores, kwargs, cache, cache_layer)
         return self._prefill(x, scores, mode, kwargs, cache, cache_layer)
 
     def _skip_layer(
@@ -380,14 +356,11 @@ class RoutedLayer(nn.Module):
         cache: Any,
         cache_layer: RoutedCacheLayer | None,
     ) -> tuple[torch.Tensor, Selection]:
-        """``(real tokens, the tokens that run)`` of a prefill: rank routing against
-        the row's past, any other mode by :meth:`select_tokens`."""
+        """``(real tokens, the tokens that run)`` of a prefill, by
+        :meth:`select_tokens`."""
         if self.skipped_tokens_kv and cache is not None:
             check_dense_cache(cache, self.layer_index)
         real = real_token_mask(attention_mask, *x.shape[:2], x.device)
-        if mode == "rank":
-            selected = self._rank_decisions(scores, real, cache, cache_layer)
-            return real, positions_of(selected)
         if self.skipped_tokens_kv:
             has_past = stored_keys(cache, self.layer_index) > 0
         else:
@@ -479,7 +452,6 @@ class RoutedLayer(nn.Module):
         self,
         x: torch.Tensor,
         scores: torch.Tensor,
-        mode: str,
         kwargs: dict,
         cache: Any,
         cache_layer: RoutedCacheLayer | None,
@@ -490,7 +462,7 @@ class RoutedLayer(nn.Module):
         rec, keep_kv = self.routing_recorder, self.skipped_tokens_kv
         attention_mask = kwargs.get("attention_mask")
         selected, rows, skip_rows, n, real = self._decode_rows(
-            x, scores, mode, attention_mask, cache, cache_layer
+            x, scores, attention_mask, cache, cache_layer
         )
         if n == 0:
             return self._no_row_runs(x, real, kwargs, cache, cache_layer)
@@ -573,21 +545,15 @@ class RoutedLayer(nn.Module):
         self,
         x: torch.Tensor,
         scores: torch.Tensor,
-        mode: str,
         attention_mask: torch.Tensor | None,
         cache: Any,
         cache_layer: RoutedCacheLayer | None,
     ) -> DecodeChoice:
-        """The rows of a decoding step that run: by rank against the row's past, or
-        by the causal threshold (every real row at the step that opens the cache)."""
+        """The rows of a decoding step that run: by the causal threshold (every real
+        row at the step that opens the cache)."""
         keep_kv = self.skipped_tokens_kv
         if keep_kv and cache is not None:
             check_dense_cache(cache, self.layer_index)
-        if mode == "rank":
-            real = real_token_mask(attention_mask, x.shape[0], 1, x.device)
-            selected = self._rank_decisions(scores, real, cache, cache_layer)
-            real = None if attention_mask is None else real[:, 0]
-            return decode_choice_of(selected[:, 0], real)
         if keep_kv:
             opens = stored_keys(cache, self.layer_index) == 0
         else:

@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import torch
 
-from adadsf_modifier.routing.rank import choose_by_rank
 from adadsf_modifier.utils import first_real_tokens, real_token_mask
 
 __all__ = [
@@ -75,8 +74,8 @@ def choose_tokens(
 ) -> Selection:
     """The :class:`Selection` of the tokens that run a layer keeping ``ratio`` of its
     real tokens under ``mode``: ``topk`` (each row's ``K`` best), ``causal`` (scores
-    above ``threshold``), ``quantile`` (above a threshold fitted on this batch) or
-    ``rank`` (with no cached past). ``first``: tokens that run whatever their score
+    above ``threshold``) or ``quantile`` (above a threshold fitted on this batch).
+    ``first``: tokens that run whatever their score
     (in top-k they count toward ``K``). ``owner()`` names the layer in an error."""
     if ratio <= 0.0:
         return Selection(None, None, 0)
@@ -89,8 +88,6 @@ def choose_tokens(
             return Selection(None, None, 0)
         index, valid = select_topk(scores, real, keep, k_max)
         return Selection(index, valid, k_max)
-    if mode == "rank":  # ``first`` is set iff the first real token is kept
-        return positions_of(choose_by_rank(scores, real, ratio, first is not None)[0])
     if mode == "quantile":
         threshold = batch_threshold(scores, real, first, ratio)
     elif mode != "causal":

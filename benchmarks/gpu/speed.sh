@@ -5,7 +5,7 @@
 # Llama-3.2-1B's shapes, the kept fraction forced, prefill and decode at batch 1 and 8,
 # bfloat16; then each shape's decoding bounds (benchmarks/decode_bounds.py).
 # Usage: bash benchmarks/gpu/speed.sh   (writes $OUT/speed_grid.txt, speed_compacted.txt,
-# speed_rank.txt, decode_bounds.txt)
+# decode_bounds.txt)
 set -uo pipefail
 PY=${PY:-python3}
 STAGE=${STAGE:-/tmp/adadsf_gpu}
@@ -27,12 +27,6 @@ for shape in smollm2-135m llama-3.2-1b; do
   $PY benchmarks/shape_speed.py --shape "$shape" --retention 0.81 --seq-len 1024 \
     --decode-tokens 0 --repeats 7 --compacted-kv --device cuda 2>&1 | grep -v WARNING
 done | tee "$OUT/speed_compacted.txt"
-# rank routing (no threshold, each row's count in its band) at the shipped budget
-for shape in smollm2-135m llama-3.2-1b; do
-  $PY benchmarks/shape_speed.py --shape "$shape" --retention 0.81 --seq-len 1024 \
-    --decode-tokens 64 --decode-batch 1 8 --repeats 7 --routing-mode rank \
-    --device cuda 2>&1 | grep -v WARNING
-done | tee "$OUT/speed_rank.txt"
 # a decoding step's bounds (every token running / skipping) and what a mode sharing
 # decisions across a batch's rows could reach (lab/NOTEBOOK.md section 25)
 for shape in smollm2-135m llama-3.2-1b; do

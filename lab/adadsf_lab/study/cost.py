@@ -18,7 +18,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from adadsf_lab.study.arms import Tuned, modifier_fields
-from adadsf_lab.study.measure import BUDGET_MODES, BUDGET_TEXTS, budget_sizes
+from adadsf_lab.study.measure import (
+    BUDGET_MODES,
+    BUDGET_TEXTS,
+    OTHER_TEXTS,
+    budget_sizes,
+)
 from adadsf_lab.study.methods import METHODS
 from adadsf_lab.study.plan import runs_at, runs_of, tune_runs_of
 from adadsf_lab.study.settings import StudySettings
@@ -199,12 +204,12 @@ def estimate_run_seconds(
     secs += modes * flops_tokens * fwd
     if phase == "main":
         secs += 2 * s.ppl_tokens * window * fwd
-        if m.allocation not in (None, "layer_drop"):  # tokens routed: issue 52's
-            # check: rank routing's perplexity, and each text's prefill and decoding
-            # in both modes (the decoding replayed to count it)
+        # perplexity and FLOPs on each text outside the calibration corpus
+        secs += len(OTHER_TEXTS) * s.ppl_val_tokens * (window + 1) * fwd
+        if m.allocation not in (None, "layer_drop"):  # tokens routed: the kept share
+            # on each offline text, prefill and decoding (replayed to count it)
             z = budget_sizes(s.flops_seq_len)
             decode = 2 * z["prompts"] * (z["prompt_len"] + z["new_tokens"])
-            secs += s.ppl_tokens * window * fwd
             secs += len(BUDGET_MODES) * len(BUDGET_TEXTS) * (z["tokens"] + decode) * fwd
         if s.tasks:
             reqs = sum(n * _TASK_CHOICES[t] for t, n in planned_task_n(s).items())
