@@ -231,3 +231,59 @@ def test_the_alignment_rows_come_from_the_users_text_too(tok):
     )
     with pytest.raises(ValueError, match="--dataset mine.jsonl has only"):
         alignment_rows([aligned(align_steps=500)], tok, None, 0, texts, "mine.jsonl")
+
+
+def test_a_chat_column_is_rendered_through_the_models_chat_template(
+    tmp_path, spied_oneshot
+):
+    """A ``messages`` column (read when there is no ``text`` column) calibrates on the
+    conversations as the model's chat template writes them; a tokenizer without a
+    template is refused before the model loads."""
+    from transformers import AutoTokenizer
+
+    from adadsf_modifier.evaluation.text_splits import packed_rows
+
+    plain = save_tiny_model("llama", str(tmp_path / "plain"), 2)
+    chat = save_tiny_model("llama", str(tmp_path / "chat"), 2)
+    tok = AutoTokenizer.from_pretrained(chat)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} w5 {{ m['content'] }} w6 {% endfor %}"
+    )
+    tok.save_pretrained(chat)
+    conversations = [
+        [{"role": "user", "content": _words(20, s)},
+         {"role": "assistant", "content": _words(30, s + 100)}]
+        for s in range(5)
+    ]  # fmt: skip
+    source = tmp_path / "chats.jsonl"
+    source.write_text("\n".join(json.dumps({"messages": c}) for c in conversations))
+    argv = ["compress", "--output-dir", tmp_path / "out", "--calibration-samples", "4",
+            "--seq-len", "16", "--dataset", source, "--align-samples", "0"]  # fmt: skip
+    assert main([str(a) for a in ["compress", "--model", chat, *argv[1:]]]) == 0
+    rendered = [tok.apply_chat_template(c, tokenize=False) for c in conversations]
+    assert "w5" in rendered[0] and conversations[0][1]["content"] in rendered[0]
+    expected = packed_rows(tok, rendered, 4, 16, "x")["input_ids"]
+    assert spied_oneshot["rows"] == expected
+    contents = [m["content"] for c in conversations for m in c]
+    assert expected != packed_rows(tok, contents, 4, 16, "x")["input_ids"]
+    spied_oneshot.clear()
+    assert main([str(a) for a in ["compress", "--model", plain, *argv[1:]]]) == 2
+    assert not spied_oneshot  # refused before oneshot, with the reason
+
+
+def test_the_compress_record_names_the_dataset_it_calibrated_on(
+    tmp_path, dense_dir, spied_oneshot
+):
+    from adadsf_modifier.cli.commands import compress
+
+    source = tmp_path / "mine.txt"
+    source.write_text(_words(200, 1))
+    from adadsf_modifier.cli.checks import default_recipe
+
+    record = compress(dense_dir, default_recipe(), tmp_path / "out", 4, 16, 0,
+                      align_samples=0, texts=[source.read_text()],
+                      source=str(source))  # fmt: skip
+    assert record["dataset"] == str(source)
+    record = compress(dense_dir, default_recipe(), tmp_path / "out2", 4, 16, 0,
+                      align_samples=0)  # fmt: skip
+    assert record["dataset"] == "embedded"

@@ -85,3 +85,40 @@ def test_eval_on_the_users_text_scores_what_the_perplexity_function_scores(
     argv = ["eval", "--model", path, "--text", str(tmp_path / "absent.txt")]
     assert main(argv) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_eval_on_the_users_dataset_scores_its_documents_as_a_text_file(tmp_path):
+    """``adadsf eval --dataset FILE.jsonl``: the documents joined as the test split's
+    are, scored exactly as ``--text`` scores the same text in a file."""
+    import json
+
+    import torch
+    from tiny_models import save_tiny_model
+
+    from adadsf_modifier.cli import main
+
+    path = save_tiny_model("llama", str(tmp_path / "m"), 2)
+    g = torch.Generator().manual_seed(5)
+    docs = [
+        " ".join(f"w{int(i)}" for i in torch.randint(4, 60, (90,), generator=g))
+        for _ in range(4)
+    ]
+    (tmp_path / "docs.jsonl").write_text(
+        "\n".join(json.dumps({"body": d}) for d in docs)
+    )
+    (tmp_path / "docs.txt").write_text("\n\n".join(docs))
+    records = {}
+    for kind, source in (("--dataset", "docs.jsonl"), ("--text", "docs.txt")):
+        out = tmp_path / f"{source}.json"
+        argv = ["eval", "--model", path, kind, str(tmp_path / source),
+                "--ppl-tokens", "300", "--output", str(out)]  # fmt: skip
+        if kind == "--dataset":
+            argv += ["--text-column", "body"]
+        assert main(argv) == 0
+        records[kind] = json.loads(out.read_text())
+    assert records["--dataset"]["text"] == str(tmp_path / "docs.jsonl")
+    assert records["--dataset"]["ppl"] == records["--text"]["ppl"]
+    assert records["--dataset"]["ppl_tokens"] == 299
+    both = ["eval", "--model", path, "--text", str(tmp_path / "docs.txt"),
+            "--dataset", str(tmp_path / "docs.jsonl")]  # fmt: skip
+    assert main(both) == 2  # one source of text, not two

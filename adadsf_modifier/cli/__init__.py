@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from adadsf_modifier.cli.checks import (
     CLIError,
@@ -55,6 +56,7 @@ __all__ = [
     "RECIPE_HELP",
     "add_align_samples_argument",
     "add_command",
+    "add_dataset_arguments",
     "add_dtype_argument",
     "add_model_argument",
     "bench",
@@ -108,6 +110,30 @@ def add_align_samples_argument(sp: argparse.ArgumentParser) -> None:
     )
 
 
+DATASET_HELP = (
+    "a .txt, .jsonl, .json, .csv or .parquet file, a save_to_disk folder, or a "
+    "dataset name; a chat column (e.g. `messages`) is rendered through the model's "
+    "chat template"
+)
+
+
+def add_dataset_arguments(
+    sp: argparse.ArgumentParser, what: str, dataset_in: Any = None
+) -> None:
+    """``--dataset`` (``what`` it is for; added to ``dataset_in``, a mutually exclusive
+    group, when given), ``--split`` and ``--text-column``: llm-compressor's words."""
+    (dataset_in or sp).add_argument(
+        "--dataset", default=None, help=f"{what}: {DATASET_HELP}"
+    )
+    sp.add_argument("--split", default="train", help="the --dataset split to read")
+    sp.add_argument(
+        "--text-column",
+        default="text",
+        help="the --dataset column holding the text or chat messages (default: "
+        "text, else messages)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="adadsf",
@@ -131,16 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration-samples", type=positive_int, default=64)
     c.add_argument("--seq-len", type=positive_int, default=256)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument(
-        "--dataset",
-        default=None,
-        help="your calibration (and alignment) text: a .txt, .jsonl, .json, .csv or "
-        ".parquet file, a save_to_disk folder, or a dataset name (default: the "
-        "embedded English text)",
-    )
-    c.add_argument("--split", default="train", help="the --dataset split to read")
-    c.add_argument(
-        "--text-column", default="text", help="the --dataset column holding the text"
+    add_dataset_arguments(
+        c, "your calibration and alignment text (default: the embedded English text)"
     )
     dtype(c)
     align_samples(c)
@@ -154,13 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--limit", type=positive_int, default=None, help="examples per task")
     e.add_argument("--no-ppl", action="store_true")
-    e.add_argument(
+    own = e.add_mutually_exclusive_group()
+    own.add_argument(
         "--text",
         nargs="+",
         default=None,
         help="UTF-8 text file(s) to measure perplexity and FLOPs on (default: the "
         "embedded test split)",
     )
+    add_dataset_arguments(e, "or your text to measure them on", own)
     e.add_argument("--ppl-tokens", type=token_count, default=16384)
     e.add_argument(
         "--routing-mode",
@@ -196,15 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     routed(k)
     texts = k.add_mutually_exclusive_group(required=True)
     texts.add_argument("--text", nargs="+", help="UTF-8 text file(s) of your traffic")
-    texts.add_argument(
-        "--dataset",
-        help="or your traffic as a .jsonl, .json, .csv or .parquet file, a "
-        "save_to_disk folder, or a dataset name",
-    )
-    k.add_argument("--split", default="train", help="the --dataset split to read")
-    k.add_argument(
-        "--text-column", default="text", help="the --dataset column holding the text"
-    )
+    add_dataset_arguments(k, "or your traffic", texts)
     k.add_argument(
         "--output-dir",
         required=True,

@@ -36,7 +36,7 @@ def cmd_compress(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset is not None:
         from adadsf_modifier.cli.user_data import load_texts
 
-        texts = load_texts(args.dataset, args.split, args.text_column)
+        texts = load_texts(args.dataset, args.split, args.text_column, model_path)
     created = distributed.init_distributed()
     try:
         return compress(
@@ -112,8 +112,8 @@ def compress(
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
     if distributed.is_distributed() and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))  # NCCL: own GPU
-    source = distributed.is_source_process()
-    if source and out.is_dir() and any(out.iterdir()):  # the atomic save replaces it
+    writes = distributed.is_source_process()
+    if writes and out.is_dir() and any(out.iterdir()):  # the atomic save replaces it
         logger.warning(f"--overwrite: replacing the checkpoint in {out}")
     oneshot(
         model=model,
@@ -125,7 +125,7 @@ def compress(
         max_seq_length=seq_len,
     )
     seconds = time.perf_counter() - t0
-    if source:
+    if writes:
         logger.info(
             f"compressed {model_path} with {recipe} into {out} in {seconds:.0f}s"
         )
@@ -145,9 +145,12 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     out = check_output_file(args.output, args.overwrite)
     model_path = check_model(args.model)
     check_routed(model_path, required=False)
-    from adadsf_modifier.cli.user_data import read_text_file
+    from adadsf_modifier.cli.user_data import load_texts, read_text_file
 
     texts = {path: read_text_file(path) for path in args.text or ()}
+    if args.dataset is not None:
+        docs = load_texts(args.dataset, args.split, args.text_column, model_path)
+        texts = {args.dataset: "\n\n".join(docs)}
     record = evaluate(
         model_path,
         args.label,
@@ -286,7 +289,7 @@ def cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     from adadsf_modifier.cli.user_data import load_texts, read_text_file
 
     if args.dataset is not None:
-        texts = load_texts(args.dataset, args.split, args.text_column)
+        texts = load_texts(args.dataset, args.split, args.text_column, routed_path)
     else:
         texts = [read_text_file(path) for path in args.text]
     from transformers import AutoTokenizer

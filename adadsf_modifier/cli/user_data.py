@@ -4,8 +4,11 @@
 ``--dataset`` names a plain ``.txt`` file, a ``.jsonl`` / ``.json`` / ``.csv`` /
 ``.parquet`` file, a folder written by ``datasets``' ``save_to_disk``, or a dataset
 name that ``datasets.load_dataset`` resolves (the words of llm-compressor's
-``oneshot``: ``dataset``, ``splits``, ``text_column``). What cannot be read is refused
-in one line naming the input and what to do.
+``oneshot``: ``dataset``, ``splits``, ``text_column``). A column of chat conversations
+(lists of ``{"role", "content"}``, as a ``messages`` column holds them) is rendered
+through the model's chat template, the text the model sees when it chats; without a
+``text`` column, a ``messages`` column is read. What cannot be read is refused in one
+line naming the input and what to do.
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ DATA_FILE_KINDS = {
 
 
 def load_texts(
-    dataset: str, split: str = "train", text_column: str = "text"
+    dataset: str,
+    split: str = "train",
+    text_column: str = "text",
+    tokenizer_path: str | None = None,
 ) -> list[str]:
-    """The documents of ``dataset`` (see the module docstring), non-empty ones only."""
+    """The documents of ``dataset`` (see the module docstring), non-empty ones only;
+    ``tokenizer_path``: the model whose chat template renders a chat column."""
     path = Path(dataset)
     if path.suffix == ".txt":
         texts = [read_text_file(dataset, "--dataset")]
     else:
-        texts = _column(_rows(dataset, path, split), dataset, text_column)
+        rows = _rows(dataset, path, split)
+        texts = _column(rows, dataset, text_column, tokenizer_path)
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise CLIError(f"--dataset {dataset}: holds no text")
@@ -72,17 +80,48 @@ def _rows(dataset: str, path: Path, split: str) -> Any:
     return rows
 
 
-def _column(rows: Any, dataset: str, text_column: str) -> list[str]:
+def _column(
+    rows: Any, dataset: str, text_column: str, tokenizer_path: str | None
+) -> list[str]:
     columns = list(getattr(rows, "column_names", []) or [])
+    if text_column == "text" and "text" not in columns and "messages" in columns:
+        text_column = "messages"  # the usual name of a chat dataset's column
     if text_column not in columns:
         raise CLIError(
             f"--dataset {dataset}: no column {text_column!r} (it has {columns}); "
             "pass --text-column"
         )
-    values = rows[text_column]
-    if not all(isinstance(v, str) for v in values):
-        raise CLIError(f"--dataset {dataset}: column {text_column!r} is not text")
-    return list(values)
+    values = list(rows[text_column])
+    if all(isinstance(v, str) for v in values):
+        return values
+    if all(_is_conversation(v) for v in values):
+        return _render_chats(values, f"--dataset {dataset}", tokenizer_path)
+    raise CLIError(
+        f"--dataset {dataset}: column {text_column!r} is neither text nor chat "
+        "messages (lists of {'role', 'content'})"
+    )
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value
+    )
+
+
+def _render_chats(
+    conversations: list[list[dict]], where: str, tokenizer_path: str | None
+) -> list[str]:
+    """Each conversation as the model's chat template writes it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise CLIError(
+            f"{where}: holds chat messages, but {tokenizer_path or 'the model'}'s "
+            "tokenizer has no chat template to render them; pass --text-column with "
+            "a column of text"
+        )
+    return [tok.apply_chat_template(c, tokenize=False) for c in conversations]
 
 
 def read_text_file(path: str, option: str = "--text") -> str:
