@@ -4,7 +4,7 @@ generate()."""
 import pytest
 import torch
 from test_routing import positions, route_all
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import ARCHITECTURES, DISTINCT_ARCHITECTURES, tiny_model
 
 from adadsf_modifier.fitting import calibrate_thresholds
 from adadsf_modifier.routing import (
@@ -131,7 +131,7 @@ def test_batched_decode_step_runs_only_the_rows_that_pass(attn):
     assert cache.get_seq_length() == ids.shape[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", DISTINCT_ARCHITECTURES)
 def test_chunked_continuation_from_cache_equals_full_forward(arch):
     """Several new tokens per call on top of a cache (chunked prefill): the compacted
     mask must see the cached slots and be causal among the new ones."""
@@ -218,7 +218,7 @@ def test_threshold_for_ratio_quantile():
     assert threshold_for_ratio(scores, 1.0) == float("-inf")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", DISTINCT_ARCHITECTURES)
 def test_greedy_generate_with_and_without_cache_agree(arch):
     model, _ = causal_model(arch)
     ids, mask = left_padded(batch=2, length=8)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, save_tiny_model, tiny_model, token_dataset
+from transformers import AutoModelForCausalLM
 
 import adadsf_modifier
 from adadsf_modifier import AdaDSFCheckpointError, AdaDSFModifier, RoutedLayer
@@ -98,6 +99,8 @@ def test_reload_reproduces_logits_and_routing_settings(arch, tmp_path):
 
     reloaded = adadsf_modifier.from_pretrained(tmp_path / "ckpt")
     torch.testing.assert_close(logits_of(reloaded), reference, rtol=0, atol=0)
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    torch.testing.assert_close(logits_of(auto), reference, rtol=0, atol=0)
     _, layers = decoder_layers(reloaded)
     for (_, layer), setting in zip(layers, SETTINGS):
         assert isinstance(layer, RoutedLayer) == (setting is not None)

@@ -14,7 +14,7 @@ from adadsf_modifier.ftp.features import key_probe, probe_scores
 from adadsf_modifier.ftp.static import static_keep_mask
 from adadsf_modifier.routing.recorder import RoutingRecorder
 
-FTP_ARCHS = ("llama", "qwen2", "mistral")
+FTP_ARCHS = ("llama", "qwen2", "mistral", "gemma2")
 
 
 def calib_batches(n=3, rows=4, length=16, seed=0):
@@ -197,9 +197,19 @@ def test_ftp_decoding_skips_tokens_below_threshold():
     assert counted and set(counted) <= set(routers)
 
 
-def test_unsupported_architecture_is_refused_before_work():
-    model = tiny_model("gpt_neox", num_layers=2)
-    with pytest.raises(ValueError, match="input_layernorm and self_attn.q_proj"):
+@pytest.mark.parametrize(
+    "arch,match",
+    [
+        ("gpt_neox", "input_layernorm and self_attn.q_proj"),
+        ("phi3", "input_layernorm and self_attn.q_proj"),  # fused qkv_proj
+        ("olmo2", "input_layernorm and self_attn.q_proj"),  # post-norm
+        ("qwen3", "normalises its keys"),
+        ("gemma3_text", "normalises its keys"),
+    ],
+)
+def test_unsupported_architecture_is_refused_before_work(arch, match):
+    model = tiny_model(arch, num_layers=2)
+    with pytest.raises(ValueError, match=match):
         FTPModifier(schedule="uniform").apply_to(model, calib_batches(1))
     assert not routed_layers(model)
 

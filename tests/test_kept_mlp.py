@@ -8,14 +8,14 @@ import pytest
 import torch
 from test_kept_attention_kv import causal_kv_model, keep_kv
 from test_routing import batch_with_padding, positions, route_all
-from tiny_models import tiny_model
+from tiny_models import ARCHITECTURES, tiny_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 from adadsf_modifier.flops import normalized_flops
 from adadsf_modifier.routing import RoutedLayer, kept_attention, routed_layers
 
-SEQUENTIAL = ["llama", "qwen2", "mistral"]
+SEQUENTIAL = [a for a in ARCHITECTURES if a != "gpt_neox"]  # not parallel residual
 RATIOS = [1.0, 0.6, 0.3, 0.8]
 
 

@@ -11,7 +11,9 @@ import torch
 import yaml
 from llmcompressor import oneshot
 from llmcompressor.recipe import Recipe
-from tiny_models import save_tiny_model, token_dataset
+from test_causal_routing import incremental_logits, left_padded
+from test_routing import positions
+from tiny_models import DISTINCT_ARCHITECTURES, save_tiny_model, token_dataset
 from transformers import AutoModelForCausalLM
 
 import adadsf_modifier  # noqa: F401  (registers the modifiers)
@@ -48,12 +50,14 @@ def test_the_paper_recipe_is_the_paper_s_adadsf():
     assert mod.align_steps == 0
 
 
-def compress_tiny(tmp_path, name: str, num_layers: int, model=None, **fields):
-    """A tiny Llama through ``oneshot`` with the shipped recipe ``name``, its
-    ``AdaDSFModifier`` block changed by ``fields`` and 2 alignment steps (CPU time
-    only)."""
+def compress_tiny(
+    tmp_path, name: str, num_layers: int, model=None, arch="llama", **fields
+):
+    """A tiny model (Llama by default) through ``oneshot`` with the shipped recipe
+    ``name``, its ``AdaDSFModifier`` block changed by ``fields`` and 2 alignment steps
+    (CPU time only)."""
     if model is None:
-        path = save_tiny_model("llama", str(tmp_path / "llama"), num_layers=num_layers)
+        path = save_tiny_model(arch, str(tmp_path / arch), num_layers=num_layers)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     data = yaml.safe_load((RECIPES / name).read_text())
     data["sparsity_stage"]["sparsity_modifiers"]["AdaDSFModifier"].update(
@@ -68,14 +72,28 @@ def compress_tiny(tmp_path, name: str, num_layers: int, model=None, **fields):
     )
 
 
-def test_the_variant_recipe_builds_fitted_skip_paths_and_keeps_keys_values(tmp_path):
+@pytest.mark.parametrize("arch", DISTINCT_ARCHITECTURES)
+def test_the_variant_recipe_builds_fitted_skip_paths_and_keeps_keys_values(
+    tmp_path, arch
+):
+    """The shipped variant on every kind of layer, end to end: a ratio-1 layer needs
+    no map; the compressed model decodes from its cache as one full forward does."""
     # a skip-path rank below the tiny model's hidden size (32)
-    model = compress_tiny(tmp_path, "adadsf.yaml", 3, skip_path_rank=8)
+    model = compress_tiny(tmp_path, "adadsf.yaml", 3, arch=arch, skip_path_rank=8)
     layers = routed_layers(model)
     assert len(layers) == 2  # layer 0 stays dense
+    assert any(layer.retention_ratio < 1.0 for layer in layers)
     for layer in layers:
-        assert skip_path_of(layer) is not None and layer.skipped_tokens_kv
+        partial = layer.retention_ratio < 1.0
+        assert (skip_path_of(layer) is not None) == partial and layer.skipped_tokens_kv
         assert layer.causal_threshold is not None
+    ids, mask = left_padded(2, 10)
+    model.eval()
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                     position_ids=positions(mask)).logits  # fmt: skip
+        inc, _ = incremental_logits(model, ids, mask, prefill=4)
+    torch.testing.assert_close(inc[mask.bool()], full[mask.bool()], atol=1e-4, rtol=0)
 
 
 def test_the_layer_removal_recipe_removes_whole_layers_and_heals(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from test_routing import route_all
 from test_skip_path import batches, run
 from test_skip_path import tiny_dir as tiny_dir  # noqa: F401  (the module fixture)
-from tiny_models import tiny_model
+from tiny_models import DISTINCT_ARCHITECTURES, tiny_model
 
 from adadsf_modifier.fitting import RouterRefit, fit_skip_paths
 from adadsf_modifier.fitting.warm_start import (
@@ -163,7 +163,7 @@ def _padded_batches(seed=1):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["qwen2", *DISTINCT_ARCHITECTURES])
 @pytest.mark.parametrize("padded", [False, True])
 def test_walk_outputs_made_from_the_dense_run_fit_the_same_maps_as_running_the_layer(
     monkeypatch, arch, padded

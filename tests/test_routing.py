@@ -201,6 +201,10 @@ def test_unsupported_architecture_names_what_is_missing():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(UnsupportedArchitectureError, match="model_type 'gpt2'"):
         decoder_layers(model)
+    model = tiny_model("gemma3_text", 2)  # EmbeddingGemma: not a causal decoder
+    model.config.use_bidirectional_attention = True
+    with pytest.raises(UnsupportedArchitectureError, match="attends bidirectionally"):
+        decoder_layers(model)
 
 
 def test_causal_padding_mask_detection():

@@ -8,7 +8,7 @@ import torch
 from test_flops import padded_batch, route
 from test_routing import route_all
 from tiny_models import tiny_model
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, OlmoConfig
 
 from adadsf_modifier.flops import layer_shape, normalized_flops, planned_kept
 from adadsf_modifier.routing import (
@@ -106,27 +106,24 @@ def test_original_class_is_the_one_mro_walk():
 
 
 def test_a_new_architecture_is_one_spec_entry(monkeypatch):
-    """Qwen3 is not supported out of the box; one ArchitectureSpec makes routing and
-    the FLOPs model work."""
-    cfg = Qwen3Config(
+    """OLMo (the first) is not supported out of the box; one ArchitectureSpec makes
+    routing and the FLOPs model work."""
+    cfg = OlmoConfig(
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    with pytest.raises(ValueError, match="model_type 'qwen3'"):
+    with pytest.raises(ValueError, match="model_type 'olmo'"):
         layer_shape(cfg)
     monkeypatch.setitem(
         SUPPORTED_ARCHITECTURES,
-        "qwen3",
-        ArchitectureSpec(
-            "qwen3", "model.layers", "Qwen3DecoderLayer", "past_key_values"
-        ),
+        "olmo",
+        ArchitectureSpec("olmo", "model.layers", "OlmoDecoderLayer", "past_key_values"),
     )
     shape = layer_shape(cfg)
     assert (shape.kv_dim, shape.mlp_matmuls) == (16, 3)

@@ -1,5 +1,6 @@
-"""Routed sliding-window models (Mistral, Qwen2 with use_sliding_window) decode from a
-KV cache exactly like one full forward, also with a window shorter than the sequence."""
+"""Routed sliding-window models (Mistral, Qwen2 with use_sliding_window, Gemma's
+alternating layers) decode from a KV cache exactly like one full forward, also with a
+window shorter than the sequence."""
 
 from functools import lru_cache
 
@@ -56,7 +57,7 @@ def full_logits(model, ids, mask):
         ).logits
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("chunk", [1, 3])

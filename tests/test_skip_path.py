@@ -7,7 +7,13 @@ from llmcompressor import oneshot
 from test_causal_routing import incremental_logits, left_padded
 from test_kept_attention_kv import layer_calls
 from test_routing import batch_with_padding, positions, route_all
-from tiny_models import ARCHITECTURES, save_tiny_model, tiny_model, token_dataset
+from tiny_models import (
+    ARCHITECTURES,
+    DISTINCT_ARCHITECTURES,
+    save_tiny_model,
+    tiny_model,
+    token_dataset,
+)
 from transformers import AutoModelForCausalLM
 
 from adadsf_modifier import AdaDSFModifier
@@ -76,22 +82,25 @@ def test_low_rank_fit_projects_onto_the_top_fitted_directions():
         SkipPath(8, 8)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", DISTINCT_ARCHITECTURES)
 def test_fitted_skip_path_beats_identity_on_held_out_tokens(arch):
-    """On tokens the fit never saw, ``x + u(x)`` is closer to the dense layer's output
-    than ``x`` (the identity skip path), for every routed layer."""
+    """On tokens the fit never saw, those the layer skips, ``x + u(x)`` is closer to
+    the dense layer's output than ``x`` (the identity skip path), for every routed
+    layer. A tiny random layer is barely affine: enough tokens that the margin is not
+    luck."""
     model = route_all(tiny_model(arch, 4), RATIOS).eval()
-    report = fit_skip_paths(model, batches(6, seed=0))
+    report = fit_skip_paths(model, batches(12, seed=0))
     assert report.layer_indices == [1, 2, 3]
     assert all(0.0 < r < 1.0 for r in report.r2)
-    held = batches(2, seed=1)[0]
+    held = {"input_ids": torch.cat([b["input_ids"] for b in batches(4, seed=1)])}
     calls = layer_calls(model, lambda: model(**held, use_cache=False))
     for layer in routed_layers(model)[1:]:
         x, kwargs, _ = calls[layer.layer_index]
         with torch.no_grad():
             dense = original_class(type(layer)).forward(layer, x, **kwargs)
-            fitted = (x + layer.skip_path(x) - dense).pow(2).sum()
-        identity = (x - dense).pow(2).sum()
+            skipped = ~layer.selected_mask(x, mode="topk")
+            fitted = (x + layer.skip_path(x) - dense)[skipped].pow(2).sum()
+        identity = (x - dense)[skipped].pow(2).sum()
         assert float(fitted) < 0.9 * float(identity)
 
 

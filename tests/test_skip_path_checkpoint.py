@@ -12,7 +12,14 @@ from safetensors.torch import load_file, save_file
 from test_causal_routing import incremental_logits, left_padded
 from test_checkpoint_save_load import logits_of
 from test_routing import positions
-from tiny_models import ARCHITECTURES, save_tiny_model, tiny_model, token_dataset
+from tiny_models import (
+    ARCHITECTURES,
+    DISTINCT_ARCHITECTURES,
+    save_tiny_model,
+    tiny_model,
+    token_dataset,
+)
+from transformers import AutoModelForCausalLM
 
 import adadsf_modifier
 from adadsf_modifier import AdaDSFCheckpointError, AdaDSFModifier
@@ -145,14 +152,16 @@ def test_missing_or_unexpected_skip_path_tensors_are_refused(saved, tmp_path):
         adadsf_modifier.from_pretrained(path)
 
 
-def test_gptq_stacks_without_quantizing_the_skip_paths(tmp_path):
+@pytest.mark.parametrize("arch", DISTINCT_ARCHITECTURES)
+def test_gptq_stacks_without_quantizing_the_skip_paths(arch, tmp_path):
     """AdaDSF (ridge skip path + kept K/V) then GPTQ W8A8 in one recipe: the skip paths
-    stay float, unquantized, and the reloaded checkpoint reproduces the compressed
+    stay float, unquantized, and the checkpoint reloaded (``from_pretrained``, and
+    ``AutoModelForCausalLM`` with the package imported) reproduces the compressed
     model's logits exactly."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
 
-    base = save_tiny_model("llama", str(tmp_path / "base"), num_layers=3)
+    base = save_tiny_model(arch, str(tmp_path / "base"), num_layers=3)
     recipe = [
         AdaDSFModifier(retention=0.7, ignore=["re:.*layers\\.0$"], skip_path="ridge",
                        skip_path_rank=8, skipped_tokens_kv=True),
@@ -171,7 +180,15 @@ def test_gptq_stacks_without_quantizing_the_skip_paths(tmp_path):
     reference = logits_of(model)
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
     skip = {k: v for k, v in tensors.items() if ".skip_path." in k}
-    assert len(skip) == 2 * 3 and all(v.is_floating_point() for v in skip.values())
+    partial = [m for m in routed_layers(model) if m.retention_ratio < 1.0]
+    assert partial and all(v.is_floating_point() for v in skip.values())
+    assert len(skip) == 3 * len(partial)  # down, up, bias
     reloaded = adadsf_modifier.from_pretrained(tmp_path / "out")
     torch.testing.assert_close(logits_of(reloaded), reference, rtol=0, atol=0)
     assert all(m.skipped_tokens_kv for m in routed_layers(reloaded))
+    assert any(  # the decoder's projections were quantized
+        getattr(m, "quantization_scheme", None) is not None
+        for m in decoder_layers(reloaded)[1][1][1].modules()
+    )
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    torch.testing.assert_close(logits_of(auto), reference, rtol=0, atol=0)

@@ -6,7 +6,7 @@ import torch
 from test_causal_routing import left_padded
 from test_kept_attention_kv import keep_kv
 from test_routing import positions, route_all
-from tiny_models import tiny_model
+from tiny_models import ARCHITECTURES, DISTINCT_ARCHITECTURES, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from adadsf_modifier.fitting import calibrate_thresholds
@@ -57,7 +57,7 @@ def counted_and_modelled(model, n=20):
     return ids, counter.get_flop_counts(), report, selected
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", DISTINCT_ARCHITECTURES)
 @pytest.mark.parametrize("kv", [False, True])
 def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv, monkeypatch):
     """Every matmul a decoder layer runs (projections, MLP, router, skip path, the
@@ -84,7 +84,9 @@ def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv, monkeypa
         assert measured == ours.total - ours.attention + rectangle, name
         if i in selected:  # pairs among the kept queries, by position
             pos = selected[i].nonzero().flatten()
-            pairs = int((pos + 1).sum()) if kv else k * (k + 1) // 2
+            behind = pos[:, None] - (torch.arange(n) if kv else pos)[None, :]
+            window = layers[i][1].attention_window or n
+            pairs = int(((behind >= 0) & (behind < window)).sum())
             assert ours.attention == shape.attention_flops(pairs)
             assert ours.skip_path == SkipPath.flops_for(
                 n - k, shape.hidden_size, None if i % 2 else 4
@@ -95,7 +97,7 @@ def test_counted_flops_equal_flop_counter_mode_layer_by_layer(arch, kv, monkeypa
     assert report.routed_by_term["kv_only"] > 0 if kv else True
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gpt_neox"])
 def test_the_dense_attention_prefill_runs_the_counted_work_and_the_documented_extra(
     arch,
 ):
@@ -118,7 +120,8 @@ def test_the_dense_attention_prefill_runs_the_counted_work_and_the_documented_ex
         if i in selected:
             skipped = n - k
             h, q = shape.hidden_size, shape.q_dim
-            extra = 2 * skipped * h * q * 2  # the skipped tokens' q and o projections
+            # the skipped tokens' q (unless counted with a fused qkv) and o projections
+            extra = 2 * skipped * h * q * (1 if shape.fused_qkv else 2)
         rectangle = shape.attention_flops(rows * n)
         assert measured == ours.total - ours.attention + rectangle + extra, name
 
@@ -128,6 +131,10 @@ def test_kv_only_flops_by_architecture():
     neox = layer_shape(tiny_model("gpt_neox", 1).config)  # fused qkv
     assert llama.kv_only_flops(3) == 2 * 3 * 32 * (2 * 16)
     assert neox.kv_only_flops(3) == 2 * 3 * 32 * (3 * 32)
+    phi3 = layer_shape(tiny_model("phi3", 1).config)  # fused qkv_proj, GQA
+    assert phi3.kv_only_flops(3) == 2 * 3 * 32 * (32 + 2 * 16)
+    assert phi3.projection_flops(3) == llama.projection_flops(3)
+    assert phi3.mlp_flops(3) == llama.mlp_flops(3)  # gate_up_proj: 2 I wide
 
 
 def test_observed_counts_with_padding_count_real_skipped_tokens_only():

@@ -10,15 +10,34 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 VOCAB = 128
-ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt_neox")
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "gpt_neox",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+)
+#: one architecture per kind of decoder layer (Qwen2's and Mistral's are Llama's)
+DISTINCT_ARCHITECTURES = tuple(
+    a for a in ARCHITECTURES if a not in ("qwen2", "mistral")
+)
 
 
 def tiny_config(arch: str, num_layers: int = 4, attn: str = "sdpa"):
@@ -30,6 +49,9 @@ def tiny_config(arch: str, num_layers: int = 4, attn: str = "sdpa"):
         num_attention_heads=4,
         max_position_embeddings=256,
         tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
     )
     if arch == "llama":
         cfg = LlamaConfig(num_key_value_heads=2, **common)
@@ -39,12 +61,30 @@ def tiny_config(arch: str, num_layers: int = 4, attn: str = "sdpa"):
         cfg = MistralConfig(num_key_value_heads=2, sliding_window=None, **common)
     elif arch == "gpt_neox":
         cfg = GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.5, **common)
+    elif arch == "qwen3":  # per-head q/k norms
+        cfg = Qwen3Config(num_key_value_heads=2, head_dim=8, **common)
+    elif arch == "olmo2":  # post-norm; q/k norms over all heads
+        cfg = Olmo2Config(num_key_value_heads=2, **common)
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj, partial rotary
+        cfg = Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.5, **common)
+    elif arch in ("gemma2", "gemma3_text"):
+        # four norms per layer, alternating 4-key windows (the rows tested are
+        # longer), soft-capped logits (Gemma 2), q/k norms (Gemma 3)
+        config_class = Gemma2Config if arch == "gemma2" else Gemma3TextConfig
+        cfg = config_class(
+            num_key_value_heads=2,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=4,
+            layer_types=[
+                ("sliding_attention", "full_attention")[i % 2]
+                for i in range(num_layers)
+            ],  # fmt: skip
+            **common,
+        )
     else:
         raise ValueError(arch)
     cfg._attn_implementation = attn
-    cfg.pad_token_id = 0
-    cfg.eos_token_id = 1
-    cfg.bos_token_id = 2
     return cfg
 
 

@@ -47,13 +47,21 @@ class LayerFeatureStats:
 
 
 def check_probe_supported(layer: nn.Module, name: str) -> None:
+    """Refuse a layer the key probe cannot fold: it needs an input norm and separate
+    query/key projections, and no key norm (a nonlinear map of each head's keys)."""
     attn = getattr(layer, "self_attn", None)
     parts = (attn, getattr(attn, "q_proj", None), getattr(attn, "k_proj", None))
     if any(p is None for p in parts) or getattr(layer, "input_layernorm", None) is None:
         raise ValueError(
             f"FTPModifier needs decoder layers with input_layernorm and "
-            f"self_attn.q_proj/k_proj (Llama, Qwen2, Mistral); `{name}` is a "
+            f"self_attn.q_proj/k_proj (Llama, Qwen2, Mistral, Gemma 2); `{name}` is a "
             f"{type(layer).__name__}"
+        )
+    if getattr(attn, "k_norm", None) is not None:
+        raise ValueError(
+            f"FTPModifier's key probe is linear in the layer input; `{name}` "
+            f"({type(layer).__name__}) normalises its keys (self_attn.k_norm), which "
+            "no linear probe folds: use AdaDSFModifier for this architecture"
         )
 
 

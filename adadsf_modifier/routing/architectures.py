@@ -18,6 +18,7 @@ __all__ = [
     "ArchitectureSpec",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedArchitectureError",
+    "apply_named",
     "architecture_for_config",
     "architecture_of",
     "decoder_layers",
@@ -39,13 +40,20 @@ class ArchitectureSpec:
 
     ``layers_path``: from the ``*ForCausalLM`` to the layers' ``ModuleList``;
     ``layer_class``: their class name; ``cache_kwarg``: their KV-cache keyword;
-    ``gated_mlp``: SwiGLU rather than two matmuls; ``kv_heads_attr``: the config's
-    key/value head count (``None``: as many as query heads). For a skipped token's
-    keys/values: ``input_norm``, ``attention``, the attention's ``kv_projections`` or
-    ``fused_qkv`` (GPT-NeoX, per head ``[q, k, v]``) and ``head_dim_attr``. For the
-    kv-keeping prefill (``run_kept_mlp``), a sequential pre-norm layer's
-    ``post_attention_norm`` and ``mlp``; ``post_attention_norm`` is ``None`` for a
-    parallel residual (GPT-NeoX)."""
+    ``gated_mlp``: SwiGLU/GeGLU (three matmuls, fused or not) rather than two;
+    ``kv_heads_attr``: the config's key/value head count (``None``: as many as query
+    heads).
+
+    A skipped token's keys/values go through the layer's own modules: ``input_norm``
+    (``None``: a post-norm layer, none), the ``attention``'s ``kv_projections`` or
+    ``fused_qkv`` (GPT-NeoX: per head ``[q, k, v]``; with ``fused_qkv_blocks``, Phi-3:
+    ``[all q | all k | all v]``), the per-head key norm ``key_norm`` before RoPE
+    (over all heads at once where not ``key_norm_per_head``, OLMo 2), ``head_dim_attr``.
+
+    The kv-keeping prefill (``run_kept_mlp``) splits a sequential layer into
+    ``x + o_a(attention(input_norm(x)))`` then ``h + o_m(mlp(mlp_norm(h)))``, each
+    norm optional: ``output_norms = (o_a, o_m)`` where the sub-blocks' outputs are
+    normalised (Gemma, OLMo 2); ``parallel_residual`` (GPT-NeoX) has no such split."""
 
     model_type: str
     layers_path: str
@@ -53,12 +61,17 @@ class ArchitectureSpec:
     cache_kwarg: str
     gated_mlp: bool = True
     kv_heads_attr: str | None = "num_key_value_heads"
-    input_norm: str = "input_layernorm"
+    input_norm: str | None = "input_layernorm"
     attention: str = "self_attn"
     kv_projections: tuple[str, str] | None = ("k_proj", "v_proj")
     fused_qkv: str | None = None
+    fused_qkv_blocks: bool = False
+    key_norm: str | None = None
+    key_norm_per_head: bool = True
     head_dim_attr: str = "head_dim"
-    post_attention_norm: str | None = "post_attention_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
+    output_norms: tuple[str, str] | None = None
+    parallel_residual: bool = False
     mlp: str = "mlp"
 
     @property
@@ -74,6 +87,11 @@ class ArchitectureSpec:
             return heads
         return int(getattr(config, self.kv_heads_attr, None) or heads)
 
+
+_GEMMA = dict(
+    mlp_norm="pre_feedforward_layernorm",
+    output_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+)
 
 SUPPORTED_ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "llama": ArchitectureSpec(
@@ -97,7 +115,48 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchitectureSpec] = {
         kv_projections=None,
         fused_qkv="query_key_value",
         head_dim_attr="head_size",
-        post_attention_norm=None,  # parallel residual: no sequential sub-blocks
+        parallel_residual=True,
+    ),
+    "qwen3": ArchitectureSpec(
+        "qwen3",
+        "model.layers",
+        "Qwen3DecoderLayer",
+        "past_key_values",
+        key_norm="k_norm",
+    ),
+    # OLMo 2: post-norm, the attention and MLP outputs normalised, no input norm
+    "olmo2": ArchitectureSpec(
+        "olmo2",
+        "model.layers",
+        "Olmo2DecoderLayer",
+        "past_key_values",
+        input_norm=None,
+        key_norm="k_norm",
+        key_norm_per_head=False,
+        mlp_norm=None,
+        output_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+    ),
+    # Phi-3: fused qkv_proj ([q | k | v]) and gate_up_proj (still three matmuls' FLOPs)
+    "phi3": ArchitectureSpec(
+        "phi3",
+        "model.layers",
+        "Phi3DecoderLayer",
+        "past_key_values",
+        kv_projections=None,
+        fused_qkv="qkv_proj",
+        fused_qkv_blocks=True,
+    ),
+    # Gemma 2/3: sandwich norms around attention and MLP; windows from layer_types
+    "gemma2": ArchitectureSpec(
+        "gemma2", "model.layers", "Gemma2DecoderLayer", "past_key_values", **_GEMMA
+    ),
+    "gemma3_text": ArchitectureSpec(
+        "gemma3_text",
+        "model.layers",
+        "Gemma3DecoderLayer",
+        "past_key_values",
+        key_norm="k_norm",
+        **_GEMMA,
     ),
 }
 
@@ -157,6 +216,12 @@ def sliding_windows(config: Any) -> tuple[int | None, ...]:
     return tuple(int(window) if window else None for _ in range(num_layers))
 
 
+def apply_named(layer: nn.Module, name: str | None, x: Any) -> Any:
+    """``layer``'s submodule ``name`` applied to ``x``; ``None`` (a norm the
+    architecture does not have): ``x`` itself."""
+    return x if name is None else getattr(layer, name)(x)
+
+
 def original_class(layer_class: type) -> type:
     """The model's own class behind a (possibly routed) decoder-layer class: the MRO
     past every class routing made."""
@@ -170,6 +235,11 @@ def decoder_layers(
 ) -> tuple[ArchitectureSpec, list[tuple[str, nn.Module]]]:
     """``(spec, [(qualified_name, layer), ...])`` in layer order."""
     spec = architecture_of(model)
+    if getattr(model.config, "use_bidirectional_attention", False):
+        raise UnsupportedArchitectureError(
+            f"AdaDSF routes causal decoders; this {spec.model_type} model attends "
+            "bidirectionally (use_bidirectional_attention: an embedding model)"
+        )
     obj: object = model
     for part in spec.layers_path.split("."):
         if not hasattr(obj, part):

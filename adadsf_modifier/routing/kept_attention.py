@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adadsf_modifier.routing.architectures import ArchitectureSpec
+from adadsf_modifier.routing.architectures import ArchitectureSpec, apply_named
 from adadsf_modifier.routing.selection import (
     flat_positions,
     gather_position_embeddings,
@@ -247,20 +247,28 @@ def project_kv(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[batch, kv_heads, seq, head_dim]`` the layer makes from
-    ``x``, through its own modules (input norm, key/value or fused projection, the
-    rotary function of its attention's source file), so quantized projections behave
-    as inside the layer."""
+    ``x``, through its own modules (input norm, key/value or fused projection, key
+    norm, the rotary function of its attention's source file), so quantized
+    projections behave as inside the layer."""
     attn = getattr(layer, spec.attention)
-    h = getattr(layer, spec.input_norm)(x)
+    h = apply_named(layer, spec.input_norm, x)
     batch, seq = x.shape[:2]
     head_dim = int(getattr(attn, spec.head_dim_attr))
-    if spec.fused_qkv is not None:
+    if spec.fused_qkv_blocks:  # [all q | all k | all v]
+        qkv = getattr(attn, spec.fused_qkv)(h)
+        width = spec.num_kv_heads(attn.config) * head_dim
+        _, k, v = qkv.split([qkv.shape[-1] - 2 * width, width, width], dim=-1)
+    elif spec.fused_qkv is not None:  # per head [q, k, v]
         qkv = getattr(attn, spec.fused_qkv)(h).view(batch, seq, -1, 3 * head_dim)
-        _, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)
+        _, k, v = qkv.chunk(3, dim=-1)
     else:
-        k_name, v_name = spec.kv_projections
-        k = getattr(attn, k_name)(h).view(batch, seq, -1, head_dim).transpose(1, 2)
-        v = getattr(attn, v_name)(h).view(batch, seq, -1, head_dim).transpose(1, 2)
+        k, v = (getattr(attn, name)(h) for name in spec.kv_projections)
+    if spec.key_norm is not None and not spec.key_norm_per_head:
+        k = getattr(attn, spec.key_norm)(k)  # over every head at once (OLMo 2)
+    k = k.reshape(batch, seq, -1, head_dim)
+    if spec.key_norm is not None and spec.key_norm_per_head:
+        k = getattr(attn, spec.key_norm)(k)
+    k, v = k.transpose(1, 2), v.reshape(batch, seq, -1, head_dim).transpose(1, 2)
     if position_embeddings is not None:
         rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         cos, sin = position_embeddings

@@ -32,6 +32,7 @@ from torch import nn
 from adadsf_modifier.constraints import InputError
 from adadsf_modifier.routing.architectures import (
     ROUTED_CLASS_MARKER,
+    apply_named,
     architecture_for_config,
     original_class,
     sliding_windows,
@@ -427,10 +428,13 @@ class RoutedLayer(nn.Module):
         # what the recorder needs of the cache, read before the attention appends to it
         kv_len = stored_keys(cache, self.layer_index) + q_len if rec else 0
         spec = architecture_for_config(self._adadsf_config)
-        norm, attn = getattr(self, spec.input_norm), getattr(self, spec.attention)
-        out = attn(hidden_states=norm(x), **kwargs)
-        h = gather_tokens(x + (out[0] if isinstance(out, tuple) else out), index)
-        y = h + getattr(self, spec.mlp)(getattr(self, spec.post_attention_norm)(h))
+        attn = getattr(self, spec.attention)
+        out = attn(hidden_states=apply_named(self, spec.input_norm, x), **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        after_attn, after_mlp = spec.output_norms or (None, None)
+        h = gather_tokens(x + apply_named(self, after_attn, out), index)
+        out = getattr(self, spec.mlp)(apply_named(self, spec.mlp_norm, h))
+        y = h + apply_named(self, after_mlp, out)
         slots = None
         if skip_path_of(self) is not None or rec is not None:
             slots = skipped_slots(real, index)
@@ -603,8 +607,7 @@ class RoutedLayer(nn.Module):
     def attends_every_token(self) -> bool:
         """Whether a kv-keeping prefill may take :meth:`run_kept_mlp`: the layer is
         two sequential residual sub-blocks (not GPT-NeoX's parallel residual)."""
-        spec = architecture_for_config(self._adadsf_config)
-        return spec.post_attention_norm is not None
+        return not architecture_for_config(self._adadsf_config).parallel_residual
 
     def _gate(
         self, y: torch.Tensor, x: torch.Tensor, scores: torch.Tensor
