@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from adadsf_modifier.fitting.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.flops.count import count_flops
@@ -210,7 +211,8 @@ def stream_flops(
     ]
     if len(full) < len(rows):
         batches.append(rows[-1][None])
-    return FlopsReport.combine([normalized_flops(model, b) for b in batches])
+    bar = tqdm(batches, desc="FLOPs", leave=False, disable=len(batches) < 2)
+    return FlopsReport.combine([normalized_flops(model, b) for b in bar])
 
 
 def observe_kept_tokens(model: nn.Module, batch: Any) -> list[list[int]]:
