@@ -126,68 +126,110 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     require("matplotlib", "the report plot", LAB_INSTALL)
     out = check_output_dir(args.output_dir, args.overwrite)
     model_path = check_model(args.model)
-    minutes = expected_minutes(args, recipe, tasks, model_path)
-    print(
-        f"adadsf run: expected to take about {minutes:.0f} min on a 2-core CPU like "
-        "the project's (the study's cost model, adadsf_lab/study/cost.py; more where "
-        "other work shares the cores)",
-        flush=True,
-    )
+    expected = expected_seconds(args, recipe, tasks, model_path)
+    print(announcement(expected, _dtype(args)), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = sibling_dir(out, ".new")
     try:
-        report = _main_job(args, recipe, tasks, model_path, work, out)
+        report = _main_job(args, recipe, tasks, model_path, work, out, expected)
         swap_in(work, out)
     except BaseException:
         logger.error(f"`adadsf run` failed; {out} is left as it was")
         shutil.rmtree(work, ignore_errors=True)
         raise
-    minutes = report["meta"]["timings"]["total_s"] / 60
+    total = report["meta"]["timings"]["total_s"]
     js, png = (out / name for name in REPORT_FILES)
     print("\n" + summary_table(report))
-    print(f"\nwall-clock {minutes:.1f} min; report: {js}  plot: {png}")
+    minutes = sum(expected.values()) / 60
+    print(
+        f"\nwall-clock {total / 60:.1f} min (expected {minutes:.0f}); report: {js}  "
+        f"plot: {png}"
+    )
     return report
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    from adadsf_modifier.precision import dtype_name, resolve_dtype
+
+    return dtype_name(resolve_dtype(args.dtype))
+
+
+def announcement(expected: dict[str, float], dtype: str) -> str:
+    """The line ``run`` prints before it starts: the expected minutes, and the stages
+    that take most of them, in their order."""
+    total = sum(expected.values())
+    named = {
+        "alignment": expected["alignment"],
+        "compression": expected["build"],
+        "GPTQ": expected["quantization"],
+        "evaluation": expected["eval_dense"] + expected["eval_compressed"],
+        "speed": expected["bench"],
+    }
+    parts = ", ".join(
+        f"{k} {v / 60:.0f}"
+        for k, v in sorted(named.items(), key=lambda kv: -kv[1])
+        if v >= 30
+    )
+    return (
+        f"adadsf run: expected to take about {total / 60:.0f} min in {dtype} on a "
+        f"quiet 2-core CPU like the project's ({parts} min; rates measured there, "
+        "adadsf_lab/study/cost.py); longer where other work shares the cores"
+    )
+
+
+def _recipe_work(recipe: str) -> dict[str, Any]:
+    """What the estimate needs from the recipe: the AdaDSF alignment's size, whether
+    its skip paths are fitted, whether GPTQ runs."""
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.recipe import Recipe
+
+    from adadsf_modifier import AdaDSFModifier
+
+    found = {"align_steps": 0, "align_tokens": 0, "fitted_skip_path": False}
+    quantized = False
+    for mod in Recipe.create_instance(recipe).modifiers:
+        if isinstance(mod, AdaDSFModifier):
+            found = {
+                "align_steps": mod.align_steps,
+                "align_tokens": mod.align_steps
+                * mod.align_batch_size
+                * mod.align_seq_len,
+                "fitted_skip_path": mod.skip_path != "identity",
+            }
+        quantized = quantized or isinstance(mod, GPTQModifier)
+    return {**found, "quantized": quantized}
+
+
+def expected_seconds(
+    args: argparse.Namespace, recipe: str, tasks: list[str], model_path: str
+) -> dict[str, float]:
+    """The main job's wall-clock per stage (``cost.main_job_seconds``) by the cost
+    model's measured rates, at this job's sizes and the recipe's alignment."""
+    from adadsf_lab.study.cost import main_job_seconds, model_params, task_requests
+
+    return main_job_seconds(
+        model_params(model_path),
+        dtype=_dtype(args),
+        calib_tokens=args.calibration_samples * args.seq_len,
+        ppl_tokens=args.ppl_tokens,
+        task_requests=task_requests(tasks, args.limit),
+        bench_seq_lens=args.bench_seq_lens,
+        bench_repeats=args.bench_repeats,
+        decode_tokens=args.decode_tokens,
+        **_recipe_work(recipe),
+    )
 
 
 def expected_minutes(
     args: argparse.Namespace, recipe: str, tasks: list[str], model_path: str
 ) -> float:
-    """The main job's wall-clock in minutes by the study's cost model: the shipped
-    W8A8 arm's run (compression, perplexity, tasks), the dense model's evaluation and
-    the speed benchmark, at this job's sizes and the recipe's alignment."""
-    from llmcompressor.recipe import Recipe
+    """:func:`expected_seconds` in all, in minutes."""
+    return sum(expected_seconds(args, recipe, tasks, model_path).values()) / 60
 
-    from adadsf_lab.study.cost import bench_seconds, estimate_run_seconds, model_params
-    from adadsf_lab.study.settings import StudySettings
-    from adadsf_modifier import AdaDSFModifier
-    from adadsf_modifier.precision import dtype_name, resolve_dtype
 
-    align = {}
-    for mod in Recipe.create_instance(recipe).modifiers:
-        if isinstance(mod, AdaDSFModifier):
-            align = {
-                "align_steps": mod.align_steps,
-                "align_batch_size": mod.align_batch_size,
-                "align_seq_len": mod.align_seq_len,
-            }
-    settings = StudySettings(
-        dtype=dtype_name(resolve_dtype(args.dtype)),
-        calib_samples=args.calibration_samples,
-        calib_seq_len=args.seq_len,
-        ppl_tokens=args.ppl_tokens,
-        tasks=tuple(tasks),
-        task_limit=args.limit,
-        speed=False,
-        **align,
-    )
-    params = model_params(model_path)
-    seconds = sum(
-        estimate_run_seconds(settings, "main", method, params, "cpu")
-        for method in ("adadsf_ridge_kv_err_w8a8", "dense")
-    ) + bench_seconds(
-        params, args.bench_seq_lens, (1,), args.bench_repeats, 128, args.decode_tokens
-    )
-    return seconds / 60
+def _progress(step: int, what: str, expected: float | None) -> None:
+    eta = "" if expected is None else f" (expected ~{max(expected / 60, 1):.0f} min)"
+    print(f"adadsf run [{step}/4] {what}{eta}", flush=True)
 
 
 def _main_job(
@@ -197,15 +239,23 @@ def _main_job(
     model_path: str,
     work: Path,
     out: Path,
+    expected: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Everything ``run`` does, written into ``work``; paths in the records name
-    ``out``, where the files end up."""
+    ``out``, where the files end up. ``expected``: the seconds each stage should take
+    (printed as each starts, kept in the report beside what it took)."""
     from adadsf_lab.report import build_report, write_report
 
+    exp = expected or {}
     t0 = time.perf_counter()
     sparse = "sparse_w8a8"
     timings = {}
     step = time.perf_counter()
+    _progress(
+        1,
+        "compress: calibration, skip paths, alignment, GPTQ",
+        sum(exp[k] for k in ("build", "alignment", "quantization")) if exp else None,
+    )
     samples, seq_len = args.calibration_samples, args.seq_len
     compressed = compress(
         model_path,
@@ -224,6 +274,12 @@ def _main_job(
         ("AdaDSF+W8A8", str(work / sparse), str(out / sparse)),
     ):
         step = time.perf_counter()
+        dense = label == "dense"
+        _progress(
+            2 if dense else 3,
+            f"evaluate {label}: perplexity, {len(tasks)} tasks, FLOPs",
+            exp.get("eval_dense" if dense else "eval_compressed"),
+        )
         rec = evaluate(
             path,
             label,
@@ -235,10 +291,11 @@ def _main_job(
             name,
             compressed["dtype"],  # dense and sparse alike
         )
-        write_json(work / f"eval_{'dense' if label == 'dense' else 'sparse'}.json", rec)
+        write_json(work / f"eval_{'dense' if dense else 'sparse'}.json", rec)
         records.append(rec)
         timings[f"eval_{label}_s"] = time.perf_counter() - step
     step = time.perf_counter()
+    _progress(4, "speed benchmark against the dense twin", exp.get("bench"))
     speed = bench(
         str(work / sparse),
         args.bench_seq_lens,
@@ -260,6 +317,7 @@ def _main_job(
         "limit": args.limit,
         "ppl_tokens": args.ppl_tokens,
         "timings": timings,
+        "expected_s": {**exp, "total_s": sum(exp.values())} if exp else None,
     }
     report = build_report(records, speed["results"], meta)
     write_report(report, work)

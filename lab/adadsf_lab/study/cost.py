@@ -33,12 +33,14 @@ __all__ = [
     "bench_seconds",
     "cpu_align_seconds",
     "estimate_run_seconds",
+    "main_job_seconds",
     "measured_align_rate",
     "method_seconds",
     "model_params",
     "per_run_estimates",
     "plan_seconds",
     "planned_task_n",
+    "task_requests",
 ]
 
 PerRun = dict[tuple[str, str, float], tuple[float, int]]
@@ -52,15 +54,47 @@ its runs."""
 _CPU_FORWARD_S_PER_TOKEN = 1.5e-3  # SmolLM2-135M prefill, fp32
 _CPU_ALIGN_S_PER_TOKEN = 5.4e-3  # routers_and_layers, fp32, with the dense teacher
 _CPU_ALIGN_S_PER_STEP = 3.0  # AdamW update and clipping over ~100M parameters
-_BF16_ALIGN_FACTOR = 0.6  # a bfloat16 model's alignment against float32's
+# A bfloat16 model's alignment against float32's: 100 steps of 8 x 512 tokens with the
+# KL in chunks (829b1cc) took 2,219 s (lab/NOTEBOOK.md §26, the shipped variant) and
+# 2,363 / 2,266 / 2,031 s (docs/results/runs, adadsf_w8a8's three seeds) on the 2-core
+# AVX512-BF16 EPYC: 22.2 s a step, 0.87 of float32's rate here. (0.6 priced a step at
+# 16.3 s, near an AMX host's 15 s of §15; AMX hosts have aligned the cheaper arms at
+# 12-18 s a step, so there the estimate runs long.)
+_BF16_ALIGN_FACTOR = 0.87
 _CPU_LM_EVAL_S_PER_REQUEST = 0.08  # one request per forward
 _CPU_LM_EVAL_BATCHED = 0.4  # its share in batches of 8 (lab/NOTEBOOK.md §13)
 _CPU_DECODE_STEP_S = {1: 0.04, 8: 0.07}
 _LM_EVAL_OVERHEAD_S = 20.0
 _RUN_OVERHEAD_S = 15.0  # load model, text, warm start, bookkeeping
-_GPTQ_S = 150.0  # GPTQ W8A8 over SmolLM2 (8 x 128 calibration tokens)
+# GPTQ W8A8 over SmolLM2 with 128 x 512 calibration tokens: adadsf_w8a8's construction
+# without its alignment (777 / 723 / 677 s) less that of an arm built the same way
+# without GPTQ (adadsf_lm_only: 322 / 353 / 409 s), same host and settings
+# (docs/results/runs; 150 s before, a guess for 8 x 128 tokens)
+_GPTQ_S = 370.0
 _GPU_SPEEDUP_GUESS = 30.0
-_REFERENCE_PARAMS = 135e6
+# SmolLM2-135M-Instruct, the model every constant here was measured on, as
+# ``model_params`` counts it (K/V projections at full width): 147.75M, so it scales 1
+_REFERENCE_PARAMS = 147_750_912.0
+
+# The main job (``adadsf run``) beyond the constants above, measured on the same 2-core
+# AVX512-BF16 EPYC in bfloat16 (lab/NOTEBOOK.md; see ``main_job_seconds``):
+# a dense forward: 31-35 s over 64 x 512 tokens (benchmarks/compress_cost.py, §30, §32)
+_BF16_FORWARD_S_PER_TOKEN = 1.05e-3
+# building the routed model, alignment aside, per calibration token (§30.1, 128 x 512
+# tokens): the calibration pass and router warm start 129 + 12 s; the skip-path walks
+# 386 s, one before the alignment and one after it (its maps refitted to the trained
+# layers, the thresholds fitted in it); an identity skip path fits its thresholds in
+# one walk of 1.38 dense forwards (§30)
+_CALIBRATION_S_PER_TOKEN = (129.0 + 12.0) / 65536
+_SKIP_WALK_S_PER_TOKEN = 386.0 / 2 / 65536
+_THRESHOLD_WALK_S_PER_TOKEN = 1.38 * _BF16_FORWARD_S_PER_TOKEN
+# the routed model's evaluation against the dense one's: lm-eval one request a
+# forward took 22.8 s against 15.7 s (§13); its perplexity and FLOPs are priced alike
+_ROUTED_EVAL_FACTOR = 1.45
+# evaluating a W8A8 model against the same model unquantized: adadsf_w8a8's runs spent
+# 798 / 793 s after compression against adadsf_lm_only's 459 / 432 (seeds 1, 2, no
+# speed benchmark in either; docs/results/runs)
+_W8A8_EVAL_FACTOR = 1.8
 
 # Validation examples shipped per task, and lm-eval requests (choices) per example.
 TASK_SIZES = {
@@ -86,6 +120,14 @@ _TASK_CHOICES = {
 def planned_task_n(s: StudySettings) -> dict[str, int]:
     """Examples each task will score under ``task_limit``."""
     return {t: min(s.task_limit or TASK_SIZES[t], TASK_SIZES[t]) for t in s.tasks}
+
+
+def task_requests(tasks: Iterable[str], limit: int | None) -> int:
+    """lm-eval requests (one per choice of each example) of ``tasks`` under ``limit``
+    examples a task."""
+    return sum(
+        min(limit or TASK_SIZES[t], TASK_SIZES[t]) * _TASK_CHOICES[t] for t in tasks
+    )
 
 
 def model_params(model_path: str) -> float:
@@ -258,6 +300,72 @@ def bench_seconds(
         step = _CPU_DECODE_STEP_S.get(b, 0.04 + 0.005 * b) * scale
         secs += reps * 2 * (decode_prompt * b * fwd + decode_tokens * step)
     return secs
+
+
+def main_job_seconds(
+    params: float,
+    *,
+    dtype: str,
+    calib_tokens: int,
+    align_steps: int,
+    align_tokens: int,
+    fitted_skip_path: bool,
+    quantized: bool,
+    ppl_tokens: int,
+    task_requests: int,
+    bench_seq_lens: Iterable[int],
+    bench_repeats: int,
+    decode_tokens: int,
+    ppl_window: float = 2.0,
+) -> dict[str, float]:
+    """Estimated seconds of each stage of ``adadsf run`` (``build``, ``alignment``,
+    ``quantization``, ``eval_dense``, ``eval_compressed``, ``bench``, in the order it
+    runs them) on the project's 2-core CPU, quiet, at its rates for
+    ``dtype``: building the routed model from ``calib_tokens`` calibration tokens
+    (``fitted_skip_path``: ridge maps, fitted again after an alignment), the
+    alignment, GPTQ (``quantized``), evaluating the dense model and the compressed one
+    (``ppl_tokens`` of perplexity in windows that score each token ``ppl_window``
+    times, the FLOPs pass over the same tokens, ``task_requests`` lm-eval requests one
+    a forward) and the speed benchmark (a quantized model's twins both quantized).
+
+    The default job (SmolLM2, bfloat16, recipes/adadsf_w8a8.yaml) comes to about 63
+    min, the alignment 37 of them; ``make main`` took about 65 min on a quiet 2-core
+    machine (issue 66)."""
+    scale = params / _REFERENCE_PARAMS
+    bf16 = dtype == "bfloat16"
+    fwd = (_BF16_FORWARD_S_PER_TOKEN if bf16 else _CPU_FORWARD_S_PER_TOKEN) * scale
+    # the builds were measured in bfloat16: float32's at its slower forwards
+    slower = fwd / (_BF16_FORWARD_S_PER_TOKEN * scale)
+    walks = (
+        (2 if align_steps else 1) * _SKIP_WALK_S_PER_TOKEN
+        if fitted_skip_path
+        else _THRESHOLD_WALK_S_PER_TOKEN
+    )
+    per_token = _CALIBRATION_S_PER_TOKEN + walks
+    align = _CPU_ALIGN_S_PER_TOKEN * (_BF16_ALIGN_FACTOR if bf16 else 1.0)
+    quant = _W8A8_EVAL_FACTOR if quantized else 1.0
+
+    def evaluation(factor: float) -> float:
+        work = ppl_tokens * (ppl_window + 1) * fwd  # perplexity, then the FLOPs pass
+        if task_requests:
+            work += task_requests * _CPU_LM_EVAL_S_PER_REQUEST * scale
+        lm_eval = _LM_EVAL_OVERHEAD_S if task_requests else 0.0
+        return _RUN_OVERHEAD_S + lm_eval + factor * work
+
+    return {
+        "build": _RUN_OVERHEAD_S + calib_tokens * per_token * scale * slower,
+        "alignment": (align_tokens * align + align_steps * _CPU_ALIGN_S_PER_STEP)
+        * scale,
+        "quantization": _GPTQ_S * calib_tokens / 65536 * scale * slower
+        if quantized
+        else 0.0,
+        "eval_dense": evaluation(1.0),
+        "eval_compressed": evaluation(_ROUTED_EVAL_FACTOR * quant),
+        "bench": quant
+        * bench_seconds(
+            params, bench_seq_lens, (1,), bench_repeats, 128, decode_tokens
+        ),
+    }
 
 
 def _rescaled(record: dict, tokens: int) -> float:
