@@ -52,6 +52,8 @@ def load_texts(
 def _rows(dataset: str, path: Path, split: str) -> Any:
     import datasets
 
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # reading a split is quick: errors stay one line
     try:
         if path.is_dir():
             rows = datasets.load_from_disk(str(path))
@@ -70,6 +72,9 @@ def _rows(dataset: str, path: Path, split: str) -> Any:
             f"{str(e).splitlines()[0] if str(e) else ''}); offline, pass a local "
             "file (.txt, .jsonl, .json, .csv, .parquet) or a save_to_disk folder"
         ) from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     if isinstance(rows, datasets.DatasetDict):
         if split not in rows:
             raise CLIError(

@@ -23,6 +23,7 @@ from adadsf_modifier.cli import (
     RECIPE_HELP,
     add_align_samples_argument,
     add_command,
+    add_dataset_arguments,
     add_dtype_argument,
     add_model_argument,
     bench,
@@ -80,6 +81,11 @@ def add_lab_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--bench-repeats", type=positive_int, default=3)
     m.add_argument("--decode-tokens", type=positive_int, default=32)
     m.add_argument("--seed", type=int, default=0)
+    add_dataset_arguments(
+        m,
+        "your calibration and alignment text (default: the embedded English text; "
+        "perplexity stays on the embedded test split, apart from it)",
+    )
     add_dtype_argument(m)
     add_align_samples_argument(m)
     m.add_argument("--overwrite", action="store_true")
@@ -126,12 +132,17 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     require("matplotlib", "the report plot", LAB_INSTALL)
     out = check_output_dir(args.output_dir, args.overwrite)
     model_path = check_model(args.model)
+    texts = None
+    if args.dataset is not None:  # refused before any work if it cannot calibrate
+        from adadsf_modifier.cli.user_data import load_texts
+
+        texts = load_texts(args.dataset, args.split, args.text_column, model_path)
     expected = expected_seconds(args, recipe, tasks, model_path)
     print(announcement(expected, _dtype(args)), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = sibling_dir(out, ".new")
     try:
-        report = _main_job(args, recipe, tasks, model_path, work, out, expected)
+        report = _main_job(args, recipe, tasks, model_path, work, out, expected, texts)
         swap_in(work, out)
     except BaseException:
         logger.error(f"`adadsf run` failed; {out} is left as it was")
@@ -240,10 +251,12 @@ def _main_job(
     work: Path,
     out: Path,
     expected: dict[str, float] | None = None,
+    texts: list[str] | None = None,
 ) -> dict[str, Any]:
     """Everything ``run`` does, written into ``work``; paths in the records name
     ``out``, where the files end up. ``expected``: the seconds each stage should take
-    (printed as each starts, kept in the report beside what it took)."""
+    (printed as each starts, kept in the report beside what it took); ``texts``: the
+    ``--dataset`` documents compression calibrates and aligns on."""
     from adadsf_lab.report import build_report, write_report
 
     exp = expected or {}
@@ -266,6 +279,8 @@ def _main_job(
         args.seed,
         args.dtype,
         args.align_samples,
+        texts,
+        args.dataset,
     )
     timings["compress_s"] = time.perf_counter() - step
     records = []
@@ -313,6 +328,7 @@ def _main_job(
         "recipe": recipe,
         "dtype": compressed["dtype"],
         "alignment_rows": compressed["alignment_rows"],
+        "dataset": compressed["dataset"],
         "tasks": tasks,
         "limit": args.limit,
         "ppl_tokens": args.ppl_tokens,

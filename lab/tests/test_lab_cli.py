@@ -97,7 +97,7 @@ def test_run_overwrite_replaces_results_once_complete(
     out.mkdir()
     (out / "stale.json").write_text("earlier")
 
-    def job(args, recipe, tasks, model_path, work, final, expected):
+    def job(args, recipe, tasks, model_path, work, final, expected, texts):
         assert final == out and work.parent == out.parent and work != out
         assert (out / "stale.json").is_file()  # still there while the job runs
         (work / "report.json").write_text("new")
@@ -203,7 +203,7 @@ import sys, time
 import adadsf_lab.commands as commands
 from adadsf_modifier.cli import main
 
-def job(args, recipe, tasks, model_path, work, final, expected):
+def job(args, recipe, tasks, model_path, work, final, expected, texts):
     (work / "checkpoint.bin").write_bytes(b"half")
     print("WORKING", flush=True)
     time.sleep(60)
@@ -314,7 +314,7 @@ def test_run_announces_each_stage_as_it_starts(
         return f
 
     record = {"label": "x", "model": "m", "routed": False, "routing_mode": None}
-    compressed = {"dtype": "float32", "alignment_rows": 0}
+    compressed = {"dtype": "float32", "alignment_rows": 0, "dataset": "embedded"}
     monkeypatch.setattr(commands, "compress", fake("compress", compressed))
     monkeypatch.setattr(commands, "evaluate", fake("evaluate", record))
     monkeypatch.setattr(commands, "bench", fake("bench", {"results": []}))
@@ -330,3 +330,28 @@ def test_run_announces_each_stage_as_it_starts(
     assert all("expected ~" in line for line in steps)
     assert calls == ["compress", "evaluate", "evaluate", "bench"]
     assert "(expected " in out.splitlines()[-1]
+
+
+def test_run_compresses_on_the_users_dataset_and_refuses_a_bad_one_first(
+    capsys, tmp_path, dense_dir, monkeypatch
+):
+    """``run --dataset``: compression calibrates and aligns on the user's documents
+    (the report names them); one that cannot be read stops the job before any work."""
+    seen = {}
+
+    def compress(*args):
+        seen["texts"], seen["source"] = args[8], args[9]
+        raise RuntimeError("stop after compress")
+
+    monkeypatch.setattr(commands, "compress", compress)
+    docs = ["first document", "second document"]
+    source = tmp_path / "mine.jsonl"
+    source.write_text("\n".join(json.dumps({"body": d}) for d in docs))
+    argv = ["run", "--model", dense_dir, "--recipe", RECIPE, "--tasks", "",
+            "--output-dir", tmp_path / "out", "--dataset", source]  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop after compress"):
+        main([str(a) for a in [*argv, "--text-column", "body"]])
+    assert seen == {"texts": docs, "source": str(source)}
+    seen.clear()
+    one_line_error(*run(capsys, *argv))  # no `text` column
+    assert not seen
