@@ -61,3 +61,12 @@ def test_compress_calibrates_on_a_jsonl_of_code_as_oneshot_does(tmp_path, one_th
     embedded = calibration_dataset(tok, ROWS, SEQ_LEN, seed=0)
     other = _similarities(embedded, tmp_path, "embedded")
     assert max(abs(a - b) for a, b in zip(other, from_cli)) > 1e-3
+    # the same documents as a local `datasets` folder calibrate alike
+    import datasets
+
+    folder = tmp_path / "code_folder"
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(folder))
+    argv[argv.index(str(source))] = str(folder)
+    argv[argv.index(str(out))] = str(tmp_path / "cli_folder")
+    assert main(argv) == 0
+    assert _saved_similarities(tmp_path / "cli_folder") == from_cli
