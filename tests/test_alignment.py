@@ -95,7 +95,7 @@ def test_kl_is_zero_for_identical_logits_and_positive_otherwise():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_kl_equals_the_elementwise_formula_and_its_gradient(dtype, monkeypatch):
-    import adadsf_modifier.alignment.chunked_kl as chunked_kl
+    import adadsf_modifier.alignment.losses as chunked_kl
 
     monkeypatch.setattr(chunked_kl, "CHUNK_BYTES", 3 * 4 * 11)  # 3 rows a chunk
     g = torch.Generator().manual_seed(0)

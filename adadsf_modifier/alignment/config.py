@@ -1,12 +1,6 @@
-"""The alignment stage's settings (the ``align_*`` recipe fields), its report and its
-error.
-
-:class:`AlignmentConfig` is the one declaration of the recipe fields:
-:class:`~adadsf_modifier.AdaDSFModifier` inherits it, and the Python API
-(:func:`~adadsf_modifier.alignment.align_model`) takes it, so a field's name,
-default and check are the same in a recipe and in code. Pydantic runs the checks;
-the validators only word the messages (the field, the rule and the value given).
-"""
+"""The alignment stage's settings (the ``align_*`` recipe fields, declared once here:
+``AdaDSFModifier`` inherits them and :func:`align_model` takes them), its report and its
+error."""
 
 from __future__ import annotations
 
@@ -26,26 +20,10 @@ from adadsf_modifier.constraints import (
     refuse_booleans_as_numbers,
 )
 
-__all__ = [
-    "ALIGNMENT_LOSSES",
-    "PARALLEL_MODES",
-    "TRAINABLE_SETS",
-    "TRAINING_ROUTING",
-    "AlignmentConfig",
-    "AlignmentDivergedError",
-    "AlignmentLoss",
-    "AlignmentReport",
-    "LearningRate",
-    "Parallel",
-    "Steps",
-    "Trainable",
-    "TrainingRouting",
-]
 
-TRAINABLE_SETS = ("routers", "routers_and_layers")
-PARALLEL_MODES = ("ddp", "fsdp")
-TRAINING_ROUTING = ("topk", "quantile")
-ALIGNMENT_LOSSES = tuple(LOSS_WEIGHTS)
+def _choice(*names: str) -> Any:
+    return Annotated[Literal[names], one_of(names)]  # type: ignore[valid-type]
+
 
 Steps = Annotated[
     int, constrained(lambda v: v >= 0, "an integer >= 0 (0 skips the alignment stage)")
@@ -54,10 +32,10 @@ LearningRate = Annotated[
     float,
     constrained(lambda v: math.isfinite(v) and v > 0, "a finite learning rate > 0"),
 ]
-Trainable = Annotated[Literal["routers", "routers_and_layers"], one_of(TRAINABLE_SETS)]
-TrainingRouting = Annotated[Literal["topk", "quantile"], one_of(TRAINING_ROUTING)]
-AlignmentLoss = Annotated[Literal["kl_hidden", "lm"], one_of(ALIGNMENT_LOSSES)]
-Parallel = Annotated[Literal["ddp", "fsdp"], one_of(PARALLEL_MODES)]
+Trainable = _choice("routers", "routers_and_layers")
+TrainingRouting = _choice("topk", "quantile")
+AlignmentLoss = _choice(*LOSS_WEIGHTS)
+Parallel = _choice("ddp", "fsdp")
 
 
 #: the retired loss-weight fields and their defaults
@@ -80,33 +58,27 @@ class AlignmentConfig(BaseModel):
 
     :param align_steps: optimizer steps; 0 skips the stage (no teacher is built)
     :param align_lr: AdamW learning rate of what routing added (routers, skip paths),
-        and of the layers' own weights unless ``align_layer_lr`` is given.
-        ``routers_and_layers`` wants about 10x less than ``routers``
+        and of the layers' own weights unless ``align_layer_lr`` is given
     :param align_layer_lr: learning rate of the decoder layers' pre-trained weights
-        under ``routers_and_layers``: routers start from scratch, the layers are
-        already trained, and one rate rarely suits both
+        under ``routers_and_layers`` (fresh routers and trained layers rarely suit one
+        rate)
     :param align_routing: which tokens run each routed layer while training: ``topk``
-        (each row's highest-scoring tokens, the paper), ``quantile`` (causal routing's
-        rule, a score threshold re-fitted on each batch to the layer's ratio: training
-        sees the decisions ``generate()`` makes)
+        (each row's best tokens, the paper) or ``quantile`` (a threshold re-fitted on
+        each batch to the layer's ratio: the decisions ``generate()`` makes)
     :param align_batch_size: rows per step (per rank under ``torchrun``)
     :param align_seq_len: each row is cut to its first ``align_seq_len`` real tokens
-    :param align_loss: ``kl_hidden``: ``KL(P_dense || P_sparse)`` plus the per-layer
-        hidden-state alignment, against the dense teacher; ``lm``: the causal-LM loss
-        alone (no teacher is built)
-    :param align_trainable: ``routers`` (only the routers train; the pre-trained
-        weights cannot be damaged) or ``routers_and_layers`` (the routed layers'
-        weights too)
+    :param align_loss: ``kl_hidden`` (``KL(P_dense || P_sparse)`` plus per-layer
+        hidden-state alignment against the dense teacher) or ``lm`` (the causal-LM loss
+        alone, no teacher)
+    :param align_trainable: ``routers`` (the pre-trained weights cannot be damaged) or
+        ``routers_and_layers`` (the routed layers' weights too)
     :param align_bf16: forward passes under bf16 autocast (losses stay float32)
-    :param align_gradient_checkpointing: recompute decoder layers in backward to save
-        memory
-    :param align_teacher_cache: compute the dense teacher's outputs once per row and
-        reuse them in later epochs instead of running the teacher every step: faster
-        steps for memory (checked before the first step); later epochs then differ
-        from a fresh forward only in the last bits
-    :param align_parallel: under ``torchrun``: ``ddp`` (a whole student and teacher
-        per rank) or ``fsdp`` (FSDP2, both sharded, for when they do not fit one
-        device together); see ``docs/distributed.md``. One process ignores it
+    :param align_gradient_checkpointing: recompute decoder layers in backward
+    :param align_teacher_cache: keep the teacher's outputs per row for later epochs
+        (faster steps for memory; later epochs differ from a fresh forward in the last
+        bits)
+    :param align_parallel: under ``torchrun``: ``ddp`` (a whole student and teacher per
+        rank) or ``fsdp`` (FSDP2, both sharded); see ``docs/distributed.md``
     """
 
     # a misspelt field is an error, here as in the modifiers that inherit the fields
@@ -128,9 +100,8 @@ class AlignmentConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _loss_from_weights(cls, data: Any) -> Any:
-        """Older recipes (and the ``recipe.yaml`` of older checkpoints) give the loss as
-        three weights: read them as the ``align_loss`` they name, refuse any other
-        mix."""
+        """Older recipes (and older checkpoints' ``recipe.yaml``) give the loss as three
+        weights: read them as the ``align_loss`` they name, refuse any other mix."""
         data = refuse_booleans_as_numbers(cls, data, cls.__name__)
         if not isinstance(data, dict) or not data.keys() & set(_WEIGHT_FIELDS):
             return data
@@ -166,19 +137,16 @@ class AlignmentConfig(BaseModel):
 
     @property
     def loss_weights(self) -> AlignmentLossWeights:
-        """The weights of the loss terms ``align_loss`` names."""
         return LOSS_WEIGHTS[self.align_loss]
 
     @property
     def needs_teacher(self) -> bool:
-        """True when the stage runs and a loss term compares against the dense
-        teacher."""
         return self.align_steps > 0 and self.loss_weights.needs_teacher
 
 
 @dataclasses.dataclass
 class AlignmentReport:
-    """What the stage did: per-step losses (weighted total and unweighted terms), time,
+    """What the stage did: per-step losses (weighted total, unweighted terms), time,
     memory."""
 
     steps: int = 0

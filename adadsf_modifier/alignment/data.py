@@ -1,40 +1,23 @@
-"""Training rows for the alignment stage: unpadded, truncated, re-batched with a seed.
-
-The stage trains on llm-compressor's calibration ``DataLoader`` (batches, possibly
-padded and shuffled) or on a user's dataset (rows). Both are flattened into rows of real
-tokens, so the stage's own batch size and seed decide what each step sees.
-"""
+"""Training rows for the alignment stage: llm-compressor's calibration batches (padded,
+maybe shuffled) or a user's rows, flattened into rows of real tokens, so that the
+stage's own batch size and seed decide what each step sees."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from loguru import logger
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["RowBatcher", "training_rows"]
-
-
-def _check_positive(value: int, name: str) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be an integer > 0, got {value!r}")
-
 
 def training_rows(
     source: Iterable[Mapping[str, Any]], seq_len: int
 ) -> list[torch.Tensor]:
-    """Flatten ``source`` into 1-D rows of real token ids, each cut to its first
-    ``seq_len`` tokens.
-
-    ``source`` yields mappings with ``input_ids`` and optionally ``attention_mask``,
-    either one row each (a ``datasets.Dataset``, a list of dicts) or a batch each
-    (llm-compressor's calibration ``DataLoader``). Padding is removed using the
-    attention mask (left or right padding alike), so the rows can be re-batched at any
-    batch size; other keys (``labels``...) are ignored.
-    """
-    _check_positive(seq_len, "seq_len")
+    """1-D rows of real token ids (padding removed by the attention mask, left or
+    right), each cut to its first ``seq_len``; ``source`` yields rows or batches with
+    ``input_ids`` and optionally ``attention_mask``."""
     rows: list[torch.Tensor] = []
     for item in source:
         if "input_ids" not in item:
@@ -61,13 +44,10 @@ def training_rows(
 
 
 class RowBatcher:
-    """Endless batches of ``batch_size`` rows, cycling over shuffled epochs of ``rows``.
-
-    Each epoch is a fresh permutation drawn from a generator seeded with ``seed``; a
-    batch that crosses an epoch boundary takes its remaining rows from the next epoch,
-    so every batch has the same number of rows. Rows of different lengths are
-    right-padded with ``pad_token_id`` and masked out in ``attention_mask``.
-    """
+    """Endless batches of ``batch_size`` rows over epochs of ``rows``, each a fresh
+    permutation from a generator seeded with ``seed``; a batch crossing an epoch
+    boundary is completed from the next one. Rows are right-padded with
+    ``pad_token_id``."""
 
     def __init__(
         self,
@@ -76,9 +56,6 @@ class RowBatcher:
         seed: int,
         pad_token_id: int = 0,
     ):
-        if not rows:
-            raise ValueError("RowBatcher needs at least one row")
-        _check_positive(batch_size, "batch_size")
         self.rows = list(rows)
         self.batch_size = min(batch_size, len(self.rows))
         if self.batch_size < batch_size:
@@ -98,8 +75,8 @@ class RowBatcher:
         return self._order.pop(0)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        """``input_ids``, ``attention_mask`` and ``row_index`` (which rows, for the
-        teacher cache)."""
+        """``input_ids``, ``attention_mask`` and ``row_index`` (for the teacher
+        cache)."""
         index = [self._next_index() for _ in range(self.batch_size)]
         chosen = [self.rows[i] for i in index]
         return {
@@ -111,7 +88,3 @@ class RowBatcher:
                 [torch.ones_like(r) for r in chosen], batch_first=True
             ),
         }
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            yield self.next_batch()

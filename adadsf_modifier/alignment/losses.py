@@ -3,13 +3,10 @@
 ``L = w_kl * KL(P_dense || P_sparse) + w_hidden * (1/L) * sum_l || softmax(h_sparse^l) -
 softmax(h_dense^l) ||_2 + w_lm * CE(next token)``
 
-Pure tensor functions, no model or training state, so each term can be unit-tested;
-the recipe's ``align_loss`` picks one of :data:`LOSS_WEIGHTS`. Every term is
-a mean over **real** tokens: padding rows of a batch must not pull the student towards
-whatever the teacher does on pad positions, and a batch with more padding must not get a
-smaller loss. All arithmetic runs in float32 regardless of the model dtype (bf16 softmax
-/ log-softmax over a 49k vocabulary loses too much precision for a KL between two close
-distributions).
+The recipe's ``align_loss`` picks one of :data:`LOSS_WEIGHTS`. Every term is a mean
+over **real** tokens (padding must neither pull the student towards the teacher's pad
+outputs nor shrink the loss), computed in float32 whatever the model dtype (a bf16
+softmax over a large vocabulary is too coarse for a KL between close distributions).
 """
 
 from __future__ import annotations
@@ -20,23 +17,64 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adadsf_modifier.alignment.chunked_kl import forward_kl_mean
+#: Float32 bytes per temporary ``[chunk, vocab]`` tensor: a few of them live at once,
+#: well inside a CPU's last-level cache and far below glibc's mmap threshold (32 MB).
+CHUNK_BYTES = 4 << 20
 
-__all__ = [
-    "LOSS_WEIGHTS",
-    "AlignmentLossWeights",
-    "AlignmentLossTerms",
-    "alignment_loss",
-    "causal_lm_loss",
-    "hidden_alignment_loss",
-    "kl_divergence_loss",
-]
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+class _ForwardKL(torch.autograd.Function):
+    """``sum_i w_i KL(softmax(t_i) || softmax(s_i))`` over rows ``i`` of ``[n, vocab]``
+    logits, a chunk of rows at a time; gradient for ``s`` only.
+
+    Written elementwise over a whole batch, every step would allocate about ten
+    ``[tokens, vocab]`` float32 tensors, each touched once: on a CPU that memory
+    traffic costs more than the lm_head's matmuls. Chunks keep the float32 temporaries
+    in the cache; the backward recomputes each chunk's probabilities (``q - p``) from
+    the logits instead of saving float32 copies.
+    """
+
+    @staticmethod
+    def forward(ctx, teacher, student, weight):
+        n, vocab = student.shape
+        rows = _chunk_rows(vocab)
+        lse_t = torch.empty(n, dtype=torch.float32, device=student.device)
+        lse_s = torch.empty_like(lse_t)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for a in range(0, n, rows):
+            t = teacher[a : a + rows].float()
+            s = student[a : a + rows].float()
+            lt = torch.logsumexp(t, dim=-1)
+            ls = torch.logsumexp(s, dim=-1)
+            p = torch.exp(t - lt.unsqueeze(-1))
+            # sum_v p (t - lt - s + ls) = sum_v p (t - s) - (lt - ls) sum_v p
+            per_row = (p * (t - s)).sum(-1) - (lt - ls) * p.sum(-1)
+            total += (per_row * weight[a : a + rows]).sum()
+            lse_t[a : a + rows], lse_s[a : a + rows] = lt, ls
+        ctx.save_for_backward(teacher, student, weight, lse_t, lse_s)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        teacher, student, weight, lse_t, lse_s = ctx.saved_tensors
+        n, vocab = student.shape
+        rows = _chunk_rows(vocab)
+        grad = torch.empty_like(student)
+        scale = weight * grad_total.float()
+        for a in range(0, n, rows):
+            b = a + rows
+            p = torch.exp(teacher[a:b].float() - lse_t[a:b].unsqueeze(-1))
+            q = torch.exp(student[a:b].float() - lse_s[a:b].unsqueeze(-1))
+            grad[a:b] = (q - p) * scale[a:b].unsqueeze(-1)
+        return None, grad, None
 
 
 @dataclass(frozen=True)
 class AlignmentLossWeights:
-    """Weights of the three loss terms; a term of weight 0 is not computed, and with
-    ``kl == hidden == 0`` the teacher's forward pass is skipped entirely."""
+    """Weights of the three loss terms; a term of weight 0 is not computed."""
 
     kl: float = 1.0
     hidden: float = 1.0
@@ -44,12 +82,11 @@ class AlignmentLossWeights:
 
     @property
     def needs_teacher(self) -> bool:
-        """True when a term compares against the dense teacher (KL or hidden)."""
         return self.kl > 0 or self.hidden > 0
 
 
-#: What ``align_loss`` names: the paper's KL + hidden alignment against the dense
-#: teacher, or the causal-LM loss alone (its ablation; no teacher).
+#: What ``align_loss`` names: the paper's KL + hidden alignment, or its causal-LM
+#: ablation (no teacher).
 LOSS_WEIGHTS = {
     "kl_hidden": AlignmentLossWeights(kl=1.0, hidden=1.0, lm=0.0),
     "lm": AlignmentLossWeights(kl=0.0, hidden=0.0, lm=1.0),
@@ -58,11 +95,8 @@ LOSS_WEIGHTS = {
 
 @dataclass(frozen=True)
 class AlignmentLossTerms:
-    """The weighted total (what is back-propagated) and each unweighted term (for
-    logging).
-
-    A term whose weight is 0 is not computed and reported as ``None``.
-    """
+    """The weighted total (back-propagated) and each unweighted term (``None``: weight
+    0)."""
 
     total: torch.Tensor
     kl: torch.Tensor | None = None
@@ -70,7 +104,6 @@ class AlignmentLossTerms:
     lm: torch.Tensor | None = None
 
     def as_floats(self) -> dict[str, float]:
-        """``{"loss": ..., "kl": ..., ...}`` as Python floats (computed terms only)."""
         out = {"loss": float(self.total.detach())}
         for name in ("kl", "hidden", "lm"):
             value = getattr(self, name)
@@ -82,7 +115,6 @@ class AlignmentLossTerms:
 def _real_mask(
     mask: torch.Tensor | None, shape: torch.Size, device: torch.device
 ) -> torch.Tensor:
-    """``[batch, seq]`` bool mask of real tokens (all True when no mask is given)."""
     if mask is None:
         return torch.ones(shape, dtype=torch.bool, device=device)
     if mask.shape != shape:
@@ -93,8 +125,7 @@ def _real_mask(
 
 
 def _masked_mean(per_token: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Mean of ``per_token [batch, seq]`` over real positions; 0 (with grad) if there
-    are none."""
+    """Mean over real positions; 0 (with grad) if there are none."""
     count = real.sum()
     total = (per_token * real.to(per_token.dtype)).sum()
     return total / count.clamp(min=1).to(per_token.dtype)
@@ -105,22 +136,23 @@ def kl_divergence_loss(
     student_logits: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``KL(P_teacher || P_student)`` per token (summed over the vocabulary), mean over
-    real tokens.
-
-    Forward KL (teacher first) as in the paper: it is mass-covering, so the student is
-    pushed to keep every continuation the dense model finds plausible rather than
-    collapsing onto its mode. ``teacher_logits`` should carry no gradient (the teacher
-    is frozen).
-    """
+    """``KL(P_teacher || P_student)`` per token, mean over real tokens. Forward KL as in
+    the paper: mass-covering, so the student keeps every continuation the dense model
+    finds plausible rather than collapsing onto its mode."""
     if teacher_logits.shape != student_logits.shape:
         raise ValueError(
             f"teacher logits {tuple(teacher_logits.shape)} and student logits "
             f"{tuple(student_logits.shape)} differ in shape"
         )
     real = _real_mask(mask, student_logits.shape[:-1], student_logits.device)
-    # a few tokens at a time, no float32 copy of the logits (alignment/chunked_kl.py)
-    return forward_kl_mean(teacher_logits, student_logits, real)
+    vocab = student_logits.shape[-1]
+    weight = real.reshape(-1).to(torch.float32)
+    weight = weight / weight.sum().clamp(min=1)
+    return _ForwardKL.apply(
+        teacher_logits.detach().reshape(-1, vocab),
+        student_logits.reshape(-1, vocab),
+        weight,
+    )
 
 
 def hidden_alignment_loss(
@@ -128,16 +160,10 @@ def hidden_alignment_loss(
     teacher_hidden: Sequence[torch.Tensor],
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(1/L) sum_l mean_tokens || softmax(h_s^l) - softmax(h_t^l) ||_2`` over ``L``
-    layers.
-
-    The softmax runs over the hidden dimension, turning each token's hidden state into a
-    distribution; comparing distributions instead of raw states makes the term
-    insensitive to the residual stream's scale, which grows by orders of magnitude with
-    depth (a raw MSE would be dominated by the last layers). Per token the L2 norm of
-    the difference, then the mean over real tokens, then the mean over layers (every
-    layer counts equally).
-    """
+    """``(1/L) sum_l mean_tokens || softmax(h_s^l) - softmax(h_t^l) ||_2``. The softmax
+    over the hidden dimension makes the term insensitive to the residual stream's
+    scale, which grows by orders of magnitude with depth (a raw MSE would be dominated
+    by the last layers)."""
     if len(student_hidden) != len(teacher_hidden):
         raise ValueError(
             f"student has {len(student_hidden)} hidden states, teacher "
@@ -167,11 +193,8 @@ def causal_lm_loss(
     input_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next-token cross-entropy, mean over positions whose *target* token is real.
-
-    The usual language-modelling loss; alone it is the paper's ablation baseline, and
-    with a small weight it can regularise the distillation terms towards the data.
-    """
+    """Next-token cross-entropy, mean over positions whose target and input are
+    real."""
     if student_logits.shape[:-1] != input_ids.shape:
         raise ValueError(
             f"logits {tuple(student_logits.shape)} do not match input_ids "
@@ -196,13 +219,8 @@ def alignment_loss(
     teacher_logits: torch.Tensor | None = None,
     teacher_hidden: Sequence[torch.Tensor] | None = None,
 ) -> AlignmentLossTerms:
-    """Weighted sum of the terms whose weight is > 0; see the module docstring for the
-    formula.
-
-    ``student_hidden``/``teacher_hidden`` are the per-layer hidden states to align (one
-    tensor per decoder layer, ``[batch, seq, hidden]``); they are only read when
-    ``weights.hidden > 0``, the teacher's outputs only when ``weights.needs_teacher``.
-    """
+    """Weighted sum of the terms whose weight is > 0 (the module docstring's formula);
+    the hidden states are one ``[batch, seq, hidden]`` tensor per decoder layer."""
     terms: dict[str, torch.Tensor] = {}
     if weights.kl > 0:
         if teacher_logits is None:

@@ -1,28 +1,21 @@
-"""Data parallelism of the alignment stage under ``torchrun``: DDP or FSDP2.
+"""Data parallelism of the alignment stage under ``torchrun`` (llm-compressor has no
+training): each rank trains on its own rows, gradients are averaged every step, and the
+weights stay identical on every rank. ``align_parallel`` chooses how:
 
-llm-compressor removed training, so the stage brings its own: every rank trains on its
-own partition of the rows, gradients are averaged over ranks every step, and the
-weights are identical on every rank after every step. ``align_parallel`` chooses how:
-
-* ``ddp`` (default): torch's ``DistributedDataParallel`` around the student. Every rank
-  holds the whole student and teacher; only the trainable parameters' gradients are
-  all-reduced. The trainable parameters are broadcast from the source rank first
-  (DDP's own start-up broadcast of the whole model is skipped: the model was checked
-  to be the same on every rank).
-* ``fsdp``: torch's FSDP2 ``fully_shard`` when student and teacher do not fit one
-  device together. Each decoder layer and the root of the teacher and of a *shell* of
-  the student are sharded over the ranks. The shell is a structural copy of the student
-  (new module objects, parameters aliasing the same storage), so the student itself is
-  never turned into an FSDP module. While the shell trains, the student's own
-  parameters are emptied (each rank holds ``1/world`` of student and teacher); after
-  the last step every parameter is gathered (``full_tensor``) back into the student's
-  own ``nn.Parameter`` objects, where they were, and the shell is dropped. The teacher
-  is sharded in place (it is thrown away after the stage).
+* ``ddp``: ``DistributedDataParallel`` around the student; every rank holds the whole
+  student and teacher. The trainable parameters are broadcast from the source rank
+  (DDP's start-up broadcast of the whole model is skipped: the ranks were checked to
+  hold the same model).
+* ``fsdp``: FSDP2 ``fully_shard`` of every decoder layer and the root, for when student
+  and teacher do not fit one device together. The student is never made an FSDP
+  module: a *shell* (new module objects, parameters aliasing the student's storage) is
+  sharded and trained while the student's own parameters are emptied; after the last
+  step each is gathered back into the student's own ``nn.Parameter``. The teacher is
+  sharded in place (it is dropped after the stage).
 
 Each rank's loss is weighted by its share of the step's real tokens, so the averaged
-gradient is the gradient of the mean over *all* ranks' tokens, the same as one process
-training on the concatenated batch; the reported losses are that global mean too.
-Outside ``torchrun`` :func:`data_parallel` hands back its inputs unchanged.
+gradient (and the logged loss) is the mean over all ranks' tokens, as one process
+training on the concatenated batch would get.
 """
 
 from __future__ import annotations
@@ -39,25 +32,21 @@ from adadsf_modifier import distributed
 from adadsf_modifier.alignment.config import AlignmentDivergedError
 from adadsf_modifier.routing import decoder_layers, routed_layers
 
-__all__ = ["ParallelRun", "check_parallel_supported", "data_parallel"]
-
 
 @dataclasses.dataclass
 class ParallelRun:
-    """What the training loop calls, updates and feeds, under one parallel setting."""
+    """What the training loop calls, updates (FSDP: the shell's sharded parameters) and
+    feeds, under one parallel setting."""
 
     student: nn.Module
     teacher: nn.Module | None
-    #: the tensors the optimizer updates (FSDP: the shell's sharded parameters)
     params: list[nn.Parameter]
-    #: where batches go
     device: torch.device
     world: int = 1
 
     def token_share(self, attention_mask: torch.Tensor) -> float | None:
-        """``world * local real tokens / all ranks' real tokens``: the factor on this
-        rank's loss that makes the averaged gradient the mean over every token.
-        ``None`` in one process (nothing to weigh)."""
+        """``world * local real tokens / all ranks' real tokens``, the factor on this
+        rank's loss (``None`` in one process)."""
         if self.world == 1:
             return None
         local = int(attention_mask.sum())
@@ -77,8 +66,7 @@ class ParallelRun:
 
 
 def check_parallel_supported(model: nn.Module, mode: str) -> None:
-    """Refuse, before calibration, a parallel setting this model cannot train with
-    (called by :func:`~adadsf_modifier.alignment.check_alignment_supported`)."""
+    """Refuse, before calibration, a parallel setting this model cannot train with."""
     if not distributed.is_distributed():
         return
     import torch.distributed as dist
@@ -108,8 +96,8 @@ def data_parallel(
     mode: str,
     device: torch.device,
 ) -> Iterator[ParallelRun]:
-    """The student/teacher/parameters to train with under ``mode`` (see the module
-    docstring). Enter it after the trainable parameters have ``requires_grad`` set."""
+    """The student, teacher and parameters to train under ``mode``; its inputs outside
+    ``torchrun``. Enter it after setting the trainable parameters' ``requires_grad``."""
     params = list(params)
     if not distributed.is_distributed():
         yield ParallelRun(student, teacher, params, device)
@@ -151,9 +139,7 @@ def _fsdp(student, teacher, params) -> Iterator[ParallelRun]:
     shell, aliases = _shell(student)
     own = list({id(p): p for p in student.parameters()}.values())  # tied: once
     where = _locations(shell, [aliases[id(p)] for p in own])
-    del (
-        aliases
-    )  # FSDP replaces the shell's aliases with shards: nothing else holds them
+    del aliases  # FSDP replaces the shell's aliases with shards: none is left
     for model in (shell, teacher):
         if model is not None:
             for _, layer in decoder_layers(model)[1]:
@@ -192,10 +178,9 @@ def _locations(model: nn.Module, params: Sequence[nn.Parameter]):
 
 
 def _shell(model: nn.Module) -> tuple[nn.Module, dict[int, nn.Parameter]]:
-    """A structural copy of ``model`` for FSDP to shard: every module a new object
-    with its own parameter, buffer, child and hook dicts, every parameter a new
-    ``nn.Parameter`` aliasing the original storage (tied parameters stay tied).
-    Returns the copy and ``id(original parameter) -> its alias``."""
+    """A structural copy of ``model`` for FSDP to shard (every module a new object with
+    its own dicts, every parameter a new ``nn.Parameter`` on the original storage, tied
+    ones still tied), and ``id(original parameter) -> its alias``."""
     aliases: dict[int, nn.Parameter] = {}
     modules: dict[int, nn.Module] = {}
 

@@ -1,6 +1,5 @@
 """What the alignment stage trains: which parameters, in which precision, and whether
-this model can train them at all.
-"""
+this model can train them at all."""
 
 from __future__ import annotations
 
@@ -9,30 +8,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from adadsf_modifier.alignment.config import TRAINABLE_SETS, AlignmentConfig
+from adadsf_modifier.alignment.config import AlignmentConfig
 from adadsf_modifier.alignment.parallel import check_parallel_supported
 from adadsf_modifier.routing import decoder_layers, routed_layers
 
-__all__ = [
-    "TrainableParams",
-    "added_by_routing",
-    "check_alignment_supported",
-    "make_optimizer",
-    "select_trainable",
-]
-
 
 def check_alignment_supported(model: nn.Module, config: AlignmentConfig) -> None:
-    """Refuse, before any calibration, an alignment stage this ``model`` cannot run.
-
-    Call it with the dense model before routing (the modifier does so first thing in
-    ``on_initialize``); ``align_model`` calls it again. Checks that gradient
-    checkpointing, when asked for, is supported, and that the decoder layers' weights
-    are floating point when ``routers_and_layers`` would train them (a model loaded
-    with integer-quantized weights cannot be fine-tuned), and, under ``torchrun``, that
-    ``parallel`` suits the model (see :func:`check_parallel_supported`). fp16 and bf16
-    models are supported (see :class:`TrainableParams`).
-    """
+    """Refuse, before any calibration, an alignment stage this ``model`` cannot run:
+    gradient checkpointing it does not support, integer (quantized) layer weights
+    that ``routers_and_layers`` would train, a parallel mode that does not suit it."""
     if config.align_steps == 0:
         return
     check_parallel_supported(model, config.align_parallel)
@@ -61,21 +45,12 @@ def check_alignment_supported(model: nn.Module, config: AlignmentConfig) -> None
             )
 
 
-def select_trainable(
-    model: nn.Module, trainable: str
-) -> list[tuple[str, nn.Parameter]]:
-    """Named parameters that train under ``trainable`` (``routers`` or
-    ``routers_and_layers``)."""
-    if trainable not in TRAINABLE_SETS:
-        raise ValueError(
-            f"trainable must be one of {TRAINABLE_SETS}, got {trainable!r}"
-        )
-    names = {id(p): n for n, p in model.named_parameters()}
-    chosen: dict[int, tuple[str, nn.Parameter]] = {}
-    for layer in routed_layers(model):
-        source = layer.router if trainable == "routers" else layer
-        for param in source.parameters():
-            chosen.setdefault(id(param), (names[id(param)], param))
+def select_trainable(model: nn.Module, trainable: str) -> list[nn.Parameter]:
+    """The parameters that train under ``trainable`` (``routers`` or
+    ``routers_and_layers``), each once."""
+    layers = routed_layers(model)
+    sources = [m.router if trainable == "routers" else m for m in layers]
+    chosen = {id(p): p for source in sources for p in source.parameters()}
     if not chosen:
         raise ValueError(
             "AdaDSF alignment found no routed layers to train: route the model before "
@@ -85,9 +60,8 @@ def select_trainable(
 
 
 def added_by_routing(model: nn.Module, params: Sequence[nn.Parameter]) -> list[bool]:
-    """For each of ``params``: True when routing added it (a router or a skip path),
-    False for a decoder layer's pre-trained weight (they may train at another rate,
-    :func:`make_optimizer`)."""
+    """For each of ``params``: whether routing added it (a router or a skip path), not
+    a pre-trained weight."""
     added = {
         id(p)
         for layer in routed_layers(model)
@@ -99,11 +73,11 @@ def added_by_routing(model: nn.Module, params: Sequence[nn.Parameter]) -> list[b
 
 
 class TrainableParams:
-    """The trainable parameters, the float32 tensors the optimizer updates, and a copy
+    """The trainable parameters, the float32 masters the optimizer updates, and a copy
     of the last good values (the NaN guard's fallback).
 
-    A float32 (or float64) parameter is its own master; a fp16/bf16 one gets a float32
-    master copy whose gradient is the parameter's, upcast.
+    A fp16/bf16 parameter gets a float32 master: AdamW's ``eps`` (1e-8) is 0 in fp16,
+    so a zero second moment gives 0/0, and bf16 rounds small updates away.
     """
 
     def __init__(self, params: Sequence[nn.Parameter]):
@@ -155,12 +129,9 @@ def make_optimizer(
     added: Sequence[bool],
     config: AlignmentConfig,
 ) -> torch.optim.Optimizer:
-    """AdamW over ``masters`` (``added[i]``: the i-th was added by routing), in two
-    groups: the parameters routing *added* (routers, skip paths), which start from a
-    warm start or a closed-form fit, at ``align_lr``, and the decoder layers'
-    *pre-trained* weights at ``align_layer_lr``. A rate high enough to move a fresh
-    router can move a pre-trained weight too far, so the two rates are separate
-    fields. No weight decay: the targets are the dense model's own outputs."""
+    """AdamW over ``masters`` in two groups: what routing added (``added[i]``) at
+    ``align_lr``, the pre-trained weights at ``align_layer_lr``. No weight decay: the
+    targets are the dense model's own outputs."""
     lr = config.align_lr
     layer_lr = lr if config.align_layer_lr is None else config.align_layer_lr
     groups = [

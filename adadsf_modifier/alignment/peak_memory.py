@@ -1,13 +1,9 @@
 """The alignment stage's peak memory, measured from the stage's start.
 
-On CUDA, PyTorch's allocator keeps a resettable peak. On a CPU the natural measure,
-the process's peak resident set (``getrusage``'s ``ru_maxrss``), is a high-water mark
-over the process's whole life: in ``adadsf study``, which runs several compressions in
-one process, a run after a larger one would report that one's peak. On Linux the
-kernel resets that mark on request (``echo 5 >
-/proc/self/clear_refs``, Linux >= 4.0) and reports it as ``VmHWM`` in
-``/proc/self/status``; that is used where it is available, and the report says which
-measure it gave.
+On CUDA the allocator's peak resets. On a CPU the process's peak resident set
+(``ru_maxrss``) covers its whole life, so a run after a larger one in the same process
+would report that one's peak; where Linux allows, ``/proc/self/clear_refs`` resets it
+and ``VmHWM`` reports it. The report says which measure it gave.
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-__all__ = ["peak_memory_mb", "reset_peak_memory"]
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")

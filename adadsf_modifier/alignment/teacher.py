@@ -8,17 +8,11 @@ import gc
 import torch
 from torch import nn
 
-__all__ = ["make_teacher", "release_memory"]
-
 
 def make_teacher(model: nn.Module) -> nn.Module:
-    """A frozen, independent deep copy of ``model`` (call it *before* routing).
-
-    Deep-copied rather than shared: with ``routers_and_layers`` the student's layer
-    weights change, and even with ``routers`` only a shared module would be one refactor
-    away from training the teacher too. The copy is in eval mode, needs no gradients,
-    and its parameters and buffers are checked to share no storage with the student's.
-    """
+    """A frozen deep copy of ``model`` (taken before routing). A copy, not shared
+    modules, so that training the student's layers can never move the teacher; it is
+    checked to share no storage with the student."""
     teacher = copy.deepcopy(model)
     teacher.eval()
     teacher.requires_grad_(False)

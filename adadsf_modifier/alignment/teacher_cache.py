@@ -1,22 +1,14 @@
-"""The dense teacher's outputs, computed once per training row and reused
-(``align_teacher_cache``).
+"""The dense teacher's outputs, computed once per training row and reused in later
+epochs (``align_teacher_cache``): the teacher is frozen, yet without a cache it runs
+every step.
 
-Why: the teacher is frozen, so its outputs on a row never change, yet without a cache
-the loop runs it on every step. Alignment cycles over the same rows for several epochs
-(100 steps of 8 rows over 128 calibration rows: 6 epochs), and the teacher's forward is
-about a quarter of a step's work. The cache keeps, per row, the teacher's *final normed
-hidden state* (and, when the hidden-alignment term is on, every decoder layer's output)
-and recomputes the logits through the teacher's own output embedding: the lm_head is
-~20 % of a forward of SmolLM2-135M, while storing full logits (49,152 per token) would
-not fit in memory.
-
-Exactness: a row's first batch runs the teacher as without the cache (bit-identical
-outputs); later batches read the stored states, which equal a fresh forward up to the
-last bits of a differently composed batch. The first computed batch checks that the
-output embedding applied to the last hidden state reproduces the teacher's logits; a
-model whose logits are not ``lm_head(last hidden state)`` (say, soft-capped) is refused
-there. Memory is ``tokens x hidden x (1 or layers) x bytes``, checked against the free
-memory before calibration (the modifier) and again before the first step.
+Per row the cache keeps the teacher's final normed hidden state (and, for the
+hidden-alignment term, every layer's output) and recomputes the logits through the
+teacher's output embedding: full logits would not fit in memory. A row's first batch
+runs the teacher as without the cache; later ones read the stored states, equal to a
+fresh forward up to the last bits of a differently composed batch. The first computed
+batch checks that the output embedding of the last hidden state gives the teacher's
+logits (a soft-capped model is refused there).
 """
 
 from __future__ import annotations
@@ -29,13 +21,6 @@ from loguru import logger
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = [
-    "TeacherCache",
-    "check_teacher_cache_fits",
-    "rows_read_again",
-    "teacher_cache_bytes",
-]
-
 Forward = Callable[
     [nn.Module, Mapping[str, torch.Tensor], bool],
     tuple[torch.Tensor, tuple[torch.Tensor, ...] | None],
@@ -43,11 +28,8 @@ Forward = Callable[
 
 
 def rows_read_again(n_rows: int, steps: int, batch_size: int) -> bool:
-    """Whether ``steps`` batches of ``batch_size`` rows (fewer when there are fewer
-    rows, as :class:`~adadsf_modifier.alignment.data.RowBatcher` draws them) read some
-    of the ``n_rows`` rows a second time: only then is a cached output ever read back.
-    One pass over fresh rows (the results study's design) would only pay the cache's
-    memory."""
+    """Whether ``steps`` batches (of at most ``n_rows`` rows, as ``RowBatcher`` draws
+    them) read some row twice: only then is a cached output ever read back."""
     return steps * min(batch_size, n_rows) > n_rows
 
 
@@ -78,8 +60,8 @@ def check_teacher_cache_fits(
     device: torch.device,
 ) -> int:
     """The cache's size in bytes; :class:`MemoryError` when it would take more than
-    half the free memory of ``device``. Called before calibration (the modifier) and
-    again when the stage starts."""
+    half the free memory of ``device`` (checked before calibration and again when the
+    stage starts)."""
     if model.get_output_embeddings() is None:
         raise ValueError(
             f"align_teacher_cache: {type(model).__name__} has no output embedding to "
@@ -99,14 +81,8 @@ def check_teacher_cache_fits(
 
 class TeacherCache:
     """Per-row teacher states; :meth:`outputs` gives a batch's ``(logits, hidden)``
-    like a teacher forward would.
-
-    :param teacher: the frozen dense teacher (unwrapped: its output embedding is called
-        directly)
-    :param rows: the training rows (only their sizes are read, for the memory check)
-    :param need_hidden: keep every decoder layer's output (the hidden-alignment term)
-    :param forward: the loop's forward, ``(model, batch, hidden) -> (logits, states)``
-    """
+    as a teacher forward would (``forward``: the loop's; ``teacher`` unwrapped, its
+    output embedding is called directly)."""
 
     def __init__(
         self,
@@ -132,7 +108,7 @@ class TeacherCache:
         self, batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """The teacher's logits and (if kept) per-layer states on ``batch``, whose
-        ``row_index`` names its rows (:class:`~.data.RowBatcher`)."""
+        ``row_index`` names its rows."""
         ids = batch["row_index"].tolist()
         if any(i not in self._states for i in ids):
             return self._compute(batch, ids)

@@ -1,50 +1,20 @@
-"""The alignment fine-tune loop: a routed (sparse) student learns to match its frozen
-dense teacher.
+"""The alignment fine-tune loop: the routed student learns to match its frozen dense
+teacher. llm-compressor 0.14 has no training entrypoint and its pipelines run without
+gradients or the LM head, so the stage runs its own loop from ``on_initialize`` (as
+AutoRound does): AdamW for a fixed number of steps over re-batched rows.
 
-llm-compressor 0.14 has no training entrypoint and its calibration pipelines run without
-gradients and without the LM head, so AdaDSF runs its own small loop from
-``on_initialize`` (as AutoRound does): plain PyTorch, AdamW, ``torch.enable_grad()``, a
-fixed number of steps over re-batched calibration (or user-given) rows
-(:mod:`~adadsf_modifier.alignment.data`).
-
-Design decisions (why):
-
-* **Modes.** The student is put in ``eval()`` mode while it trains (gradients on,
-  dropout off) and the teacher stays in ``eval()`` under ``no_grad``: the target is the
-  *deterministic* dense model, and dropout noise on one side only would bias the KL.
-  Only the routed decoder layers themselves (not their children: attention, MLP,
-  dropout) get ``training=True``, so routing runs in its training mode (top-k with the
-  straight-through gate, whatever the eval-time routing mode is), and with gradient
-  checkpointing every checkpointed layer gets it too, because transformers only
-  checkpoints a layer whose ``training`` flag is set. Every module's mode is restored
-  afterwards.
-* **What trains.** ``routers`` (default): only the routers' parameters; the pre-trained
-  weights are untouched, so the stage is cheap in optimizer memory and cannot damage the
-  dense model's knowledge. ``routers_and_layers``: also the routed decoder layers' own
-  weights (more capacity to compensate for skipped tokens). Embeddings, LM head, final
-  norm and un-routed layers never train. The routers learn through the straight-through
-  gate of the routed layers (1 in value, so the forward is unchanged; its gradient
-  reaches the router's scores).
-* **Precision.** Trainable parameters stored in fp16 or bf16 are updated through float32
-  master copies (the model keeps its dtype): AdamW applied to fp16 values diverges at
-  the first step (its ``eps`` of 1e-8 is 0 in fp16, so a zero second moment gives
-  0/0), and bf16 rounds small updates away.
+* **Modes.** Student and teacher run in ``eval()`` (no dropout: the target is the
+  deterministic dense model, and noise on one side would bias the KL); only the routed
+  layers themselves get ``training=True``, so routing runs its training mode (top-k
+  with the straight-through gate), and so does every checkpointed layer, as
+  transformers only checkpoints a layer in training mode. All restored afterwards.
 * **Determinism.** Rows are put in a canonical order (the calibration loader may have
-  shuffled them), then drawn in epochs shuffled by a ``torch.Generator`` seeded with
-  ``seed`` (the modifier's); the loop runs inside ``torch.random.fork_rng`` seeded
-  with it. Two runs with the same data and seed give identical weights, and the
-  caller's global RNG state is left alone.
-* **NaN guard.** Before each optimizer step the loss and the gradient norm must be
-  finite, after it every trainable parameter. On failure the trainable parameters are
-  restored from a snapshot of the last good step (never NaN weights) and
-  :class:`AlignmentDivergedError` is raised.
-* **Under torchrun** (:mod:`~adadsf_modifier.alignment.parallel`): each rank trains on
-  its own partition of the rows (rows identical on every rank, e.g. an
-  ``align_dataset``, are split the way llm-compressor splits calibration data),
-  gradients are averaged every step (DDP or FSDP2, ``align_parallel``), the logged
-  losses
-  are the mean over every rank's tokens, and every NaN-guard decision is taken by all
-  ranks together; the progress bar is drawn on the source rank only.
+  shuffled them), then drawn in epochs seeded with ``seed``, inside a forked RNG: the
+  same data and seed give the same weights, and the caller's RNG is left alone.
+* **NaN guard.** The loss and gradient norm must be finite before each step, every
+  trainable parameter after it; otherwise the last good values are restored and
+  :class:`AlignmentDivergedError` is raised, a decision all ``torchrun`` ranks take
+  together.
 """
 
 from __future__ import annotations
@@ -81,8 +51,6 @@ from adadsf_modifier.alignment.teacher_cache import TeacherCache, rows_read_agai
 from adadsf_modifier.routing import routed_layers, routing_mode
 from adadsf_modifier.utils import tensors_to_device
 
-__all__ = ["align_model"]
-
 
 def _rates(config: AlignmentConfig) -> str:
     layer_lr, rule = config.align_layer_lr, config.align_routing
@@ -98,9 +66,8 @@ def _forward(model: nn.Module, batch: Mapping[str, torch.Tensor], hidden: bool):
         use_cache=False,
         output_hidden_states=hidden,
     )
-    # hidden_states = (embeddings, layer 0 ... layer L-2 outputs, final normed output):
-    # one entry per decoder layer after dropping the embeddings, which are identical in
-    # both models.
+    # (embeddings, layer 0 ... L-2 outputs, final normed output): one per decoder layer
+    # once the embeddings, identical in both models, are dropped
     states = tuple(out.hidden_states[1:]) if hidden else None
     return out.logits, states
 
@@ -110,11 +77,7 @@ def _student_training_state(
     student: nn.Module, trainable: Sequence[nn.Parameter], gradient_checkpointing: bool
 ):
     """Freeze all but ``trainable``; eval mode except the routed / checkpointed layers
-    themselves.
-
-    Everything (modes, ``requires_grad``, gradient checkpointing, leftover ``.grad``) is
-    restored on exit, also when training raises.
-    """
+    themselves; everything restored on exit."""
     modes = {m: m.training for m in student.modules()}
     requires = {p: p.requires_grad for p in student.parameters()}
     had_gc = bool(getattr(student, "is_gradient_checkpointing", False))
@@ -154,28 +117,24 @@ def _diverged(
     what: str,
     values: Mapping[str, float],
 ) -> AlignmentDivergedError:
-    """Restore the last good parameters; the error says what to change, and only what
-    applies: a loss that is non-finite before any update comes from the model or the
-    data, not from the optimizer settings."""
+    """Restore the last good parameters; the error says what to change (a loss that is
+    non-finite before any update comes from the model or data, not the optimizer)."""
     trainable.restore()
     detail = ", ".join(f"{k}={v:.6g}" for k, v in values.items())
+    restored = (
+        f"the values after step {step - 1}"
+        if step > 1
+        else "their values before alignment"
+    )
     if step == 1 and what == "non-finite loss":
-        restored = "their values before alignment"
         advice = (
             "The model gives non-finite outputs on the training data before any "
             "update: check its weights and data, and load fp16 models in float32 or "
             "bfloat16 (fp16 activations overflow easily)"
         )
     else:
-        restored = (
-            f"the values after step {step - 1}"
-            if step > 1
-            else "their values before alignment"
-        )
-        tips = ["lower align_lr"]
-        if config.align_bf16:
-            tips.append("turn off align_bf16")
-        advice = "Try: " + ", or ".join(tips)
+        bf16 = ", or turn off align_bf16" if config.align_bf16 else ""
+        advice = f"Try: lower align_lr{bf16}"
     return AlignmentDivergedError(
         f"AdaDSF alignment diverged: {what} at step {step}/{config.align_steps} "
         f"({detail}). The trainable parameters were restored to {restored}. {advice}.",
@@ -184,15 +143,9 @@ def _diverged(
 
 
 def _rank_rows(data: Iterable[Mapping[str, Any]], seq_len: int) -> list[torch.Tensor]:
-    """This rank's training rows, in a canonical order.
-
-    Sorted before the seeded shuffle: llm-compressor's calibration loader shuffles with
-    the global RNG, and the stage must give the same weights for the same rows and
-    seed. Under ``torchrun``, rows that are identical on every rank (an
-    ``align_dataset``) are split into contiguous parts; ranks that hold different rows,
-    or their share of the calibration batches, keep them. A rank whose data holds no
-    rows fails on every rank.
-    """
+    """This rank's training rows, sorted (the calibration loader shuffles with the
+    global RNG). Under ``torchrun`` rows identical on every rank (an ``align_dataset``)
+    are split; a rank's own share of the calibration batches is kept."""
 
     def rows() -> list[torch.Tensor]:
         out = training_rows(data, seq_len)
@@ -226,21 +179,13 @@ def align_model(
     seed: int = 0,
     show_progress: bool = True,
 ) -> AlignmentReport:
-    """Fine-tune the routed ``student`` towards the dense ``teacher`` for
-    ``config.align_steps`` steps (``seed``: data order and any other randomness of
-    the loop; ``show_progress``: a tqdm bar on the source rank).
+    """Fine-tune the routed ``student`` (in place) towards the dense ``teacher``
+    (``None`` when no loss term needs it) for ``config.align_steps`` steps on the rows
+    of ``data``. ``params``: what trains instead of what ``align_trainable`` selects
+    (a dense control fine-tuned by this very loop).
 
-    ``data`` yields rows or batches with ``input_ids`` (and ``attention_mask``), see
-    :func:`~adadsf_modifier.alignment.data.training_rows`. ``teacher`` may be ``None``
-    only when no loss term needs it (LM-only). ``params``: the parameters to train
-    instead of those ``config.align_trainable`` selects in the routed layers; the
-    study's dense control passes a dense model's decoder-layer weights, so that it is
-    fine-tuned by this very loop (rows, order, schedule, precision, guards) and differs
-    from the routed arm it controls only in the routing. The student is modified in
-    place; its modes, ``requires_grad`` flags, dtypes and gradient checkpointing
-    setting are restored afterwards. Raises :class:`AlignmentDivergedError` (a
-    ``FloatingPointError``) on a non-finite loss/gradient/parameter, after restoring the
-    last good parameters.
+    :raises AlignmentDivergedError: a non-finite loss, gradient or parameter, after
+        restoring the last good parameters
     """
     report = AlignmentReport(trainable=config.align_trainable)
     if config.align_steps == 0:
@@ -254,7 +199,7 @@ def align_model(
     check_alignment_supported(student, config)
 
     if params is None:
-        params = [p for _, p in select_trainable(student, config.align_trainable)]
+        params = select_trainable(student, config.align_trainable)
         what = config.align_trainable
     else:
         params, what = list(params), "the given parameters"
