@@ -1,5 +1,5 @@
-"""Leaf helpers shared by calibration, routing, alignment and evaluation; they import
-nothing from ``adadsf_modifier``, so any package can use them without a cycle."""
+"""Leaf helpers shared by calibration, routing, alignment and evaluation (they import
+nothing of the package, so any module can use them without a cycle)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
-# The keys of a batch that a causal LM's forward takes (not `labels`: no loss wanted).
+# The keys of a batch a causal LM's forward takes (not `labels`: no loss wanted).
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask")
 
 
@@ -31,13 +31,10 @@ def allowed_by_mask(mask: torch.Tensor) -> torch.Tensor:
 def real_token_mask(
     attention_mask: torch.Tensor | None, batch: int, seq_len: int, device: torch.device
 ) -> torch.Tensor:
-    """``[batch, seq]`` bool, True for real (non-padding) query tokens.
-
-    Read off the 4D mask a decoder layer receives (so also under llm-compressor's
-    sequential pipeline, which calls layers directly): a query is real iff it may
-    attend to itself. ``None`` (SDPA's causal fast path) means no padding; a 2D
-    ``[batch, kv_len]`` padding mask is accepted too.
-    """
+    """``[batch, seq]`` bool, True for real (non-padding) query tokens, read off the
+    mask a decoder layer receives (llm-compressor's sequential pipeline calls layers
+    directly): a query is real iff it may attend to itself. ``None`` (SDPA's causal
+    fast path) means no padding; a 2D ``[batch, kv_len]`` mask is accepted too."""
     if attention_mask is None:
         return torch.ones(batch, seq_len, dtype=torch.bool, device=device)
     if attention_mask.dim() == 2:
@@ -56,43 +53,15 @@ def real_token_mask(
 
 
 def first_real_tokens(attention_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """``[batch, seq]`` bool: the first real token of each row in the *whole* sequence,
-    cached past included (the attention sink that always runs); ``real``:
-    :func:`real_token_mask` of the same queries.
-
-    It is the real query whose only allowed key is itself, which also holds when the
-    cached past was all padding (a "first position" rule would miss it).
-    """
+    """``[batch, seq]`` bool: each row's first real token in the whole sequence,
+    cached past included (the attention sink that always runs): the real query whose
+    only allowed key is itself, also when the cached past was all padding."""
     seq_len = real.shape[1]
     if attention_mask.dim() == 2:
         seen = attention_mask.bool().cumsum(dim=1)[:, -seq_len:]
         return real & (seen == 1)
     allowed = allowed_by_mask(attention_mask[:, 0, -seq_len:, :]).sum(dim=-1)
     return real & (allowed.expand_as(real) == 1)
-
-
-@torch.no_grad()
-def next_token_nll(
-    model: nn.Module, batches: Iterable[Mapping[str, Any]]
-) -> tuple[float, int]:
-    """Summed next-token NLL over the real targets of ``batches`` (it and the token
-    before it not padding), and their count: sums add up across processes."""
-    device = model_device(model)
-    total, count = 0.0, 0
-    for batch in batches:
-        inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
-        inputs = tensors_to_device(inputs, device)
-        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
-        target = inputs["input_ids"][:, 1:]
-        mask = inputs.get("attention_mask")
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
-        ).view_as(target)
-        if mask is not None:
-            nll = nll[mask[:, 1:].bool() & mask[:, :-1].bool()]
-        total += float(nll.sum())
-        count += nll.numel()
-    return total, count
 
 
 def layer_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor:
@@ -112,8 +81,8 @@ def run_calibration_batches(
     batches: Iterable[Mapping[str, Any]],
     desc: str = "AdaDSF calibration",
 ) -> int:
-    """Forward every batch through ``model`` (no grad, no KV cache); returns the batch
-    count."""
+    """Forward every batch through ``model`` (no grad, no KV cache); returns how many
+    batches."""
     device = model_device(model)
     n = 0
     was_training = model.training

@@ -15,7 +15,7 @@ import torch
 from test_checkpoint_save_load import logits_of, routed_model
 
 import adadsf_modifier
-from adadsf_modifier.checkpoint import (
+from adadsf_modifier.checkpoint.sidecar import (
     SIDECAR_NAME,
     AdaDSFCheckpointError,
     LayerEntry,

@@ -21,10 +21,11 @@ from tiny_models import save_tiny_model, tiny_model, tiny_tokenizer, token_datas
 import adadsf_modifier
 import adadsf_modifier.ftp.checkpoint as ftp_checkpoint
 from adadsf_modifier import AdaDSFCheckpointError, routed_layers
-from adadsf_modifier.checkpoint import SIDECAR_NAME
+from adadsf_modifier.checkpoint import FTP_SIDECAR_NAME as FTP_SIDECAR
+from adadsf_modifier.checkpoint import SIDECAR_NAME, install_save_hook
 from adadsf_modifier.cli import main
 from adadsf_modifier.evaluation.speed import load_pair
-from adadsf_modifier.ftp import FTP_SIDECAR, FTPLayerRouter
+from adadsf_modifier.ftp import FTPLayerRouter
 
 RIDGE_KV = dict(skip_path="ridge", skipped_tokens_kv=True)
 
@@ -137,7 +138,7 @@ def test_ftp_save_refuses_a_router_tensor_missing_on_disk(tmp_path, monkeypatch)
 
     kind = dataclasses.replace(ftp_checkpoint.FTP, describe=expecting_one_more)
     monkeypatch.setattr(ftp_checkpoint, "FTP", kind)
-    ftp_checkpoint.install_ftp_save_hook(model)  # the hook now writes `kind`
+    install_save_hook(model, kind)
     with pytest.raises(AdaDSFCheckpointError, match="router.not_saved` is missing"):
         model.save_pretrained(str(tmp_path / "ckpt"))
     assert os.listdir(tmp_path) == []

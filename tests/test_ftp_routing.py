@@ -238,7 +238,8 @@ def assert_reload_is_exact(model, again, ids, mask) -> torch.Tensor:
 
 
 def test_save_and_load_ftp_gives_the_same_logits(tmp_path):
-    from adadsf_modifier.ftp import FTP_SIDECAR, load_ftp
+    from adadsf_modifier.checkpoint import FTP_SIDECAR_NAME as FTP_SIDECAR
+    from adadsf_modifier.ftp import load_ftp
 
     model, _ = ftp_model("llama")
     model.save_pretrained(tmp_path)

@@ -16,8 +16,8 @@ from test_ftp_routing import ftp_model
 import adadsf_modifier
 import adadsf_modifier.ftp.checkpoint as ftp_checkpoint
 from adadsf_modifier import AdaDSFCheckpointError
+from adadsf_modifier.checkpoint import FTP_SIDECAR_NAME as FTP_SIDECAR
 from adadsf_modifier.constraints import InputError
-from adadsf_modifier.ftp import FTP_SIDECAR
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

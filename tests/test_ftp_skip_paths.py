@@ -18,8 +18,9 @@ from tiny_models import tiny_model
 import adadsf_modifier.fitting.skip_fields as skip_fields
 import adadsf_modifier.ftp.modifier as ftp_modifier
 from adadsf_modifier import FTPModifier, routed_layers
+from adadsf_modifier.checkpoint import FTP_SIDECAR_NAME as FTP_SIDECAR
 from adadsf_modifier.flops import normalized_flops
-from adadsf_modifier.ftp import FTP_SIDECAR, FTPTrainConfig, load_ftp, train_router
+from adadsf_modifier.ftp import FTPTrainConfig, load_ftp, train_router
 from adadsf_modifier.ftp.trainer import dense_forward
 from adadsf_modifier.routing import SkipPath
 

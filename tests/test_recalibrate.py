@@ -198,7 +198,7 @@ def test_an_ftp_checkpoint_gets_its_thresholds_refit_too(tmp_path):
     in it and every weight file as they were, and the reload uses the new ones."""
     from test_ftp_routing import ftp_model
 
-    from adadsf_modifier.ftp import FTP_SIDECAR
+    from adadsf_modifier.checkpoint import FTP_SIDECAR_NAME as FTP_SIDECAR
 
     model, _ = ftp_model("llama")
     source = tmp_path / "ftp"

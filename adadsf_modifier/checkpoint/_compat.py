@@ -1,6 +1,5 @@
 """Workarounds for upstream behaviour that breaks AdaDSF checkpoints, each tagged with
-the releases it targets: ``tests/test_checkpoint_compat.py`` fails when an installed
-package moves on, so that the workaround is re-checked."""
+the releases it targets (`tests/test_checkpoint_compat.py` fails when one moves on)."""
 
 from __future__ import annotations
 
@@ -33,14 +32,10 @@ def _targets(versions: dict[str, str]) -> Callable[[_F], _F]:
 @_targets({"compressed-tensors": "0.19", "llmcompressor": "0.14"})
 @contextlib.contextmanager
 def single_decompress_hook(model: nn.Module) -> Iterator[None]:
-    """Keep at most one pending "decompress on first forward" hook across a save.
-
-    llm-compressor's save wrapper registers compressed-tensors' ``ct_decompress_hook``
-    without removing a pending one (a compressed model before its first forward), and
-    both then decompress: weights multiplied by their scales twice. The pending hook
-    is removed before the inner save and put back if the save failed before adding
-    its own.
-    """
+    """Keep at most one pending "decompress on first forward" hook across a save:
+    llm-compressor's save wrapper adds compressed-tensors' ``ct_decompress_hook``
+    beside a pending one, and both then decompress (weights scaled twice). The pending
+    hook is put back if the save failed before adding its own."""
     pending = getattr(model, "ct_decompress_hook", None)
     if pending is not None:
         pending.remove()
@@ -59,7 +54,7 @@ def single_decompress_hook(model: nn.Module) -> Iterator[None]:
 class _PlainYamlLoader(yaml.SafeLoader):
     """SafeLoader reading the two Python tags llm-compressor's recipes contain as plain
     data (``!!python/tuple`` -> list, ``!!python/object/apply:<Enum> [v]`` -> v);
-    nothing is imported or called, any other Python tag still fails."""
+    nothing is imported or called."""
 
 
 def _enum_value(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
@@ -88,13 +83,10 @@ _PlainYamlLoader.add_multi_constructor(
 
 @_targets({"llmcompressor": "0.14"})
 def make_recipe_safe(path: Path) -> None:
-    """Rewrite ``recipe.yaml`` so that llm-compressor's own ``yaml.safe_load`` reads it.
-
-    llm-compressor writes it with ``yaml.dump``: SmoothQuant's ``mappings`` become
-    ``!!python/tuple`` and GPTQ's ``actorder`` a Python enum object, which its
-    ``safe_load`` then refuses on the next save or oneshot from the checkpoint. Lists
-    and the enum's value parse back into the same settings.
-    """
+    """Rewrite ``recipe.yaml`` so that llm-compressor's own ``yaml.safe_load`` reads it:
+    it writes it with ``yaml.dump`` (SmoothQuant's ``mappings`` as ``!!python/tuple``,
+    GPTQ's ``actorder`` as an enum object), then refuses it on the next save or
+    oneshot from the checkpoint. Lists and the enum's value mean the same settings."""
     if not path.is_file():
         return
     text = path.read_text()
@@ -144,14 +136,10 @@ def _stage_name(key: str) -> str | None:
 
 
 def _distinct_stages(entries: list[tuple[str, Any]]) -> dict[str, Any]:
-    """One recipe from ``(top-level key, body)`` pairs in the order they ran.
-
-    Empty and repeated stages are dropped; stage keys end in ``_stage`` (the only ones
-    ``Recipe.from_dict`` reads): a name used once keeps it (``default_stage_0`` ->
-    ``default_stage``), a repeated one becomes ``default_0_stage``,
-    ``default_1_stage``, ... (skipping numbers in use). Of other keys (``args``) the
-    first is kept.
-    """
+    """One recipe from ``(top-level key, body)`` pairs in the order they ran: empty and
+    repeated stages dropped, stage keys ending in ``_stage`` (the only ones
+    ``Recipe.from_dict`` reads; ``default_stage_0`` -> ``default_stage``, a repeated
+    name -> ``default_0_stage``, ``default_1_stage``, ...), the first of other keys."""
     kept: list[tuple[str, str | None, Any]] = []
     bodies: list[Any] = []
     for key, body in entries:
@@ -184,14 +172,11 @@ def write_model_recipe(model: nn.Module, path: Path) -> None:
     once, under keys llm-compressor parses, in plain YAML.
 
     llm-compressor's save merges the recipe of the folder the model came from with the
-    session's (``append_recipe_dict``). On a reloaded model saved again, a stage key in
-    both becomes ``X_stage_0`` / ``X_stage_1``, which ``Recipe.from_dict`` skips (a
-    fresh process clashes too: its empty session recipe is ``default_stage: {}``); and
-    the session's recipe is appended whatever model it ran on, so re-running the file
-    would route the model twice. So: the folder's recipe, then the session's only when
-    the session worked on this very model (oneshot's own save, or GPTQ on a reloaded
-    checkpoint), through :func:`_distinct_stages`. A recipe that cannot be read as
-    plain data leaves the file as llm-compressor merged it (made safe), with a warning.
+    session's: a stage key in both becomes ``X_stage_0`` / ``X_stage_1``, which
+    ``Recipe.from_dict`` skips, and the session's recipe is appended whatever model it
+    ran on (re-running the file would route the model twice). So: the folder's recipe,
+    then the session's only when the session worked on this very model. A recipe that
+    is not plain data is left as llm-compressor merged it (made safe), with a warning.
     """
     from llmcompressor.core import active_session
     from llmcompressor.transformers.utils.helpers import infer_recipe_from_model_path
@@ -220,11 +205,9 @@ def load_with_expected_extra_keys(
     base_cls: type, extra_keys: list[str], path: Path, **kwargs: Any
 ) -> nn.Module:
     """``base_cls.from_pretrained(path, **kwargs)`` with ``extra_keys`` (regexes, the
-    router tensors :mod:`.tensors` reads) expected instead of reported UNEXPECTED.
-
-    transformers reads only the class attribute ``_keys_to_ignore_on_load_unexpected``,
-    so a throw-away subclass sets it; the model gets the real class back right after.
-    """
+    router tensors) expected instead of reported UNEXPECTED: transformers reads only
+    the class attribute ``_keys_to_ignore_on_load_unexpected``, so a throw-away
+    subclass sets it; the model gets the real class back right after."""
     ignore = list(base_cls._keys_to_ignore_on_load_unexpected or []) + extra_keys
     loader = type(
         base_cls.__name__,

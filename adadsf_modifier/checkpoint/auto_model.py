@@ -1,11 +1,10 @@
-"""The routed architecture in transformers' Auto classes: with ``adadsf_modifier``
-imported, ``AutoConfig`` / ``AutoModelForCausalLM`` (so ``pipeline``, lm-eval,
-``oneshot(model=PATH)``) load a routed checkpoint as the routed model.
+"""The routed architecture in transformers' Auto classes, so that ``pipeline``,
+lm-eval and ``oneshot(model=PATH)`` load a routed checkpoint as the routed model.
 
 :class:`AdaDSFRoutedForCausalLM` is a loader, not a model class: it returns what
 :func:`~adadsf_modifier.checkpoint.load.from_pretrained` returns, the *base* causal LM
-with routed decoder layers, so every caller gets the same model (same class, state-dict
-names and save hook) and llm-compressor still sees ordinary decoder layers.
+with routed decoder layers, so every caller gets the same model and llm-compressor
+still sees ordinary decoder layers.
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ class AdaDSFRoutedForCausalLM:
         *args: Any,
         **kwargs: Any,
     ) -> nn.Module:
-        """``adadsf_modifier.from_pretrained(path, **kwargs)``; ``kwargs`` go to the
-        base class's ``from_pretrained``."""
         if args:
             raise TypeError(
                 f"{ROUTED_ARCHITECTURE}.from_pretrained takes no positional model "

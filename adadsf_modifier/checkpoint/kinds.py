@@ -1,9 +1,7 @@
 """The kinds of checkpoint this package writes, told apart by their sidecar:
-``adadsf_config.json`` (:mod:`.sidecar`) or FTP's ``ftp_routing.json``
-(:mod:`adadsf_modifier.ftp.checkpoint`). The save (:mod:`.save`) is shared; a
-:class:`CheckpointKind` holds the steps that differ. Both names live here so that the
-save and the loader need nothing from :mod:`adadsf_modifier.ftp`, which builds on this.
-"""
+``adadsf_config.json`` or FTP's ``ftp_routing.json``. Both names and the loader
+registry live here, so that the shared save and loader need nothing from
+:mod:`adadsf_modifier.ftp`, which builds on this."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from adadsf_modifier.checkpoint.sidecar import SIDECAR_NAME, AdaDSFCheckpointErr
 FTP_SIDECAR_NAME = "ftp_routing.json"
 SIDECAR_NAMES = (SIDECAR_NAME, FTP_SIDECAR_NAME)
 
-# Sidecar name -> its loader (path, **kwargs -> routed model). FTP registers its own on
-# import, so that the generic loader need not import the package built on it.
+# Sidecar name -> its loader (path, **kwargs -> routed model); FTP registers its own.
 LOADERS: dict[str, Callable[..., Any]] = {}
 
 
@@ -31,15 +28,10 @@ def register_loader(sidecar: str, loader: Callable[..., Any]) -> None:
 
 @dataclass(frozen=True)
 class CheckpointKind:
-    """The steps of a save that differ between AdaDSF and FTP checkpoints.
-
-    :param label: the modifier's name, for messages (``"AdaDSF"``, ``"FTP"``)
-    :param describe: model -> its sidecar, checked before anything is written
-    :param as_json: the sidecar as JSON data, compared across ranks under torchrun
-    :param verify: reads the written router tensors back and checks them
-    :param write: writes the sidecar, durably; called last (completeness marker)
-    :param summary: what was saved, for the log line
-    """
+    """The steps of a save that differ between AdaDSF and FTP checkpoints: ``describe``
+    (model -> sidecar, checked before anything is written), ``as_json`` (compared
+    across ranks), ``verify`` (reads the written router tensors back), ``write`` (the
+    sidecar, durably, last), ``summary`` (for the log line)."""
 
     label: str
     describe: Callable[[Any], Any]
@@ -51,11 +43,8 @@ class CheckpointKind:
 
 def checkpoint_sidecar(path: str | os.PathLike[str]) -> str | None:
     """The name of the sidecar ``path`` holds; ``None`` for anything else (a plain
-    model folder, a hub id, a missing path).
-
-    :raises AdaDSFCheckpointError: both sidecars, or neither while the weights hold
-        routers (a lost sidecar: loaded plain it would be the dense-depth model)
-    """
+    model folder, a hub id). Both sidecars, or none while the weights hold routers (a
+    lost sidecar: loaded plain it would be the dense-depth model), are refused."""
     path = Path(path)
     if not path.is_dir():
         return None

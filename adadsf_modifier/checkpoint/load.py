@@ -1,9 +1,7 @@
-"""Loading a checkpoint: :func:`from_pretrained` reloads either kind (FTP's loader is
-registered by :mod:`adadsf_modifier.ftp.checkpoint`); :func:`load_adadsf` is AdaDSF's.
-
-The sidecar is validated, checked against ``config.json`` and the (small) router
-tensors are read before the (large) base model loads: a bad checkpoint fails fast.
-"""
+"""Loading a checkpoint of either kind (FTP's loader is registered by
+:mod:`adadsf_modifier.ftp.checkpoint`). The sidecar is validated and checked against
+``config.json``, and the small router tensors are read, before the large base model
+loads: a bad checkpoint fails fast."""
 
 from __future__ import annotations
 
@@ -46,12 +44,12 @@ from adadsf_modifier.routing import (
 
 def _any_topk_at_inference(layers: list[tuple[str, nn.Module]]) -> bool:
     """Some routed layer (0 < r < 1) would route top-k in eval mode (no KV cache)."""
-    for _, layer in layers:
-        if isinstance(layer, RoutedLayer) and 0.0 < float(layer.retention_ratio) < 1.0:
-            resolve = getattr(layer, "resolved_routing_mode", None)
-            if resolve is None or resolve() == "topk":
-                return True
-    return False
+    return any(
+        isinstance(layer, RoutedLayer)
+        and 0.0 < float(layer.retention_ratio) < 1.0
+        and layer.resolved_routing_mode() == "topk"
+        for _, layer in layers
+    )
 
 
 def _check_config(path: Path, sidecar: AdaDSFSidecar, config: Any) -> None:
@@ -97,9 +95,8 @@ def _causal_lm_class(path: Path, config: Any) -> type:
 def load_base_model(
     path: str | os.PathLike[str], extra_keys: list[str], **kwargs: Any
 ) -> nn.Module:
-    """The checkpoint's plain causal LM (``kwargs`` to its ``from_pretrained``), with
-    the tensors matching ``extra_keys`` (regexes) expected: the kind's loader reads
-    them."""
+    """The checkpoint's plain causal LM, the tensors matching ``extra_keys`` (regexes,
+    read by the kind's loader) expected."""
     path = Path(path)
     config = read_config(path, kwargs)
     base_cls = _causal_lm_class(path, config)
@@ -129,11 +126,11 @@ def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) 
             int(entry.router_hidden_size),
             eps=entry.router_eps or 1e-6,
         )
-        router.load_state_dict(_tensors_of(tensors, f"{entry.name}.router."))
+        router.load_state_dict(tensors_of(tensors, f"{entry.name}.router."))
         skip = None
         if entry.skip_path != "identity":
             skip = SkipPath(model.config.hidden_size, entry.skip_path_rank)
-            skip.load_state_dict(_tensors_of(tensors, f"{entry.name}.skip_path."))
+            skip.load_state_dict(tensors_of(tensors, f"{entry.name}.skip_path."))
         route_layer(
             layer,
             router,
@@ -154,17 +151,13 @@ def _route(model: nn.Module, path: Path, sidecar: AdaDSFSidecar, tensors: dict) 
     return layers
 
 
-def _tensors_of(tensors: dict, prefix: str) -> dict:
+def tensors_of(tensors: dict, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     """Reload any checkpoint this package writes (AdaDSF's or FTP's), routed, ready
-    for ``generate()``; ``kwargs`` go to transformers' ``from_pretrained``.
-
-    :raises AdaDSFCheckpointError: a folder with neither sidecar or with both;
-        anything the kind's loader raises
-    """
+    for ``generate()``; ``kwargs`` go to transformers' ``from_pretrained``."""
     path = Path(path)
     sidecar = checkpoint_sidecar(path)
     if sidecar is not None and not declares_routed_architecture(path):
@@ -189,17 +182,9 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
 
 
 def load_adadsf(path: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
-    """Reload a checkpoint saved after :class:`AdaDSFModifier`, ready for
-    ``generate()`` (quantized layers load compressed and decompress on the first
-    forward; ``docs/recipes.md``, "Checkpoint layout").
-
-    Top-k routing cannot continue from a KV cache: if a routed layer would route top-k
-    in eval mode (no causal threshold saved), ``generation_config.use_cache`` is False.
-
-    :raises AdaDSFCheckpointError: no, unknown or malformed sidecar (checked before any
-        weight loads), a mismatch with ``config.json``, a missing, mis-shaped or
-        quantized router tensor
-    """
+    """Reload a checkpoint saved after :class:`AdaDSFModifier`. Top-k routing cannot
+    continue from a KV cache: if a routed layer would route top-k in eval mode (no
+    causal threshold saved), ``generation_config.use_cache`` is False."""
     path = Path(path)
     sidecar = read_sidecar(path)
     config = read_config(path, kwargs)

@@ -1,24 +1,17 @@
 """A routed checkpoint's ``config.json`` declares the routed architecture, so that no
-loader builds the dense-depth model from it (``docs/recipes.md``, "Checkpoint layout").
+loader builds the dense-depth model from it.
 
-The save rewrites it (:func:`declare_routed_architecture`) as the base config's fields,
-unchanged and at the top level (lm-eval and llm-compressor read some without building
-the model), plus ``model_type: adadsf_routed``, ``architectures``, ``auto_map`` and
-``base_model_type`` / ``base_architectures``; the routing data stays in the sidecar.
-``model_type`` must be our own: transformers refuses to remap its own config classes.
-
-An explicit class (``LlamaForCausalLM.from_pretrained(path)``, or
-``AutoModelForCausalLM`` given ``config=LlamaConfig.from_pretrained(path)``) reads
-the fields, not the ``model_type``: it would build the dense-depth model with a
-warning only. So the save moves ``rope_parameters`` to ``base_rope_parameters`` and
-leaves in its place a RoPE type no transformers knows, :data:`ROPE_GUARD`, which
-names the way to load the checkpoint: such a model fails to build, with that name in
-the error. The routed config restores the base's parameters.
-
-With the package imported the Auto classes are registered (:mod:`.auto_model`);
-without it, ``trust_remote_code=True`` runs the two files ``auto_map`` names, which only
-import the package (no stale copy of its code in a checkpoint) and name it when it is
-missing. It runs after llm-compressor's ``resave_config`` and is idempotent.
+The save rewrites it (:func:`declare_routed_architecture`, idempotent, after
+llm-compressor's ``resave_config``) as the base config's fields, unchanged and at the
+top level (lm-eval and llm-compressor read some without building the model), plus
+``model_type: adadsf_routed`` (our own: transformers refuses to remap its own config
+classes), ``architectures``, ``auto_map`` and ``base_model_type`` /
+``base_architectures``. An explicit class (``LlamaForCausalLM.from_pretrained``) reads
+the fields, not the ``model_type``, and would build the dense-depth model with a mere
+warning: so ``rope_parameters`` moves to ``base_rope_parameters`` and its RoPE type
+becomes :data:`ROPE_GUARD`, which no transformers knows and which names the way to load
+the checkpoint. Without the package imported, ``trust_remote_code=True`` runs the two
+files ``auto_map`` names, which only import the package (no stale copy of its code).
 """
 
 from __future__ import annotations
@@ -38,7 +31,6 @@ ROUTED_ARCHITECTURE = "AdaDSFRoutedForCausalLM"
 _BASE_TYPE = "base_model_type"
 _BASE_ARCHITECTURES = "base_architectures"
 _BASE_ROPE = "base_rope_parameters"
-#: The ``rope_type`` a routed ``config.json`` declares in place of the base model's.
 ROPE_GUARD = (
     "adadsf_routed: a depth-routed checkpoint; load it with "
     "adadsf_modifier.from_pretrained(path), or AutoModelForCausalLM after "
@@ -89,8 +81,6 @@ _ROUTED_ONLY = (
 
 
 class AdaDSFRoutedConfig(PreTrainedConfig):
-    """The base config's fields plus ``base_model_type`` / ``base_architectures``."""
-
     model_type = ROUTED_MODEL_TYPE
 
     def __init__(
@@ -104,7 +94,6 @@ class AdaDSFRoutedConfig(PreTrainedConfig):
         super().__init__(**kwargs)
 
     def base_config(self) -> PreTrainedConfig:
-        """The base model's config: every field but the routed-only ones."""
         from transformers import CONFIG_MAPPING
 
         if not self.base_model_type:
@@ -152,8 +141,7 @@ def routed_config_dict(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _guarded(rope: dict[str, Any]) -> dict[str, Any]:
-    """``rope`` with :data:`ROPE_GUARD` as its RoPE type (each layer type's, where
-    the parameters are given per layer type)."""
+    """``rope`` with :data:`ROPE_GUARD` as its RoPE type (each layer type's)."""
     if all(isinstance(v, dict) for v in rope.values()):
         return {k: _guarded(v) for k, v in rope.items()}
     return {**rope, "rope_type": ROPE_GUARD}
@@ -185,8 +173,7 @@ def declare_routed_architecture(folder: Path) -> None:
 
 
 def declares_routed_architecture(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path/config.json`` names the routed architecture (False for a
-    checkpoint saved before it did)."""
+    """Whether ``path/config.json`` names the routed architecture."""
     file = Path(path) / "config.json"
     if not file.is_file():
         return False

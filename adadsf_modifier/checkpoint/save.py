@@ -2,16 +2,13 @@
 checkpoint of the kind its routers need (:class:`.kinds.CheckpointKind`).
 
 The hook wraps llm-compressor's compressed-tensors save (routers are plain tensors to
-it): checks that need no disk first; the inner save into a temporary sibling
-(:func:`adadsf_modifier.atomic.atomic_directory`), its ``recipe.yaml`` and
-``config.json`` rewritten (:mod:`._compat`, :mod:`.routed_config`); the router tensors
-read back and checked; the destination's other files (a tokenizer, a README) carried
-over, never a sidecar; the sidecar last, as the completeness marker; one rename. A
-failure leaves the destination as it was.
-
-Under ``torchrun`` every rank calls the save (llm-compressor's wrapper has collective
-steps) but only the source rank writes; the ranks must agree on routers and sidecar,
-and any failure is raised on every rank.
+it): checks that need no disk first; the inner save into a temporary sibling, its
+``recipe.yaml`` and ``config.json`` rewritten; the router tensors read back and
+checked; the destination's other files (a tokenizer, a README) carried over, never a
+sidecar; the sidecar last, as the completeness marker; one rename. A failure leaves
+the destination as it was. Under ``torchrun`` every rank calls the save
+(llm-compressor's wrapper has collective steps), the ranks must agree on routers and
+sidecar, only the source rank writes, and a failure is raised on every rank.
 """
 
 from __future__ import annotations
@@ -71,8 +68,8 @@ def _modifier_settings(modifier: Any) -> dict[str, Any]:
 def attach_checkpoint_support(
     model: nn.Module, modifier: Any = None, similarities: Any = None
 ) -> None:
-    """Record AdaDSF metadata on ``model`` and make every ``save_pretrained`` write it
-    (called by :class:`AdaDSFModifier` right after routing)."""
+    """Record AdaDSF metadata on ``model`` and make every ``save_pretrained`` write
+    it."""
     meta = dict(getattr(model, METADATA_ATTR, None) or {})
     if modifier is not None:
         meta["modifier"] = {
@@ -89,13 +86,10 @@ def attach_checkpoint_support(
 
 
 def install_save_hook(model: nn.Module, kind: CheckpointKind = ADADSF) -> None:
-    """Wrap ``model.save_pretrained`` (once) so that every save is a complete, atomic
-    checkpoint of ``kind``; installing again only changes the kind.
-
-    The wrapped save is llm-compressor's (``modify_save_pretrained``, so
-    ``save_compressed`` keeps working); ``_overridden = True`` makes a later
-    ``modify_save_pretrained`` (a second oneshot) leave ours in place.
-    """
+    """Wrap ``model.save_pretrained`` (once; again only changes the kind) so that every
+    save is a complete, atomic checkpoint of ``kind``. It wraps llm-compressor's save
+    (``save_compressed`` keeps working); ``_overridden`` makes a later
+    ``modify_save_pretrained`` (a second oneshot) leave ours in place."""
     if getattr(model.save_pretrained, "_adadsf_save_hook", None) is not None:
         model.save_pretrained._adadsf_save_hook = kind
         return
@@ -198,10 +192,8 @@ def _save_from_source_rank(
     dest = distributed.agree_on_errors(
         lambda: _destination(save_directory) if source else None
     )
-    if not source:
-        inner(
-            save_directory, *args, **kwargs
-        )  # its collective steps; it writes nothing
+    if not source:  # the inner save's collective steps; it writes nothing
+        inner(save_directory, *args, **kwargs)
         failure = distributed.broadcast_object(None)
         if failure is not None:
             raise AdaDSFCheckpointError(
@@ -228,8 +220,8 @@ _MODEL_ARTIFACTS = re.compile(
 
 
 def link_or_copy(src: str, dst: str) -> None:
-    """``dst`` as a hard link to ``src`` (free; whoever changes it later must replace
-    it, not write into it), a copy across filesystems."""
+    """``dst`` as a hard link to ``src`` (to be replaced, never written into), a copy
+    across filesystems."""
     try:
         os.link(src, dst)
     except OSError:

@@ -1,18 +1,14 @@
 """The ``adadsf_config.json`` sidecar: which decoder layers are routed and how
-(:class:`AdaDSFSidecar`: one :class:`LayerEntry` per layer, the modifier's settings).
+(:class:`AdaDSFSidecar`, one :class:`LayerEntry` per layer), and the reader of both
+kinds' sidecars (FTP's schema builds on :class:`SidecarSchema`).
 
 A sidecar, not fields in ``config.json``: llm-compressor's ``resave_config`` rewrites
-that file from the original model's. Versions: readers refuse a ``format_version``
-they do not know and ignore unknown keys; fields that change the model if ignored
-(skip paths, kept K/V) need version 2; version 3 marked a retired option
-(``route_target``), refused by name. A layer saved in the retired rank routing loads
-in causal routing, on the thresholds every checkpoint holds. The whole file is
-validated before any weight is read (a NaN threshold would otherwise keep no token but
-the first).
-
-:func:`read_sidecar_file` reads both kinds' sidecars (FTP's schema builds on
-:class:`SidecarSchema`): each failure is one :class:`AdaDSFCheckpointError` naming the
-file.
+that file from the original model's. Readers refuse a ``format_version`` they do not
+know and ignore unknown keys; fields that change the model if ignored (skip paths, kept
+K/V) need version 2; version 3 marked a retired option (``route_target``), refused by
+name. A layer saved in the retired rank routing loads in causal routing, on the
+thresholds every checkpoint holds. The whole file is validated before any weight is
+read (a NaN threshold would otherwise keep no token but the first).
 """
 
 from __future__ import annotations
@@ -27,8 +23,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from loguru import logger
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
@@ -36,18 +34,9 @@ from pydantic import (
 from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
-from adadsf_modifier.checkpoint.sidecar_types import (
-    FiniteFloat,
-    PositiveFloat,
-    PositiveInt,
-    Ratio,
-    RoutingMode,
-    SkipPathKind,
-    Threshold,
-)
 from adadsf_modifier.constraints import InputError
-from adadsf_modifier.routing import RoutedLayer, decoder_layers
-from adadsf_modifier.routing.skip_path import skip_path_of
+from adadsf_modifier.routing import ROUTING_MODES, RoutedLayer, decoder_layers
+from adadsf_modifier.routing.skip_path import SKIP_PATHS, skip_path_of
 
 SIDECAR_NAME = "adadsf_config.json"
 FORMAT_NAME = "adadsf"
@@ -55,6 +44,39 @@ FORMAT_VERSION = 1  # written for a model that needs nothing newer
 SKIP_PATH_FORMAT_VERSION = 2  # written when a layer has a skip path or keeps K/V
 SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)  # 3: only to refuse a retired option by name
 METADATA_ATTR = "adadsf_metadata"  # on the model: similarities, modifier settings
+
+
+def _threshold_in(value: Any) -> Any:
+    """Infinities are written as text (JSON has none). NaN is refused: every score
+    compares False with it, so the layer would silently run only the first token."""
+    if isinstance(value, str):
+        if value in ("inf", "-inf"):
+            return float(value)
+        if value.strip().lower().lstrip("+-") != "nan":
+            raise ValueError("must be a number, 'inf', '-inf' or null")
+        value = math.nan
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError("must not be NaN (use null for no threshold)")
+    return value
+
+
+def _threshold_out(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return "inf" if value > 0 else "-inf"
+
+
+Threshold = Annotated[
+    float | None,
+    BeforeValidator(_threshold_in),
+    PlainSerializer(_threshold_out, when_used="json"),
+]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(gt=0)]
+RoutingMode = Literal[ROUTING_MODES]  # type: ignore[valid-type]
+SkipPathKind = Literal[SKIP_PATHS]  # type: ignore[valid-type]
 
 
 class AdaDSFCheckpointError(InputError):
@@ -230,8 +252,7 @@ def _layer_entry(index: int, name: str, layer: nn.Module, similarity: Any) -> di
 
 
 def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
-    """The sidecar for ``model``, validated like a file being read: a model that could
-    not be reloaded as it is (a NaN threshold) is refused before anything is written."""
+    """The sidecar for ``model``, validated (:func:`validated_for_save`)."""
     spec, layers = decoder_layers(model)
     routed = [layer for _, layer in layers if isinstance(layer, RoutedLayer)]
     if not routed:
@@ -240,7 +261,7 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
             "AdaDSF-specific to save"
         )
     meta = getattr(model, METADATA_ATTR, None) or {}
-    sims = meta.get("similarities") or [None] * len(layers)
+    sims = meta.get("similarities") or []
     if len(sims) != len(layers):
         sims = [None] * len(layers)
     entries = [
@@ -265,11 +286,19 @@ def sidecar_for_model(model: nn.Module) -> AdaDSFSidecar:
         "layers": entries,
         "modifier": meta.get("modifier"),
     }
+    return validated_for_save(AdaDSFSidecar, data, model, "AdaDSF")
+
+
+def validated_for_save(
+    schema: type[SchemaT], data: dict, model: nn.Module, label: str
+) -> SchemaT:
+    """``data`` validated like a file being read: a model that no reload would accept
+    (a NaN threshold) is refused before anything is written."""
     try:
-        return AdaDSFSidecar.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as e:
         raise AdaDSFCheckpointError(
-            f"cannot save {type(model).__name__} as an AdaDSF checkpoint: "
+            f"cannot save {type(model).__name__} as an {label} checkpoint: "
             f"{describe_validation_error(e)}"
         ) from None
 
@@ -286,8 +315,7 @@ MAX_NESTING = 32
 
 
 def _nesting(data: Any) -> int:
-    """How deep ``data`` nests (a scalar is 0), without recursion; stops past
-    :data:`MAX_NESTING`."""
+    """How deep ``data`` nests, without recursion; stops past :data:`MAX_NESTING`."""
     deepest, stack = 0, [(data, 1)]
     while stack and deepest <= MAX_NESTING:
         value, depth = stack.pop()
@@ -299,8 +327,7 @@ def _nesting(data: Any) -> int:
 
 
 def read_json_object(file: Path, what: str) -> dict[str, Any]:
-    """``file``'s content, one JSON object (``what`` it should be, for messages); any
-    other content is one :class:`AdaDSFCheckpointError` naming the file."""
+    """``file``'s content, one JSON object (``what`` it should be, for messages)."""
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -331,7 +358,7 @@ def read_sidecar_file(
 ) -> SchemaT:
     """The reader of both kinds' sidecars: a JSON object, then ``check_format`` (first,
     so that a newer file says "upgrade" instead of listing the fields it changed), then
-    ``schema``. :raises AdaDSFCheckpointError: naming the file and every bad field."""
+    ``schema``; each failure one error naming the file."""
     data = read_json_object(file, f"an {label} sidecar")
     check_format(file, data)
     try:
@@ -357,8 +384,7 @@ def _check_adadsf_format(file: Path, data: dict[str, Any]) -> None:
 
 
 def read_sidecar(path: str | os.PathLike[str]) -> AdaDSFSidecar:
-    """Read and fully validate ``PATH/adadsf_config.json``, without touching any
-    weight."""
+    """Read and validate ``PATH/adadsf_config.json``, without touching any weight."""
     path = Path(path)
     if not path.is_dir():
         raise AdaDSFCheckpointError(

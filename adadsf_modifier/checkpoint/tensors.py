@@ -1,7 +1,6 @@
-"""Reading the router (and skip-path) tensors from a checkpoint's safetensors files,
-checked against the sidecar (presence, shape, full precision, finite): transformers
-does not know them. The save verifies what it wrote with the same reader.
-"""
+"""Reading the router (and skip-path) tensors, which transformers does not know, from
+a checkpoint's safetensors files, checked (presence, shape, full precision, finite);
+the save verifies what it wrote with the same reader."""
 
 from __future__ import annotations
 
@@ -32,9 +31,9 @@ _QUANT_SUFFIXES = (
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:
-    """``{tensor name: file}`` over the checkpoint's safetensors files, every file's
-    header read: a missing, emptied or truncated shard is named here, before the base
-    model loads (transformers' own error names neither the file nor the fix)."""
+    """``{tensor name: file}`` over the checkpoint's safetensors files, every header
+    read: a missing or truncated shard is named here, before the base model loads
+    (transformers' own error names neither the file nor the fix)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         out = {k: _shard(path, index, v) for k, v in _weight_map(index).items()}
@@ -54,8 +53,6 @@ def safetensors_files(path: Path) -> dict[str, Path]:
 
 
 def _tensor_names(file: Path) -> list[str]:
-    """The tensors a safetensors file holds, from its header (and its data's length,
-    which safetensors checks against the header)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -143,8 +140,7 @@ def _read_checked(
 def read_expected_tensors(
     path: Path, expected: dict[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
-    """The tensors ``expected`` names (``{name: shape}``), checked (FTP's save: its
-    sidecar does not give the shapes)."""
+    """The tensors ``expected`` names (``{name: shape}``), checked."""
     files = safetensors_files(path)
     return {
         key: _read_checked(path, files, key, shape, "", "")
@@ -153,8 +149,8 @@ def read_expected_tensors(
 
 
 def read_router_tensors(path: Path, sidecar: AdaDSFSidecar) -> dict[str, torch.Tensor]:
-    """Every routed layer's router (and skip-path) tensors, checked; a router tensor of
-    a layer the sidecar lists as not routed is refused."""
+    """Every routed layer's router (and skip-path) tensors, checked; one of a layer the
+    sidecar lists as not routed is refused."""
     files = safetensors_files(path)
     hidden = sidecar.hidden_size
     out: dict[str, torch.Tensor] = {}

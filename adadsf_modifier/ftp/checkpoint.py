@@ -1,10 +1,9 @@
 """Save and reload an FTP-routed model: ``ftp_routing.json`` next to the weights.
 
 AdaDSF's sidecar describes per-layer ``TokenRouter``s, not FTP's shared router, so FTP
-has its own small one (:class:`FTPSidecar`): scalars and each layer's ratio, threshold
-and skip path; ``save_pretrained`` writes the tensors (the shared MLP once, under the
-first routed layer). The save is AdaDSF's atomic one, given the :data:`FTP` kind; the
-sidecar goes through AdaDSF's reader and field types.
+has its own (:class:`FTPSidecar`): scalars and each layer's ratio, threshold and skip
+path; the weights hold the tensors (the shared MLP once, under the first routed layer).
+The save is AdaDSF's atomic one, given the :data:`FTP` kind.
 """
 
 from __future__ import annotations
@@ -15,27 +14,26 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from torch import nn
 
 from adadsf_modifier.atomic import write_text_durably
 from adadsf_modifier.checkpoint import CheckpointKind, install_save_hook
-from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME, register_loader
-from adadsf_modifier.checkpoint.load import load_base_model, read_config
+from adadsf_modifier.checkpoint.kinds import FTP_SIDECAR_NAME as FTP_SIDECAR
+from adadsf_modifier.checkpoint.kinds import register_loader
+from adadsf_modifier.checkpoint.load import load_base_model, read_config, tensors_of
 from adadsf_modifier.checkpoint.sidecar import (
     AdaDSFCheckpointError,
-    SidecarSchema,
-    describe_validation_error,
-    package_version,
-    read_sidecar_file,
-)
-from adadsf_modifier.checkpoint.sidecar_types import (
     FiniteFloat,
     PositiveFloat,
     PositiveInt,
     Ratio,
+    SidecarSchema,
     SkipPathKind,
     Threshold,
+    package_version,
+    read_sidecar_file,
+    validated_for_save,
 )
 from adadsf_modifier.checkpoint.tensors import read_expected_tensors, safetensors_files
 from adadsf_modifier.ftp.features import NUM_QUANTILES, LayerFeatureStats
@@ -54,18 +52,6 @@ from adadsf_modifier.routing import (
 )
 from adadsf_modifier.routing.skip_path import skip_path_of
 
-__all__ = [
-    "FTP",
-    "FTP_SIDECAR",
-    "FTPLayerEntry",
-    "FTPSidecar",
-    "ftp_sidecar",
-    "install_ftp_save_hook",
-    "load_ftp",
-    "read_ftp_sidecar",
-]
-
-FTP_SIDECAR = FTP_SIDECAR_NAME
 _FORMAT = 1
 
 
@@ -124,21 +110,20 @@ def _check_ftp_format(file: Path, data: dict[str, Any]) -> None:
 
 
 def read_ftp_sidecar(path: str | Path) -> FTPSidecar:
-    """Read and validate ``PATH/ftp_routing.json``, without touching any weight.
-
-    :raises AdaDSFCheckpointError: naming the file and the field
-    """
+    """Read and validate ``PATH/ftp_routing.json``, without touching any weight."""
     return read_sidecar_file(
         Path(path) / FTP_SIDECAR, FTPSidecar, "FTP", _check_ftp_format
     )
 
 
-def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
-    """The JSON-able description of every FTP-routed layer of ``model``."""
+def _save_record(model: nn.Module) -> dict[str, Any]:
+    """The sidecar, validated as a file being read, and the router and skip-path
+    tensors (``{name: shape}``) the weights must hold for it."""
     layers = ftp_layers(model)
     if not layers:
         raise ValueError("the model has no FTP-routed layers")
-    entries = []
+    names = {m: n for n, m in model.named_modules()}
+    entries, tensors = [], {}
     for m in layers:
         router, skip, threshold = m.router, skip_path_of(m), m.causal_threshold
         entries.append(
@@ -156,6 +141,13 @@ def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
                 "skipped_tokens_kv": bool(m.skipped_tokens_kv),
             }
         )
+        for part in ("router", "skip_path"):
+            module = m._modules.get(part)
+            if module is not None:
+                prefix = f"{names[m]}.{part}."
+                tensors.update(
+                    {prefix + k: list(v.shape) for k, v in module.state_dict().items()}
+                )
     first = layers[0].router
     data = {
         "format": _FORMAT,
@@ -164,31 +156,8 @@ def ftp_sidecar(model: nn.Module) -> dict[str, Any]:
         "keep_last": first.keep_last,
         "layers": entries,
     }
-    try:  # as a file being read: nothing is written that no reload would accept
-        sidecar = FTPSidecar.model_validate(data)
-    except ValidationError as e:
-        raise AdaDSFCheckpointError(
-            f"cannot save {type(model).__name__} as an FTP checkpoint: "
-            f"{describe_validation_error(e)}"
-        ) from None
-    return sidecar.model_dump(mode="json")
-
-
-def _save_record(model: nn.Module) -> dict[str, Any]:
-    """The sidecar, and the router and skip-path tensors (``{name: shape}``) the
-    weights must hold for it (FTP's sidecar does not give the shapes)."""
-    sidecar = ftp_sidecar(model)  # raises for a model without FTP routers
-    names = {m: n for n, m in model.named_modules()}
-    tensors = {}
-    for layer in ftp_layers(model):
-        for part in ("router", "skip_path"):
-            module = layer._modules.get(part)
-            if module is not None:
-                prefix = f"{names[layer]}.{part}."
-                tensors.update(
-                    {prefix + k: list(v.shape) for k, v in module.state_dict().items()}
-                )
-    return {"sidecar": sidecar, "tensors": tensors}
+    sidecar = validated_for_save(FTPSidecar, data, model, "FTP")
+    return {"sidecar": sidecar.model_dump(mode="json"), "tensors": tensors}
 
 
 def _write_sidecar(folder: Path, record: dict[str, Any]) -> None:
@@ -208,12 +177,6 @@ FTP = CheckpointKind(
 )
 
 
-def install_ftp_save_hook(model: nn.Module) -> None:
-    """Make every ``save_pretrained`` of ``model`` (oneshot's too) an atomic FTP
-    checkpoint."""
-    install_save_hook(model, FTP)
-
-
 def _layer_names(path: Path, sidecar: FTPSidecar, config: Any) -> list[str]:
     """Each listed layer's module name, its index checked against ``config.json``."""
     spec = architecture_for_config(config)
@@ -230,8 +193,8 @@ def _layer_names(path: Path, sidecar: FTPSidecar, config: Any) -> list[str]:
 def _new_router(
     mlp: FTPRouterMLP, sidecar: FTPSidecar, j: int, hidden: int
 ) -> FTPLayerRouter:
-    """Layer ``j``'s router as the sidecar describes it (probe and rank table zero
-    until the saved tensors load)."""
+    """Layer ``j``'s router as the sidecar describes it (its tensors zero until
+    loaded)."""
     entry = sidecar.layers[j]
     stats = LayerFeatureStats(
         torch.zeros(hidden),
@@ -261,9 +224,8 @@ def _new_skip_path(entry: FTPLayerEntry, hidden: int) -> SkipPath | None:
 def _read_router_tensors(
     path: Path, sidecar: FTPSidecar, names: list[str], hidden: int
 ) -> dict[str, torch.Tensor]:
-    """The router and skip-path tensors the sidecar implies, read and checked before
-    the base model loads (present, shaped as the sidecar's sizes give, finite), and
-    none it does not describe (sidecar and weights of different saves)."""
+    """The router and skip-path tensors the sidecar implies, read and checked (none
+    may be missing, mis-shaped, not finite, or not described by the sidecar)."""
     expected: dict[str, tuple[int, ...]] = {}
     with torch.device("meta"):
         mlp = FTPRouterMLP(sidecar.mlp_hidden)
@@ -291,26 +253,10 @@ def _read_router_tensors(
     return tensors
 
 
-def _load_into(module: nn.Module, tensors: dict, prefix: str, what: str) -> None:
-    own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-    try:
-        module.load_state_dict(own, strict=True)
-    except RuntimeError as err:
-        raise AdaDSFCheckpointError(
-            f"{what} tensors of `{prefix[:-1]}` do not match: "
-            f"{str(err).splitlines()[-1].strip()}"
-        ) from None
-
-
 def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
     """Reload a model saved after :class:`FTPModifier` (``kwargs`` go to
-    ``from_pretrained``): everything is checked before the base model loads, so a
-    bad folder costs no model load.
-
-    :raises AdaDSFCheckpointError: an invalid sidecar (file and field named), a layer
-        the model does not have, a router or skip-path tensor missing, mis-shaped,
-        not finite or not described by the sidecar
-    """
+    ``from_pretrained``); the sidecar and router tensors are checked before the base
+    model loads."""
     path = Path(path)
     if not (path / FTP_SIDECAR).is_file():
         raise FileNotFoundError(f"{path} has no {FTP_SIDECAR}: not an FTP checkpoint")
@@ -320,14 +266,14 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
     hidden = int(config.hidden_size)
     tensors = _read_router_tensors(path, sidecar, names, hidden)
     model = load_base_model(path, [r"\.(router|skip_path)\."], config=config, **kwargs)
-    spec, layers = decoder_layers(model)
+    spec, _ = decoder_layers(model)
     mlp = FTPRouterMLP(sidecar.mlp_hidden)
     for j, (entry, name) in enumerate(zip(sidecar.layers, names)):
         layer = model.get_submodule(name)
         router = _new_router(mlp, sidecar, j, hidden)
         skip = _new_skip_path(entry, hidden)
         if skip is not None:
-            _load_into(skip, tensors, f"{name}.skip_path.", f"{path}: skip path")
+            skip.load_state_dict(tensors_of(tensors, f"{name}.skip_path."))
         route_layer(
             layer,
             router,
@@ -343,10 +289,10 @@ def load_ftp(path: str | Path, **kwargs: Any) -> nn.Module:
         attach_context_hooks(layer)
     for name in names:
         router = model.get_submodule(name).router
-        _load_into(router, tensors, f"{name}.router.", f"{path}: router")
-    install_ftp_save_hook(model)
+        router.load_state_dict(tensors_of(tensors, f"{name}.router."))
+    install_save_hook(model, FTP)
     refuse_empty_inputs(model)
     return model.eval()
 
 
-register_loader(FTP_SIDECAR_NAME, load_ftp)
+register_loader(FTP_SIDECAR, load_ftp)

@@ -1,10 +1,10 @@
 """FTP's four router features per token: position, the attention score the token
 receives, that score's rank, and the layer's required sparsity.
 
-The score is a *key probe*, not read off attention maps (``docs/ftp.md``): the maps
-need eager attention and are not causal (later queries attend to the token), and the
-probe folds into ``<rms_norm(x), probe> + bias``. The rank is taken against the layer's
-calibration scores, so features need no per-sequence state in a KV cache.
+The score is a *key probe* folded into ``<rms_norm(x), probe> + bias``, not read off
+attention maps (they need eager attention and are not causal: later queries attend to
+the token). The rank is taken against the layer's calibration scores, so the features
+need no per-sequence state in a KV cache.
 """
 
 from __future__ import annotations
@@ -18,17 +18,6 @@ from torch import nn
 
 from adadsf_modifier.fitting.layer_capture import LayerCall, capture_layers
 from adadsf_modifier.utils import run_calibration_batches
-
-__all__ = [
-    "NUM_FEATURES",
-    "NUM_QUANTILES",
-    "LayerFeatureStats",
-    "check_probe_supported",
-    "calibrate_features",
-    "key_probe",
-    "norm_eps",
-    "token_features",
-]
 
 NUM_FEATURES = 4
 NUM_QUANTILES = 33  # entries of a layer's rank table (its calibration CDF)

@@ -1,14 +1,7 @@
 """``FTPModifier``: FTP token-wise pruning (arXiv 2412.11494) on AdaDSF's routing
-machinery.
-
-Everything happens in ``on_initialize`` (as for :class:`AdaDSFModifier`, so a later
-GPTQ stage calibrates the routed model): feature calibration (key probes, two dense
-passes) -> routing (one :class:`FTPLayerRouter` per layer, one shared MLP) -> genetic
-schedule of per-layer ratios on held-out calibration batches, scored with the static
-router -> skip-path fit (``skip_path: ridge``) -> router training (distillation,
-sparsity, guide) -> skip-path refit -> causal thresholds. The LLM's own weights are
-never written.
-"""
+machinery. Everything happens in ``on_initialize`` (as for ``AdaDSFModifier``, so that
+a later GPTQ stage calibrates the routed model); the LLM's own weights are never
+written."""
 
 from __future__ import annotations
 
@@ -20,6 +13,7 @@ from llmcompressor.modifiers import Modifier
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
+from adadsf_modifier.checkpoint import install_save_hook
 from adadsf_modifier.constraints import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -43,7 +37,7 @@ from adadsf_modifier.fitting.skip_fields import (
     fit_configured_skip_paths,
     thresholds_after,
 )
-from adadsf_modifier.ftp.checkpoint import install_ftp_save_hook
+from adadsf_modifier.ftp.checkpoint import FTP
 from adadsf_modifier.ftp.features import calibrate_features, check_probe_supported
 from adadsf_modifier.ftp.router import (
     FTPLayerRouter,
@@ -51,7 +45,6 @@ from adadsf_modifier.ftp.router import (
     attach_context_hooks,
 )
 from adadsf_modifier.ftp.scheduler import (
-    ScheduleResult,
     genetic_schedule,
     validation_loss,
 )
@@ -76,8 +69,6 @@ from adadsf_modifier.routing.skip_path import skip_path_of
 from adadsf_modifier.targeting import check_not_routed, targeted_layers
 from adadsf_modifier.token_rows import check_token_rows, vocabulary_size
 
-__all__ = ["FTPModifier"]
-
 
 class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     """
@@ -92,8 +83,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
           ignore: ["re:.*layers\\.0$"]
     ```
 
-    :param retention: mean fraction of real tokens that run each routed layer (as
-        :class:`AdaDSFModifier`'s)
+    :param retention: mean fraction of real tokens that run each routed layer
     :param min_retention: lowest ratio the scheduler may give a layer (default
         ``min(0.1, retention)``)
     :param schedule: ``genetic`` (FTP), ``uniform``, or one ratio per routed layer
@@ -105,19 +95,15 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     :param ga_population, ga_generations, ga_mutation: the genetic search's size
     :param train_steps, lr: router training (0 steps: the router keeps its init)
     :param train_routing: which tokens run while the router trains: ``threshold``
-        (FTP's hard gate ``s > 0``, the sparsity loss pulling its kept fraction to the
-        ratio) or ``quantile`` (inference's rule: each layer's ratio of the batch runs,
-        thresholds fitted per batch); :mod:`~adadsf_modifier.ftp.trainer`
+        (FTP's gate ``s > 0``) or ``quantile`` (each layer's ratio of the batch), see
+        :mod:`~adadsf_modifier.ftp.trainer`
     :param distill_weight, sparsity_weight, guide_weight, guide_steps: loss weights;
         the guide weight decays to 0 over ``guide_steps``
     :param seed: seeds the MLP's initialisation and the genetic search
     :param skip_path, skip_path_rank, skip_path_ridge, skipped_tokens_kv: what a
-        skipped token gets, as for :class:`AdaDSFModifier`
-        (:class:`~adadsf_modifier.fitting.skip_fields.SkipPathFields`). A ``ridge``
-        skip path is fitted once the schedule is final (so the router trains with it in
-        place) and again after router training (on the tokens the trained router
-        skips); it is never trained by gradient.
-        ``skip_path_report`` holds the last fit's per-layer ``R^2``
+        skipped token gets, as for ``AdaDSFModifier``; a ``ridge`` skip path is fitted
+        once the schedule is final (the router trains with it in place) and again
+        after router training, never by gradient
     """
 
     schedule: Literal["genetic", "uniform"] | list[UnitInterval] = "genetic"
@@ -139,7 +125,6 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     seed: int = 0
 
     _ratios: list[float] | None = PrivateAttr(default=None)
-    _schedule: ScheduleResult | None = PrivateAttr(default=None)
     _train: FTPTrainReport | None = PrivateAttr(default=None)
     _thresholds: ThresholdReport | None = PrivateAttr(default=None)
     _skip_path_report: SkipPathReport | None = PrivateAttr(default=None)
@@ -156,17 +141,12 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             raise ValueError(f"ga_population must be >= 2, got {self.ga_population}")
         return self
 
-    # ------------------------------------------------------------------ results
     @property
     def retention_ratios(self) -> list[float]:
         """Ratio of every decoder layer, in order (1.0: not routed)."""
         if self._ratios is None:
             raise RuntimeError("retention_ratios is available after initialization")
         return list(self._ratios)
-
-    @property
-    def schedule_result(self) -> ScheduleResult | None:
-        return self._schedule
 
     @property
     def train_report(self) -> FTPTrainReport | None:
@@ -178,10 +158,8 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
 
     @property
     def skip_path_report(self) -> SkipPathReport | None:
-        """Per layer ``R^2`` of the last skip-path fit (``None``: identity)."""
         return self._skip_path_report
 
-    # ------------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs: Any) -> bool:
         calib = getattr(state.data, "calib", None) if state.data is not None else None
         if calib is None:
@@ -192,9 +170,8 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
         return True
 
     def apply_to(self, model: torch.nn.Module, batches: list[dict]) -> None:
-        """Everything ``oneshot`` does, on ``model`` and calibration ``batches``
-        (dicts with ``input_ids`` and optionally ``attention_mask``) directly: for
-        tests, studies and scripts without an llm-compressor session."""
+        """Everything ``oneshot`` does, on ``model`` and calibration ``batches``,
+        without an llm-compressor session."""
         spec, layers = decoder_layers(model)
         check_not_routed(layers, "FTPModifier")
         targeted = targeted_layers(layers, self.targets, self.ignore, "FTPModifier")
@@ -240,7 +217,20 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
             )
             # the router trains with the skip paths in place
             self._skip_path_report = fit_configured_skip_paths(self, model, train)
-            self._train = train_router(model, train, self._train_config())
+            self._train = train_router(
+                model,
+                train,
+                FTPTrainConfig(
+                    steps=self.train_steps,
+                    lr=self.lr,
+                    distill_weight=self.distill_weight,
+                    sparsity_weight=self.sparsity_weight,
+                    guide_weight=self.guide_weight,
+                    guide_steps=self.guide_steps,
+                    keep_last=self.keep_last_tokens,
+                    routing=self.train_routing,
+                ),
+            )
             # on what the trained router skips; nothing trains after this walk, so it
             # fits the causal thresholds as it goes (a walk of their own without one)
             last = fit_configured_skip_paths(self, model, train, fit_thresholds=True)
@@ -248,7 +238,7 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
                 self._skip_path_report = last
             self._thresholds = thresholds_after(model, train, last)
             # every later save_pretrained (oneshot's output_dir too) writes the sidecar
-            install_ftp_save_hook(model)
+            install_save_hook(model, FTP)
             refuse_empty_inputs(model)
         except BaseException:
             self._unroute(targeted)
@@ -257,19 +247,6 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
     def on_finalize(self, state: State, **kwargs: Any) -> bool:
         self.remove_hooks()
         return True
-
-    # ------------------------------------------------------------------ steps
-    def _train_config(self) -> FTPTrainConfig:
-        return FTPTrainConfig(
-            steps=self.train_steps,
-            lr=self.lr,
-            distill_weight=self.distill_weight,
-            sparsity_weight=self.sparsity_weight,
-            guide_weight=self.guide_weight,
-            guide_steps=self.guide_steps,
-            keep_last=self.keep_last_tokens,
-            routing=self.train_routing,
-        )
 
     def _route(self, model, cache_kwarg, targeted, stats, max_len) -> None:
         done = []
@@ -331,7 +308,6 @@ class FTPModifier(Modifier, BudgetFields, SkipPathFields):
         finally:
             for layer in layers:
                 layer.router.mode = "learned"
-        self._schedule = result
         logger.info(
             f"FTP scheduler: validation loss {result.uniform_loss:.4f} (uniform) -> "
             f"{result.loss:.4f} after {result.evaluations} evaluations"

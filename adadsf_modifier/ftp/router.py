@@ -1,13 +1,10 @@
 """FTP's router: one small MLP shared by every routed layer, fed four features.
 
-Each routed layer's ``router`` child is an :class:`FTPLayerRouter`. The MLP is a child
-of the first one only (the others hold a plain reference), so its weights exist once in
-the state dict. A pre-hook (:func:`attach_context_hooks`) gives the router each call's
-mask and positions. The position feature is absolute, so padding must not count: a
-token's position is the number of real tokens before it, read off the layer's mask
-(the positions ``generate()`` derives; a plain forward on left-padded rows would
-otherwise count the padding); without a mask, or under a sliding window, it is the
-``position_ids`` RoPE sees.
+The MLP is a child of the first layer's :class:`FTPLayerRouter` only (the others hold a
+plain reference), so its weights exist once in the state dict. A pre-hook gives the
+router each call's mask and positions. A token's position is the number of real tokens
+before it, read off the layer's mask (as ``generate()`` derives it: padding must not
+count); without a mask, or under a sliding window, it is the ``position_ids`` RoPE sees.
 """
 
 from __future__ import annotations
@@ -27,13 +24,6 @@ from adadsf_modifier.ftp.features import (
 from adadsf_modifier.ftp.static import static_scores
 from adadsf_modifier.routing import RoutedLayer, routed_layers
 from adadsf_modifier.utils import allowed_by_mask, real_token_mask
-
-__all__ = [
-    "FTPRouterMLP",
-    "FTPLayerRouter",
-    "attach_context_hooks",
-    "ftp_layers",
-]
 
 RouterMode = Literal["learned", "static"]
 
@@ -57,7 +47,7 @@ class FTPRouterMLP(nn.Module):
 
 class FTPLayerRouter(nn.Module):
     """One routed layer's router: features of ``x`` and its context, scored by the
-    shared MLP; ``mode="static"`` gives the static router's scores (top-k only)."""
+    shared MLP (``mode="static"``: the static router's scores, top-k only)."""
 
     def __init__(
         self,
@@ -94,7 +84,7 @@ class FTPLayerRouter(nn.Module):
         return self._shared_mlp
 
     def detach_from(self, layer: nn.Module) -> None:
-        """Called by ``routing.unroute_layer``: the layer's context hooks go too."""
+        """Called by ``unroute_layer``: the layer's context hooks go too."""
         for handle in layer.__dict__.pop("_ftp_hooks", ()) or ():
             handle.remove()
 
@@ -160,7 +150,7 @@ def _clear(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
 
 def attach_context_hooks(layer: nn.Module) -> None:
     """Give ``layer.router`` each call's positions and mask (idempotent); prepended,
-    so the context is in place before another pre-hook (threshold fitting) calls it."""
+    so that the context is in place before another pre-hook (threshold fitting)."""
     if getattr(layer, "_ftp_hooks", None):
         return
     layer._ftp_hooks = (

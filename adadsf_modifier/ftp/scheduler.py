@@ -3,8 +3,7 @@
 Every candidate is projected onto the budget (``clip_to_budget``), so the budget holds
 by construction, not by penalty. Fitness: the next-token loss of the model routed by
 the static router, on batches held out from everything the router trains or calibrates
-on (the paper tuned on its benchmark). Evaluations are memoised: at most ``population
-* (generations + 1)``, each one forward per validation batch.
+on (the paper tuned on its benchmark). Evaluations are memoised.
 """
 
 from __future__ import annotations
@@ -14,14 +13,13 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from loguru import logger
 from torch import nn
 from tqdm.auto import tqdm
 
 from adadsf_modifier.fitting.allocation import clip_to_budget
-from adadsf_modifier.utils import next_token_nll
-
-__all__ = ["ScheduleResult", "genetic_schedule", "validation_loss"]
+from adadsf_modifier.utils import MODEL_INPUT_KEYS, model_device, tensors_to_device
 
 
 @dataclass
@@ -107,12 +105,30 @@ def genetic_schedule(
     )
 
 
+@torch.no_grad()
 def validation_loss(model: nn.Module, batches: Sequence[dict]) -> float:
-    """Mean next-token negative log-likelihood over the real tokens of ``batches``."""
+    """Mean next-token negative log-likelihood over the real targets of ``batches``
+    (a target and the token before it both real)."""
     was_training = model.training
     model.eval()
+    device = model_device(model)
+    total, count = 0.0, 0
     try:
-        total, count = next_token_nll(model, batches)
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
+            inputs = tensors_to_device(inputs, device)
+            logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+            target = inputs["input_ids"][:, 1:]
+            mask = inputs.get("attention_mask")
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                target.reshape(-1),
+                reduction="none",
+            ).view_as(target)
+            if mask is not None:
+                nll = nll[mask[:, 1:].bool() & mask[:, :-1].bool()]
+            total += float(nll.sum())
+            count += nll.numel()
     finally:
         model.train(was_training)
     if count == 0:

@@ -1,17 +1,13 @@
 """FTP's static router: the first token (the attention sink) and the last few always
-run, the rest of the budget goes by key-probe score.
-
-Untrained, it bootstraps what needs a router before one is trained: the scheduler's
-fitness and the guide loss. It looks at the sequence's end: top-k only, never decoding.
-"""
+run, the rest of the budget goes by key-probe score. Untrained, it serves what needs a
+router before one is trained (the scheduler's fitness, the guide loss); it looks at the
+sequence's end, so top-k only."""
 
 from __future__ import annotations
 
 import torch
 
 from adadsf_modifier.routing.selection import select_topk, tokens_to_keep_per_row
-
-__all__ = ["static_scores", "static_keep_mask"]
 
 _BOOST = 1e30  # finite, so a sigmoid or a sort of these scores stays well defined
 

@@ -27,15 +27,6 @@ from adadsf_modifier.ftp.static import static_keep_mask
 from adadsf_modifier.routing import RoutedLayer, routed_layers, routing_override
 from adadsf_modifier.utils import model_device, real_token_mask, tensors_to_device
 
-__all__ = [
-    "TRAIN_ROUTINGS",
-    "TrainRouting",
-    "FTPTrainConfig",
-    "FTPTrainReport",
-    "train_router",
-    "dense_forward",
-]
-
 TrainRouting = Literal["threshold", "quantile"]  # the module docstring
 TRAIN_ROUTINGS: tuple[str, ...] = get_args(TrainRouting)
 
