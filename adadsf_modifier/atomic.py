@@ -4,8 +4,7 @@ half-written model (after a crash, a SIGKILL, a full disk).
 
 A temporary sibling is named ``.NAME.adadsf-tmp-<host hash>-<pid>-<random>``: the next
 writer of the same destination removes those whose writer no longer runs on this host,
-and leaves live writers' and other hosts' (a shared filesystem) alone. A leaf module:
-the checkpoint code and the evaluation asset cache both use it.
+and leaves live writers' and other hosts' (a shared filesystem) alone.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ def _prefix(dest: Path, tag: str = TEMP_TAG) -> str:
 
 
 def resolve_destination(path: str | os.PathLike[str]) -> Path:
-    """The absolute real path to write: a symbolic link (even dangling) is followed,
-    so that publishing replaces its target instead of the link."""
+    """The absolute real path to write: a symbolic link (even dangling) is followed, so
+    that publishing replaces its target."""
     return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
 
 
@@ -83,8 +82,8 @@ def _owner_is_gone(owner: str) -> bool:
 
 
 def remove_stale_temp_dirs(dest: Path) -> list[Path]:
-    """Remove (and return) ``dest``'s temporary siblings whose writer no longer runs:
-    a killed save leaves a full-size hidden folder nothing else would delete."""
+    """Remove (and return) ``dest``'s temporary siblings whose writer no longer runs (a
+    killed save's full-size hidden folder)."""
     prefix = _prefix(dest)
     removed: list[Path] = []
     legacy: list[Path] = []
@@ -147,8 +146,8 @@ def _fsync_dir(path: Path) -> None:
 
 def publish_dir(tmp: Path, dest: Path) -> None:
     """Put the finished folder ``tmp`` at ``dest``: an existing one is swapped
-    atomically where the kernel allows (``dest`` never disappears), else moved aside
-    first and put back if the second rename fails."""
+    atomically where the kernel allows, else moved aside and put back if the second
+    rename fails."""
     if not dest.exists() and not dest.is_symlink():
         os.rename(tmp, dest)
     elif _rename_exchange(tmp, dest):
@@ -185,10 +184,9 @@ def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one.
-
-    The temporary file's name is unpredictable and created exclusively (a fixed name
-    could be a planted symbolic link); a link at ``path`` is replaced, not followed."""
+    """Write ``data`` to ``path`` so that readers see the old file or the new one. The
+    temporary file's name is unpredictable and created exclusively (a fixed name could
+    be a planted symbolic link); a link at ``path`` is replaced, not followed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -205,7 +203,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
@@ -219,9 +216,8 @@ def write_text_durably(path: Path, text: str) -> None:
 
 
 def give_files_folder_mode(folder: Path) -> None:
-    """Give every file directly in ``folder`` the folder's permissions minus execute:
-    safetensors writes 0600 files, which a shared cache (``$ADADSF_CACHE``) could not
-    read."""
+    """Give every file directly in ``folder`` the folder's permissions minus execute
+    (safetensors writes 0600 files, which a shared cache could not read)."""
     mode = stat.S_IMODE(folder.stat().st_mode) & 0o666
     for item in folder.iterdir():
         if item.is_file() and not item.is_symlink():

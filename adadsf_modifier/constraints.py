@@ -1,10 +1,6 @@
-"""Reusable pydantic field types whose errors name the allowed range.
-
-Declared once and used by the modifier's fields, so a bad YAML value fails at
-construction with ``<field>: must be in (0, 1], got 1.2`` rather than deep inside
-calibration; :func:`first_error` words a failed validation as that one line. A leaf
-module: it imports nothing of the package.
-"""
+"""Pydantic field types whose errors name the allowed range, so a bad recipe value
+fails at construction (``<field>: must be in (0, 1], got 1.2``), not deep inside
+calibration. A leaf module: it imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -15,21 +11,6 @@ from typing import Annotated, Any
 
 from loguru import logger
 from pydantic import AfterValidator, BeforeValidator, ValidationError, ValidationInfo
-
-__all__ = [
-    "FiniteFloat",
-    "InputError",
-    "NonNegativeInt",
-    "NonNegativeFloat",
-    "PositiveFloat",
-    "PositiveInt",
-    "UnitInterval",
-    "constrained",
-    "first_error",
-    "one_of",
-    "drop_retired_fields",
-    "refuse_booleans_as_numbers",
-]
 
 #: Recipe fields that once configured experiments no shipped recipe or published
 #: result used: each with the one value that still describes what the plug-in does
@@ -56,11 +37,9 @@ RETIRED_FIELDS: dict[str, tuple[object, str]] = {
 
 
 def drop_retired_fields(data: Any, owner: str) -> Any:
-    """``data`` (a modifier's recipe fields) without its retired fields
-    (:data:`RETIRED_FIELDS`): one set to the value that describes what the plug-in
-    does now is dropped with a warning, so an older recipe still loads; one set to
-    anything else asked for behaviour that is gone, and is refused
-    (:class:`InputError`, naming it)."""
+    """``data`` without its retired fields: one set to the value that describes what
+    the plug-in does now is dropped with a warning (an older recipe still loads); any
+    other value asked for behaviour that is gone, and is refused."""
     if not isinstance(data, dict) or not data.keys() & RETIRED_FIELDS.keys():
         return data
     kept = dict(data)
@@ -92,12 +71,10 @@ def _holds_bool(value: Any) -> bool:
 
 
 def refuse_booleans_as_numbers(model: type, data: Any, owner: str) -> Any:
-    """Refuse ``true`` / ``false`` given for a field that is not a boolean.
-
-    Pydantic reads ``True`` as 1 for a number (``retention: true`` would route every
-    layer at ratio 1 without a word); strict numbers would refuse the integer ``1``
-    a YAML author writes for a float. So a boolean, alone or inside a list, is refused
-    for every field whose type does not name ``bool``."""
+    """Refuse ``true`` / ``false`` (alone or in a list) for a field whose type does
+    not name ``bool``: pydantic reads ``True`` as 1 (``retention: true`` would route
+    every layer at ratio 1 silently), and strict numbers would refuse the integer
+    ``1`` a YAML author writes for a float."""
     if not isinstance(data, dict):
         return data
     fields = model.model_fields
@@ -113,8 +90,8 @@ def refuse_booleans_as_numbers(model: type, data: Any, owner: str) -> Any:
 
 class InputError(ValueError):
     """An input the user gave that cannot work (a recipe field, the model, the data, a
-    checkpoint): what to change is in the message, so the command line reports it in
-    one line (exit 2) instead of a traceback. A ``ValueError``, as before."""
+    checkpoint): the message says what to change, so the command line reports it in
+    one line (exit 2) instead of a traceback."""
 
 
 def constrained(ok: Callable[[float], bool], requirement: str) -> AfterValidator:
@@ -129,8 +106,8 @@ def constrained(ok: Callable[[float], bool], requirement: str) -> AfterValidator
 
 
 def one_of(choices: tuple[str, ...]) -> BeforeValidator:
-    """A ``BeforeValidator`` for a ``Literal`` field that names the field and the
-    allowed values (pydantic's own message lists them as a Python type)."""
+    """A ``BeforeValidator`` for a ``Literal`` field naming the field and the allowed
+    values (pydantic's own message lists them as a Python type)."""
 
     def check(value: object, info: ValidationInfo) -> object:
         if value not in choices:
@@ -143,31 +120,21 @@ def one_of(choices: tuple[str, ...]) -> BeforeValidator:
 
 
 def first_error(err: ValidationError) -> str:
-    """The first error of ``err`` on one line, ``<field>: <message>`` (the message
-    alone for a model-level rule), without pydantic's ``Value error,`` prefix."""
+    """The first error of ``err`` as one line, ``<field>: <message>``."""
     first = err.errors()[0]
     loc = ".".join(str(x) for x in first.get("loc", ()))
     msg = str(first.get("msg", err)).removeprefix("Value error, ")
     return f"{loc}: {msg}" if loc else msg
 
 
-def _finite(v: float) -> bool:
-    return math.isfinite(v)
-
-
-#: A ratio or budget: a fraction of tokens in (0, 1].
 UnitInterval = Annotated[
-    float, constrained(lambda v: _finite(v) and 0.0 < v <= 1.0, "in (0, 1]")
+    float, constrained(lambda v: math.isfinite(v) and 0.0 < v <= 1.0, "in (0, 1]")
 ]
-#: A strictly positive finite number (temperatures, learning rates).
-PositiveFloat = Annotated[float, constrained(lambda v: _finite(v) and v > 0.0, "> 0")]
-#: A finite number >= 0 (weights, steepness).
+PositiveFloat = Annotated[
+    float, constrained(lambda v: math.isfinite(v) and v > 0.0, "> 0")
+]
 NonNegativeFloat = Annotated[
-    float, constrained(lambda v: _finite(v) and v >= 0.0, "a finite number >= 0")
+    float, constrained(lambda v: math.isfinite(v) and v >= 0.0, "a finite number >= 0")
 ]
-#: Any finite number.
-FiniteFloat = Annotated[float, constrained(_finite, "a finite number")]
-#: Sizes and counts.
 PositiveInt = Annotated[int, constrained(lambda v: v >= 1, "a positive integer")]
-#: Counts where 0 means "none" (e.g. training steps).
 NonNegativeInt = Annotated[int, constrained(lambda v: v >= 0, "an integer >= 0")]

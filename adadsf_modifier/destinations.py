@@ -1,17 +1,13 @@
 """Where an output goes, checked before the (minutes to hours of) work that produces
-it.
+it. Outputs are written through a temporary sibling renamed into place, so the folder
+above (or the nearest existing one) must be writable, and so must an existing folder it
+replaces. Writability is tried, not guessed: a file created exclusively catches what
+``os.access`` misses (read-only mounts for root, network filesystems).
 
-Every output is written through a temporary sibling renamed into place
-(:mod:`adadsf_modifier.atomic`), so the folder it lives in (or the nearest existing one
-above it) must be writable, and so must an existing folder it replaces (the rename
-rewrites its ``..``). Writability is tried, not guessed: a file created exclusively
-catches what ``os.access`` misses (read-only mounts for root, network filesystems).
-
-:func:`install` wraps ``Oneshot.__init__`` (llm-compressor gives its modifiers neither
-the output folder nor a hook before its work) to check ``output_dir`` before the model
-loads and, once it has loaded, to refuse a recipe that would quantize a routed model's
-routers (:func:`~adadsf_modifier.recipe_checks.check_routed_model_keeps_routing`).
-Targets llmcompressor 0.14.0.1 (``output_dir`` among ``Oneshot.__init__``'s keywords).
+:func:`install` wraps ``Oneshot.__init__`` (llmcompressor 0.14 gives its modifiers
+neither the output folder nor a hook before its work) to check ``output_dir`` before
+the model loads and, once it has, to refuse a recipe that would quantize a routed
+model's routers.
 """
 
 from __future__ import annotations
@@ -63,10 +59,9 @@ def _check_writable(folder: Path, shown: str, what: str) -> None:
 def check_destination(
     path: str | os.PathLike[str], kind: Literal["folder", "file"], what: str
 ) -> Path:
-    """Refuse ``path`` as the destination of a ``kind`` output unless it can be
-    written the way this package writes it (a folder's symbolic link is judged by its
-    target, which the save replaces; a file's link is replaced, not followed).
-    ``what`` names the option in messages (``"--output-dir"``)."""
+    """Refuse ``path`` as the destination of a ``kind`` output unless it can be written
+    the way this package writes it (a folder's symbolic link is judged by its target, a
+    file's link is replaced); ``what`` names the option in messages."""
     shown = os.fspath(path)
     dest = (
         resolve_destination(path) if kind == "folder" else Path(os.path.abspath(path))
@@ -87,8 +82,8 @@ def check_destination(
 
 
 def _check_output_dir(output_dir: Any) -> None:
-    """On the rank that saves; every rank fails with it (else they would wait for it
-    in their first collective)."""
+    """On the rank that saves; every rank fails with it (else the others would wait in
+    their first collective)."""
 
     def check() -> None:
         if distributed.is_source_process():
@@ -98,8 +93,7 @@ def _check_output_dir(output_dir: Any) -> None:
 
 
 def _check_routed_model(model: Any, recipe: Any) -> None:
-    """The routed layers and skip paths are found here: the recipe checks cannot import
-    the routing, which imports them."""
+    """Found here: the recipe checks cannot import the routing, which imports them."""
     if not isinstance(model, nn.Module) or recipe is None:
         return
     routed = [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedLayer)]
@@ -110,7 +104,6 @@ def _check_routed_model(model: Any, recipe: Any) -> None:
 
 
 def install() -> None:
-    """Wrap ``Oneshot.__init__``, once per process."""
     from llmcompressor.entrypoints.oneshot import Oneshot
 
     if getattr(Oneshot.__init__, _MARK, False):

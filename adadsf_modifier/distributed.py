@@ -2,7 +2,6 @@
 own partition, but statistics, routers and thresholds must be identical on every rank
 (else a checkpoint would depend on the rank that saved it), so every stage reduces what
 it measured through these helpers. Without a process group each returns its input.
-Whether a run is distributed comes from compressed-tensors (``is_distributed``).
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ def world_size() -> int:
 
 def init_distributed() -> bool:
     """Initialise the process group from ``torchrun``'s environment (compressed-tensors'
-    NCCL ``init_dist`` with an accelerator, which it needs; else gloo). True when this
-    call created the group."""
+    ``init_dist`` with an accelerator, else gloo); True when this call created it."""
     if not dist.is_available() or dist.is_initialized():
         return False
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -70,9 +68,8 @@ def _comm_device() -> torch.device:
 
 
 def sum_across_ranks(values: Sequence[float] | torch.Tensor) -> Any:
-    """Element-wise sum over ranks of numbers (int64 or float64; a list back) or of a
-    tensor. Reduce sums and counts, never means (a mean of means weights ranks, not
-    tokens)."""
+    """Element-wise sum over ranks of numbers (a list back) or of a tensor. Reduce sums
+    and counts, never means (a mean of means weights ranks, not tokens)."""
     if not is_distributed():
         return values
     if isinstance(values, torch.Tensor):
@@ -86,7 +83,7 @@ def sum_across_ranks(values: Sequence[float] | torch.Tensor) -> Any:
 
 def any_across_ranks(flag: bool) -> bool:
     """True on every rank when ``flag`` is on any: a decision to raise is taken
-    together, or the other ranks wait forever in the next collective."""
+    together, or the others wait forever in the next collective."""
     if not is_distributed():
         return flag
     return bool(sum_across_ranks(torch.tensor([int(bool(flag))]))[0] > 0)
@@ -110,8 +107,8 @@ def broadcast_object(obj: T) -> T:
 
 
 def all_gather_variable(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dim 0 in rank order, on every rank;
-    first dimensions may differ (0 included)."""
+    """Every rank's ``tensor`` concatenated along dim 0 in rank order (first dimensions
+    may differ)."""
     if not is_distributed():
         return tensor
     device = _comm_device()
@@ -149,8 +146,8 @@ def broadcast_module(module: nn.Module, src: int | None = None) -> None:
 def check_same_across_ranks(
     what: str, value: Any, why: str = "every rank must run the same model and recipe"
 ) -> None:
-    """Raise :class:`DistributedMismatchError` on every rank unless all ranks hold an
-    equal ``value``."""
+    """Raise :class:`DistributedMismatchError` on every rank unless all hold an equal
+    ``value``."""
     if not is_distributed():
         return
     values = all_gather_object(value)
@@ -171,9 +168,9 @@ def _first_difference(a: Any, b: Any) -> str:
 
 
 def check_same_model(model: nn.Module, settings: Mapping[str, Any]) -> None:
-    """Refuse, before any calibration, ranks with different models or settings: config,
-    every parameter's shape and checksum (not quantization parameters a modifier
-    initialised before AdaDSF: uninitialised memory), and ``settings``."""
+    """Refuse, before any calibration, ranks with different models or settings (not
+    comparing quantization parameters a modifier initialised before: uninitialised
+    memory)."""
     if not is_distributed():
         return
     config = getattr(model, "config", None)
@@ -197,7 +194,7 @@ def check_same_model(model: nn.Module, settings: Mapping[str, Any]) -> None:
 
 def agree_on_errors(fn: Callable[[], T]) -> T:
     """``fn()`` on every rank; if it raised on any, raise on every rank (else the others
-    would wait in their next collective), the others naming the failed rank."""
+    would wait in their next collective)."""
     if not is_distributed():
         return fn()
     error: BaseException | None = None
@@ -232,8 +229,7 @@ def split_if_identical(
     hint: str = "",
 ) -> list[T]:
     """This rank's share of ``items``: items identical on every rank (by a digest of
-    ``tensors(item)``) are split, different ones kept; a rank left with none is
-    refused."""
+    ``tensors(item)``) are split, different ones kept."""
     if not is_distributed():
         return items
     digest = hashlib.sha256()
@@ -261,9 +257,8 @@ def rank_batches(loader: Iterable[Any], seed: int = 0) -> Iterable[Any]:
     """This rank's calibration batches (``loader`` itself in one process).
 
     llm-compressor 0.14 builds the sampler over the rank's slice of the dataset, but
-    the loader still indexes the full dataset, so every rank reads the first rows;
-    batches are read here from the slice, as intended. Batches still identical on every
-    rank are split. A shuffling loader is read once, with the RNG seeded by ``seed``.
+    the loader still indexes the full dataset, so every rank reads the first rows: here
+    batches are read from the slice. A shuffling loader is read once, seeded.
     """
     if not is_distributed():
         return loader
@@ -308,7 +303,7 @@ def setup_rank(
 ) -> Iterable[Any]:
     """What the modifier does first under ``torchrun``: logs from the source rank only
     (until :func:`restore_logging`), the same model and settings on every rank, this
-    rank's calibration batches. ``calib`` untouched in one process."""
+    rank's calibration batches."""
     if not is_distributed():
         return calib
     if not is_source_process():
@@ -322,5 +317,5 @@ def restore_logging() -> None:
         logger.enable("adadsf_modifier")
 
 
-def show_progress() -> bool:  # progress bars: on the source rank only
+def show_progress() -> bool:  # progress bars on the source rank only
     return is_source_process()

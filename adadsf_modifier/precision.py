@@ -1,9 +1,6 @@
-"""Which floating-point precision to load a model in, on this machine.
-
-bfloat16 halves memory and, with bfloat16 instructions (a CUDA GPU that has them, a CPU
-with AVX512-BF16 or AMX), runs several times faster than float32. Without them torch
-emulates it: slower than float32 and rounded differently, so ``auto`` picks float32.
-"""
+"""Which floating-point precision to load a model in on this machine: bfloat16 only
+where the device has bfloat16 instructions (emulated, it is slower than float32 and
+rounds differently)."""
 
 from __future__ import annotations
 

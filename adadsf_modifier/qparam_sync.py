@@ -3,10 +3,9 @@
 Under ``torchrun`` llm-compressor 0.14's GPTQ and ``QuantizationModifier`` split the
 modules between ranks, then ``broadcast_qparams_and_cleanup`` broadcasts each one's
 qparams from its owner, except on CPU: those live in compressed-tensors'
-``DistributedCPUCache``, shared memory updated asynchronously ("call
-``dist.barrier()`` after"), and nothing does. A rank could then read scales the owner
-had not written yet (uninitialised memory). :func:`install` adds the barrier (one round
-trip per subgraph on a GPU). ``tests/test_qparam_sync.py`` flags an upgrade of
+``DistributedCPUCache``, shared memory updated asynchronously, and nothing calls the
+``dist.barrier()`` it needs after, so a rank could read scales not yet written.
+:func:`install` adds the barrier; ``tests/test_qparam_sync.py`` flags an upgrade of
 :data:`TARGETS`.
 """
 

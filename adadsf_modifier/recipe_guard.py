@@ -1,16 +1,15 @@
 """Refuse YAML recipes that name an AdaDSF modifier but would apply none of it.
 
-llm-compressor 0.14's ``Recipe.from_dict`` reads only top-level keys ending in
-``_stage`` and, inside them, groups ending in ``_modifiers``, and silently ignores the
-rest (``sparsity:`` instead of ``sparsity_stage:`` gives back the dense model); an empty
-``AdaDSFModifier:`` body fails with ``'NoneType' object has no attribute 'get'``. The
-wrapper reads an empty body of our modifiers as "all defaults" and refuses a recipe
-that names them more often than it instantiates them. Idempotent.
+llm-compressor 0.14's ``Recipe.from_dict`` silently ignores top-level keys not ending
+in ``_stage`` and groups not ending in ``_modifiers`` (``sparsity:`` for
+``sparsity_stage:`` gives back the dense model), and fails on an empty
+``AdaDSFModifier:`` body; the wrapper reads an empty body of our modifiers as "all
+defaults" and refuses a recipe that names them more often than it instantiates them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
 from typing import Any
 
 from llmcompressor.recipe import Recipe
@@ -27,14 +26,14 @@ def _mentions(obj: Any, name: str) -> int:
     return 0
 
 
-def _fill_empty_bodies(obj: Any, names: Iterable[str]) -> Any:
+def _fill_empty_bodies(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {
-            k: ({} if (k in names and v is None) else _fill_empty_bodies(v, names))
+            k: {} if k in OUR_MODIFIERS and v is None else _fill_empty_bodies(v)
             for k, v in obj.items()
         }
     if isinstance(obj, list):
-        return [_fill_empty_bodies(v, names) for v in obj]
+        return [_fill_empty_bodies(v) for v in obj]
     return obj
 
 
@@ -43,8 +42,9 @@ def install() -> None:
         return
     original = Recipe.from_dict.__func__
 
+    @functools.wraps(original)
     def from_dict(cls, recipe_dict: dict[str, Any]) -> Recipe:
-        recipe_dict = _fill_empty_bodies(recipe_dict, OUR_MODIFIERS)
+        recipe_dict = _fill_empty_bodies(recipe_dict)
         recipe = original(cls, recipe_dict)
         for name in OUR_MODIFIERS:
             wanted = _mentions(recipe_dict, name)
@@ -60,6 +60,5 @@ def install() -> None:
                 )
         return recipe
 
-    from_dict.__doc__ = original.__doc__
     setattr(from_dict, _MARK, True)
     Recipe.from_dict = classmethod(from_dict)

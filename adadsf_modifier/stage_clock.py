@@ -1,5 +1,4 @@
-"""Wall-clock time per stage of a modifier's construction, recorded by the modifier
-(what users budget for; ``benchmarks/compress_cost.py`` reports it)."""
+"""Wall-clock seconds per stage of a modifier's construction (what users budget for)."""
 
 from __future__ import annotations
 
@@ -25,6 +24,5 @@ class StageClock:
             self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
 
     def summary(self) -> str:
-        """``"calibration 16 s, thresholds 20 s (total 36 s)"``."""
         parts = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
         return f"{parts} (total {sum(self.seconds.values()):.0f} s)"

@@ -1,6 +1,5 @@
-"""Which decoder layers a modifier routes (``targets`` / ``ignore``, matched the way
-llm-compressor's own modifiers match modules), and the refusal to route a model
-twice."""
+"""Which decoder layers a modifier routes (``targets`` / ``ignore``, matched as
+llm-compressor's own modifiers match modules), and the refusal to route twice."""
 
 from __future__ import annotations
 
@@ -31,19 +30,12 @@ def targeted_layers(
     ignore: list[str],
     who: str = "AdaDSFModifier",
 ) -> list[tuple[int, str, nn.Module]]:
-    """``(index, name, layer)`` of the layers to route: those matching ``targets``
-    (all when None; names, ``re:`` regexes or class names) and not ``ignore``."""
-    if targets is None:
-        chosen = [
-            (i, n, m) for i, (n, m) in enumerate(layers) if not is_match(n, m, ignore)
-        ]
-    else:
-        targets = [targets] if isinstance(targets, str) else targets
-        chosen = [
-            (i, n, m)
-            for i, (n, m) in enumerate(layers)
-            if is_match(n, m, targets, ignore=ignore)
-        ]
+    """``(index, name, layer)`` of the layers matching ``targets`` (all when None;
+    names, ``re:`` regexes or class names) and not ``ignore``."""
+    wanted = "re:.*" if targets is None else targets
+    chosen = [
+        (i, n, m) for i, (n, m) in enumerate(layers) if is_match(n, m, wanted, ignore)
+    ]
     if not chosen:
         raise InputError(
             f"{who}: targets={targets!r} / ignore={ignore!r} "

@@ -1,9 +1,6 @@
 """The token rows a modifier is given (calibration batches, ``align_dataset``),
-checked in one pass before any forward: an id outside the embedding table or a mask of
-the wrong length otherwise fails minutes later (or, for ``align_dataset``, after
-calibration and routing) as a bare ``IndexError`` or size error, or masks the wrong
-tokens without a word. One check, so calibration, alignment and FTP agree.
-"""
+checked in one pass before any forward: a bad id or mask would otherwise fail minutes
+later as a bare ``IndexError`` or size error, or mask the wrong tokens silently."""
 
 from __future__ import annotations
 
@@ -63,14 +60,10 @@ def _check_item(item: Any, where: str, vocab_size: int) -> None:
 def check_token_rows(
     source: Iterable[Mapping[str, Any]], vocab_size: int, what: str
 ) -> int:
-    """Check every item of ``source`` (``input_ids``, optional ``attention_mask``);
-    returns how many there were. ``what`` names an item in messages
-    (``"calibration batch 3: ..."``).
-
-    Runs under a forked RNG, so that a shuffling loader's later passes see the order
-    they would without this one. A one-shot iterator, which this pass would leave
-    empty, is not checked (returns 0).
-    """
+    """Check every item of ``source``; returns how many there were (``what`` names
+    an item in messages). Under a forked RNG, so that a shuffling loader's later
+    passes are unchanged; a one-shot iterator, which this pass would empty, is not
+    checked (returns 0)."""
     count = 0
     with torch.random.fork_rng(devices=[]):  # iter() of a loader draws from it too
         items = iter(source)
