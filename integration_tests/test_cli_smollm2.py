@@ -133,7 +133,7 @@ def test_run_overwrite_swaps_in_complete_results(compressed, monkeypatch):
 
     def reuse(model_path, recipe, target, *args):  # compress itself: the fixture
         shutil.copytree(sparse_dir, target)
-        return {"dtype": "float32", "alignment_rows": None}
+        return {"dtype": "float32", "alignment_rows": None, "dataset": "embedded"}
 
     monkeypatch.setattr(lab_commands, "compress", reuse)  # `adadsf run` is the lab's
     argv = ["run", "--recipe", root / "recipe.yaml", "--output-dir", out]
