@@ -141,8 +141,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         ``skip_error`` (with ``skip_path: ridge``) does that, then refits each router,
         once its layer's skip path is fitted, to predict the relative error that path
         makes on each token, layer by layer on the routed model's inputs, and refits the
-        path on the tokens the router then skips (``fitting.skip_fit``); ``random``
-        keeps the random initialisation (the ablation)
+        path on the tokens the router then skips (``fitting.skip_fit``)
     :param router_init_steps: full-batch Adam steps of that fit
     :param router_init_tokens: calibration tokens sampled per layer for that fit
     :param skip_path*, skipped_tokens_kv: what skipped tokens get (default: nothing,
@@ -163,7 +162,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
     ignore: list[str] = Field(default_factory=list)
     router_hidden_size: PositiveInt = 64
     seed: int = 0
-    router_init: Literal["similarity", "skip_error", "random"] = "similarity"
+    router_init: Literal["similarity", "skip_error"] = "similarity"
     router_init_steps: PositiveInt = 100
     router_init_tokens: PositiveInt = 2048
     align_dataset: Any = Field(default=None, exclude=True, repr=False)
@@ -387,8 +386,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         return report
 
     def _calibrate(self, model: torch.nn.Module, layers, calib) -> list[float]:
-        samples = self.router_init_tokens if self.router_init != "random" else 0
-        acc = SimilarityAccumulator(len(layers), samples, self.seed)
+        acc = SimilarityAccumulator(len(layers), self.router_init_tokens, self.seed)
         self._accumulator = acc
         # The base model skips the lm_head: calibration needs hidden states only. A
         # shuffling DataLoader draws its order from the global RNG: seed it so the
@@ -476,8 +474,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
 
     def _warm_start_routers(self, model) -> None:
         acc, self._accumulator = self._accumulator, None
-        if self.router_init == "random":
-            return
         results = warm_start_routers(
             model, acc.local_sample, self.router_init_steps, self.seed
         )

@@ -174,6 +174,7 @@ def test_layer_drop_removes_whole_layers(model_dirs):
         (dict(beta=-1.0), "beta", ">= 0"),
         (dict(beta=float("inf")), "beta", "finite"),
         (dict(router_init="learned"), "router_init", "similarity"),
+        (dict(router_init="random"), "router_init", "skip_error"),
         (dict(route_target="mlp"), "route_target", "whole decoder layer"),
         (dict(importance="loss"), "importance", "no longer supported"),
         (dict(align_anneal_steps=5), "align_anneal_steps", "remove it from the recipe"),

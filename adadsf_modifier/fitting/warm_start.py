@@ -7,8 +7,7 @@ The dense calibration pass already measures, per token, how much each layer chan
 uses for its routers. Regressing each router onto it (standardised ``log(1 - cos)``, a
 cheap full-batch fit on a sample of calibration tokens, no backward through the model)
 makes the router keep the tokens the layer would change most, i.e. the ones whose
-skipping costs most. Alignment then fine-tunes from there. ``router_init="random"`` on
-the modifier switches it off (the ablation).
+skipping costs most. Alignment then fine-tunes from there.
 
 Under ``torchrun`` (:func:`warm_start_routers`) every rank's sample of a layer is
 gathered, one rank fits that layer's router (layers are dealt round-robin over the
