@@ -12,8 +12,8 @@ from adadsf_modifier.routing import (
     get_routing_modes,
     routed_layers,
     set_routing_mode,
-    threshold_for_ratio,
 )
+from adadsf_modifier.routing.selection import cut_for_ratio
 
 RATIOS = [0.8, 0.5, 1.0, 0.6]
 
@@ -211,11 +211,11 @@ def test_thresholds_match_target_ratio_on_calibration_data():
     assert all(0.0 <= a <= 1.0 for a in report.topk_agreement)
 
 
-def test_threshold_for_ratio_quantile():
+def test_cut_for_ratio_quantile():
     scores = torch.arange(10.0)
-    t = threshold_for_ratio(scores, 0.3)
+    t = cut_for_ratio(scores, 0.3)[0]
     assert int((scores > t).sum()) == 3
-    assert threshold_for_ratio(scores, 1.0) == float("-inf")
+    assert cut_for_ratio(scores, 1.0)[0] == float("-inf")
 
 
 @pytest.mark.parametrize("arch", DISTINCT_ARCHITECTURES)

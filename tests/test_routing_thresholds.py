@@ -12,7 +12,7 @@ from adadsf_modifier.fitting.thresholds import (
     check_calibration_rows,
 )
 from adadsf_modifier.routing import routed_layers
-from adadsf_modifier.routing.selection import threshold_for_ratio
+from adadsf_modifier.routing.selection import cut_for_ratio
 
 RATIOS = [0.73, 0.61, 0.56, 0.3]
 
@@ -86,23 +86,23 @@ def test_check_calibration_rows_counts_real_tokens_only():
     check_calibration_rows([1.0], batch)  # a dense layer has no target to miss
 
 
-def test_threshold_for_ratio_cuts_at_the_closest_gap_between_tied_scores():
+def test_cut_for_ratio_cuts_at_the_closest_gap_between_tied_scores():
     scores = torch.tensor([3.0, 2.0, 2.0, 2.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
     # keeping 4 of 10 would split the four 2.0s: keep all of them (5) rather than
     # none (1)
-    t = threshold_for_ratio(scores, 0.4)
+    t = cut_for_ratio(scores, 0.4)[0]
     assert int((scores > t).sum()) == 5
-    t = threshold_for_ratio(scores, 0.2)  # 2 of 10: 1 is as close as 5 is not
+    t = cut_for_ratio(scores, 0.2)[0]  # 2 of 10: 1 is as close as 5 is not
     assert int((scores > t).sum()) == 1
-    assert threshold_for_ratio(scores, 0.0) > 3.0
+    assert cut_for_ratio(scores, 0.0)[0] > 3.0
 
 
-def test_threshold_for_ratio_is_exact_in_the_scores_dtype():
+def test_cut_for_ratio_is_exact_in_the_scores_dtype():
     """Adjacent float32 scores: the midpoint rounds onto one of them in float32."""
     hi = torch.tensor(1.0)
     lo = torch.nextafter(hi, torch.tensor(0.0))
     scores = torch.stack([hi, lo, lo - 1, lo - 2])
-    t = threshold_for_ratio(scores, 0.25)
+    t = cut_for_ratio(scores, 0.25)[0]
     assert int((scores > t).sum()) == 1
 
 

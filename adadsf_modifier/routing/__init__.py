@@ -34,7 +34,7 @@ from adadsf_modifier.routing.routed_layer import (
     unroute_layer,
 )
 from adadsf_modifier.routing.router import TokenRouter
-from adadsf_modifier.routing.selection import threshold_for_ratio, tokens_to_keep
+from adadsf_modifier.routing.selection import tokens_to_keep
 from adadsf_modifier.routing.skip_path import SKIP_PATHS, SkipPath
 
 __all__ = [
@@ -64,6 +64,5 @@ __all__ = [
     "tokens_to_keep",
     "SKIP_PATHS",
     "SkipPath",
-    "threshold_for_ratio",
     "routed_layers",
 ]

@@ -3,9 +3,6 @@ layer passes it its gradient (:func:`gated`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,27 +35,6 @@ class TokenRouter(nn.Module):
         model counts routers from a config)."""
         r = int(router_hidden_size)
         return 2 * int(tokens) * (int(hidden_size) * r + r)
-
-    def shape_fields(self) -> dict[str, Any]:
-        """What, besides the hidden size, rebuilds this router's shape (stored in
-        checkpoints)."""
-        return {
-            "router_hidden_size": int(self.router_hidden_size),
-            "router_eps": self.eps,
-        }
-
-    @classmethod
-    def from_shape_fields(
-        cls, hidden_size: int, fields: Mapping[str, Any]
-    ) -> TokenRouter:
-        """A new router of the shape :meth:`shape_fields` described (``router_eps``
-        optional: older checkpoints)."""
-        eps = fields.get("router_eps")
-        return cls(
-            int(hidden_size),
-            int(fields["router_hidden_size"]),
-            eps=1e-6 if eps is None else float(eps),
-        )
 
     def flops(self, tokens: int) -> int:
         """:meth:`flops_for` this router's shape."""

@@ -34,7 +34,6 @@ __all__ = [
     "select_topk",
     "skipped_slots",
     "threshold_beside_forced",
-    "threshold_for_ratio",
     "tokens_to_keep",
     "tokens_to_keep_per_row",
 ]
@@ -240,14 +239,10 @@ def batch_threshold(
     return threshold
 
 
-def threshold_for_ratio(scores: torch.Tensor, ratio: float) -> float:
-    """A threshold with ``mean(scores > t) ~= ratio``, midway between neighbouring
-    distinct scores; with ties, at the gap whose kept count is nearest ``ratio * n``."""
-    return cut_for_ratio(scores, ratio)[0]
-
-
 def cut_for_ratio(scores: torch.Tensor, ratio: float) -> tuple[float, int]:
-    """``(threshold, scores kept by it)`` for :func:`threshold_for_ratio`."""
+    """``(threshold, scores kept by it)``: a threshold with ``mean(scores > t) ~=
+    ratio``, midway between neighbouring distinct scores; with ties, at the gap whose
+    kept count is nearest ``ratio * n``."""
     n = scores.numel()
     if ratio >= 1.0:
         return float("-inf"), n
