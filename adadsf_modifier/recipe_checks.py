@@ -1,20 +1,12 @@
 """Recipe checks that :class:`~adadsf_modifier.AdaDSFModifier` runs before any work.
 
-Routers must stay in full precision. A quantized router would silently change which
-tokens run each layer (its ``fc2`` has a single output row, so one rounding step moves
-every score), and the routers are a rounding error of the model's size anyway. A
-quantization modifier later in the recipe resolves its targets when it initialises,
-which is after AdaDSF added the routers, so a broad target such as ``Linear`` would
-pick them up; this module refuses such a recipe before calibration instead of after.
-
-Quantization modifiers are recognised by llm-compressor's own base class
-(:class:`QuantizationMixin`: GPTQ, QuantizationModifier, AutoRound, ...), and "later in
-the recipe" by llm-compressor's own ``initialized`` flag, so nothing here needs to
-import (or name) the AdaDSF modifier.
-
-The same holds for the fitted skip paths (``skip_path: ridge``): closed-form maps fitted
-to float activations, a rounding error of the model's size. They are not ``Linear``
-modules, so a ``Linear`` target never reaches them; a name pattern could.
+Routers and fitted skip paths must stay in full precision: a quantized router would
+silently change which tokens run each layer (its ``fc2`` has one output row, so one
+rounding step moves every score), and both are a rounding error of the model's size. A
+quantization modifier later in the recipe resolves its targets after AdaDSF added them,
+so a broad target (``Linear``, or a name pattern for the skip paths) would pick them
+up; such a recipe is refused before calibration. Quantization modifiers are recognised
+by llm-compressor's ``QuantizationMixin`` and "later" by its ``initialized`` flag.
 """
 
 from __future__ import annotations

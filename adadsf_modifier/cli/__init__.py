@@ -5,17 +5,10 @@
     adadsf bench --routed out/sparse --output out/speed.json
     adadsf calibrate --routed out/sparse --text my_text.txt --output-dir out/mine
 
-The lab (``lab/``, package ``adadsf-lab``) adds ``run`` (the main job: compress, eval,
-bench, report), ``report`` and ``study`` through the ``adadsf.commands`` entry-point
-group, so this package never imports it: a command group is a callable taking the
-subparsers object (see :func:`add_command`).
-
-Every command checks its arguments (numbers, model path, recipe, task names, input
-files, output location) before any heavy work and exits with status 2 and a one-line
-reason when one is wrong. Existing, non-empty outputs are never overwritten without
-``--overwrite``; ``run --overwrite`` replaces the earlier results only once the new ones
-are complete. ``eval --tasks`` needs the evaluation extra
-(``pip install 'adadsf-modifier[eval]'``).
+The lab (``adadsf-lab``) adds its commands through the ``adadsf.commands`` entry-point
+group (see :func:`add_command`), so this package never imports it. Every command checks
+its arguments before any heavy work and exits with status 2 and a one-line reason when
+one is wrong; non-empty outputs are never overwritten without ``--overwrite``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """Seeing decoder layers' inputs and outputs while a pass runs calibration batches.
 
-Every calibration-time pass (dense similarity, skip-path fit, causal
-thresholds, FLOPs observation, FTP's feature calibration) reads what decoder layers
-receive or return while the model runs. :func:`capture_layers` puts one callback on
-each layer for the duration of a ``with`` block and always takes it off again, also
-when the forward raises; the callback gets a :class:`LayerCall`, which reads the
-hidden states, the attention mask and the real (non-padding) tokens the same way for
-every pass, so the passes agree on what a token is. Callbacks read; they never change
-what a layer gets or returns. :class:`StopForward` ends a forward early once the last
-layer a pass needs has run.
+:func:`capture_layers` puts one read-only callback on each layer for a ``with`` block
+and always takes it off again, also when the forward raises; the callback gets a
+:class:`LayerCall`, which reads hidden states, attention mask and real tokens the same
+way for every pass (similarity, skip-path fit, thresholds, FLOPs observation, FTP), so
+the passes agree on what a token is. :class:`StopForward` ends a forward early once the
+last layer a pass needs has run.
 
-How the batches are driven stays with the pass (``run_calibration_batches``, a
-next-token loss, a per-batch setup, a single observed forward): the block only scopes
-the hooks.
-
-Why a context manager and not llm-compressor's ``HooksMixin``: the passes are plain
-functions that the AdaDSF and FTP modifiers, the lab, the benchmarks and the tests
-all call, with no modifier to own the hooks; ``HooksMixin.disable_hooks()``, which
-llm-compressor's sequential pipeline enters while it traces and propagates, would
-silently switch a pass's hooks off, leaving its statistics empty; and its handles live
-until the modifier's ``remove_hooks()``, which removes every hook of the modifier at
-once, where a pass needs exactly its own hooks gone when its block ends.
+Not llm-compressor's ``HooksMixin``: these passes are plain functions with no modifier
+to own the hooks; ``HooksMixin.disable_hooks()``, entered by the sequential pipeline,
+would silently switch them off; and its ``remove_hooks()`` removes every hook of the
+modifier at once, where a pass needs exactly its own gone when its block ends.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Walk the decoder stack one layer at a time over the whole calibration set.
 
-A pass that fits something per routed layer on the inputs the *routed* model gives that
-layer (skip paths, causal thresholds) needs each layer's inputs to be final before it
-fits: they depend on how every layer below routes, and that is only settled once those
-layers are fitted. Running the model forward once per fit would cost a forward per
-layer, and re-running the whole fit until the layers stop moving costs several forwards.
-:func:`walk_layers` instead holds every calibration batch's hidden states at one depth
-and moves them up one layer at a time: the caller fits layer ``i`` on its inputs, then
-the walk runs layer ``i`` (as it is now, fitted) on them to make layer ``i + 1``'s
-inputs. The whole walk costs about one forward pass, and layer ``i`` sees exactly what
-a forward of the finished model would give it (the same layers, the same arguments:
-the masks and rotary embeddings each layer received are recorded once and replayed).
-
-Memory: one depth of hidden states for every calibration batch (``tokens x hidden``),
-plus what the caller keeps.
+A fit per routed layer on the inputs the *routed* model gives it (skip paths, causal
+thresholds) needs those inputs final, and they depend on every layer below. Rather than
+a forward per layer, :func:`walk_layers` holds every batch's hidden states at one depth:
+the caller fits layer ``i``, then the walk runs it (fitted) to make layer ``i + 1``'s
+inputs, replaying the masks and rotary embeddings recorded once. About one forward pass
+in all, and each layer sees exactly what the finished model gives it. Memory: one depth
+of hidden states for every calibration batch.
 """
 
 from __future__ import annotations

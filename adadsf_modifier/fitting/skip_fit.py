@@ -1,45 +1,22 @@
 """Fit every routed layer's skip path in closed form, layer by layer, on calibration
 data.
 
-:func:`fit_skip_paths` walks the decoder stack once. The inputs of every decoder layer
-for every calibration batch are those the *routed* model gives it: layers below have
-already been fitted and run routed (their skipped tokens take their fitted skip path,
-their kept tokens attend as routing lets them), so each fit sees the activations it
-will meet at inference, not the dense model's. For each routed layer it regresses the
-dense layer's update ``layer(x) - x`` (the layer run on every token of those inputs)
-on ``[x, 1]`` over the real tokens the router skips (what the map is used for; all
-real tokens where too few skip), then runs the routed layer to produce the next layer's
-inputs.
+:func:`fit_skip_paths` walks the decoder stack once, each layer's inputs being those
+the *routed* model gives it (layers below already fitted and routed), so each fit sees
+the activations it will meet at inference. Per routed layer it regresses the dense
+update ``layer(x) - x`` on ``[x, 1]`` over the real tokens the router skips (all real
+tokens where too few skip), then runs the routed layer for the next one's inputs.
 
-With ``refit_routers`` (``router_init: skip_error``), each layer's router is refit,
-right after its map, to predict the relative error the fitted map makes on each token
-(``|layer(x) - (x + u(x))| / |x|``, :func:`~adadsf_modifier.fitting.warm_start.\
-skip_error_target`), and the map is then refit on the tokens the new router skips (with
-the penalty chosen for the first map):
-the router learns which tokens the map cannot stand in for, on the inputs it will see
-(``benchmarks/oracle_router.py``: the similarity-trained router is no better than one
-ranking by absolute error, while relative error ranks best).
+``refit_routers`` (``router_init: skip_error``) refits each router, right after its
+map, to predict the map's relative error per token (:func:`~adadsf_modifier.fitting.\
+warm_start.skip_error_target`), then refits the map on the tokens the new router skips:
+the router learns which tokens the map cannot stand in for. ``fit_thresholds`` also
+fits each causal threshold once its router is final, and the map on the tokens it
+skips, saving the separate threshold walk; only valid when nothing trains afterwards.
 
-With ``fit_thresholds`` the same walk also fits every routed layer's causal threshold
-(:func:`~adadsf_modifier.fitting.thresholds.fit_layer_threshold`) as soon as its
-router is final, and fits the map on the tokens that threshold skips: each layer's
-inputs are then those of the finished model under causal routing, so the thresholds
-are what :func:`~adadsf_modifier.fitting.thresholds.calibrate_thresholds` would fit
-afterwards, without its walk (about one more forward pass). Only for a model nothing
-trains after this walk; an alignment changes the routers, and the thresholds are
-fitted after it.
-
-Under ``torchrun`` the regression statistics are summed over the ranks and routers are
-refit on the gathered sample and broadcast, so every rank ends with the same maps and
-routers, fit on every partition.
-
-Cost: about one forward pass over the calibration data when skipped tokens keep their
-keys/values (each routed layer runs once densely for the targets; its kept tokens'
-routed outputs are those dense outputs, so the next layer's inputs are made from them,
-:func:`kept_tokens_run_densely`), two otherwise (once densely, once routed); plus one
-cheap pass that only records every layer's keyword arguments (masks, rotary
-embeddings) and a router pass per fit. Memory: one batch-set of hidden
-states and one layer's ``(h + 1)^2`` float64 statistics at a time.
+Under ``torchrun`` the statistics are summed over ranks and routers refit on the
+gathered sample, so every rank ends with the same maps and routers. Memory: one
+batch-set of hidden states and one layer's ``(h + 1)^2`` float64 statistics.
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
 """Calibrate the per-layer thresholds of causal routing on calibration data.
 
 Causal routing keeps a token at layer ``i`` iff its router score exceeds ``theta_i``
-(the first real token of a row runs regardless: the attention sink). ``theta_i`` is set
-so that the kept fraction of real calibration tokens, forced tokens included, is
-``r_i``: forced tokens are left out of the quantile, and the remaining ones get the
-ratio that makes up the difference. Calibration rows too short for that (every token of
-a 1-token row is forced) are refused before any forward pass.
+(a row's first real token always runs: the attention sink). ``theta_i`` makes the kept
+fraction of real calibration tokens, forced ones included, equal ``r_i``: forced tokens
+are left out of the quantile and the rest get the ratio that makes up the difference.
+Rows too short for that are refused before any forward pass.
 
-Scores at layer ``i`` depend on how the layers below it route, so the thresholds are
-fitted bottom up in one walk of the decoder stack (:mod:`~adadsf_modifier.routing.\
-layer_walk`): layer ``i``'s threshold is fitted on the inputs the layers below give it
-under causal routing with their thresholds already final, then layer ``i`` runs under
-its own threshold to make the next layer's inputs. One walk costs about one forward
-pass and each layer's kept fraction is then what a forward of the finished model
-measures on the same data, so no pass repeats to let the thresholds settle. Cuts
-between tied scores go to the closest reachable count instead of dropping every tied
-token; a layer whose closest reachable count still misses its target by more than
-``tolerance`` raises :class:`ThresholdCalibrationError`.
-
-Under ``torchrun`` each rank scores its own partition; at every layer the ranks'
-scores are gathered and their counts summed (an exact merge: every rank fits the
-threshold on all ranks' scores), so thresholds and measurements are identical on every
-rank and equal to one process over the union of the data.
+Scores at layer ``i`` depend on how the layers below route, so thresholds are fitted
+bottom up in one walk (:mod:`~adadsf_modifier.fitting.layer_walk`) on the inputs the
+layers below give under their final thresholds: each kept fraction is then what the
+finished model measures on the same data, with no repeated pass. Cuts between tied
+scores go to the closest reachable count; a miss beyond ``tolerance`` raises
+:class:`ThresholdCalibrationError`. Under ``torchrun`` the ranks' scores are gathered
+per layer (an exact merge), so every rank gets the thresholds of the union of the data.
 """
 
 from __future__ import annotations

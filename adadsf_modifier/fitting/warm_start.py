@@ -1,18 +1,11 @@
 """Warm-start the routers from the dense model's own per-token similarity.
 
-A freshly initialised router ranks tokens at random, so at ``r < 1`` a random subset of
-tokens skips each layer, and alignment has to discover from scratch which tokens matter.
-The dense calibration pass already measures, per token, how much each layer changes it
-(``1 - cos(x_in, x_out)``): the same statistic AdaDSF uses per layer, and the label DLO
-uses for its routers. Regressing each router onto it (standardised ``log(1 - cos)``, a
-cheap full-batch fit on a sample of calibration tokens, no backward through the model)
-makes the router keep the tokens the layer would change most, i.e. the ones whose
-skipping costs most. Alignment then fine-tunes from there.
-
-Under ``torchrun`` (:func:`warm_start_routers`) every rank's sample of a layer is
-gathered, one rank fits that layer's router (layers are dealt round-robin over the
-ranks, so the fits run in parallel) and broadcasts it: every rank ends with the same
-routers, fit on tokens from all partitions.
+A fresh router ranks tokens at random. The dense calibration pass already measures how
+much each layer changes each token (``1 - cos(x_in, x_out)``); regressing each router
+onto it (standardised ``log(1 - cos)``, a cheap full-batch fit on a token sample, no
+backward through the model) makes it keep the tokens whose skipping costs most, and
+alignment fine-tunes from there. Under ``torchrun`` each layer's samples are gathered,
+one rank fits it (layers dealt round-robin) and broadcasts the router.
 """
 
 from __future__ import annotations
