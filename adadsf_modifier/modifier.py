@@ -1,14 +1,10 @@
-"""``AdaDSFModifier``: wires calibration, allocation and routing into llm-compressor's
-lifecycle.
+"""``AdaDSFModifier``: calibration, allocation and routing in llm-compressor's flow.
 
-All of the modifier's work happens in ``on_initialize``. llm-compressor initialises
-every modifier of a recipe, in order, before any calibration pipeline runs, so by the
-time a later GPTQ or SmoothQuant modifier initialises (and resolves its target modules)
-the layers are already routed, and GPTQ's sequential pipeline then calibrates on exactly
-the tokens the sparse model feeds each layer. The pipeline's own passes run without
-gradients and without the lm_head, so the dense calibration loops over
-``state.data.calib`` itself (as SparseGPT/Wanda's OWL option does for its statistics,
-and AutoRound for gradient work in its own hooks).
+All the work happens in ``on_initialize``: llm-compressor initialises every modifier
+before any pipeline runs, so a later GPTQ or SmoothQuant modifier resolves its targets
+on the routed layers and calibrates on the tokens the sparse model feeds them. The
+pipeline's passes run without gradients and without the lm_head, so the dense
+calibration loops over ``state.data.calib`` itself (as Wanda's OWL option does).
 """
 
 from __future__ import annotations
@@ -106,19 +102,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
           ignore: ["re:.*layers\\.0$"]
     ```
 
-    Lifecycle:
-
-    - on_initialize
-        - validate the recipe against the model (before touching it)
-        - dense calibration: cosine similarity of each decoder layer's input and output
-        - allocation: per-layer retention ratios with mean ``retention``
-        - routing: each targeted decoder layer becomes a ``RoutedLayer`` (own router)
-        - skip paths (``skip_path: ridge``): closed-form fit, see ``SkipPathFields``
-        - alignment (``align_steps > 0``): fine-tune against a frozen copy of the dense
-          model taken just before routing (``align_*`` fields: see ``AlignmentConfig``)
-        - causal thresholds: per-layer router-score thresholds for eval / generate()
-    - on_finalize: nothing left to do; the routed model stays routed
-
     :param retention: global token budget ``t`` in (0, 1]: mean fraction of real tokens
         that run each routed layer
     :param temperature: softmax temperature ``tau`` (> 0) of the similarity allocation
@@ -195,8 +178,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
     @field_validator("align_dataset")
     @classmethod
     def _check_align_dataset(cls, v: Any) -> Any:
-        """Refused here, not after the minutes of calibration and routing before the
-        alignment first reads it."""
+        """Refused here, not after calibration and routing."""
         if v is None:
             return v
         columns = getattr(v, "column_names", None)
@@ -247,20 +229,17 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
 
     @property
     def warm_start_report(self) -> list[WarmStartResult]:
-        """Per routed layer: fit losses and rank correlation of the router warm
-        start."""
+        """Per routed layer: the router warm start's fit."""
         return list(self._warm_start)
 
     @property
     def skip_path_report(self) -> SkipPathReport | None:
-        """Per layer: tokens fit on and fraction of the update explained (``R^2``) of
-        the last skip-path fit (``None``: identity skip path, or not fitted yet)."""
+        """The last skip-path fit (``None``: identity skip path, or not fitted yet)."""
         return self._skip_path_report
 
     @property
     def threshold_report(self) -> ThresholdReport:
-        """Causal-routing thresholds, measured kept fractions and agreement with
-        top-k."""
+        """Causal-routing thresholds and the kept fractions they give."""
         return self._ready(self._threshold_report, "threshold_report")
 
     @property
@@ -314,14 +293,11 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
 
     # ------------------------------------------------------------------ steps
     def _check_inputs(self, model: torch.nn.Module, layers, state: State):
-        """Everything that can be refused before any heavy work: the model, the
-        recipe, the budget, the calibration (and alignment) rows. Returns the targeted
+        """Refuse what can be refused before any heavy work; returns the targeted
         layers and this rank's calibration data."""
         check_not_routed(layers)
         check_alignment_supported(model, self)
         targeted = targeted_layers(layers, self.targets, self.ignore)
-        # An impossible allocation (wrong list length, layer_drop below one layer)
-        # fails here, before calibration.
         check_allocation(self.allocation, self.retention, len(targeted))
         calib = getattr(state.data, "calib", None) if state.data is not None else None
         if calib is None:
@@ -340,8 +316,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         self._check_token_rows(model, calib)
         self._check_rows_reach_the_budget(calib)
         self._check_teacher_cache(model, calib)
-        # A quantization modifier later in the recipe must not quantize the routers
-        # or skip paths (see adadsf_modifier.recipe_checks).
         recipe = session_recipe_of(self)
         names = [name for _, name, _ in targeted]
         check_recipe_keeps_routers_unquantized(names, recipe)
@@ -349,8 +323,8 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         return targeted, calib
 
     def _allocate(self, targeted, num_layers: int, calib) -> list[float]:
-        """The routed layers' ratios from their similarities (every layer's ratio,
-        1.0 where not routed, kept as ``retention_ratios``)."""
+        """The routed layers' ratios (every layer's, 1.0 where not routed, kept as
+        ``retention_ratios``)."""
         ratios = allocate(
             self.allocation,
             [self._similarities[i] for i, _, _ in targeted],
@@ -360,8 +334,6 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
             min_retention=self.resolved_min_retention,
             seed=self.seed,
         )
-        # Rows too short for causal thresholds to reach these ratios are refused now,
-        # before routing, warm start and alignment.
         check_calibration_rows(ratios, calib)
         full = [1.0] * num_layers
         for (i, _, _), r in zip(targeted, ratios):
@@ -404,10 +376,9 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         return sims
 
     def _check_token_rows(self, model: torch.nn.Module, calib) -> None:
-        """Token ids inside the vocabulary and masks as long as their ids, in the
-        calibration batches and the ``align_dataset``: one pass over the ids now
-        instead of an ``IndexError`` inside calibration or, for the alignment's own
-        rows, after calibration and routing. On every rank, which agree to fail."""
+        """Token ids inside the vocabulary and masks as long as their ids (calibration
+        and ``align_dataset``), checked now rather than an ``IndexError`` later; every
+        rank agrees to fail."""
         vocab = vocabulary_size(model)
         distributed.agree_on_errors(
             lambda: check_token_rows(calib, vocab, "calibration batch")
@@ -418,11 +389,9 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
             )
 
     def _check_rows_reach_the_budget(self, calib) -> None:
-        """A budget so small that a routed layer would keep no token but the one every
-        row always runs (``retention: 1e-9``) is refused before the dense calibration:
-        the rows are checked against the lowest ratio known now (the budget, or an
-        explicit list's lowest; the allocated ratios, which need the calibration's
-        similarities, are checked again after allocation). Reads the masks only."""
+        """Refuse, before the dense calibration, a budget whose lowest known ratio
+        (the allocated ones are checked again after allocation) the rows cannot
+        reach."""
         lowest = lowest_ratio_at_most(self.allocation, self.retention)
         if lowest is None:
             return
@@ -451,11 +420,7 @@ class AdaDSFModifier(Modifier, BudgetFields, AlignmentConfig, SkipPathFields):
         check_teacher_cache_fits(model, rows, need_hidden, device)
 
     def _align(self, model: torch.nn.Module, calib) -> None:
-        """Alignment fine-tune of the routed model (``align_steps > 0``); always frees
-        the teacher.
-
-        Trains on ``align_dataset`` when given, else on the calibration batches.
-        """
+        """Alignment fine-tune (``align_steps > 0``); always frees the teacher."""
         try:
             if self.align_steps > 0:
                 data = self.align_dataset if self.align_dataset is not None else calib

@@ -1,12 +1,10 @@
 """Refit a saved routed checkpoint's causal thresholds on a deployment's own text.
 
-The thresholds were fitted on the calibration set; on text unlike it the kept share,
-so the compute, drifts. They are the only part of a routed model fitted to the text
-that needs no training: :func:`recalibrate_checkpoint` refits every routed layer's
-threshold in one bottom-up walk (:func:`~adadsf_modifier.fitting.calibrate_thresholds`,
-about two forward passes in all) and writes a checkpoint that differs only in the
-sidecar's ``causal_threshold`` (weights hard-linked). Every routed layer must route
-causally (``topk`` reads no threshold); one process only; either kind.
+On text unlike the calibration set the kept share, so the compute, drifts; the
+thresholds are the only part fitted to the text that needs no training.
+:func:`recalibrate_checkpoint` refits them in one bottom-up walk and writes a checkpoint
+that differs only in the sidecar's ``causal_threshold`` (weights hard-linked). Every
+routed layer must route causally; one process only.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The user's own text for ``adadsf compress`` / ``calibrate`` / ``eval``
-(``--dataset``, ``--split``, ``--text-column``), read before any model loads.
-
-``--dataset`` names a plain ``.txt`` file, a ``.jsonl`` / ``.json`` / ``.csv`` /
-``.parquet`` file, a folder written by ``datasets``' ``save_to_disk``, or a dataset
-name that ``datasets.load_dataset`` resolves (the words of llm-compressor's
-``oneshot``: ``dataset``, ``splits``, ``text_column``). A column of chat conversations
-(lists of ``{"role", "content"}``, as a ``messages`` column holds them) is rendered
-through the model's chat template, the text the model sees when it chats; without a
-``text`` column, a ``messages`` column is read. What cannot be read is refused in one
-line naming the input and what to do.
+(``--dataset``, ``--split``, ``--text-column``, oneshot's words), read before any model
+loads: a ``.txt`` / ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file, a
+``save_to_disk`` folder, or a name ``datasets.load_dataset`` resolves. A column of chat
+conversations (``messages`` when there is no ``text``) is rendered through the model's
+chat template. What cannot be read is refused in one line saying what to do.
 """
 
 from __future__ import annotations

@@ -118,18 +118,10 @@ def fit_skip_paths(
     """Fit (installing where missing) the skip path of every routed layer below ratio 1.
 
     :param rank: ``None`` full rank, else the rank of each map
-    :param ridge: ridge penalty relative to the mean input variance (see
-        :func:`~adadsf_modifier.fitting.ridge.fit_ridge`); ``"auto"``: per layer,
-        the value of :data:`~adadsf_modifier.fitting.ridge.RIDGE_GRID` with the
-        least two-fold held-out error (calibration rows alternate between the folds)
-    :param refit_routers: also refit each router to its layer's skip error, then the
-        map on the tokens it skips (see the module docstring)
-    :param fit_thresholds: also fit every routed layer's causal threshold in this
-        walk, once its router is final, and fit its map on the tokens the threshold
-        skips (see the module docstring); only for a model nothing trains after this
-        walk, which the thresholds must fit as it is; a model whose routed layers all
-        run every token or none has nothing to fit (``report.thresholds`` stays
-        ``None``)
+    :param ridge: relative ridge penalty, or ``"auto"``: chosen per layer on two folds
+        (:func:`~adadsf_modifier.fitting.ridge.choose_ridge`)
+    :param refit_routers, fit_thresholds: see the module docstring;
+        ``report.thresholds`` stays ``None`` when no routed layer is partial
     """
     targets = install_skip_paths(model, rank)
     report = SkipPathReport()
@@ -172,14 +164,9 @@ def fit_skip_paths(
 
 
 def kept_tokens_run_densely(layer: nn.Module) -> bool:
-    """Whether ``layer``'s routed output on a token it runs is its dense output.
-
-    So it is when skipped tokens keep their keys and values: a kept token then attends
-    to every earlier real token, as in the dense layer, through the same modules. The
-    skip-path walk then makes the next layer's inputs from the dense run it needs
-    anyway for the targets (the kept tokens' dense outputs, the skipped tokens'
-    ``x + u(x)``) instead of running the layer again.
-    """
+    """Whether ``layer``'s routed output on a token it runs is its dense output (so
+    when skipped tokens keep their keys/values): the walk then builds the next inputs
+    from the dense run it needs anyway, instead of running the layer again."""
     return isinstance(layer, RoutedLayer) and bool(layer.skipped_tokens_kv)
 
 

@@ -1,12 +1,14 @@
 """Routing modes: which tokens a routed layer runs.
 
 - ``topk``: each row's ``max(1, floor(r * n))`` best-scoring real tokens; needs the
-whole sequence (training, paper-style evaluation), no KV cache. - ``causal``: a token
-runs iff its score exceeds the layer's calibrated threshold; its decision depends
-only on itself, so prefill + decoding equals one forward. - ``quantile``: the causal
-rule with the threshold fitted on the batch itself, so training sees inference's
-decisions while the router moves; needs the whole batch. - ``auto`` (default):
-``topk`` while training, ``causal`` in eval mode once thresholds are calibrated."""
+  whole sequence (training, paper-style evaluation), no KV cache.
+- ``causal``: a token runs iff its score exceeds the layer's calibrated threshold, so
+  prefill + decoding equals one forward.
+- ``quantile``: the causal rule with the threshold fitted on the batch itself, so
+  training sees inference's decisions while the router moves.
+- ``auto`` (default): ``topk`` while training, ``causal`` in eval mode once thresholds
+  are calibrated.
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """KV cache of a routed layer: only the tokens that ran the layer leave keys and values.
 
-A :class:`RoutedCacheLayer` replaces the ``DynamicLayer`` (or
-``DynamicSlidingWindowLayer``) of a routed decoder layer inside any transformers
-``DynamicCache``, so ``generate()`` works with its default cache. It stores the selected
-tokens' keys/values compacted per step into ``[batch, slots, ...]`` with a
-``slot_valid`` mask (rows select different numbers of tokens), and reports the true
-number of positions seen: transformers derives positions and mask sizes from
-``get_seq_length()`` and ``get_mask_sizes()``.
-
-Under a sliding window of ``w`` keys, compacted slots no longer sit at their index, so a
-windowed layer also keeps each slot's sequence index to mask the slots that left the
-window, and drops whole steps every later query has left behind (bounds known per step:
-no host sync).
+A :class:`RoutedCacheLayer` replaces a routed layer's ``DynamicLayer`` (or sliding
+window layer) inside any ``DynamicCache``, so ``generate()`` works with its default
+cache. It stores the kept tokens' keys/values compacted per step (``slot_valid`` marks
+the used slots) and reports the true number of positions seen, from which transformers
+derives positions and mask sizes. Under a sliding window it also keeps each slot's
+sequence index, to mask slots that left the window and drop steps every later query
+has left behind.
 """
 
 from __future__ import annotations
