@@ -1,10 +1,5 @@
-"""Per-layer token retention ratios under a global budget.
-
-Pure functions, no torch modules: every allocation strategy the modifier offers maps a
-list of per-layer input/output cosine similarities (from dense calibration) to a list of
-retention ratios. Keeping them pure makes comparing strategies at the same budget
-(similarity vs uniform vs reversed vs random vs layer removal) a matter of changing
-one string.
+"""Per-layer token retention ratios under a global budget: pure functions from the
+per-layer similarities of the dense calibration to ratios, one per strategy.
 """
 
 from __future__ import annotations
@@ -130,12 +125,10 @@ def clip_to_budget(
     """Clip ratios to ``[min_retention, 1]`` and redistribute so the mean stays
     ``retention``.
 
-    Redistribution keeps the paper's multiplicative form: we look for the single factor
-    ``c`` with ``mean(clip(c * r, min_retention, 1)) == retention``. That mean is
-    continuous and non-decreasing in ``c`` (from ``min_retention`` at c=0 to 1 for large
-    c), so bisection finds it whenever ``min_retention <= retention <= 1``; the ranking
-    of layers is preserved and the excess of a clipped layer flows to the others in
-    proportion to their own ratio.
+    Keeps the paper's multiplicative form: bisection finds the one factor ``c`` with
+    ``mean(clip(c * r, min_retention, 1)) == retention`` (that mean is monotone in
+    ``c``), so the layers' ranking is preserved and a clipped layer's excess flows to
+    the others in proportion to their ratio.
     """
     _check_budget(retention, min_retention)
     if any(r <= 0 for r in ratios):
