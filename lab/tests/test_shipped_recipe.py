@@ -75,3 +75,33 @@ def test_the_layer_removal_recipe_is_the_study_s_healed_layer_removal():
     for field, value in measured.items():
         if field not in block and field in defaults and field not in idle:
             assert defaults[field] == value, field
+
+
+def test_runs_the_current_plug_in_computed_keep_their_keys():
+    """Retiring a recipe field must not orphan a cached run: every run of the shipped
+    study that today's algorithm versions computed has, field for field, the modifier
+    configuration the study builds for it now (a retired field stays in the key at
+    its one value, ``arms._RETIRED``), so ``adadsf study`` finds it instead of
+    computing it again."""
+    import json
+
+    from adadsf_lab.study.methods import METHODS
+    from adadsf_modifier.algorithm_versions import ALGORITHM_VERSIONS
+
+    s = _study_settings()
+    tuned = single_candidate(s)
+    checked = 0
+    for path in sorted((ROOT / "docs/results/runs/main").glob("*/*.json")):
+        data = json.loads(path.read_text())
+        config = data["config"]
+        method = METHODS.get(config.get("method") or path.parent.name)
+        then = config["versions"]["algorithm"]
+        current = all(ALGORITHM_VERSIONS[area] == v for area, v in then.items())
+        if not current or config.get("modifier") is None or method.modifier != "adadsf":
+            continue
+        at = s.at_budget(config["budget"])
+        mod = config["modifier"]
+        built = modifier_fields(at, method.name, mod["retention"], mod["seed"], tuned)
+        assert built == mod, path.name
+        checked += 1
+    assert checked >= 1  # the recompute of issue 66 has started

@@ -49,6 +49,7 @@ _RETIRED = {
         "align_routers_first_steps": 0,
         "align_grad_clip": 1.0,
         "align_weight_decay": 0.0,
+        "routing_mode": "causal",
     },
     "ftp": {"route_target": "layer", "skip_path_tokens": "skipped"},
     "finetune": {"lr_schedule": "constant", "warmup_steps": 0},
