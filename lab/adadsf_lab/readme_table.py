@@ -93,18 +93,22 @@ def block(results: dict[str, Any]) -> list[str]:
             format(m["normalized_flops"]["mean"], ".3f"),
             _with_ci(m.get("prefill_speedup"), ".2f"),
             _with_ci(m.get("decode_speedup"), ".2f"),
-            _worst(per_text, method, rows[method]["budget"]),
+            _worst(per_text, method, rows[method]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _worst(per_text: list[dict[str, Any]], method: str, budget: float) -> str:
-    """The out-of-domain text on which ``method`` loses most to dense, or ``-``."""
-    w = worst_other_text(per_text, method, budget)
+def _worst(per_text: list[dict[str, Any]], method: str, row: dict[str, Any]) -> str:
+    """The out-of-domain text on which ``method`` loses most to dense, or ``-``; the
+    seeds that measured it where fewer than the row's."""
+    w = worst_other_text(per_text, method, row["budget"])
     if w is None:
         return "-"
-    return f"{w['x_dense']:.2f} on {w['text']} ({w['normalized_flops']['mean']:.3f})"
+    n = w["seeds"]
+    seeds = f"; {n} seed{'s' if n != 1 else ''}" if n < len(row["seeds"]) else ""
+    flops = w["normalized_flops"]["mean"]
+    return f"{w['x_dense']:.2f} on {w['text']} ({flops:.3f}{seeds})"
 
 
 def render_into(readme: str, results: dict[str, Any]) -> str:
