@@ -84,12 +84,16 @@ def test_runs_the_current_plug_in_computed_keep_their_keys():
     its one value, ``arms._RETIRED``), so ``adadsf study`` finds it instead of
     computing it again."""
     import json
+    from dataclasses import replace
 
     from adadsf_lab.study.methods import METHODS
+    from adadsf_lab.study.plan import fixed_rates
     from adadsf_modifier.algorithm_versions import ALGORITHM_VERSIONS
 
     s = _study_settings()
-    tuned = single_candidate(s)
+    fixed = {m: fixed_rates(s, m) for m in s.tune_methods}
+    per_method = {m: rates for m, rates in fixed.items() if rates is not None}
+    tuned = replace(single_candidate(s), per_method=per_method)  # as the study tunes
     checked = 0
     for path in sorted((ROOT / "docs/results/runs/main").glob("*/*.json")):
         data = json.loads(path.read_text())
