@@ -435,8 +435,8 @@ class RoutedLayer(nn.Module):
         h = gather_tokens(x + apply_named(self, after_attn, out), index)
         out = getattr(self, spec.mlp)(apply_named(self, spec.mlp_norm, h))
         y = h + apply_named(self, after_mlp, out)
-        slots = None
-        if skip_path_of(self) is not None or rec is not None:
+        skip_map, slots = skip_path_of(self), None
+        if skip_map is not None or rec is not None:
             slots = skipped_slots(real, index)
         if rec is not None:
             rows = None
@@ -445,7 +445,7 @@ class RoutedLayer(nn.Module):
                 rows = query_rows_mask(attention_mask, index, valid, q_len, kv_len)
             kept = valid.sum(1)
             n_skip = slots[1].sum(1) if slots is not None else torch.zeros_like(kept)
-            skipped = n_skip if skip_path_of(self) is not None else None
+            skipped = n_skip if skip_map is not None else None
             pairs = kept_kv_pairs(index, valid, rows)
             rec.record(
                 self.layer_index, "gather", kept, pairs, skip_path=skipped, kv=n_skip
@@ -555,10 +555,9 @@ class RoutedLayer(nn.Module):
     ) -> DecodeChoice:
         """The rows of a decoding step that run: by the causal threshold (every real
         row at the step that opens the cache)."""
-        keep_kv = self.skipped_tokens_kv
-        if keep_kv and cache is not None:
-            check_dense_cache(cache, self.layer_index)
-        if keep_kv:
+        if self.skipped_tokens_kv:
+            if cache is not None:
+                check_dense_cache(cache, self.layer_index)
             opens = stored_keys(cache, self.layer_index) == 0
         else:
             opens = cache_layer is None or cache_layer.seen_tokens == 0

@@ -152,7 +152,9 @@ def worst_other_text(rows: list[dict[str, Any]], method: str, budget: float):
     other = [
         r
         for r in rows
-        if (r["method"], r["budget"], r["text"] != IN_DOMAIN) == (method, budget, True)
+        if r["method"] == method
+        and r["budget"] == budget
+        and r["text"] != IN_DOMAIN
         and r["x_dense"] is not None
     ]
     return max(other, key=lambda r: r["x_dense"], default=None)
