@@ -17,6 +17,7 @@ from typing import Any
 
 from loguru import logger
 
+from adadsf_lab.study.aggregate import headline_budget
 from adadsf_lab.study.per_text import worst_other_text
 from adadsf_modifier.atomic import atomic_write_text
 
@@ -31,7 +32,6 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("adadsf_ridge_kv_err", "**AdaDSF, the shipped recipe**"),
     ("layer_drop_healed", "layer removal (ShortGPT) + healing"),
 )
-SHIPPED = "adadsf_ridge_kv_err"
 
 
 def _with_ci(stat: dict[str, Any] | None, fmt: str) -> str:
@@ -46,17 +46,18 @@ def _with_ci(stat: dict[str, Any] | None, fmt: str) -> str:
     return text
 
 
-def shipped_budget(results: dict[str, Any]) -> float:
-    """The budget of the shipped recipe's runs with the most seeds (ties: highest)."""
-    runs = [s for s in results["summary"] if s["method"] == SHIPPED]
-    if not runs:
-        raise ValueError(f"results hold no run of the shipped recipe ({SHIPPED})")
-    return max(runs, key=lambda s: (len(s["seeds"]), s["budget"]))["budget"]
+def _older_rows(results: dict[str, Any]) -> bool:
+    """Whether an older plug-in computed any run of the table's rows (results written
+    before the headline counts: whether it computed any run at all)."""
+    h = results.get("headline")
+    if h is None:
+        return bool(results.get("older_algorithm"))
+    return any(method in h["older"] for method, _ in ROWS)
 
 
 def block(results: dict[str, Any]) -> list[str]:
     """The lines between the markers."""
-    budget = shipped_budget(results)
+    budget = headline_budget(results)
     rows = {
         s["method"]: s
         for s in results["summary"]
@@ -71,7 +72,7 @@ def block(results: dict[str, Any]) -> list[str]:
         + (
             " (runs computed by an older plug-in than this one: the header of "
             "`docs/results/RESULTS.md` says which parts changed since):"
-            if results.get("older_algorithm")
+            if _older_rows(results)
             else ":"
         ),
         "",

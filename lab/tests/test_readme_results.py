@@ -65,3 +65,13 @@ def test_the_caption_says_when_an_older_plugin_computed_the_runs():
     assert "older plug-in" not in block(RESULTS)[0]
     older = {**RESULTS, "older_algorithm": {"runs": 2, "areas": {"adadsf": [2]}}}
     assert "runs computed by an older plug-in than this one" in block(older)[0]
+    # with the headline counts: only the table's own rows count
+    counted = {**older, "headline": {"current": {}, "older": {"uniform": 2}}}
+    assert "older plug-in" not in block(counted)[0]
+    counted["headline"]["older"]["layer_drop_healed"] = 1
+    assert "older plug-in" in block(counted)[0]
+
+
+def test_the_table_shows_the_tuning_budget_where_the_shipped_recipe_ran():
+    tuned = {**RESULTS, "settings": {"tune_budget": 0.9}}
+    assert "budget 0.9," in block(tuned)[0]

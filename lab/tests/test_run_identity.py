@@ -246,3 +246,85 @@ def test_results_say_how_many_runs_an_older_plugin_computed():
     assert "2 of the runs shown were computed by an older plug-in" in line
     assert f"adadsf {now - 2}/{now - 1} (now {now})" in line
     assert _older_algorithm(records[:1]) == {} and _older_code({}) == []
+
+
+def _run(method, budget, seed, older=False):
+    from adadsf_lab.study.run_cache import OLDER_ALGORITHM
+
+    record = {"method": method, "budget": budget, "seed": seed, "ppl_test": 1.0}
+    return {**record, OLDER_ALGORITHM: {"routing": 1}} if older else record
+
+
+def test_a_run_of_this_plugin_leaves_out_the_older_runs_of_its_cell_only():
+    from adadsf_lab.study.study import current_supersedes_older
+
+    runs = [
+        _run("uniform", 0.8, 0),
+        _run("uniform", 0.8, 1, older=True),
+        _run("uniform", 0.7, 1, older=True),  # no current run at 0.7: kept
+        _run("adadsf", 0.8, 0, older=True),  # no current run of adadsf: kept
+        _run("adadsf", 0.8, 1, older=True),
+    ]
+    kept, left_out = current_supersedes_older(runs)
+    assert kept == [runs[0], *runs[2:]]
+    assert left_out == [{"method": "uniform", "budget": 0.8, "seed": 1}]
+
+
+def test_the_header_counts_the_headline_runs_by_the_code_that_computed_them():
+    from adadsf_lab.study.aggregate import _headline
+    from adadsf_lab.study.render import _headline_and_left_out
+
+    results = {
+        "settings": {"tune_budget": 0.8},
+        "summary": [
+            {"method": "adadsf_ridge_kv_err", "budget": b, "seeds": s}
+            for b, s in ((0.8, [0]), (0.7, [0, 1, 2]))
+        ],
+        "dense": _run("dense", 1.0, 0),
+        "runs": [
+            _run("adadsf_ridge_kv_err", 0.8, 0),
+            _run("adadsf_ridge_kv_err", 0.7, 0, older=True),  # another budget
+            _run("adadsf", 0.8, 0, older=True),
+            _run("adadsf", 0.8, 1, older=True),
+            _run("ftp", 0.8, 0, older=True),  # not behind the table or its verdicts
+        ],
+    }
+    h = _headline(results)
+    assert h == {
+        "budget": 0.8,  # the tuning budget, though 0.7 has more seeds
+        "current": {"dense": 1, "adadsf_ridge_kv_err": 1},
+        "older": {"adadsf": 2},
+    }
+    left = [{"method": "uniform", "budget": 0.8, "seed": s} for s in (2, 1)]
+    head, tail = _headline_and_left_out({"headline": h, "superseded": left})
+    assert "verdicts at 0.8: 2 of 4 computed by an older plug-in" in head
+    assert "older: adadsf 2" in head
+    assert tail.endswith("uniform at 0.8 seeds 1, 2")
+    assert _headline_and_left_out({}) == []
+
+
+def test_a_verdict_pairs_only_seeds_one_plugin_computed_for_both_methods():
+    from adadsf_lab.study.aggregate import _comparisons
+
+    def runs(method, ppls, older_seeds=()):
+        return [
+            {**_run(method, 0.8, s, older=s in older_seeds), "ppl_test": p}
+            for s, p in enumerate(ppls)
+        ]
+
+    # seed 0 of uniform was recomputed; seeds 1 and 2 pair older runs with older runs
+    rows, sentences = _comparisons(
+        runs("adadsf", [10.0, 11.0, 12.0], older_seeds=(0, 1, 2))
+        + runs("uniform", [99.0, 13.0, 15.0], older_seeds=(1, 2))
+    )
+    (ppl,) = [r for r in rows if r["metric"] == "ppl_test"]
+    assert tuple(ppl["seeds"]) == (1, 2) and ppl["mean_diff"] == -2.5
+    # no seed in common by the same code: said, not computed
+    rows, sentences = _comparisons(
+        runs("adadsf", [10.0], older_seeds=(0,)) + runs("uniform", [99.0])
+    )
+    assert rows == []
+    assert sentences == [
+        "AdaDSF (similarity) vs uniform (MoD) at 0.8: no seed has runs of both "
+        "computed by the same plug-in, no comparison"
+    ]

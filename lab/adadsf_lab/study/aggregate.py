@@ -10,6 +10,7 @@ from typing import Any
 
 from adadsf_lab.study.methods import METHODS, by_method_and_budget
 from adadsf_lab.study.per_text import budget_per_text, quality_per_text
+from adadsf_lab.study.run_cache import OLDER_ALGORITHM
 from adadsf_lab.study.stats import (
     mean_ci,
     paired_difference,
@@ -21,9 +22,11 @@ from adadsf_lab.study.wall_clock import wall_clock
 
 __all__ = [
     "COMPARISONS",
+    "HEADLINE_METHODS",
     "PAPER_RESULTS",
     "SUMMARY_METRICS",
     "build_results",
+    "headline_budget",
 ]
 
 COMPARISONS: tuple[tuple[str, str], ...] = (
@@ -72,6 +75,18 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
 )
 """``(a, b)``: ``a - b`` per seed. AdaDSF against uniform and against layer removal
 first: the questions the method's reviewers asked."""
+
+SHIPPED_METHOD = "adadsf_ridge_kv_err"
+#: the runs behind the README's table and the verdicts of AdaDSF against its baselines
+HEADLINE_METHODS = (
+    "dense",
+    SHIPPED_METHOD,
+    "layer_drop_healed",
+    "uniform",
+    "adadsf",
+    "reversed",
+    "random",
+)
 
 COMPARED_METRICS = {"ppl_test": True, "task_mean": False}  # name -> lower is better
 
@@ -193,6 +208,20 @@ def _comparisons(runs: list[dict]) -> tuple[list[dict], list[str]]:
             ra, rb = by.get((a, budget)), by.get((b, b_budget))
             if not ra or not rb:
                 continue
+            # a seed pairs only runs one plug-in computed: a difference across two
+            # codes would measure the code change as well as the methods
+            seeds = {
+                s
+                for s in set(ra) & set(rb)
+                if (OLDER_ALGORITHM in ra[s]) == (OLDER_ALGORITHM in rb[s])
+            }
+            if not seeds and set(ra) & set(rb):
+                sentences.append(
+                    f"{METHODS[a].label} vs {METHODS[b].label} at {budget:g}: no seed "
+                    "has runs of both computed by the same plug-in, no comparison"
+                )
+            ra = {s: r for s, r in ra.items() if s in seeds}
+            rb = {s: r for s, r in rb.items() if s in seeds}
             for metric, lower in COMPARED_METRICS.items():
                 diff = paired_difference(
                     {s: r.get(metric) for s, r in ra.items()},
@@ -218,6 +247,37 @@ def _comparisons(runs: list[dict]) -> tuple[list[dict], list[str]]:
     return rows, sentences
 
 
+def headline_budget(results: dict[str, Any]) -> float:
+    """The budget the README's table shows: the study's tuning budget (the shipped
+    recipe's) where the shipped recipe has runs, else the shipped recipe's budget with
+    the most seeds (ties: the highest)."""
+    runs = [s for s in results["summary"] if s["method"] == SHIPPED_METHOD]
+    if not runs:
+        raise ValueError(
+            f"results hold no run of the shipped recipe ({SHIPPED_METHOD})"
+        )
+    tuned = results.get("settings", {}).get("tune_budget")
+    if any(s["budget"] == tuned for s in runs):
+        return tuned
+    return max(runs, key=lambda s: (len(s["seeds"]), s["budget"]))["budget"]
+
+
+def _headline(results: dict[str, Any]) -> dict[str, Any]:
+    """``{budget, current: {method: runs}, older: {method: runs}}``: how many of the
+    :data:`HEADLINE_METHODS` runs at :func:`headline_budget` this plug-in computed,
+    and how many an older one did; ``{}`` without a shipped-recipe run."""
+    try:
+        budget = headline_budget(results)
+    except ValueError:
+        return {}
+    out: dict[str, Any] = {"budget": budget, "current": {}, "older": {}}
+    for r in [results["dense"], *results["runs"]]:
+        if r and r["method"] in HEADLINE_METHODS and r["budget"] in (budget, 1.0):
+            side = out["older" if OLDER_ALGORITHM in r else "current"]
+            side[r["method"]] = side.get(r["method"], 0) + 1
+    return out
+
+
 def build_results(
     dense: dict | None,
     runs: list[dict],
@@ -239,7 +299,7 @@ def build_results(
     )
     resolution = task_resolution(task_n, (dense or {}).get("tasks"))
     summary = _summary(with_dense, tasks)
-    return {
+    results = {
         "generator": "adadsf study",
         **meta,
         "settings": settings,
@@ -257,3 +317,5 @@ def build_results(
         "task_resolution": resolution,
         "paper": PAPER_RESULTS,
     }
+    results["headline"] = _headline(results)
+    return results

@@ -581,6 +581,39 @@ def _older_code(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _counts(per_method: dict[str, int]) -> str:
+    return ", ".join(f"{m} {n}" for m, n in per_method.items()) or "none"
+
+
+def _headline_and_left_out(r: dict[str, Any]) -> list[str]:
+    """The header lines saying which code computed the runs behind the README's table
+    and the verdicts at its budget, and which older-code runs a cell's runs of this
+    plug-in left out of the summaries."""
+    lines = []
+    h = r.get("headline") or {}
+    if h:
+        current, older = sum(h["current"].values()), sum(h["older"].values())
+        lines.append(
+            f"- **runs behind the README's table and the verdicts at {h['budget']:g}:"
+            f" {older} of {current + older} computed by an older plug-in**"
+            f" (this one: {_counts(h['current'])}; older: {_counts(h['older'])})"
+        )
+    left = r.get("superseded") or []
+    if left:
+        cells: dict[str, list[int]] = {}
+        for x in left:
+            cells.setdefault(f"{x['method']} at {x['budget']:g}", []).append(x["seed"])
+        lines.append(
+            f"- {len(left)} older-code runs left out, their method and budget having"
+            " runs of this plug-in (no mean mixes the two): "
+            + "; ".join(
+                f"{cell} seed{'s' * (len(s) > 1)} {', '.join(map(str, sorted(s)))}"
+                for cell, s in sorted(cells.items())
+            )
+        )
+    return lines
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     rt = r["runtime"]
     hw = r["hardware"]
@@ -603,6 +636,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             if len(r.get("computed_on", {})) > 1 or m != hw["summary"]
         ],
         *_older_code(r),
+        *_headline_and_left_out(r),
         f"- model: {r['model']['name']} (fingerprint {r['model']['fingerprint'][:12]})",
         f"- total runtime: {_hours(rt['sum_of_runs_s'])} of compute over"
         f" {rt['runs_total']} runs (all sessions); this invocation"

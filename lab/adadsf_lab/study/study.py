@@ -220,6 +220,23 @@ OLDER_ALGORITHM`): how many, which versions of which areas computed them, and th
     }
 
 
+def current_supersedes_older(
+    runs: list[dict],
+) -> tuple[list[dict], list[dict[str, Any]]]:
+    """The runs to summarise, and ``{method, budget, seed}`` of those left out: within
+    one method and budget, once this plug-in has computed a run, the runs an older one
+    computed are left out, so no mean, interval or paired verdict mixes two codes'
+    numbers (the cell shows fewer seeds until the rest are recomputed)."""
+    current = {(r["method"], r["budget"]) for r in runs if OLDER_ALGORITHM not in r}
+    kept, left_out = [], []
+    for r in runs:
+        if OLDER_ALGORITHM in r and (r["method"], r["budget"]) in current:
+            left_out.append({k: r[k] for k in ("method", "budget", "seed")})
+        else:
+            kept.append(r)
+    return kept, left_out
+
+
 def _walk(
     settings: StudySettings, ctx: Context, runner: _Runner
 ) -> tuple[Tuned, list, dict | None, list[dict]]:
@@ -409,6 +426,7 @@ def _run_study(
     runner.lenient = render_only
     tuned, tuning, dense, runs = _walk(settings, ctx, runner)
     runner.bar.close()
+    runs, left_out = current_supersedes_older(runs)
     # each option once, with the value it took: wrapper scripts repeat options
     meta = {
         "command": canonical_command(command),
@@ -434,6 +452,7 @@ def _run_study(
         # {area: [versions that computed some shown run]} of the runs computed before
         # a bump of that area (rendered leniently), and how many such runs
         "older_algorithm": _older_algorithm([dense, *runs, *tuning]),
+        "superseded": left_out,
         "runtime": {
             "this_invocation_s": time.time() - t0,
             "sum_of_runs_s": sum(
