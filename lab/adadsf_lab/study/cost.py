@@ -61,6 +61,11 @@ _CPU_ALIGN_S_PER_STEP = 3.0  # AdamW update and clipping over ~100M parameters
 # 16.3 s, near an AMX host's 15 s of §15; AMX hosts have aligned the cheaper arms at
 # 12-18 s a step, so there the estimate runs long.)
 _BF16_ALIGN_FACTOR = 0.87
+# Those steps are an identity skip path's. Fitted skip paths with the skipped tokens'
+# keys/values (the shipped recipe) cost 1.31x as much a step: 15.6-16.5 s on an AMX
+# host (lab/NOTEBOOK.md §37) against 11.9-12.9 s for the random and reversed arms there
+# (docs/results/runs, budget 0.81, seeds 0-2).
+_FITTED_SKIP_ALIGN_FACTOR = 1.31
 _CPU_LM_EVAL_S_PER_REQUEST = 0.08  # one request per forward
 _CPU_LM_EVAL_BATCHED = 0.4  # its share in batches of 8 (lab/NOTEBOOK.md §13)
 _CPU_DECODE_STEP_S = {1: 0.04, 8: 0.07}
@@ -328,9 +333,9 @@ def main_job_seconds(
     times, the FLOPs pass over the same tokens, ``task_requests`` lm-eval requests one
     a forward) and the speed benchmark (a quantized model's twins both quantized).
 
-    The default job (SmolLM2, bfloat16, recipes/adadsf_w8a8.yaml) comes to about 63
-    min, the alignment 37 of them; ``make main`` took about 65 min on a quiet 2-core
-    machine (issue 66)."""
+    The default job (SmolLM2, bfloat16, recipes/adadsf_w8a8.yaml) comes to about 73
+    min, the alignment 47 of them; ``make main`` took 70.1 min on the quiet 2-core
+    AVX512-BF16 EPYC (lab/NOTEBOOK.md §38; the alignment 44.5 of them)."""
     scale = params / _REFERENCE_PARAMS
     bf16 = dtype == "bfloat16"
     fwd = (_BF16_FORWARD_S_PER_TOKEN if bf16 else _CPU_FORWARD_S_PER_TOKEN) * scale
@@ -343,6 +348,7 @@ def main_job_seconds(
     )
     per_token = _CALIBRATION_S_PER_TOKEN + walks
     align = _CPU_ALIGN_S_PER_TOKEN * (_BF16_ALIGN_FACTOR if bf16 else 1.0)
+    align *= _FITTED_SKIP_ALIGN_FACTOR if fitted_skip_path else 1.0
     quant = _W8A8_EVAL_FACTOR if quantized else 1.0
 
     def evaluation(factor: float) -> float:
