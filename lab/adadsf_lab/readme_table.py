@@ -17,7 +17,7 @@ from typing import Any
 
 from loguru import logger
 
-from adadsf_lab.study.aggregate import headline_budget
+from adadsf_lab.study.aggregate import SHIPPED_METHOD, headline_budget
 from adadsf_lab.study.per_text import worst_other_text
 from adadsf_modifier.atomic import atomic_write_text
 
@@ -29,7 +29,7 @@ END = "<!-- /results-table -->"
 #: (study method, README label), in table order
 ROWS: tuple[tuple[str, str], ...] = (
     ("dense", "dense"),
-    ("adadsf_ridge_kv_err", "**AdaDSF, the shipped recipe**"),
+    (SHIPPED_METHOD, "**AdaDSF, the shipped recipe**"),
     ("layer_drop_healed", "layer removal (ShortGPT) + healing"),
 )
 

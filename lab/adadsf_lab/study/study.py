@@ -426,7 +426,8 @@ def _run_study(
     runner.lenient = render_only
     tuned, tuning, dense, runs = _walk(settings, ctx, runner)
     runner.bar.close()
-    runs, left_out = current_supersedes_older(runs)
+    # what ran (provenance, runtime) counts every run; what is shown, the superseding
+    shown, left_out = current_supersedes_older(runs)
     # each option once, with the value it took: wrapper scripts repeat options
     meta = {
         "command": canonical_command(command),
@@ -451,7 +452,7 @@ def _run_study(
         "versions": ctx.versions,
         # {area: [versions that computed some shown run]} of the runs computed before
         # a bump of that area (rendered leniently), and how many such runs
-        "older_algorithm": _older_algorithm([dense, *runs, *tuning]),
+        "older_algorithm": _older_algorithm([dense, *shown, *tuning]),
         "superseded": left_out,
         "runtime": {
             "this_invocation_s": time.time() - t0,
@@ -470,7 +471,7 @@ def _run_study(
     }
     results = build_results(
         dense,
-        runs,
+        shown,
         tuning,
         {k: v for k, v in tuned.__dict__.items()},
         settings.model_dump(mode="json"),
